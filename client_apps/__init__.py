@@ -1,0 +1,1 @@
+"""The ClientApp and the per-method client logic it dispatches to."""

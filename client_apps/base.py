@@ -1,0 +1,79 @@
+"""What every method's client logic shares: the runtime of one message and the base class.
+
+A ``ClientRuntime`` is built per message from Flower's ``Context``: the validated config, the
+node's stable identity, its data (prepared once per process), the cached model and the
+personal-state store. ``ClientLogic`` subclasses implement ``train`` and ``evaluate`` on tensors;
+the ClientApp wraps them into Flower messages.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from flwr.app import Context
+
+from fedfm_flower.client_state import ClientStateStore
+from fedfm_flower.config import ExperimentConfig, NodeIdentity
+from fedfm_flower.models import MODEL_CACHE, AdaptedClassifier, pick_device
+from fedfm_flower.training import EvalStats, TrainStats
+
+
+@dataclass
+class ClientRuntime:
+    """Everything a client method needs to handle one message."""
+
+    config: ExperimentConfig
+    identity: NodeIdentity
+    store: ClientStateStore
+    device: torch.device
+
+    @classmethod
+    def from_context(cls, context: Context, run_name: str) -> ClientRuntime:
+        """Parse config and node identity from Flower's context."""
+        config = ExperimentConfig.from_run_config(context.run_config)
+        identity = NodeIdentity.from_node_config(context.node_config, config)
+        store = ClientStateStore(
+            context.state,
+            identity.client_id,
+            run_name,
+            identity.state_dir,
+            keep=config.keep_checkpoints,
+        )
+        return cls(config, identity, store, pick_device(config.device))
+
+    @functools.cached_property
+    def data(self):  # noqa: ANN201 - fedfm_flower.data.ClientData, imported lazily
+        """This client's train/test (and validation) split."""
+        from fedfm_flower.data import load_client_data
+
+        return load_client_data(
+            self.config, self.identity.partition_id, self.identity.num_partitions
+        )
+
+    def model(self) -> AdaptedClassifier:
+        """The (cached) model with adapter and head at their seeded initial values."""
+        return MODEL_CACHE.get(self.config, self.data.num_classes, self.device)
+
+    def seed(self, server_round: int, salt: int = 0) -> int:
+        """The seed of this client's work in ``server_round``."""
+        from fedfm_flower.training import round_seed
+
+        return round_seed(self.config.seed, self.identity.client_id, server_round, salt)
+
+
+class ClientLogic:
+    """One method's client half: tensors in, tensors and statistics out."""
+
+    def train(
+        self, runtime: ClientRuntime, received: dict[str, torch.Tensor], server_round: int
+    ) -> tuple[dict[str, torch.Tensor], TrainStats]:
+        """Train locally from ``received``; return what to send back and the statistics."""
+        raise NotImplementedError
+
+    def evaluate(
+        self, runtime: ClientRuntime, received: dict[str, torch.Tensor], server_round: int
+    ) -> EvalStats:
+        """Evaluate the personalized model on this client's test split."""
+        raise NotImplementedError

@@ -1,0 +1,154 @@
+"""A frozen backbone with LoRA adapters (through peft) and a classification head.
+
+Parameter groups, by name prefix of ``named_parameters()``:
+
+* ``adapter``: every ``lora_A``/``lora_B`` weight injected by peft into the target modules;
+* ``head``: the linear classifier ``head.weight``/``head.bias``;
+* everything else is the backbone, frozen (``requires_grad=False``) and never sent anywhere.
+
+All trainable tensors are initialised from ``config.seed`` so the server and every client start
+from the same adapter and head, which FedAvg-style aggregation needs.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.models.backbones import build_backbone, freeze
+
+GROUPS: tuple[str, ...] = ("adapter", "head")
+
+
+def parameter_group(name: str) -> str:
+    """The group ('adapter', 'head' or 'backbone') a parameter name belongs to."""
+    if "lora_" in name:
+        return "adapter"
+    if name.startswith("head."):
+        return "head"
+    return "backbone"
+
+
+class AdaptedClassifier(nn.Module):
+    """Frozen backbone + LoRA adapters + linear head."""
+
+    def __init__(self, backbone: nn.Module, num_classes: int, config: ExperimentConfig) -> None:
+        super().__init__()
+        from peft import LoraConfig, inject_adapter_in_model
+
+        freeze(backbone)
+        lora = LoraConfig(
+            r=config.lora_rank,
+            lora_alpha=config.lora_alpha,
+            lora_dropout=config.lora_dropout,
+            target_modules=config.target_modules,
+        )
+        try:
+            self.backbone = inject_adapter_in_model(lora, backbone)
+        except ValueError as err:
+            raise ValueError(
+                f"run config 'lora-target-modules' = {config.lora_target_modules!r} is invalid "
+                f"for backbone '{config.backbone}': {err}"
+            ) from err
+        self.head = nn.Linear(backbone.num_features, num_classes)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        """Class logits."""
+        return self.head(self.backbone(images))
+
+    def group_parameters(self, groups: Iterable[str]) -> dict[str, nn.Parameter]:
+        """Named parameters of the given groups, in model order."""
+        wanted = set(groups)
+        unknown = wanted - set(GROUPS)
+        if unknown:
+            raise ValueError(f"unknown parameter groups {sorted(unknown)}; allowed: {GROUPS}")
+        return {n: p for n, p in self.named_parameters() if parameter_group(n) in wanted}
+
+    def group_tensors(self, groups: Iterable[str]) -> dict[str, torch.Tensor]:
+        """Detached CPU copies of the given groups' parameters."""
+        return {n: p.detach().cpu().clone() for n, p in self.group_parameters(groups).items()}
+
+    def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy named tensors into trainable parameters; unknown names are an error."""
+        params = self.group_parameters(GROUPS)
+        unknown = sorted(set(tensors) - set(params))
+        if unknown:
+            raise KeyError(f"no trainable parameter named {unknown[:3]}")
+        with torch.no_grad():
+            for name, value in tensors.items():
+                params[name].copy_(value.to(params[name].device, params[name].dtype))
+
+
+def build_model(
+    config: ExperimentConfig, num_classes: int, *, load_weights: bool = True
+) -> AdaptedClassifier:
+    """A fresh AdaptedClassifier with seeded adapter and head initialisation."""
+    backbone = build_backbone(config, load_weights=load_weights)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(config.seed)
+        model = AdaptedClassifier(backbone, num_classes, config)
+        # peft zero-initialises lora_B, so the adapter starts as the identity update.
+        torch.manual_seed(config.seed + 1)
+        model.head.reset_parameters()
+    return model
+
+
+@functools.lru_cache(maxsize=2)
+def _initial_state(config: ExperimentConfig, num_classes: int) -> dict[str, torch.Tensor]:
+    model = build_model(config, num_classes, load_weights=False)
+    return model.group_tensors(GROUPS)
+
+
+def initial_trainable(config: ExperimentConfig, num_classes: int) -> dict[str, torch.Tensor]:
+    """The seeded initial adapter and head, without loading any pretrained weights."""
+    return {k: v.clone() for k, v in _initial_state(config, num_classes).items()}
+
+
+class ModelCache:
+    """Keeps one built model per process so repeated messages do not rebuild the backbone.
+
+    ``get`` resets every trainable tensor to its seeded initial value, so no state leaks from
+    one client or round to the next through the cache.
+    """
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._model: AdaptedClassifier | None = None
+        self._initial: dict[str, torch.Tensor] = {}
+
+    def get(
+        self, config: ExperimentConfig, num_classes: int, device: torch.device
+    ) -> AdaptedClassifier:
+        """The model for ``config`` on ``device`` with trainable tensors at their initial value."""
+        key = (_model_key(config), num_classes, str(device))
+        if self._key != key or self._model is None:
+            self._model = build_model(config, num_classes).to(device)
+            self._initial = self._model.group_tensors(GROUPS)
+            self._key = key
+        self._model.load_tensors(self._initial)
+        return self._model
+
+
+def _model_key(config: ExperimentConfig) -> tuple:
+    return (
+        config.backbone,
+        config.pretrained,
+        config.weights_file,
+        config.image_size,
+        config.seed,
+        config.lora_rank,
+        config.lora_alpha,
+        config.lora_dropout,
+        config.lora_target_modules,
+        config.dataset,
+        config.public_fraction,
+        config.pretrain_epochs,
+        str(config.cache_path),
+    )
+
+
+MODEL_CACHE = ModelCache()

@@ -1,0 +1,145 @@
+"""The offline foundation model: the tiny ViT pretrained on the public split of the offline data.
+
+No client holds a sample of the public split (see ``fedfm_flower.data``), so the backbone is a
+stand-in for a model pretrained elsewhere. The weights are cached on disk under
+``<cache-dir>/foundation/<key>.safetensors`` with a JSON card beside them (key, accuracy on the
+public hold-out, seconds); the key hashes everything that changes the weights (architecture,
+image size, dataset, public fraction, epochs, seed), so later runs and every client reuse it.
+Concurrent builders (Ray actors, SuperNodes on one host) serialise on a file lock and the file is
+written atomically, so nobody ever reads a half-written cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from fedfm_flower.config import ExperimentConfig
+
+log = logging.getLogger(__name__)
+
+FOUNDATION_VERSION = 1
+PRETRAIN_LR = 1e-3
+PRETRAIN_WEIGHT_DECAY = 0.05
+PRETRAIN_BATCH = 64
+
+
+def foundation_key(config: ExperimentConfig) -> str:
+    """Hash of every setting that changes the pretrained weights."""
+    from fedfm_flower.models.backbones import TINY_VIT
+
+    base_dataset = "digits" if config.dataset.startswith("digits") else config.dataset
+    fields = {
+        "version": FOUNDATION_VERSION,
+        "arch": dataclasses.asdict(TINY_VIT),
+        "image_size": config.image_size,
+        "dataset": base_dataset,
+        "public_fraction": config.public_fraction,
+        "epochs": config.pretrain_epochs,
+        "seed": config.seed,
+    }
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def foundation_path(config: ExperimentConfig) -> Path:
+    """Where the cached weights for ``config`` live."""
+    return config.cache_path / "foundation" / f"tiny-vit-{foundation_key(config)}.safetensors"
+
+
+def load_foundation_weights(config: ExperimentConfig) -> dict[str, torch.Tensor]:
+    """The pretrained tiny-ViT state dict, from the cache or pretrained now and cached."""
+    if config.weights_file:
+        return load_file(config.weights_file)
+    return load_file(ensure_foundation(config))
+
+
+def foundation_card(config: ExperimentConfig) -> dict:
+    """The JSON card (accuracy, time) of the cached foundation model; builds it if missing."""
+    path = ensure_foundation(config)
+    return json.loads(path.with_suffix(".json").read_text())
+
+
+def ensure_foundation(config: ExperimentConfig) -> Path:
+    """Pretrain and cache the foundation model unless it is cached; returns its path."""
+    path = foundation_path(config)
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not path.is_file():  # another process may have built it while we waited
+            state, card = pretrain_foundation(config)
+            _atomic_save(path, state, card)
+    return path
+
+
+def pretrain_foundation(config: ExperimentConfig) -> tuple[dict[str, torch.Tensor], dict]:
+    """Pretrain the tiny ViT on the public split; returns its state dict and a card."""
+    import time
+
+    from fedfm_flower.data import load_public_split
+    from fedfm_flower.models.backbones import _tiny_vit, pick_device
+    from fedfm_flower.training import evaluate, train
+
+    started = time.perf_counter()
+    train_set, test_set, num_classes = load_public_split(config)
+    torch.manual_seed(config.seed)
+    backbone = _tiny_vit(config)
+    model = nn.Sequential(backbone, nn.Linear(backbone.num_features, num_classes))
+    device = pick_device(config.device)
+    model.to(device)
+    recipe = config.replace(
+        optimizer="adamw",
+        lr=PRETRAIN_LR,
+        weight_decay=PRETRAIN_WEIGHT_DECAY,
+        batch_size=PRETRAIN_BATCH,
+        local_steps=0,
+    )
+    stats = train(
+        model,
+        train_set,
+        model.parameters(),
+        recipe,
+        seed=config.seed,
+        epochs=max(config.pretrain_epochs, 1),
+        device=device,
+    )
+    result = evaluate(model, test_set, device=device)
+    card = {
+        "key": foundation_key(config),
+        "dataset": config.dataset,
+        "public_train_examples": len(train_set),
+        "public_test_examples": len(test_set),
+        "epochs": config.pretrain_epochs,
+        "train_accuracy": stats.accuracy,
+        "public_test_accuracy": result.accuracy,
+        "seconds": time.perf_counter() - started,
+    }
+    log.info(
+        "pretrained offline foundation model: public test accuracy %.3f in %.1fs",
+        result.accuracy,
+        card["seconds"],
+    )
+    state = {k: v.detach().cpu().contiguous() for k, v in backbone.state_dict().items()}
+    return state, card
+
+
+def _atomic_save(path: Path, state: dict[str, torch.Tensor], card: dict) -> None:
+    for target, writer in (
+        (path.with_suffix(".json"), lambda p: Path(p).write_text(json.dumps(card, indent=2))),
+        (path, lambda p: save_file(state, p)),
+    ):
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        os.close(fd)
+        writer(tmp)
+        os.replace(tmp, target)

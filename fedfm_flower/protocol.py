@@ -1,0 +1,24 @@
+"""Names of the records and fields that travel between ServerApp and ClientApp.
+
+Train and evaluate messages carry ``arrays`` (the parameters sent to that client only) and
+``config`` (round, run name, and the client id the server believes the node has). Replies
+carry ``arrays`` (what the method sends up) and ``metrics``; every reply states its stable
+``client-id`` so strategies never key state by Flower's ephemeral node ids.
+"""
+
+ARRAYS = "arrays"
+CONFIG = "config"
+METRICS = "metrics"
+
+SERVER_ROUND = "server-round"
+RUN_NAME = "run-name"
+CLIENT_ID = "client-id"
+PARTITION_ID = "partition-id"
+NUM_PARTITIONS = "num-partitions"
+NUM_EXAMPLES = "num-examples"
+NUM_TRAIN_EXAMPLES = "num-train-examples"
+TRAIN_LOSS = "train-loss"
+TRAIN_ACCURACY = "train-accuracy"
+TRAIN_SECONDS = "train-seconds"
+TEST_LOSS = "test-loss"
+TEST_ACCURACY = "test-accuracy"

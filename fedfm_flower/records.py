@@ -1,0 +1,68 @@
+"""Conversions between torch tensors and Flower records, keyed by parameter name.
+
+Replies are never deserialized with pickle: Flower's ``Array`` stores ``np.save`` bytes and
+loads them with ``allow_pickle=False``; shapes and dtypes are checked from the metadata before
+any array is decoded, so an oversized or malformed payload is rejected cheaply.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord, RecordDict
+
+
+def to_array_record(tensors: Mapping[str, torch.Tensor]) -> ArrayRecord:
+    """Pack named tensors into an ArrayRecord (copied to CPU, order kept)."""
+    record = ArrayRecord()
+    for name, tensor in tensors.items():
+        record[name] = Array(tensor.detach().cpu().contiguous().numpy())
+    return record
+
+
+def from_array_record(record: ArrayRecord) -> dict[str, torch.Tensor]:
+    """Unpack an ArrayRecord into named CPU tensors."""
+    return {name: torch.from_numpy(np.array(array.numpy())) for name, array in record.items()}
+
+
+def record_dict_nbytes(content: RecordDict) -> int:
+    """Bytes of array payload (plus keys) in every ArrayRecord of a RecordDict."""
+    return sum(record.count_bytes() for record in content.array_records.values())
+
+
+def tensor_spec(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Name -> (shape, numpy dtype string) of tensors, the contract a reply must meet."""
+    return {
+        name: (tuple(t.shape), str(t.detach().cpu().numpy().dtype)) for name, t in tensors.items()
+    }
+
+
+def check_record(
+    record: ArrayRecord, spec: Mapping[str, tuple[tuple[int, ...], str]]
+) -> str | None:
+    """Why ``record`` breaks ``spec`` (keys, shapes, dtypes, NaN/Inf), or None if it is valid."""
+    missing = sorted(set(spec) - set(record.keys()))
+    extra = sorted(set(record.keys()) - set(spec))
+    if missing:
+        return f"missing keys {missing[:3]}{'...' if len(missing) > 3 else ''}"
+    if extra:
+        return f"unexpected keys {extra[:3]}{'...' if len(extra) > 3 else ''}"
+    for name, (shape, dtype) in spec.items():
+        array = record[name]
+        if tuple(array.shape) != tuple(shape):
+            return f"'{name}' has shape {tuple(array.shape)}, expected {tuple(shape)}"
+        if array.dtype != dtype:
+            return f"'{name}' has dtype {array.dtype}, expected {dtype}"
+        expected_bytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        if len(array.data) > expected_bytes + 1024:
+            return f"'{name}' payload is {len(array.data)} bytes, expected ~{expected_bytes}"
+    for name, array in record.items():
+        try:
+            values = array.numpy()
+        except Exception as err:  # noqa: BLE001 - any decoding failure rejects the reply
+            return f"'{name}' cannot be decoded: {err}"
+        if not np.isfinite(values).all():
+            return f"'{name}' contains NaN or Inf"
+    return None

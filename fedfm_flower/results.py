@@ -1,0 +1,164 @@
+"""The run directory: resolved config, per-round metrics, checkpoints and the final summary.
+
+Layout of ``<output-dir>/<run-name>/``::
+
+    config.json          the resolved run config (kebab-case keys) and the foundation card
+    metrics.jsonl        one JSON object per round (see ``RoundRecord``)
+    checkpoints/         round_00005.safetensors + round_00005.json (server state)
+    summary.json         final and best mean accuracy, totals, times
+
+Everything is plain JSON or safetensors (never pickle), so results can be read and plotted
+without this package.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from fedfm_flower.config import ExperimentConfig
+
+_CHECKPOINT = re.compile(r"^round_(\d{5,})\.json$")
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` via a temporary file and rename."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    with os.fdopen(fd, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def default_run_name(config: ExperimentConfig) -> str:
+    """``<method>-<dataset>-s<seed>-<UTC timestamp>``."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    return f"{config.method}-{config.dataset}-s{config.seed}-{stamp}"
+
+
+class RunDirectory:
+    """Reads and writes one run's results."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.metrics_path = path / "metrics.jsonl"
+        self.checkpoint_dir = path / "checkpoints"
+
+    @classmethod
+    def open(cls, config: ExperimentConfig) -> RunDirectory:
+        """Create the directory for a new run, or open it for ``resume``; never overwrite."""
+        name = config.run_name or default_run_name(config)
+        path = Path(config.output_dir).expanduser().resolve() / name
+        run = cls(path)
+        if config.resume:
+            if not path.is_dir():
+                raise FileNotFoundError(f"resume=true but run directory {path} does not exist")
+        elif run.metrics_path.exists() and run.metrics_path.stat().st_size > 0:
+            raise FileExistsError(
+                f"run directory {path} already holds results; set resume=true to continue it "
+                "or choose another run-name"
+            )
+        run.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        return run
+
+    @property
+    def name(self) -> str:
+        """The run name (directory name)."""
+        return self.path.name
+
+    def write_config(self, config: ExperimentConfig, extra: dict[str, Any]) -> None:
+        """Save the resolved config and extra facts (foundation card, nodes, versions)."""
+        payload = {"run-config": config.to_run_config(), **extra}
+        atomic_write_text(self.path / "config.json", json.dumps(payload, indent=2))
+
+    def append_round(self, record: dict[str, Any]) -> None:
+        """Append one round's record to metrics.jsonl (flushed and fsynced)."""
+        with open(self.metrics_path, "a") as handle:
+            handle.write(json.dumps(record, sort_keys=True) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+
+    def rounds(self) -> list[dict[str, Any]]:
+        """All round records written so far."""
+        if not self.metrics_path.exists():
+            return []
+        with open(self.metrics_path) as handle:
+            return [json.loads(line) for line in handle if line.strip()]
+
+    def truncate_rounds(self, last_round: int) -> None:
+        """Drop records of rounds after ``last_round`` (used when resuming)."""
+        kept = [r for r in self.rounds() if r["round"] <= last_round]
+        atomic_write_text(
+            self.metrics_path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in kept)
+        )
+
+    def save_checkpoint(
+        self, server_round: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any], keep: int
+    ) -> None:
+        """Write the server state after ``server_round``; the JSON file commits it."""
+        stem = self.checkpoint_dir / f"round_{server_round:05d}"
+        fd, tmp = tempfile.mkstemp(dir=self.checkpoint_dir, suffix=".tmp")
+        os.close(fd)
+        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, tmp)
+        os.replace(tmp, stem.with_suffix(".safetensors"))
+        atomic_write_text(stem.with_suffix(".json"), json.dumps({"round": server_round, **meta}))
+        for old in self.checkpoint_rounds()[:-keep]:
+            old_stem = self.checkpoint_dir / f"round_{old:05d}"
+            old_stem.with_suffix(".json").unlink(missing_ok=True)
+            old_stem.with_suffix(".safetensors").unlink(missing_ok=True)
+
+    def checkpoint_rounds(self) -> list[int]:
+        """Rounds with a committed checkpoint, oldest first."""
+        if not self.checkpoint_dir.is_dir():
+            return []
+        return sorted(
+            int(m.group(1))
+            for p in self.checkpoint_dir.iterdir()
+            if (m := _CHECKPOINT.match(p.name))
+        )
+
+    def load_checkpoint(self, server_round: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Tensors and metadata of the checkpoint after ``server_round``."""
+        stem = self.checkpoint_dir / f"round_{server_round:05d}"
+        meta = json.loads(stem.with_suffix(".json").read_text())
+        return load_file(stem.with_suffix(".safetensors")), meta
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        """Write summary.json."""
+        atomic_write_text(self.path / "summary.json", json.dumps(summary, indent=2))
+
+
+def human_bytes(count: float) -> str:
+    """1536 -> '1.5 KB' (powers of 1024)."""
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(count) < 1024 or unit == "GB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    return f"{count:.1f} GB"
+
+
+def progress_line(record: dict[str, Any], num_rounds: int, eta_s: float) -> str:
+    """The one-line progress report printed after each round."""
+    acc = record.get("test-accuracy-mean")
+    acc_text = (
+        f"acc {acc:.4f} ± {record['test-accuracy-std']:.4f}"
+        if acc is not None and not math.isnan(acc)
+        else "acc    n/a       "
+    )
+    return (
+        f"[round {record['round']:>3}/{num_rounds}] {acc_text} | "
+        f"train-loss {record.get('train-loss-mean', float('nan')):.4f} | "
+        f"clients {record['clients-reported']}/{record['clients-sampled']} | "
+        f"down {human_bytes(record['bytes-down'])} up {human_bytes(record['bytes-up'])} | "
+        f"{record['round-seconds']:.1f}s | ETA {eta_s:.0f}s"
+    )

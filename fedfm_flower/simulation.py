@@ -1,0 +1,108 @@
+"""Run the Flower App in local simulation with `flwr run`, and clean up what that started.
+
+``python -m fedfm_flower.simulation --num-supernodes 10 -- [flwr run args]`` runs
+``flwr run . --stream --federation-config "num-supernodes=10 client-resources-num-cpus=1 ..."``
+with the project's environment (see ``scripts/env.sh``), then stops the detached local SuperLink
+that ``flwr run`` started (by process id; Flower leaves it running otherwise). With CUDA, each
+ClientApp gets a fraction of the GPU (``--gpu-fraction``) so several clients share it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def local_superlink_pids(flwr_home: Path) -> list[int]:
+    """Process ids of local SuperLinks whose logs live under ``flwr_home``."""
+    marker = str(flwr_home / "local-superlink")
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if any("flower-superlink" in part for part in cmdline[:2]) and any(
+            marker in part for part in cmdline
+        ):
+            pids.append(int(proc.name))
+    return pids
+
+
+def stop_processes(pids: list[int], grace_s: float = 10.0) -> None:
+    """SIGTERM the process groups of ``pids``, then SIGKILL what is still alive."""
+    for pid in pids:
+        for sender in (lambda: os.killpg(os.getpgid(pid), signal.SIGTERM),
+                       lambda: os.kill(pid, signal.SIGTERM)):
+            try:
+                sender()
+                break
+            except (ProcessLookupError, PermissionError):
+                continue
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in pids):
+        time.sleep(0.2)
+    for pid in pids:
+        try:
+            os.killpg(os.getpgid(pid), signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def federation_config(num_supernodes: int, gpu_fraction: float) -> str:
+    """The --federation-config string for the local Ray simulation."""
+    parts = [
+        f"num-supernodes={num_supernodes}",
+        "client-resources-num-cpus=1",
+        f"client-resources-num-gpus={gpu_fraction}",
+    ]
+    return " ".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse arguments, run `flwr run`, stop the local SuperLink; returns the exit code."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-supernodes", type=int, default=10)
+    parser.add_argument("--gpu-fraction", type=float, default=None,
+                        help="GPU share per ClientApp (default: 0.25 with CUDA, else 0)")
+    parser.add_argument("--app", default=str(ROOT))
+    parser.add_argument("flwr_args", nargs="*", help="extra arguments for `flwr run`")
+    args = parser.parse_args(argv)
+    if args.num_supernodes <= 0:
+        parser.error(f"--num-supernodes must be > 0, got {args.num_supernodes}")
+    gpu_fraction = args.gpu_fraction
+    if gpu_fraction is None:
+        import torch
+
+        gpu_fraction = 0.25 if torch.cuda.is_available() else 0.0
+    env = os.environ.copy()
+    env.setdefault("FLWR_HOME", str(ROOT / ".flwr"))
+    env.setdefault("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", "1")
+    env.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    flwr_home = Path(env["FLWR_HOME"])
+    stop_processes(local_superlink_pids(flwr_home))  # a stale one would run an old app
+    flwr = str(Path(sys.executable).parent / "flwr")
+    command = [
+        flwr, "run", args.app, "--stream",
+        "--federation-config", federation_config(args.num_supernodes, gpu_fraction),
+        *args.flwr_args,
+    ]
+    print("+ " + " ".join(command), flush=True)
+    try:
+        return subprocess.call(command, env=env, cwd=args.app)
+    finally:
+        stop_processes(local_superlink_pids(flwr_home))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

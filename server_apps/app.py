@@ -1,0 +1,21 @@
+"""The one ServerApp of the Flower App; the method comes from the run config."""
+
+from __future__ import annotations
+
+import logging
+
+from flwr.app import Context
+from flwr.serverapp import Grid, ServerApp
+
+app = ServerApp()
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    """Validate the run config, then run (or resume) the experiment."""
+    from fedfm_flower.config import ExperimentConfig
+    from server_apps.runner import run_experiment
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    config = ExperimentConfig.from_run_config(context.run_config)
+    run_experiment(grid, config)

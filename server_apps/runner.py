@@ -1,0 +1,222 @@
+"""The round loop shared by every method: Flower's Strategy calls plus what research runs need.
+
+Compared with ``Strategy.start`` this loop also learns the node-to-client mapping before each
+round, evaluates every ``eval-every`` rounds (and after the last), counts bytes both ways,
+appends a JSON line per round, checkpoints the strategy after every round, resumes from the last
+checkpoint with ``resume=true``, and prints a progress line with accuracy, bytes, time and ETA.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import platform
+import time
+from typing import Any
+
+from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
+from flwr.serverapp import Grid
+
+from fedfm_flower import __version__
+from fedfm_flower import protocol as P
+from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.records import record_dict_nbytes
+from fedfm_flower.results import RunDirectory, progress_line
+from strategies.base import PersonalizedStrategy
+
+log = logging.getLogger("fedfm_flower")
+
+NODE_WAIT_POLL_S = 1.0
+
+
+def build_strategy(config: ExperimentConfig) -> PersonalizedStrategy:
+    """The configured method's strategy, initialised from the seeded adapter and head."""
+    from fedfm_flower.data import num_classes_of
+    from fedfm_flower.models import initial_trainable
+    from fedfm_flower.registry import strategy_class
+
+    initial = initial_trainable(config, num_classes_of(config))
+    return strategy_class(config.method)(config, initial)
+
+
+def prepare_foundation(config: ExperimentConfig) -> dict[str, Any]:
+    """Build (or find) the cached offline foundation model so clients never race to build it."""
+    if config.backbone != "tiny-vit" or not config.pretrained or config.weights_file:
+        return {}
+    from fedfm_flower.models.foundation import foundation_card, foundation_path
+
+    card = foundation_card(config)
+    log.info(
+        "foundation model %s: public test accuracy %.3f",
+        foundation_path(config).name,
+        card["public_test_accuracy"],
+    )
+    return card
+
+
+def wait_for_nodes(grid: Grid, config: ExperimentConfig) -> list[int]:
+    """Wait until ``num-clients`` nodes (or at least one, when 0) are connected."""
+    wanted = max(config.num_clients, 1)
+    deadline = time.monotonic() + config.round_timeout
+    while True:
+        nodes = list(grid.get_node_ids())
+        if len(nodes) >= wanted or time.monotonic() > deadline:
+            break
+        time.sleep(NODE_WAIT_POLL_S)
+    if len(nodes) < wanted:
+        log.warning(
+            "only %d of %d nodes connected after %.0fs; starting anyway",
+            len(nodes),
+            wanted,
+            config.round_timeout,
+        )
+    if not nodes:
+        raise RuntimeError("no SuperNode connected; start SuperNodes or check the federation")
+    return nodes
+
+
+def run_experiment(grid: Grid, config: ExperimentConfig) -> dict[str, Any]:
+    """Run (or resume) the experiment described by ``config``; returns the summary."""
+    run = RunDirectory.open(config)
+    card = prepare_foundation(config)
+    strategy = build_strategy(config)
+    strategy.run_name = run.name
+    start_round = 1
+    if config.resume:
+        done = run.checkpoint_rounds()
+        if done:
+            tensors, meta = run.load_checkpoint(done[-1])
+            strategy.load_state_dict(tensors, meta["strategy"])
+            start_round = done[-1] + 1
+            log.info("resuming %s after round %d", run.name, done[-1])
+        run.truncate_rounds(start_round - 1)
+    run.write_config(
+        config,
+        {
+            "foundation": card,
+            "fedfm-flower": __version__,
+            "python": platform.python_version(),
+        },
+    )
+    wait_for_nodes(grid, config)
+    log.info(
+        "run %s: method %s, %d rounds, results in %s",
+        run.name,
+        config.method,
+        config.num_server_rounds,
+        run.path,
+    )
+    started = time.perf_counter()
+    round_times: list[float] = [r["round-seconds"] for r in run.rounds()]
+    for server_round in range(start_round, config.num_server_rounds + 1):
+        record = run_round(grid, strategy, config, server_round)
+        round_times.append(record["round-seconds"])
+        run.append_round(record)
+        tensors, meta = strategy.state_dict()
+        run.save_checkpoint(server_round, tensors, {"strategy": meta}, config.keep_checkpoints)
+        remaining = config.num_server_rounds - server_round
+        recent = round_times[-5:]
+        print(
+            progress_line(record, config.num_server_rounds, remaining * sum(recent) / len(recent)),
+            flush=True,
+        )
+    summary = summarize(run, config, time.perf_counter() - started)
+    run.write_summary(summary)
+    print(
+        f"[done] {run.name}: final accuracy {summary['final-test-accuracy-mean']:.4f} ± "
+        f"{summary['final-test-accuracy-std']:.4f}; results in {run.path}",
+        flush=True,
+    )
+    return summary
+
+
+def run_round(
+    grid: Grid, strategy: PersonalizedStrategy, config: ExperimentConfig, server_round: int
+) -> dict[str, Any]:
+    """One training round, plus evaluation when due; returns the round's record."""
+    started = time.perf_counter()
+    messages = list(strategy.configure_train(server_round, ArrayRecord(), ConfigRecord(), grid))
+    bytes_down = sum(record_dict_nbytes(m.content) for m in messages)
+    replies = list(grid.send_and_receive(messages, timeout=config.round_timeout))
+    bytes_up = sum(record_dict_nbytes(r.content) for r in replies if not r.has_error())
+    _, train_metrics = strategy.aggregate_train(server_round, replies)
+    train_report = strategy.train_report
+    record: dict[str, Any] = {
+        "round": server_round,
+        "clients-sampled": len(train_report.sent),
+        "clients-reported": len(train_report.accepted),
+        "train": {str(c): m for c, m in train_report.accepted.items()},
+        "rejected": dict(train_report.rejected),
+        "missing": train_report.missing,
+        "bytes-down-train": bytes_down,
+        "bytes-up-train": bytes_up,
+    }
+    record.update(
+        _flat(
+            train_metrics,
+            {
+                f"{P.TRAIN_LOSS}-mean": "train-loss-mean",
+                f"{P.TRAIN_ACCURACY}-mean": "train-accuracy-mean",
+            },
+        )
+    )
+    evaluate = server_round % config.eval_every == 0 or server_round == config.num_server_rounds
+    eval_down = eval_up = 0
+    if evaluate:
+        messages = list(
+            strategy.configure_evaluate(server_round, ArrayRecord(), ConfigRecord(), grid)
+        )
+        eval_down = sum(record_dict_nbytes(m.content) for m in messages)
+        replies = list(grid.send_and_receive(messages, timeout=config.round_timeout))
+        eval_up = sum(record_dict_nbytes(r.content) for r in replies if not r.has_error())
+        eval_metrics = strategy.aggregate_evaluate(server_round, replies)
+        report = strategy.evaluate_report
+        record["evaluate"] = {str(c): m for c, m in report.accepted.items()}
+        record["evaluate-rejected"] = dict(report.rejected)
+        record["evaluate-missing"] = report.missing
+        record.update(
+            _flat(
+                eval_metrics,
+                {
+                    f"{P.TEST_ACCURACY}-mean": "test-accuracy-mean",
+                    f"{P.TEST_ACCURACY}-std": "test-accuracy-std",
+                    f"{P.TEST_LOSS}-mean": "test-loss-mean",
+                },
+            )
+        )
+    record["bytes-down"] = bytes_down + eval_down
+    record["bytes-up"] = bytes_up + eval_up
+    record["round-seconds"] = time.perf_counter() - started
+    return record
+
+
+def summarize(run: RunDirectory, config: ExperimentConfig, seconds: float) -> dict[str, Any]:
+    """Final and best mean accuracy, totals of bytes and time over all rounds."""
+    rounds = run.rounds()
+    evaluated = [r for r in rounds if "test-accuracy-mean" in r]
+    final = evaluated[-1] if evaluated else {}
+    best = max(evaluated, key=lambda r: r["test-accuracy-mean"], default={})
+    return {
+        "run-name": run.name,
+        "method": config.method,
+        "dataset": config.dataset,
+        "seed": config.seed,
+        "rounds": len(rounds),
+        "final-test-accuracy-mean": final.get("test-accuracy-mean", math.nan),
+        "final-test-accuracy-std": final.get("test-accuracy-std", math.nan),
+        "final-per-client-accuracy": {
+            c: m[P.TEST_ACCURACY] for c, m in final.get("evaluate", {}).items()
+        },
+        "best-test-accuracy-mean": best.get("test-accuracy-mean", math.nan),
+        "best-round": best.get("round"),
+        "total-bytes-down": sum(r["bytes-down"] for r in rounds),
+        "total-bytes-up": sum(r["bytes-up"] for r in rounds),
+        "total-round-seconds": sum(r["round-seconds"] for r in rounds),
+        "wall-seconds-this-session": seconds,
+    }
+
+
+def _flat(metrics: MetricRecord | None, names: dict[str, str]) -> dict[str, float]:
+    if metrics is None:
+        return {}
+    return {out: float(metrics[key]) for key, out in names.items() if key in metrics}

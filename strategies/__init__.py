@@ -1,0 +1,1 @@
+"""One Flower Strategy per method, on a shared personalized-strategy base."""

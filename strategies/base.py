@@ -1,0 +1,310 @@
+"""The shared base of every personalized strategy in fedfm-flower.
+
+A ``PersonalizedStrategy`` is a Flower ``Strategy`` whose state lives in the strategy, keyed by
+the clients' *stable* ids (never Flower node ids, which change across runs and restarts):
+
+* **Node-to-client mapping.** Before a round, nodes the strategy has not seen are sent a QUERY
+  message; their replies state their ``client-id``. Nodes that left are forgotten; two nodes
+  claiming one client id are reported and the newcomer is ignored.
+* **Per-node messages.** ``configure_train``/``configure_evaluate`` build a new ``RecordDict``
+  for each node from ``train_payload(client_id, round)``, so a client's personalized tensors go
+  to that client only. The ``arrays`` argument of Flower's interface is ignored: the strategy
+  owns its state.
+* **Reply validation.** A reply with an error, a missing or foreign ``client-id``, missing or
+  extra keys, wrong shapes or dtypes, an oversized payload, NaN/Inf or a bad example count is
+  dropped with a logged reason before any state changes; the round goes on with the rest.
+* **State.** ``state_dict()`` returns ``(tensors, meta)``: safetensors-ready tensors and
+  JSON-ready metadata, restored exactly by ``load_state_dict``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import statistics
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy
+
+from fedfm_flower import protocol as P
+from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.records import check_record, from_array_record, to_array_record
+from fedfm_flower.training import round_seed
+
+log = logging.getLogger(__name__)
+
+QUERY_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class ClientReply:
+    """A validated reply: who sent it, its tensors and its metrics."""
+
+    client_id: int
+    node_id: int
+    arrays: dict[str, torch.Tensor]
+    num_examples: int
+    metrics: dict[str, float]
+
+
+@dataclass
+class RoundReport:
+    """What happened to the messages of one phase of a round (for the results log)."""
+
+    sent: list[int] = field(default_factory=list)
+    accepted: dict[int, dict[str, float]] = field(default_factory=dict)
+    rejected: dict[str, str] = field(default_factory=dict)  # client id or node -> reason
+
+    @property
+    def missing(self) -> list[int]:
+        """Clients that were sent a message and neither replied validly nor were rejected."""
+        return [c for c in self.sent if c not in self.accepted and str(c) not in self.rejected]
+
+
+class PersonalizedStrategy(Strategy):
+    """Base of the method strategies: mapping, per-node messages, validation, state."""
+
+    def __init__(self, config: ExperimentConfig, initial: dict[str, torch.Tensor]) -> None:
+        self.config = config
+        self.run_name = ""
+        self.node_to_client: dict[int, int] = {}
+        self.train_report = RoundReport()
+        self.evaluate_report = RoundReport()
+
+    # ----------------------------------------------------------------- to implement
+    def train_payload(self, client_id: int, server_round: int) -> dict[str, torch.Tensor]:
+        """Tensors sent to ``client_id`` for training in ``server_round``."""
+        raise NotImplementedError
+
+    def evaluate_payload(self, client_id: int, server_round: int) -> dict[str, torch.Tensor]:
+        """Tensors sent to ``client_id`` for evaluation; by default its training payload."""
+        return self.train_payload(client_id, server_round + 1)
+
+    def reply_spec(self, client_id: int) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Names, shapes and dtypes a training reply of ``client_id`` must have."""
+        raise NotImplementedError
+
+    def aggregate(self, server_round: int, replies: list[ClientReply]) -> None:
+        """Update the strategy state from the validated training replies."""
+        raise NotImplementedError
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors of the strategy state."""
+        raise NotImplementedError
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Restore the tensors of the strategy state."""
+        raise NotImplementedError
+
+    # ----------------------------------------------------------------- node mapping
+    def learn_node_mapping(self, grid: Grid, server_round: int) -> None:
+        """Query nodes not seen before for their client id; forget nodes that left."""
+        present = set(grid.get_node_ids())
+        for node_id in [n for n in self.node_to_client if n not in present]:
+            log.info("node %s (client %s) left", node_id, self.node_to_client.pop(node_id))
+        unknown = sorted(present - set(self.node_to_client))
+        if not unknown:
+            return
+        messages = [
+            Message(
+                RecordDict({P.CONFIG: ConfigRecord({P.RUN_NAME: self.run_name})}),
+                dst_node_id=node_id,
+                message_type=MessageType.QUERY,
+                group_id=f"query-{server_round}",
+            )
+            for node_id in unknown
+        ]
+        for reply in grid.send_and_receive(messages, timeout=QUERY_TIMEOUT_S):
+            node_id = reply.metadata.src_node_id
+            if reply.has_error():
+                log.warning(
+                    "node %s did not answer the identity query: %s", node_id, reply.error.reason
+                )
+                continue
+            metrics = reply.content.metric_records.get(P.METRICS, MetricRecord())
+            if P.CLIENT_ID not in metrics:
+                log.warning("node %s answered the identity query without a client-id", node_id)
+                continue
+            client_id = int(metrics[P.CLIENT_ID])
+            holder = next((n for n, c in self.node_to_client.items() if c == client_id), None)
+            if holder is not None:
+                log.warning(
+                    "two nodes claim client-id %s (node %s, node %s); ignoring node %s: give "
+                    "every SuperNode its own client-id",
+                    client_id,
+                    holder,
+                    node_id,
+                    node_id,
+                )
+                continue
+            self.node_to_client[node_id] = client_id
+        missing = [n for n in unknown if n not in self.node_to_client]
+        if missing:
+            log.warning("nodes without a known client id this round: %s", missing)
+
+    def clients(self) -> list[int]:
+        """Client ids of the nodes currently connected and identified."""
+        return sorted(self.node_to_client.values())
+
+    def sample(self, server_round: int, fraction: float, salt: int = 0) -> list[int]:
+        """A seeded sample of clients for ``server_round`` (same seed, same sample)."""
+        clients = self.clients()
+        if not clients:
+            return []
+        count = min(
+            len(clients), max(self.config.min_train_clients, math.ceil(fraction * len(clients)))
+        )
+        rng = random.Random(round_seed(self.config.seed, -1, server_round, salt))
+        return sorted(rng.sample(clients, count))
+
+    # ----------------------------------------------------------------- Flower Strategy API
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """One training message per sampled node, holding that client's payload only."""
+        self.learn_node_mapping(grid, server_round)
+        chosen = self.sample(server_round, self.config.fraction_train)
+        self.train_report = RoundReport(sent=chosen)
+        return self._messages(chosen, server_round, MessageType.TRAIN, self.train_payload, config)
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Validate replies, update the state from the valid ones, return mean train metrics."""
+        valid = self._validate(replies, self.train_report, check_arrays=True)
+        if valid:
+            self.aggregate(server_round, valid)
+        else:
+            log.warning("round %s: no valid training reply; state unchanged", server_round)
+        return None, _mean_metrics(self.train_report.accepted)
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """One evaluation message per sampled node with its personalized payload."""
+        self.learn_node_mapping(grid, server_round)
+        chosen = self.sample(server_round, self.config.fraction_evaluate, salt=1)
+        self.evaluate_report = RoundReport(sent=chosen)
+        return self._messages(
+            chosen, server_round, MessageType.EVALUATE, self.evaluate_payload, config
+        )
+
+    def aggregate_evaluate(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> MetricRecord | None:
+        """Validate evaluation replies; mean and std of the per-client metrics."""
+        self._validate(replies, self.evaluate_report, check_arrays=False)
+        return _mean_metrics(self.evaluate_report.accepted)
+
+    def summary(self) -> None:
+        """Log what this strategy is."""
+        log.info("%s on %d clients", type(self).__name__, len(self.clients()))
+
+    # ----------------------------------------------------------------- state
+    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """(tensors, JSON metadata) of the full strategy state."""
+        return self.state_tensors(), {"strategy": type(self).__name__}
+
+    def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        """Restore a state written by ``state_dict``."""
+        if meta.get("strategy") != type(self).__name__:
+            raise ValueError(
+                f"checkpoint holds a {meta.get('strategy')} state, not {type(self).__name__}"
+            )
+        self.load_state_tensors(tensors)
+
+    # ----------------------------------------------------------------- helpers
+    def _messages(self, clients, server_round, message_type, payload, config) -> list[Message]:
+        by_client = {c: n for n, c in self.node_to_client.items()}
+        messages = []
+        for client_id in clients:
+            record = ConfigRecord(dict(config))
+            record[P.SERVER_ROUND] = server_round
+            record[P.RUN_NAME] = self.run_name
+            record[P.CLIENT_ID] = client_id
+            content = RecordDict(
+                {P.ARRAYS: to_array_record(payload(client_id, server_round)), P.CONFIG: record}
+            )
+            messages.append(
+                Message(
+                    content,
+                    dst_node_id=by_client[client_id],
+                    message_type=message_type,
+                    group_id=str(server_round),
+                )
+            )
+        return messages
+
+    def _validate(
+        self, replies: Iterable[Message], report: RoundReport, *, check_arrays: bool
+    ) -> list[ClientReply]:
+        valid: list[ClientReply] = []
+        for reply in replies:
+            node_id = reply.metadata.src_node_id
+            expected = self.node_to_client.get(node_id)
+            key = str(expected) if expected is not None else f"node {node_id}"
+            reason = self._reject_reason(reply, expected, report, check_arrays)
+            if reason is not None:
+                report.rejected[key] = reason
+                log.warning("rejected reply of client %s (node %s): %s", expected, node_id, reason)
+                continue
+            metrics = dict(reply.content.metric_records[P.METRICS])
+            arrays = (
+                from_array_record(reply.content.array_records[P.ARRAYS]) if check_arrays else {}
+            )
+            report.accepted[expected] = {k: float(v) for k, v in metrics.items()}
+            valid.append(
+                ClientReply(expected, node_id, arrays, int(metrics[P.NUM_EXAMPLES]), metrics)
+            )
+        for client_id in report.missing:
+            log.info("client %s did not reply in time (counted missing)", client_id)
+        return sorted(valid, key=lambda r: r.client_id)
+
+    def _reject_reason(
+        self, reply: Message, expected: int | None, report: RoundReport, check_arrays: bool
+    ) -> str | None:
+        if reply.has_error():
+            return f"client error: {reply.error.reason}"
+        if expected is None:
+            return "reply from a node with no known client id"
+        if expected not in report.sent:
+            return f"client {expected} was not sent a message this round"
+        metrics = reply.content.metric_records.get(P.METRICS)
+        if metrics is None:
+            return "no metrics record"
+        if P.CLIENT_ID not in metrics or int(metrics[P.CLIENT_ID]) != expected:
+            return (
+                f"reply claims client-id {metrics.get(P.CLIENT_ID)} but node belongs to "
+                f"client {expected}"
+            )
+        count = metrics.get(P.NUM_EXAMPLES)
+        if not isinstance(count, int) or count < 0:
+            return f"bad num-examples {count!r}"
+        if any(isinstance(v, float) and not math.isfinite(v) for v in metrics.values()):
+            return "metrics contain NaN or Inf"
+        if check_arrays:
+            record = reply.content.array_records.get(P.ARRAYS)
+            if record is None:
+                return "no arrays record"
+            return check_record(record, self.reply_spec(expected))
+        return None
+
+
+def _mean_metrics(per_client: dict[int, dict[str, float]]) -> MetricRecord | None:
+    """Mean and population std of every per-client metric (client-id excluded)."""
+    if not per_client:
+        return None
+    names = sorted({k for m in per_client.values() for k in m} - {P.CLIENT_ID})
+    out: dict[str, float] = {}
+    for name in names:
+        values = [m[name] for m in per_client.values() if name in m]
+        out[f"{name}-mean"] = statistics.fmean(values)
+        out[f"{name}-std"] = statistics.pstdev(values) if len(values) > 1 else 0.0
+    out["num-clients"] = len(per_client)
+    return MetricRecord(out)

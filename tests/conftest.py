@@ -1,0 +1,34 @@
+"""Shared fixtures: offline environment, one foundation-model cache per test session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A cache directory shared by the whole session (the foundation model is built once)."""
+    shared = os.environ.get("FEDFM_TEST_CACHE_DIR")
+    if shared:
+        return Path(shared)
+    return tmp_path_factory.mktemp("fedfm-cache")
+
+
+@pytest.fixture
+def small_run_config(cache_dir: Path, tmp_path: Path) -> dict:
+    """A small, fast experiment: 4 clients, 2 rounds, tiny ViT on offline digits."""
+    return {
+        "num-server-rounds": 2,
+        "num-clients": 4,
+        "cache-dir": str(cache_dir),
+        "output-dir": str(tmp_path / "runs"),
+        "pretrain-epochs": 30,
+        "seed": 0,
+    }

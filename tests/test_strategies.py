@@ -1,0 +1,214 @@
+"""Strategy logic without any model: aggregation, per-node messages, reply validation, state."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import (
+    Array,
+    ArrayRecord,
+    ConfigRecord,
+    Context,
+    Error,
+    Message,
+    MessageType,
+    MetricRecord,
+    RecordDict,
+)
+from flwr.clientapp import ClientApp
+
+from fedfm_flower import protocol as P
+from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.records import to_array_record
+from server_apps.inprocess import InProcessGrid
+from strategies.fedavg import FedAvgStrategy, weighted_average
+from strategies.fedrep import FedRepStrategy
+from strategies.local import LocalStrategy
+
+INITIAL = {
+    "backbone.blocks.0.attn.qkv.lora_A.default.weight": torch.randn(2, 8),
+    "backbone.blocks.0.attn.qkv.lora_B.default.weight": torch.zeros(24, 2),
+    "head.weight": torch.randn(3, 8),
+    "head.bias": torch.zeros(3),
+}
+
+
+def identity_app() -> ClientApp:
+    """A ClientApp that only answers the identity query (client-id from node config)."""
+    app = ClientApp()
+
+    @app.query()
+    def query(message: Message, context: Context) -> Message:
+        cid = int(context.node_config["client-id"])
+        return Message(RecordDict({P.METRICS: MetricRecord({P.CLIENT_ID: cid})}),
+                       reply_to=message)
+
+    return app
+
+
+def make_strategy(cls=FedAvgStrategy, num_clients: int = 3):
+    config = ExperimentConfig(num_clients=num_clients)
+    strategy = cls(config, {k: v.clone() for k, v in INITIAL.items()})
+    grid = InProcessGrid(identity_app(), config.to_run_config(),
+                         [{"client-id": 10 + i} for i in range(num_clients)])
+    return strategy, grid
+
+
+def reply_to(message: Message, arrays: dict | ArrayRecord, num_examples: int,
+             client_id: int | None = None) -> Message:
+    record = arrays if isinstance(arrays, ArrayRecord) else to_array_record(arrays)
+    cid = client_id if client_id is not None else int(message.content[P.CONFIG][P.CLIENT_ID])
+    metrics = MetricRecord({P.CLIENT_ID: cid, P.NUM_EXAMPLES: num_examples, P.TRAIN_LOSS: 1.0})
+    return Message(RecordDict({P.ARRAYS: record, P.METRICS: metrics}), reply_to=message)
+
+
+def state_hash(strategy) -> str:
+    tensors, _ = strategy.state_dict()
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        digest.update(name.encode() + tensors[name].numpy().tobytes())
+    return digest.hexdigest()
+
+
+def test_weighted_average_matches_numpy() -> None:
+    rng = np.random.default_rng(0)
+    xs = [rng.normal(size=(4, 5)).astype(np.float32) for _ in range(3)]
+    ws = [10.0, 30.0, 60.0]
+    got = weighted_average([{"x": torch.from_numpy(x)} for x in xs], ws)["x"].numpy()
+    expected = sum(w * x.astype(np.float64) for w, x in zip(ws, xs)) / sum(ws)
+    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-7)
+
+
+def test_node_mapping_is_learned_by_query_and_messages_are_per_node() -> None:
+    strategy, grid = make_strategy(FedRepStrategy)
+    messages = list(strategy.configure_train(1, ArrayRecord(), ConfigRecord(), grid))
+    assert sorted(strategy.node_to_client.values()) == [10, 11, 12]
+    assert len({id(m.content) for m in messages}) == len(messages)
+    for message in messages:
+        assert strategy.node_to_client[message.metadata.dst_node_id] == int(
+            message.content[P.CONFIG][P.CLIENT_ID])
+        keys = set(message.content[P.ARRAYS].keys())
+        # FedRep sends the adapter only: no head, no frozen backbone tensor.
+        assert keys == {k for k in INITIAL if "lora_" in k}
+
+
+def test_local_sends_nothing() -> None:
+    strategy, grid = make_strategy(LocalStrategy)
+    for message in strategy.configure_train(1, ArrayRecord(), ConfigRecord(), grid):
+        assert len(message.content[P.ARRAYS]) == 0
+
+
+def test_duplicate_client_ids_are_reported_and_ignored(caplog: pytest.LogCaptureFixture) -> None:
+    config = ExperimentConfig()
+    strategy = FedAvgStrategy(config, INITIAL)
+    grid = InProcessGrid(identity_app(), config.to_run_config(),
+                         [{"client-id": 1}, {"client-id": 1}, {"client-id": 2}])
+    strategy.learn_node_mapping(grid, 1)
+    assert sorted(strategy.node_to_client.values()) == [1, 2]
+    assert "two nodes claim client-id 1" in caplog.text
+
+
+def test_fedavg_aggregates_with_example_weights() -> None:
+    strategy, grid = make_strategy()
+    messages = list(strategy.configure_train(1, ArrayRecord(), ConfigRecord(), grid))
+    updates = [{k: torch.full_like(v, float(i + 1)) for k, v in INITIAL.items()}
+               for i in range(len(messages))]
+    counts = [10, 20, 70]
+    replies = [reply_to(m, u, n) for m, u, n in zip(messages, updates, counts)]
+    strategy.aggregate_train(1, replies)
+    expected = (1 * 10 + 2 * 20 + 3 * 70) / 100
+    for tensor in strategy.global_tensors.values():
+        torch.testing.assert_close(tensor, torch.full_like(tensor, expected))
+
+
+def _corrupt(kind: str, arrays: dict) -> ArrayRecord | dict:
+    name = next(iter(arrays))
+    bad = dict(arrays)
+    if kind == "nan":
+        bad[name] = torch.full_like(arrays[name], float("nan"))
+    elif kind == "inf":
+        bad[name] = torch.full_like(arrays[name], float("inf"))
+    elif kind == "shape":
+        bad[name] = torch.zeros(arrays[name].shape[0] + 1, *arrays[name].shape[1:])
+    elif kind == "dtype":
+        bad[name] = arrays[name].double()
+    elif kind == "missing":
+        bad.pop(name)
+    elif kind == "extra":
+        bad["backbone.blocks.0.attn.qkv.weight"] = torch.zeros(24, 8)
+    elif kind == "oversized":
+        record = to_array_record(arrays)
+        array = record[name]
+        record[name] = Array(dtype=array.dtype, shape=array.shape, stype=array.stype,
+                             data=array.data + b"\0" * 10_000_000)
+        return record
+    return bad
+
+
+@pytest.mark.parametrize(
+    "kind", ["nan", "inf", "shape", "dtype", "missing", "extra", "oversized", "foreign-id",
+             "error", "no-metrics"]
+)
+def test_bad_reply_is_dropped_and_round_completes(kind: str, caplog) -> None:
+    strategy, grid = make_strategy()
+    messages = list(strategy.configure_train(1, ArrayRecord(), ConfigRecord(), grid))
+    good = {k: torch.ones_like(v) for k, v in INITIAL.items()}
+    replies = [reply_to(m, good, 10) for m in messages[:-1]]
+    last = messages[-1]
+    if kind == "foreign-id":
+        replies.append(reply_to(last, good, 10, client_id=99))
+    elif kind == "error":
+        replies.append(Message(Error(code=1, reason="boom"), reply_to=last))
+    elif kind == "no-metrics":
+        replies.append(Message(RecordDict({P.ARRAYS: to_array_record(good)}), reply_to=last))
+    else:
+        replies.append(reply_to(last, _corrupt(kind, good), 10))
+    _, metrics = strategy.aggregate_train(1, replies)
+    bad_client = strategy.node_to_client[last.metadata.dst_node_id]
+    assert str(bad_client) in strategy.train_report.rejected
+    assert bad_client not in strategy.train_report.accepted
+    assert metrics["num-clients"] == len(messages) - 1
+    for tensor in strategy.global_tensors.values():  # only the good replies were averaged
+        torch.testing.assert_close(tensor, torch.ones_like(tensor))
+    assert "rejected reply" in caplog.text
+
+
+@pytest.mark.parametrize("kind", ["nan", "shape", "extra", "foreign-id"])
+def test_all_bad_replies_leave_state_unchanged(kind: str) -> None:
+    strategy, grid = make_strategy()
+    before = state_hash(strategy)
+    messages = list(strategy.configure_train(1, ArrayRecord(), ConfigRecord(), grid))
+    good = {k: torch.ones_like(v) for k, v in INITIAL.items()}
+    if kind == "foreign-id":
+        replies = [reply_to(m, good, 10, client_id=99) for m in messages]
+    else:
+        replies = [reply_to(m, _corrupt(kind, good), 10) for m in messages]
+    strategy.aggregate_train(1, replies)
+    assert state_hash(strategy) == before
+
+
+def test_state_dict_round_trip_is_exact() -> None:
+    strategy, grid = make_strategy(FedRepStrategy)
+    messages = list(strategy.configure_train(1, ArrayRecord(), ConfigRecord(), grid))
+    strategy.aggregate_train(1, [reply_to(m, {k: torch.randn_like(v) for k, v in
+                                              m.content[P.ARRAYS].to_torch_state_dict().items()},
+                                          5) for m in messages])
+    tensors, meta = strategy.state_dict()
+    fresh, _ = make_strategy(FedRepStrategy)
+    fresh.load_state_dict(tensors, meta)
+    assert state_hash(fresh) == state_hash(strategy)
+    with pytest.raises(ValueError, match="FedRepStrategy"):
+        make_strategy(FedAvgStrategy)[0].load_state_dict(tensors, meta)
+
+
+def test_sampling_is_seeded_and_respects_fraction() -> None:
+    config = ExperimentConfig(fraction_train=0.5)
+    strategy = FedAvgStrategy(config, INITIAL)
+    strategy.node_to_client = {100 + i: i for i in range(10)}
+    first = strategy.sample(3, 0.5)
+    assert len(first) == 5
+    assert strategy.sample(3, 0.5) == first
+    assert any(strategy.sample(r, 0.5) != first for r in range(4, 10))
