@@ -87,8 +87,10 @@ def build_model(
     config: ExperimentConfig, num_classes: int, *, load_weights: bool = True
 ) -> AdaptedClassifier:
     """A fresh AdaptedClassifier with seeded adapter and head initialisation."""
-    backbone = build_backbone(config, load_weights=load_weights)
     with torch.random.fork_rng(devices=[]):
+        # A backbone without pretrained weights must still be identical on every node.
+        torch.manual_seed(config.seed + 2)
+        backbone = build_backbone(config, load_weights=load_weights)
         torch.manual_seed(config.seed)
         model = AdaptedClassifier(backbone, num_classes, config)
         # peft zero-initialises lora_B, so the adapter starts as the identity update.

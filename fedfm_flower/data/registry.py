@@ -1,0 +1,72 @@
+"""The dataset registry: dataset name -> where it comes from and how its columns are named.
+
+Names agree with ``fedfm_flower.config.DATASETS`` (a test checks it). Two entries are embedded
+and offline (scikit-learn's digits, as label-skew ``digits`` and feature-skew
+``digits-domains``); the others are the papers' benchmarks, loaded from a local copy
+(``data-dir``) or, where a public copy is known, from the Hugging Face Hub by name.
+
+Hub copies: ``uoft-cs/cifar100`` and ``zh-plus/tiny-imagenet`` are the common ones.
+``wltjr1007/DomainNet`` is a public copy whose card lists ``image``/``label``; if a copy lacks
+the ``domain`` column, name the right one with ``natural-id-column``. We know of no Hub copy of
+Office-Caltech10 or of Omniglot with drawer ids, so those two need ``data-dir`` (layouts in
+``fedfm_flower.data.loaders``). Following the papers, DomainNet keeps only its ten most
+frequent classes (pFedPG and pFedSeq follow FedBN's sub-dataset), and Omniglot predicts the
+alphabet (50 classes) with one client per drawer (pFedSeq's real-world setting).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """Where a dataset comes from, its column names and its number of classes."""
+
+    hub_name: str  # "" when offline-embedded or when no Hub copy is known
+    image_column: str
+    label_column: str
+    natural_id_column: str  # "" when the dataset has no natural client ids
+    num_classes: int  # after ``top_classes`` is applied
+    top_classes: int = 0  # keep only the most frequent classes (0: keep all)
+    embedded: bool = False  # prepared in-process from scikit-learn, never downloaded
+    summary: str = ""
+
+
+DATASETS: dict[str, DatasetSpec] = {
+    "digits": DatasetSpec(
+        "", "image", "label", "", 10, embedded=True,
+        summary="scikit-learn digits (1,797 8x8 images); label skew via the partitioner",
+    ),
+    "digits-domains": DatasetSpec(
+        "", "image", "label", "domain", 10, embedded=True,
+        summary="digits with one synthetic visual domain per client (feature skew)",
+    ),
+    "cifar100": DatasetSpec(
+        "uoft-cs/cifar100", "img", "fine_label", "", 100,
+        summary="CIFAR-100, 60,000 32x32 images; label skew (pFedSeq, pFedPG)",
+    ),
+    "tiny-imagenet": DatasetSpec(
+        "zh-plus/tiny-imagenet", "image", "label", "", 200,
+        summary="Tiny-ImageNet, 110,000 64x64 images; label skew (pFedSeq)",
+    ),
+    "domainnet": DatasetSpec(
+        "wltjr1007/DomainNet", "image", "label", "domain", 10, top_classes=10,
+        summary="DomainNet top-10 classes, six domains, one client per domain (pFedSeq, pFedPG)",
+    ),
+    "office-caltech10": DatasetSpec(
+        "", "image", "label", "domain", 10,
+        summary="Office-Caltech10, four domains, one client per domain (pFedPG); needs data-dir",
+    ),
+    "omniglot": DatasetSpec(
+        "", "image", "alphabet", "drawer", 50,
+        summary="Omniglot, predict the alphabet, one client per drawer (pFedSeq); needs data-dir",
+    ),
+}
+
+
+def dataset_spec(name: str) -> DatasetSpec:
+    """The registry entry of ``name``, or a ValueError naming the known datasets."""
+    if name not in DATASETS:
+        raise ValueError(f"dataset '{name}' unknown; known: {', '.join(DATASETS)}")
+    return DATASETS[name]

@@ -1,0 +1,110 @@
+"""Backbone, LoRA adapters and the training loop, on synthetic tensors (no data module)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.models import (
+    backbone_fingerprint,
+    build_model,
+    initial_trainable,
+    parameter_group,
+)
+from fedfm_flower.training import evaluate, round_seed, train
+
+CONFIG = ExperimentConfig(pretrained=False, lr=0.01)
+
+
+def synthetic(n: int = 64, classes: int = 3, seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.randint(0, classes, (n,), generator=g)
+    images = torch.randn(n, 3, 16, 16, generator=g) * 0.1
+    images[:, 0] += labels.view(-1, 1, 1).float()  # learnable signal
+    return TensorDataset(images, labels)
+
+
+def test_lora_is_injected_into_every_target_and_backbone_is_frozen() -> None:
+    model = build_model(CONFIG, num_classes=3)
+    adapter = model.group_parameters(["adapter"])
+    assert len(adapter) == 2 * 4  # lora_A and lora_B in the qkv of each of 4 blocks
+    assert all(".attn.qkv.lora_" in name for name in adapter)
+    for name, param in model.named_parameters():
+        assert param.requires_grad == (parameter_group(name) != "backbone"), name
+    a = next(p for n, p in adapter.items() if "lora_A" in n)
+    assert a.shape == (CONFIG.lora_rank, 64)
+
+
+def test_zero_initialised_lora_leaves_the_backbone_function_unchanged() -> None:
+    model = build_model(CONFIG, num_classes=3)
+    x = torch.randn(5, 3, 16, 16)
+    with torch.no_grad():
+        with_lora = model(x)
+        from peft.tuners.lora import LoraLayer
+
+        for module in model.modules():
+            if isinstance(module, LoraLayer):
+                module.enable_adapters(False)
+        without = model(x)
+    torch.testing.assert_close(with_lora, without)
+
+
+def test_initial_trainables_are_seeded_and_independent_of_weights() -> None:
+    first = initial_trainable(CONFIG, 3)
+    model = build_model(CONFIG, 3)
+    assert first.keys() == model.group_tensors(["adapter", "head"]).keys()
+    for name, tensor in model.group_tensors(["adapter", "head"]).items():
+        assert torch.equal(tensor, first[name])
+    other = initial_trainable(CONFIG.replace(seed=1), 3)
+    assert not torch.equal(first["head.weight"], other["head.weight"])
+
+
+def test_training_changes_adapter_and_head_but_not_one_backbone_bit() -> None:
+    model = build_model(CONFIG, num_classes=3)
+    before_backbone = backbone_fingerprint(model.backbone)
+    before = model.group_tensors(["adapter", "head"])
+    data = synthetic()
+    start = evaluate(model, data)
+    stats = train(model, data, model.group_parameters(["adapter", "head"]).values(), CONFIG,
+                  seed=1, epochs=5)
+    assert backbone_fingerprint(model.backbone) == before_backbone
+    after = model.group_tensors(["adapter", "head"])
+    assert all(not torch.equal(before[k], after[k]) for k in before)
+    assert stats.num_examples == 5 * len(data)
+    assert evaluate(model, data).loss < start.loss
+
+
+def test_only_given_parameters_move() -> None:
+    model = build_model(CONFIG, num_classes=3)
+    before = model.group_tensors(["adapter", "head"])
+    train(model, synthetic(), model.group_parameters(["head"]).values(), CONFIG, seed=0)
+    after = model.group_tensors(["adapter", "head"])
+    for name in before:
+        assert torch.equal(before[name], after[name]) == (parameter_group(name) == "adapter")
+    # requires_grad flags are restored after training
+    assert all(p.requires_grad for p in model.group_parameters(["adapter"]).values())
+
+
+def test_training_is_reproducible_from_the_round_seed() -> None:
+    results = []
+    for _ in range(2):
+        model = build_model(CONFIG, num_classes=3)
+        train(model, synthetic(), model.group_parameters(["adapter", "head"]).values(),
+              CONFIG, seed=round_seed(0, 3, 2))
+        results.append(model.group_tensors(["adapter", "head"]))
+    for name in results[0]:
+        assert torch.equal(results[0][name], results[1][name])
+
+
+def test_steps_override_epochs() -> None:
+    model = build_model(CONFIG, num_classes=3)
+    stats = train(model, synthetic(n=64), model.group_parameters(["head"]).values(),
+                  CONFIG.replace(batch_size=16), seed=0, epochs=1, steps=7)
+    assert stats.num_steps == 7
+
+
+def test_bad_lora_target_names_the_config_key() -> None:
+    with pytest.raises(ValueError, match="lora-target-modules"):
+        build_model(CONFIG.replace(lora_target_modules="not_a_module"), num_classes=3)
