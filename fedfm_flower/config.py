@@ -191,13 +191,15 @@ class ExperimentConfig:
             raise ConfigError("weights-file", self.weights_file, "no such file")
         if self.data_dir and not Path(self.data_dir).expanduser().is_dir():
             raise ConfigError("data-dir", self.data_dir, "no such directory")
-        if self.partitioner == "natural-id" and self.dataset in ("digits", "cifar100"):
-            raise ConfigError(
-                "partitioner", self.partitioner, f"dataset '{self.dataset}' has no natural ids"
-            )
-        if self.backbone != "tiny-vit" and self.pretrained and not self.weights_file:
-            # timm would download from the Hub; allowed, but only where the user has internet.
-            pass
+        if self.partitioner == "natural-id" and not self.natural_id_column:
+            from fedfm_flower.data.registry import dataset_spec
+
+            if not dataset_spec(self.dataset).natural_id_column:
+                raise ConfigError(
+                    "partitioner",
+                    self.partitioner,
+                    f"dataset '{self.dataset}' has no natural ids; set natural-id-column",
+                )
         if self.resume and not self.run_name:
             raise ConfigError("resume", True, "needs 'run-name' naming the run to resume")
 

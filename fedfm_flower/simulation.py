@@ -38,24 +38,27 @@ def local_superlink_pids(flwr_home: Path) -> list[int]:
     return pids
 
 
+def _signal_group(pid: int, sig: signal.Signals) -> None:
+    """Signal the process group led by ``pid`` (or just ``pid``); ignore the vanished."""
+    try:
+        os.killpg(os.getpgid(pid), sig)
+    except (ProcessLookupError, PermissionError):
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
 def stop_processes(pids: list[int], grace_s: float = 10.0) -> None:
     """SIGTERM the process groups of ``pids``, then SIGKILL what is still alive."""
     for pid in pids:
-        for sender in (lambda: os.killpg(os.getpgid(pid), signal.SIGTERM),
-                       lambda: os.kill(pid, signal.SIGTERM)):
-            try:
-                sender()
-                break
-            except (ProcessLookupError, PermissionError):
-                continue
+        _signal_group(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in pids):
         time.sleep(0.2)
     for pid in pids:
-        try:
-            os.killpg(os.getpgid(pid), signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        if Path(f"/proc/{pid}").exists():
+            _signal_group(pid, signal.SIGKILL)
 
 
 def federation_config(num_supernodes: int, gpu_fraction: float) -> str:
@@ -72,8 +75,12 @@ def main(argv: list[str] | None = None) -> int:
     """Parse arguments, run `flwr run`, stop the local SuperLink; returns the exit code."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-supernodes", type=int, default=10)
-    parser.add_argument("--gpu-fraction", type=float, default=None,
-                        help="GPU share per ClientApp (default: 0.25 with CUDA, else 0)")
+    parser.add_argument(
+        "--gpu-fraction",
+        type=float,
+        default=None,
+        help="GPU share per ClientApp (default: 0.25 with CUDA, else 0)",
+    )
     parser.add_argument("--app", default=str(ROOT))
     parser.add_argument("flwr_args", nargs="*", help="extra arguments for `flwr run`")
     args = parser.parse_args(argv)
@@ -93,8 +100,12 @@ def main(argv: list[str] | None = None) -> int:
     stop_processes(local_superlink_pids(flwr_home))  # a stale one would run an old app
     flwr = str(Path(sys.executable).parent / "flwr")
     command = [
-        flwr, "run", args.app, "--stream",
-        "--federation-config", federation_config(args.num_supernodes, gpu_fraction),
+        flwr,
+        "run",
+        args.app,
+        "--stream",
+        "--federation-config",
+        federation_config(args.num_supernodes, gpu_fraction),
         *args.flwr_args,
     ]
     print("+ " + " ".join(command), flush=True)

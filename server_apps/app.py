@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import logging
-
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
@@ -14,8 +12,9 @@ app = ServerApp()
 def main(grid: Grid, context: Context) -> None:
     """Validate the run config, then run (or resume) the experiment."""
     from fedfm_flower.config import ExperimentConfig
+    from fedfm_flower.logs import configure_logging
     from server_apps.runner import run_experiment
 
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    configure_logging()
     config = ExperimentConfig.from_run_config(context.run_config)
     run_experiment(grid, config)

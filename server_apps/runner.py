@@ -144,6 +144,7 @@ def run_round(
     record: dict[str, Any] = {
         "round": server_round,
         "clients-sampled": len(train_report.sent),
+        "sampled": list(train_report.sent),
         "clients-reported": len(train_report.accepted),
         "train": {str(c): m for c, m in train_report.accepted.items()},
         "rejected": dict(train_report.rejected),

@@ -31,7 +31,9 @@ def test_only_the_last_rounds_are_kept(tmp_path: Path) -> None:
         store.save(r, tensors(float(r)))
     assert store.rounds() == [4, 5]
     assert sorted(p.name for p in store.directory.iterdir()) == [
-        "round_00004.safetensors", "round_00005.safetensors"]
+        "round_00004.safetensors",
+        "round_00005.safetensors",
+    ]
 
 
 def test_a_restarted_client_reads_its_state_from_disk(tmp_path: Path) -> None:

@@ -67,8 +67,9 @@ def test_training_changes_adapter_and_head_but_not_one_backbone_bit() -> None:
     before = model.group_tensors(["adapter", "head"])
     data = synthetic()
     start = evaluate(model, data)
-    stats = train(model, data, model.group_parameters(["adapter", "head"]).values(), CONFIG,
-                  seed=1, epochs=5)
+    stats = train(
+        model, data, model.group_parameters(["adapter", "head"]).values(), CONFIG, seed=1, epochs=5
+    )
     assert backbone_fingerprint(model.backbone) == before_backbone
     after = model.group_tensors(["adapter", "head"])
     assert all(not torch.equal(before[k], after[k]) for k in before)
@@ -91,8 +92,13 @@ def test_training_is_reproducible_from_the_round_seed() -> None:
     results = []
     for _ in range(2):
         model = build_model(CONFIG, num_classes=3)
-        train(model, synthetic(), model.group_parameters(["adapter", "head"]).values(),
-              CONFIG, seed=round_seed(0, 3, 2))
+        train(
+            model,
+            synthetic(),
+            model.group_parameters(["adapter", "head"]).values(),
+            CONFIG,
+            seed=round_seed(0, 3, 2),
+        )
         results.append(model.group_tensors(["adapter", "head"]))
     for name in results[0]:
         assert torch.equal(results[0][name], results[1][name])
@@ -100,8 +106,15 @@ def test_training_is_reproducible_from_the_round_seed() -> None:
 
 def test_steps_override_epochs() -> None:
     model = build_model(CONFIG, num_classes=3)
-    stats = train(model, synthetic(n=64), model.group_parameters(["head"]).values(),
-                  CONFIG.replace(batch_size=16), seed=0, epochs=1, steps=7)
+    stats = train(
+        model,
+        synthetic(n=64),
+        model.group_parameters(["head"]).values(),
+        CONFIG.replace(batch_size=16),
+        seed=0,
+        epochs=1,
+        steps=7,
+    )
     assert stats.num_steps == 7
 
 

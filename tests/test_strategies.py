@@ -14,7 +14,6 @@ from flwr.app import (
     Context,
     Error,
     Message,
-    MessageType,
     MetricRecord,
     RecordDict,
 )
@@ -43,8 +42,7 @@ def identity_app() -> ClientApp:
     @app.query()
     def query(message: Message, context: Context) -> Message:
         cid = int(context.node_config["client-id"])
-        return Message(RecordDict({P.METRICS: MetricRecord({P.CLIENT_ID: cid})}),
-                       reply_to=message)
+        return Message(RecordDict({P.METRICS: MetricRecord({P.CLIENT_ID: cid})}), reply_to=message)
 
     return app
 
@@ -52,13 +50,15 @@ def identity_app() -> ClientApp:
 def make_strategy(cls=FedAvgStrategy, num_clients: int = 3):
     config = ExperimentConfig(num_clients=num_clients)
     strategy = cls(config, {k: v.clone() for k, v in INITIAL.items()})
-    grid = InProcessGrid(identity_app(), config.to_run_config(),
-                         [{"client-id": 10 + i} for i in range(num_clients)])
+    grid = InProcessGrid(
+        identity_app(), config.to_run_config(), [{"client-id": 10 + i} for i in range(num_clients)]
+    )
     return strategy, grid
 
 
-def reply_to(message: Message, arrays: dict | ArrayRecord, num_examples: int,
-             client_id: int | None = None) -> Message:
+def reply_to(
+    message: Message, arrays: dict | ArrayRecord, num_examples: int, client_id: int | None = None
+) -> Message:
     record = arrays if isinstance(arrays, ArrayRecord) else to_array_record(arrays)
     cid = client_id if client_id is not None else int(message.content[P.CONFIG][P.CLIENT_ID])
     metrics = MetricRecord({P.CLIENT_ID: cid, P.NUM_EXAMPLES: num_examples, P.TRAIN_LOSS: 1.0})
@@ -78,7 +78,7 @@ def test_weighted_average_matches_numpy() -> None:
     xs = [rng.normal(size=(4, 5)).astype(np.float32) for _ in range(3)]
     ws = [10.0, 30.0, 60.0]
     got = weighted_average([{"x": torch.from_numpy(x)} for x in xs], ws)["x"].numpy()
-    expected = sum(w * x.astype(np.float64) for w, x in zip(ws, xs)) / sum(ws)
+    expected = sum(w * x.astype(np.float64) for w, x in zip(ws, xs, strict=True)) / sum(ws)
     np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-7)
 
 
@@ -89,7 +89,8 @@ def test_node_mapping_is_learned_by_query_and_messages_are_per_node() -> None:
     assert len({id(m.content) for m in messages}) == len(messages)
     for message in messages:
         assert strategy.node_to_client[message.metadata.dst_node_id] == int(
-            message.content[P.CONFIG][P.CLIENT_ID])
+            message.content[P.CONFIG][P.CLIENT_ID]
+        )
         keys = set(message.content[P.ARRAYS].keys())
         # FedRep sends the adapter only: no head, no frozen backbone tensor.
         assert keys == {k for k in INITIAL if "lora_" in k}
@@ -104,8 +105,11 @@ def test_local_sends_nothing() -> None:
 def test_duplicate_client_ids_are_reported_and_ignored(caplog: pytest.LogCaptureFixture) -> None:
     config = ExperimentConfig()
     strategy = FedAvgStrategy(config, INITIAL)
-    grid = InProcessGrid(identity_app(), config.to_run_config(),
-                         [{"client-id": 1}, {"client-id": 1}, {"client-id": 2}])
+    grid = InProcessGrid(
+        identity_app(),
+        config.to_run_config(),
+        [{"client-id": 1}, {"client-id": 1}, {"client-id": 2}],
+    )
     strategy.learn_node_mapping(grid, 1)
     assert sorted(strategy.node_to_client.values()) == [1, 2]
     assert "two nodes claim client-id 1" in caplog.text
@@ -114,10 +118,12 @@ def test_duplicate_client_ids_are_reported_and_ignored(caplog: pytest.LogCapture
 def test_fedavg_aggregates_with_example_weights() -> None:
     strategy, grid = make_strategy()
     messages = list(strategy.configure_train(1, ArrayRecord(), ConfigRecord(), grid))
-    updates = [{k: torch.full_like(v, float(i + 1)) for k, v in INITIAL.items()}
-               for i in range(len(messages))]
+    updates = [
+        {k: torch.full_like(v, float(i + 1)) for k, v in INITIAL.items()}
+        for i in range(len(messages))
+    ]
     counts = [10, 20, 70]
-    replies = [reply_to(m, u, n) for m, u, n in zip(messages, updates, counts)]
+    replies = [reply_to(m, u, n) for m, u, n in zip(messages, updates, counts, strict=True)]
     strategy.aggregate_train(1, replies)
     expected = (1 * 10 + 2 * 20 + 3 * 70) / 100
     for tensor in strategy.global_tensors.values():
@@ -142,15 +148,30 @@ def _corrupt(kind: str, arrays: dict) -> ArrayRecord | dict:
     elif kind == "oversized":
         record = to_array_record(arrays)
         array = record[name]
-        record[name] = Array(dtype=array.dtype, shape=array.shape, stype=array.stype,
-                             data=array.data + b"\0" * 10_000_000)
+        record[name] = Array(
+            dtype=array.dtype,
+            shape=array.shape,
+            stype=array.stype,
+            data=array.data + b"\0" * 10_000_000,
+        )
         return record
     return bad
 
 
 @pytest.mark.parametrize(
-    "kind", ["nan", "inf", "shape", "dtype", "missing", "extra", "oversized", "foreign-id",
-             "error", "no-metrics"]
+    "kind",
+    [
+        "nan",
+        "inf",
+        "shape",
+        "dtype",
+        "missing",
+        "extra",
+        "oversized",
+        "foreign-id",
+        "error",
+        "no-metrics",
+    ],
 )
 def test_bad_reply_is_dropped_and_round_completes(kind: str, caplog) -> None:
     strategy, grid = make_strategy()
@@ -193,9 +214,20 @@ def test_all_bad_replies_leave_state_unchanged(kind: str) -> None:
 def test_state_dict_round_trip_is_exact() -> None:
     strategy, grid = make_strategy(FedRepStrategy)
     messages = list(strategy.configure_train(1, ArrayRecord(), ConfigRecord(), grid))
-    strategy.aggregate_train(1, [reply_to(m, {k: torch.randn_like(v) for k, v in
-                                              m.content[P.ARRAYS].to_torch_state_dict().items()},
-                                          5) for m in messages])
+    strategy.aggregate_train(
+        1,
+        [
+            reply_to(
+                m,
+                {
+                    k: torch.randn_like(v)
+                    for k, v in m.content[P.ARRAYS].to_torch_state_dict().items()
+                },
+                5,
+            )
+            for m in messages
+        ],
+    )
     tensors, meta = strategy.state_dict()
     fresh, _ = make_strategy(FedRepStrategy)
     fresh.load_state_dict(tensors, meta)

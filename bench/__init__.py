@@ -1,0 +1,1 @@
+"""Benchmarks (not tests): accuracy comparisons and cost measurements."""

@@ -1,0 +1,1076 @@
+"""Deploy the Flower App on this machine over loopback: one SuperLink, N SuperNodes, one run.
+
+Run with the project's virtualenv:
+
+    .venv/bin/python scripts/deploy_local.py --num-supernodes 2 \\
+        --run-config "method='fedavg' num-server-rounds=3"
+
+Step by step (docs/deployment.md explains each one):
+
+1. TLS certificates (CA + SuperLink certificate for 127.0.0.1/localhost) from
+   ``scripts/generate_certs.sh`` and one ECDSA P-384 key pair per SuperNode, created in the work
+   directory when missing (secure mode, the default; ``--insecure`` skips both).
+2. A ``flwr`` connection ``[superlink.fedfm-local]`` in ``<workdir>/flwr-home/config.toml``
+   (address, root certificate or ``insecure = true``); ``FLWR_HOME`` points there for every
+   process started here.
+3. ``flower-superlink`` on 127.0.0.1:<base-port> (Fleet, Control and Runtime APIs share it) with
+   TLS, ``--enable-supernode-auth`` and a fresh ``--database`` in the work directory.
+4. Each SuperNode's public key is registered with ``flwr supernode register``.
+5. ``flower-supernode`` i = 0..N-1 with ``--superlink 127.0.0.1:<base-port>``,
+   ``--root-certificates``, ``--auth-supernode-private-key``, its own runtime ``--port``
+   (base-port + 1 + i) and ``--node-config "client-id=i partition-id=i num-partitions=N
+   state-dir=<workdir>/node_i"``; the script waits until all N are online.
+6. ``flwr run <app> fedfm-local --stream --run-config <workdir>/run-config.toml`` (the merged
+   overrides, always with ``num-clients=N``), then ``flwr ls --run-id`` for the final status.
+7. Every process started here is stopped by process group (SIGTERM, then SIGKILL), and every
+   process that carries this deployment's tag in its environment (SuperExec, ServerApp and
+   ClientApp subprocesses, which Flower starts in new sessions) is found and stopped too; this
+   runs on success, on error, on Ctrl-C and on SIGTERM/SIGHUP.
+
+Logs (with wall-clock and elapsed-time stamps) go to ``<workdir>/logs/``. Only 127.0.0.1 is
+ever used. Exit status: 0 run completed, 1 run failed or stopped, 2 bad arguments, 3 the
+deployment could not start, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import dataclasses
+import datetime as _dt
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+ROOT = Path(__file__).resolve().parent.parent
+HOST = "127.0.0.1"  # the only address this script ever binds to or dials
+DEFAULT_BASE_PORT = 19190
+CONNECTION = "fedfm-local"
+TAG_VAR = "FEDFM_DEPLOY_ID"  # environment variable marking every process of one deployment
+CERT_FILES = ("ca.crt", "server.crt", "server.key")
+# Run-config keys holding paths: made absolute, since the ServerApp and ClientApps run with the
+# SuperLink's and SuperNodes' working directories, not the caller's.
+PATH_KEYS = ("output-dir", "cache-dir", "data-dir", "weights-file", "client-state-dir")
+_HTTPX_LINE = re.compile(r"^(INFO|DEBUG) httpx: HTTP Request: ")
+
+
+class DeploymentError(RuntimeError):
+    """A failure with a message meant for the user (what happened, where to look)."""
+
+
+class RunConfigError(ValueError):
+    """An invalid --run-config value."""
+
+
+@dataclasses.dataclass
+class DeployOptions:
+    """Everything that shapes one local deployment."""
+
+    num_supernodes: int = 2
+    workdir: Path = ROOT / "deploy" / "work"
+    app_dir: Path = ROOT
+    base_port: int | None = None  # None: DEFAULT_BASE_PORT, or the next free block if busy
+    insecure: bool = False
+    certs_dir: Path | None = None  # None: <workdir>/certs, generated when missing
+    keys_dir: Path | None = None  # None: <workdir>/keys, generated when missing
+    startup_timeout: float = 60.0  # seconds for the SuperLink, then for all SuperNodes
+    run_timeout: float | None = None  # seconds for `flwr run`; None: no limit
+    threads_per_node: int | None = None  # OMP/torch threads per SuperNode; None: cpus // N
+    echo: bool = True  # print `flwr run`'s stream (without httpx request lines)
+    verbose: bool = False  # also print httpx request lines
+
+    def __post_init__(self) -> None:
+        self.workdir = Path(self.workdir).expanduser().resolve()
+        self.app_dir = Path(self.app_dir).expanduser().resolve()
+        if self.num_supernodes <= 0:
+            raise ValueError(f"--num-supernodes must be > 0, got {self.num_supernodes}")
+        if self.base_port is not None and not 1024 <= self.base_port <= 65535 - 1 - self.num_supernodes:
+            raise ValueError(f"--base-port must leave room for {self.num_supernodes + 1} ports")
+
+    @property
+    def certs(self) -> Path:
+        """Directory with ca.crt, server.crt and server.key."""
+        return Path(self.certs_dir).expanduser().resolve() if self.certs_dir else self.workdir / "certs"
+
+    @property
+    def keys(self) -> Path:
+        """Directory with supernode_<i> / supernode_<i>.pub key pairs."""
+        return Path(self.keys_dir).expanduser().resolve() if self.keys_dir else self.workdir / "keys"
+
+
+@dataclasses.dataclass
+class RunResult:
+    """What one `flwr run` produced."""
+
+    run_id: int | None
+    status: str  # e.g. "finished:completed", "finished:failed", "interrupted", "timeout"
+    returncode: int | None
+    seconds: float
+    run_dir: Path | None
+    log_path: Path
+
+    @property
+    def ok(self) -> bool:
+        """True when Flower reports the run as completed."""
+        return self.status == "finished:completed"
+
+
+# ----------------------------------------------------------------------------------------------
+# Run config
+
+
+def parse_run_config(items: Sequence[str] | None) -> dict[str, Any]:
+    """Merge --run-config items (TOML files or "k=v ..." strings, in order) into one dict.
+
+    Uses Flower's own parser for each item, so values follow `flwr run`'s rules (strings need
+    quotes: ``method='fedavg'``).
+    """
+    from flwr.common.config import parse_config_args
+
+    merged: dict[str, Any] = {}
+    for item in items or []:
+        item = item.strip()
+        if not item:
+            continue
+        if item.endswith(".toml"):
+            path = Path(item).expanduser()
+            if not path.is_file():
+                raise RunConfigError(f"run-config file not found: {path}")
+            merged.update(parse_config_args([str(path)]))
+            continue
+        try:
+            parsed = parse_config_args([item])
+        except Exception as err:  # click.ClickException carries the explanation
+            raise RunConfigError(f"cannot parse --run-config {item!r}: {err}") from err
+        if not parsed:
+            raise RunConfigError(f"--run-config {item!r} has no key=value pair")
+        merged.update(parsed)
+    return merged
+
+
+def resolve_run_config(
+    overrides: Mapping[str, Any], num_clients: int, app_dir: Path, base: Path | None = None
+) -> dict[str, Any]:
+    """Overrides plus ``num-clients``, absolute paths and a default ``output-dir``.
+
+    Keys must exist under ``[tool.flwr.app.config]`` of the app (Flower rejects others); this is
+    checked here to fail before anything starts.
+    """
+    import tomli
+
+    base = base or Path.cwd()
+    declared = tomli.loads((app_dir / "pyproject.toml").read_text())
+    known = declared.get("tool", {}).get("flwr", {}).get("app", {}).get("config", {})
+    unknown = sorted(set(overrides) - set(known))
+    if unknown:
+        raise RunConfigError(
+            f"unknown run-config key(s) {', '.join(unknown)}; declared keys are in "
+            f"[tool.flwr.app.config] of {app_dir / 'pyproject.toml'}"
+        )
+    config = dict(overrides)
+    given = config.get("num-clients")
+    if given not in (None, 0, num_clients):
+        raise RunConfigError(
+            f"run config num-clients={given} differs from --num-supernodes {num_clients}"
+        )
+    config["num-clients"] = num_clients
+    config.setdefault("output-dir", str(app_dir / "runs"))
+    for key in PATH_KEYS:
+        value = config.get(key)
+        if isinstance(value, str) and value and not Path(value).expanduser().is_absolute():
+            config[key] = str((base / value).resolve())
+    return config
+
+
+def write_toml(path: Path, data: Mapping[str, Any]) -> Path:
+    """Write a flat or nested mapping as TOML."""
+    import tomli_w
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(tomli_w.dumps(dict(data)))
+    return path
+
+
+# ----------------------------------------------------------------------------------------------
+# Ports, certificates, keys
+
+
+def port_is_free(port: int) -> bool:
+    """Whether 127.0.0.1:port can be bound right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((HOST, port))
+        except OSError:
+            return False
+    return True
+
+
+def choose_base_port(requested: int | None, count: int) -> int:
+    """A base port with ``count`` free consecutive ports on 127.0.0.1.
+
+    An explicit request must be free; the default moves up in blocks of 100 when busy.
+    """
+    if requested is not None:
+        busy = [p for p in range(requested, requested + count) if not port_is_free(p)]
+        if busy:
+            raise DeploymentError(
+                f"port(s) {busy} on {HOST} are in use; pick another --base-port "
+                f"(this deployment needs {count} consecutive ports)"
+            )
+        return requested
+    for base in range(DEFAULT_BASE_PORT, 60000, 100):
+        if all(port_is_free(p) for p in range(base, base + count)):
+            return base
+    raise DeploymentError(f"no {count} consecutive free ports found on {HOST}")
+
+
+def ensure_certificates(options: DeployOptions) -> Path:
+    """The certificate directory; generated when it is the default one and incomplete."""
+    certs = options.certs
+    missing = [name for name in CERT_FILES if not (certs / name).is_file()]
+    if missing and options.certs_dir is None:
+        script = ROOT / "scripts" / "generate_certs.sh"
+        result = subprocess.run(
+            ["bash", str(script), str(certs)], capture_output=True, text=True, check=False
+        )
+        if result.returncode != 0:
+            raise DeploymentError(
+                f"{script} failed ({result.returncode}):\n{result.stdout}{result.stderr}"
+            )
+        missing = [name for name in CERT_FILES if not (certs / name).is_file()]
+    if missing:
+        raise DeploymentError(
+            f"missing TLS file(s) {', '.join(str(certs / m) for m in missing)}; create them "
+            f"with `scripts/generate_certs.sh {certs}` or pass --insecure (local debugging only)"
+        )
+    return certs
+
+
+def generate_supernode_key(private_path: Path) -> None:
+    """An ECDSA P-384 key pair in OpenSSH format (what `ssh-keygen -t ecdsa -b 384` writes)."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = ec.generate_private_key(ec.SECP384R1())
+    private = key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.OpenSSH,
+        serialization.NoEncryption(),
+    )
+    public = key.public_key().public_bytes(
+        serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH
+    )
+    private_path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(private_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(private)
+    private_path.with_suffix(".pub").write_bytes(public + f" {private_path.name}\n".encode())
+
+
+def ensure_supernode_keys(options: DeployOptions) -> list[Path]:
+    """Private key paths supernode_0..N-1 (public keys beside them, ``.pub``)."""
+    keys = options.keys
+    paths = [keys / f"supernode_{i}" for i in range(options.num_supernodes)]
+    for path in paths:
+        complete = path.is_file() and path.with_suffix(".pub").is_file()
+        if not complete and options.keys_dir is None:
+            generate_supernode_key(path)
+        elif not complete:
+            raise DeploymentError(
+                f"missing SuperNode key {path} (or {path.name}.pub); create it with "
+                f"`ssh-keygen -t ecdsa -b 384 -N '' -f {path}` or "
+                f"`scripts/generate_certs.sh --supernode-keys {options.num_supernodes}`"
+            )
+    return paths
+
+
+def write_flwr_config(flwr_home: Path, address: str, ca_cert: Path | None) -> Path:
+    """``$FLWR_HOME/config.toml`` with one SuperLink connection, the default."""
+    connection: dict[str, Any] = {"address": address}
+    if ca_cert is None:
+        connection["insecure"] = True
+    else:
+        connection["root-certificates"] = str(ca_cert)
+    return write_toml(
+        flwr_home / "config.toml",
+        {"superlink": {"default": CONNECTION, CONNECTION: connection}},
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Processes
+
+
+def _tagged_pids(tag: str) -> set[int]:
+    """Pids of live processes whose environment carries ``FEDFM_DEPLOY_ID=<tag>``."""
+    marker = f"{TAG_VAR}={tag}".encode()
+    found = set()
+    me = os.getpid()
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == me:
+            continue
+        try:
+            with open(f"/proc/{entry.name}/environ", "rb") as handle:
+                environ = handle.read()
+        except OSError:
+            continue
+        if marker in environ.split(b"\0"):
+            found.add(int(entry.name))
+    return found
+
+
+def pid_alive(pid: int) -> bool:
+    """True for a running (not zombie) process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            state = handle.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in (b"Z", b"X")
+
+
+def _signal(pid: int, sig: int, group: bool) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        if group:
+            os.killpg(pid, sig)
+        else:
+            os.kill(pid, sig)
+
+
+def _reap_orphans() -> None:
+    """Reap exited children adopted as a child subreaper (none otherwise)."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def become_subreaper() -> bool:
+    """Adopt orphaned descendants (Linux prctl PR_SET_CHILD_SUBREAPER), so none escapes."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(36, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+class ManagedProcess:
+    """A process started in its own session, its output copied with time stamps to a log."""
+
+    def __init__(
+        self,
+        name: str,
+        command: Sequence[str],
+        log_path: Path,
+        env: Mapping[str, str],
+        cwd: Path,
+        t0: float,
+        echo: Callable[[str], None] | None = None,
+    ) -> None:
+        self.name = name
+        self.command = list(command)
+        self.log_path = log_path
+        self.started = time.monotonic()
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log: IO[str] = log_path.open("a", encoding="utf-8", errors="replace")
+        self._log.write(f"# {_stamp(t0)} $ {shlex.join(self.command)}\n")
+        self._log.flush()
+        self.popen = subprocess.Popen(
+            self.command,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=dict(env),
+            cwd=str(cwd),
+            start_new_session=True,  # own process group: Ctrl-C reaches only this script
+        )
+        self.lines: list[str] = []
+        self._thread = threading.Thread(
+            target=self._copy, args=(t0, echo), name=f"log-{name}", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def pid(self) -> int:
+        """Process id (also its process group id)."""
+        return self.popen.pid
+
+    def _copy(self, t0: float, echo: Callable[[str], None] | None) -> None:
+        assert self.popen.stdout is not None
+        for raw in iter(self.popen.stdout.readline, b""):
+            line = raw.decode(errors="replace").rstrip("\n")
+            self.lines.append(line)
+            self._log.write(f"{_stamp(t0)} {line}\n")
+            self._log.flush()
+            if echo is not None:
+                echo(line)
+        self._log.write(f"# {_stamp(t0)} exited with {self.popen.wait()}\n")
+        self._log.close()
+
+    def alive(self) -> bool:
+        """Still running."""
+        return self.popen.poll() is None
+
+    def tail(self, lines: int = 15) -> str:
+        """The last lines of its output."""
+        return "\n".join(self.lines[-lines:])
+
+    def join_output(self, timeout: float = 5.0) -> None:
+        """Wait until the output copy has reached EOF."""
+        self._thread.join(timeout)
+
+
+def _stamp(t0: float) -> str:
+    now = _dt.datetime.now().strftime("%H:%M:%S.%f")[:-3]
+    return f"{now} +{time.monotonic() - t0:8.3f}s"
+
+
+# ----------------------------------------------------------------------------------------------
+# The deployment
+
+
+class LocalDeployment:
+    """One SuperLink and N SuperNodes on 127.0.0.1; a context manager that always cleans up.
+
+    >>> with LocalDeployment(DeployOptions(num_supernodes=2)) as deployment:
+    ...     deployment.start()
+    ...     result = deployment.run({"method": "fedavg", "num-server-rounds": 2})
+    """
+
+    def __init__(self, options: DeployOptions) -> None:
+        self.options = options
+        self.tag = uuid.uuid4().hex
+        self.t0 = time.monotonic()
+        self.processes: list[ManagedProcess] = []
+        self.seen_pids: set[int] = set()  # every pid known to belong to this deployment
+        self.timings: dict[str, float] = {}
+        self.base_port: int | None = None
+        self.superlink: ManagedProcess | None = None
+        self.nodes: dict[int, ManagedProcess] = {}  # the current process of SuperNode i
+        self.node_ids: dict[int, str] = {}
+        self.keys: list[Path] = []
+        workdir = options.workdir
+        self.flwr_home = workdir / "flwr-home"
+        self.logs = workdir / "logs"
+        self._stopped = False
+
+    # -- context manager ----------------------------------------------------------------------
+    def __enter__(self) -> LocalDeployment:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- helpers ------------------------------------------------------------------------------
+    @property
+    def supernodes(self) -> list[ManagedProcess]:
+        """The current SuperNode processes, by index."""
+        return [self.nodes[i] for i in sorted(self.nodes)]
+
+    @property
+    def address(self) -> str:
+        """The SuperLink address (Fleet, Control and Runtime APIs)."""
+        if self.base_port is None:
+            raise DeploymentError("the deployment has not been started")
+        return f"{HOST}:{self.base_port}"
+
+    def env(self) -> dict[str, str]:
+        """Environment of every process started here (tagged, offline, no `uv sync`)."""
+        env = os.environ.copy()
+        env.update(
+            {
+                TAG_VAR: self.tag,
+                "FLWR_HOME": str(self.flwr_home),
+                "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+                "FLWR_DISABLE_UPDATE_CHECK": "1",
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
+        env.setdefault("HF_HUB_OFFLINE", "1")
+        env.setdefault("HF_DATASETS_OFFLINE", "1")
+        venv_bin = str(Path(sys.executable).parent)
+        env["PATH"] = venv_bin + os.pathsep + env.get("PATH", "")
+        return env
+
+    def _bin(self, name: str) -> str:
+        path = Path(sys.executable).parent / name
+        if not path.exists():
+            found = shutil.which(name)
+            if found is None:
+                raise DeploymentError(f"`{name}` not found next to {sys.executable} or on PATH")
+            return found
+        return str(path)
+
+    def _say(self, message: str) -> None:
+        print(f"[deploy +{time.monotonic() - self.t0:6.1f}s] {message}", flush=True)
+
+    def _start(
+        self,
+        name: str,
+        command: Sequence[str],
+        env: Mapping[str, str] | None = None,
+        echo: Callable[[str], None] | None = None,
+        cwd: Path | None = None,
+    ) -> ManagedProcess:
+        process = ManagedProcess(
+            name,
+            command,
+            self.logs / f"{name}.log",
+            env or self.env(),
+            cwd or self.options.workdir,
+            self.t0,
+            echo,
+        )
+        self.processes.append(process)
+        self.seen_pids.add(process.pid)
+        return process
+
+    def flwr(self, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+        """Run a short `flwr` CLI command against this deployment's FLWR_HOME."""
+        command = [self._bin("flwr"), *args]
+        try:
+            return subprocess.run(
+                command,
+                env=self.env(),
+                cwd=str(self.options.workdir),
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                check=False,
+                start_new_session=True,
+            )
+        except subprocess.TimeoutExpired as err:
+            raise DeploymentError(f"`{shlex.join(command)}` did not finish in {timeout}s") from err
+
+    # -- start --------------------------------------------------------------------------------
+    def prepare(self) -> None:
+        """Work directory, ports, certificates, keys and the flwr connection."""
+        options = self.options
+        options.workdir.mkdir(parents=True, exist_ok=True)
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.base_port = choose_base_port(options.base_port, options.num_supernodes + 1)
+        ca_cert = None
+        if not options.insecure:
+            ca_cert = ensure_certificates(options) / "ca.crt"
+            self.keys = ensure_supernode_keys(options)
+        write_flwr_config(self.flwr_home, self.address, ca_cert)
+
+    def start(self) -> None:
+        """Start the SuperLink, register the keys, start the SuperNodes, wait for them."""
+        self.prepare()
+        self.start_superlink()
+        for i in range(self.options.num_supernodes):
+            if not self.options.insecure:
+                self.node_ids[i] = self.register_key(self.keys[i].with_suffix(".pub"))
+        started = time.monotonic()
+        for i in range(self.options.num_supernodes):
+            self.start_supernode(i)
+        self.wait_for_supernodes(self.options.num_supernodes)
+        self.timings["supernodes-online-s"] = time.monotonic() - started
+        self._say(
+            f"{self.options.num_supernodes} SuperNode(s) online after "
+            f"{self.timings['supernodes-online-s']:.1f}s"
+        )
+
+    def start_superlink(self) -> ManagedProcess:
+        """`flower-superlink` on 127.0.0.1:<base-port>, waiting until it accepts TLS/TCP."""
+        options = self.options
+        state = options.workdir / "superlink"
+        state.mkdir(parents=True, exist_ok=True)
+        database = state / "state.db"
+        for stale in state.glob("state.db*"):
+            stale.unlink()  # a fresh federation each time: registrations, runs
+        command = [
+            self._bin("flower-superlink"),
+            "--host",
+            HOST,
+            "--port",
+            str(self.base_port),
+            "--isolation",
+            "subprocess",
+            "--database",
+            str(database),
+        ]
+        if options.insecure:
+            command.append("--insecure")
+        else:
+            certs = options.certs
+            command += [
+                "--ssl-ca-certfile",
+                str(certs / "ca.crt"),
+                "--ssl-certfile",
+                str(certs / "server.crt"),
+                "--ssl-keyfile",
+                str(certs / "server.key"),
+                "--enable-supernode-auth",
+            ]
+        started = time.monotonic()
+        self._say(f"starting SuperLink on {self.address} ({'insecure' if options.insecure else 'TLS + SuperNode auth'})")
+        self.superlink = self._start("superlink", command)
+        self.wait_for_superlink(options.startup_timeout)
+        self.timings["superlink-start-s"] = time.monotonic() - started
+        self._say(f"SuperLink ready after {self.timings['superlink-start-s']:.1f}s")
+        return self.superlink
+
+    def wait_for_superlink(self, timeout: float) -> None:
+        """Until the SuperLink completes a TLS handshake (or TCP connect when insecure)."""
+        assert self.superlink is not None and self.base_port is not None
+        deadline = time.monotonic() + timeout
+        context = None
+        if not self.options.insecure:
+            context = ssl.create_default_context(cafile=str(self.options.certs / "ca.crt"))
+        last_error: Exception | None = None
+        while time.monotonic() < deadline:
+            if not self.superlink.alive():
+                self.superlink.join_output()
+                raise DeploymentError(
+                    f"SuperLink exited with {self.superlink.popen.returncode} during start; "
+                    f"log {self.superlink.log_path}:\n{self.superlink.tail()}"
+                )
+            try:
+                with socket.create_connection((HOST, self.base_port), timeout=2.0) as sock:
+                    if context is not None:
+                        with context.wrap_socket(sock, server_hostname=HOST):
+                            pass
+                return
+            except ssl.SSLCertVerificationError as err:
+                raise DeploymentError(
+                    f"the SuperLink's certificate does not verify against "
+                    f"{self.options.certs / 'ca.crt'}: {err.verify_message}; regenerate the "
+                    "certificates with scripts/generate_certs.sh --force"
+                ) from err
+            except OSError as err:
+                last_error = err
+                time.sleep(0.2)
+        raise DeploymentError(
+            f"SuperLink not reachable at {self.address} within {timeout:.0f}s "
+            f"(last error: {last_error}); log {self.superlink.log_path}:\n{self.superlink.tail()}"
+        )
+
+    def register_key(self, public_key: Path) -> str:
+        """`flwr supernode register <key>.pub fedfm-local`; returns the node id."""
+        result = self.flwr(
+            "supernode", "register", str(public_key), CONNECTION, "--format", "json"
+        )
+        try:
+            payload = json.loads(result.stdout)
+        except json.JSONDecodeError:
+            payload = {}
+        if result.returncode == 0 and payload.get("success"):
+            node_id = str(payload.get("node-id"))
+            self._say(f"registered {public_key.name} as node {node_id}")
+            return node_id
+        raise DeploymentError(
+            f"`flwr supernode register {public_key}` failed ({result.returncode}): "
+            f"{(result.stdout + result.stderr).strip()}"
+        )
+
+    def start_supernode(
+        self,
+        index: int,
+        private_key: Path | None = None,
+        node_config: Mapping[str, Any] | None = None,
+        name: str | None = None,
+    ) -> ManagedProcess:
+        """`flower-supernode` number ``index`` with its own runtime port and node config."""
+        options = self.options
+        n = options.num_supernodes
+        state_dir = options.workdir / f"node_{index}"
+        state_dir.mkdir(parents=True, exist_ok=True)
+        config = {
+            "client-id": index,
+            "partition-id": index,
+            "num-partitions": n,
+            "state-dir": str(state_dir),
+        }
+        config.update(node_config or {})
+        port = self.base_port + 1 + index if self.base_port is not None else None
+        if port is None or not port_is_free(port):
+            port = _free_port()
+        command = [
+            self._bin("flower-supernode"),
+            "--superlink",
+            self.address,
+            "--host",
+            HOST,
+            "--port",
+            str(port),
+            "--node-config",
+            _node_config_string(config),
+        ]
+        if options.insecure:
+            command.append("--insecure")
+        else:
+            key = private_key or self.keys[index]
+            if not key.is_file():
+                raise DeploymentError(f"missing SuperNode private key {key}")
+            command += [
+                "--root-certificates",
+                str(options.certs / "ca.crt"),
+                "--auth-supernode-private-key",
+                str(key),
+            ]
+        env = self.env()
+        threads = options.threads_per_node or max(1, (os.cpu_count() or 1) // n)
+        env.setdefault("OMP_NUM_THREADS", str(threads))
+        env.setdefault("MKL_NUM_THREADS", str(threads))
+        process = self._start(name or f"supernode_{index}", command, env=env)
+        self.nodes[index] = process
+        return process
+
+    def online_nodes(self) -> list[dict[str, Any]]:
+        """`flwr supernode list` entries with status "online"."""
+        result = self.flwr("supernode", "list", CONNECTION, "--format", "json")
+        try:
+            nodes = json.loads(result.stdout).get("nodes", [])
+        except (json.JSONDecodeError, AttributeError):
+            return []
+        return [node for node in nodes if node.get("status") == "online"]
+
+    def wait_for_supernodes(self, count: int, timeout: float | None = None) -> None:
+        """Until ``count`` SuperNodes are online; fails early if one exits."""
+        timeout = timeout or self.options.startup_timeout
+        deadline = time.monotonic() + timeout
+        online: list[dict[str, Any]] = []
+        while time.monotonic() < deadline:
+            for process in self.supernodes:
+                if not process.alive():
+                    process.join_output()
+                    raise DeploymentError(
+                        f"{process.name} exited with {process.popen.returncode}; "
+                        f"log {process.log_path}:\n{process.tail()}"
+                    )
+            online = self.online_nodes()
+            if len(online) >= count:
+                return
+            time.sleep(0.5)
+        raise DeploymentError(
+            f"only {len(online)} of {count} SuperNodes came online within {timeout:.0f}s; "
+            f"see the logs in {self.logs}"
+        )
+
+    # -- run ----------------------------------------------------------------------------------
+    def run(
+        self,
+        run_config: Mapping[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> RunResult:
+        """`flwr run <app> fedfm-local --stream` with the merged run config; waits for the end."""
+        options = self.options
+        config = resolve_run_config(run_config or {}, options.num_supernodes, options.app_dir)
+        config_file = write_toml(options.workdir / "run-config.toml", config)
+        command = [
+            self._bin("flwr"),
+            "run",
+            str(options.app_dir),
+            CONNECTION,
+            "--stream",
+            "--run-config",
+            str(config_file),
+        ]
+        self._say(f"$ {shlex.join(command)}")
+        self._say(f"run config: {json.dumps(config)}")
+        started = time.monotonic()
+        process = self._start(
+            "flwr_run", command, echo=self._echo if options.echo else None, cwd=options.app_dir
+        )
+        timeout = timeout if timeout is not None else options.run_timeout
+        status = None
+        try:
+            process.popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            status = "timeout"
+            self._say(f"`flwr run` still running after {timeout:.0f}s: stopping the run")
+        process.join_output()
+        run_id = _run_id(process.lines)
+        if status == "timeout":
+            if run_id is not None:
+                self.flwr("stop", str(run_id), CONNECTION, timeout=30)
+        elif run_id is None:
+            status = "not-started"
+        else:
+            status = self.run_status(run_id)
+        seconds = time.monotonic() - started
+        run_dir = _run_dir(process.lines)
+        result = RunResult(
+            run_id, status, process.popen.returncode, seconds, run_dir, process.log_path
+        )
+        self.timings["run-s"] = seconds
+        self._say(f"run {run_id}: {status} after {seconds:.1f}s; results in {run_dir}")
+        return result
+
+    def run_status(self, run_id: int) -> str:
+        """Flower's status of a run, e.g. "finished:completed"."""
+        for _ in range(20):
+            result = self.flwr("ls", CONNECTION, "--run-id", str(run_id), "--format", "json")
+            with contextlib.suppress(json.JSONDecodeError, AttributeError, IndexError):
+                status = json.loads(result.stdout)["runs"][0]["status"]
+                if status.startswith("finished"):
+                    return status
+            time.sleep(0.5)
+        return "unknown"
+
+    def _echo(self, line: str) -> None:
+        if self.options.verbose or not _HTTPX_LINE.match(line):
+            print(line, flush=True)
+
+    # -- stop ---------------------------------------------------------------------------------
+    def live_pids(self) -> set[int]:
+        """Every live process of this deployment (started here, or tagged descendants)."""
+        pids = {p.pid for p in self.processes if p.alive()} | _tagged_pids(self.tag)
+        self.seen_pids |= pids
+        return {pid for pid in pids if pid_alive(pid)}
+
+    def stop(self, grace: float = 10.0) -> None:
+        """SIGTERM every process group and tagged process, SIGKILL what remains after ``grace``."""
+        with _shield_signals():
+            self._stop(grace)
+
+    def _stop(self, grace: float) -> None:
+        if self._stopped and not self.live_pids():
+            return
+        self._stopped = True
+        live = self.live_pids()
+        if live:
+            self._say(f"stopping {len(live)} process(es)")
+        # The run's client first, then SuperNodes, then the SuperLink (reverse start order).
+        for process in reversed(self.processes):
+            if process.alive():
+                _signal(process.pid, signal.SIGTERM, group=True)
+        for pid in live:
+            _signal(pid, signal.SIGTERM, group=False)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            for process in self.processes:
+                process.popen.poll()
+            _reap_orphans_if_safe(self.processes)
+            if not self.live_pids():
+                break
+            time.sleep(0.1)
+        leftover = self.live_pids()
+        for process in self.processes:
+            if process.alive():
+                _signal(process.pid, signal.SIGKILL, group=True)
+        for pid in leftover:
+            _signal(pid, signal.SIGKILL, group=False)
+        if leftover:
+            self._say(f"killed {len(leftover)} process(es) that ignored SIGTERM: {sorted(leftover)}")
+        for process in self.processes:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.popen.wait(timeout=5)
+            process.join_output()
+        _reap_orphans_if_safe(self.processes)
+        deadline = time.monotonic() + 5
+        while self.live_pids() and time.monotonic() < deadline:
+            time.sleep(0.1)
+            _reap_orphans_if_safe(self.processes)
+        remaining = self.live_pids()
+        if remaining:
+            self._say(f"WARNING: processes still alive: {sorted(remaining)}")
+
+
+def _reap_orphans_if_safe(processes: Sequence[ManagedProcess]) -> None:
+    # waitpid(-1) must not steal the exit status of a Popen still being tracked.
+    if _SUBREAPER and all(p.popen.returncode is not None for p in processes):
+        _reap_orphans()
+
+
+_SUBREAPER = False
+
+
+@contextlib.contextmanager
+def _shield_signals() -> Iterator[None]:
+    """Ignore Ctrl-C/SIGTERM while cleaning up (only possible in the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {}
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        with contextlib.suppress(ValueError, OSError):
+            previous[sig] = signal.signal(sig, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((HOST, 0))
+        return sock.getsockname()[1]
+
+
+def _node_config_string(config: Mapping[str, Any]) -> str:
+    """``key=value`` pairs for --node-config; strings quoted for TOML."""
+    parts = []
+    for key, value in config.items():
+        if isinstance(value, str):
+            if '"' in value or "\\" in value:
+                raise DeploymentError(f"node config {key}={value!r}: no quotes or backslashes")
+            parts.append(f'{key}="{value}"')
+        elif isinstance(value, bool):
+            parts.append(f"{key}={str(value).lower()}")
+        else:
+            parts.append(f"{key}={value}")
+    return " ".join(parts)
+
+
+def _run_id(lines: Sequence[str]) -> int | None:
+    for line in lines:
+        match = re.search(r"Successfully started run (\d+)", line)
+        if match:
+            return int(match.group(1))
+    return None
+
+
+def _run_dir(lines: Sequence[str]) -> Path | None:
+    for line in reversed(lines):
+        match = re.search(r"results in (\S+)", line)
+        if match:
+            return Path(match.group(1).rstrip(";,"))
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line
+
+
+class _Terminated(Exception):
+    """SIGTERM or SIGHUP arrived."""
+
+
+def _raise_terminated(signum: int, _frame: object) -> None:
+    raise _Terminated(signal.Signals(signum).name)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line interface."""
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog="See docs/deployment.md.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--num-supernodes", type=int, default=2, help="SuperNodes (= clients)")
+    parser.add_argument(
+        "--workdir",
+        type=Path,
+        default=ROOT / "deploy" / "work",
+        help="state, logs, certificates, keys, FLWR_HOME (default: deploy/work)",
+    )
+    parser.add_argument(
+        "--run-config",
+        action="append",
+        default=[],
+        metavar="'k=v ...' | FILE.toml",
+        help="run-config overrides; repeatable, merged in order (num-clients is set to N)",
+    )
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="no TLS and no SuperNode authentication (local debugging only)",
+    )
+    parser.add_argument(
+        "--base-port",
+        type=int,
+        default=None,
+        help=f"SuperLink port; SuperNode i uses base+1+i (default {DEFAULT_BASE_PORT}, "
+        "or the next free block of 100)",
+    )
+    parser.add_argument("--certs-dir", type=Path, help="existing ca.crt, server.crt, server.key")
+    parser.add_argument("--keys-dir", type=Path, help="existing supernode_<i>(.pub) key pairs")
+    parser.add_argument("--app", type=Path, default=ROOT, help="the Flower App directory")
+    parser.add_argument(
+        "--startup-timeout", type=float, default=60.0, help="seconds for the SuperLink/SuperNodes"
+    )
+    parser.add_argument("--run-timeout", type=float, default=None, help="seconds for the run")
+    parser.add_argument(
+        "--threads-per-node", type=int, default=None, help="torch threads per SuperNode"
+    )
+    parser.add_argument(
+        "--keep-running",
+        action="store_true",
+        help="after the run, keep the SuperLink and SuperNodes until Ctrl-C",
+    )
+    parser.add_argument("--no-run", action="store_true", help="start the federation only")
+    parser.add_argument("--verbose", action="store_true", help="also print httpx request lines")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Start, run, stop; returns the exit status."""
+    global _SUBREAPER
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        options = DeployOptions(
+            num_supernodes=args.num_supernodes,
+            workdir=args.workdir,
+            app_dir=args.app,
+            base_port=args.base_port,
+            insecure=args.insecure,
+            certs_dir=args.certs_dir,
+            keys_dir=args.keys_dir,
+            startup_timeout=args.startup_timeout,
+            run_timeout=args.run_timeout,
+            threads_per_node=args.threads_per_node,
+            verbose=args.verbose,
+        )
+        overrides = parse_run_config(args.run_config)
+        resolve_run_config(overrides, options.num_supernodes, options.app_dir)  # check early
+    except (ValueError, RunConfigError) as err:
+        parser.error(str(err))
+    if args.insecure:
+        print("WARNING: --insecure: no TLS, no SuperNode authentication; local debugging only")
+    _SUBREAPER = become_subreaper()
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    signal.signal(signal.SIGHUP, _raise_terminated)
+    deployment = LocalDeployment(options)
+    code = 0
+    try:
+        deployment.start()
+        if not args.no_run:
+            result = deployment.run(overrides)
+            code = 0 if result.ok else 1
+            if result.ok and result.run_dir is not None:
+                print(f"results: {result.run_dir}")
+        if args.keep_running or args.no_run:
+            deployment._say(
+                f"running: connection '{CONNECTION}' in FLWR_HOME={deployment.flwr_home} "
+                f"(address {deployment.address}); Ctrl-C stops everything"
+            )
+            while all(p.alive() for p in [deployment.superlink, *deployment.supernodes] if p):
+                time.sleep(1.0)
+            deployment._say("a SuperLink/SuperNode process exited; stopping")
+    except DeploymentError as err:
+        print(f"ERROR: {err}", file=sys.stderr)
+        code = 3
+    except (KeyboardInterrupt, _Terminated) as err:
+        print(f"\ninterrupted ({type(err).__name__} {err}); stopping everything", file=sys.stderr)
+        code = 130
+    finally:
+        deployment.stop()
+        timings = ", ".join(f"{k} {v:.1f}" for k, v in deployment.timings.items())
+        deployment._say(f"stopped; timings: {timings or 'none'}; logs in {deployment.logs}")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

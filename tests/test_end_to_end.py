@@ -1,0 +1,169 @@
+"""End-to-end runs of the real ServerApp loop and ClientApp in one process (no Ray)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from fedfm_flower import protocol as P
+from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.models import MODEL_CACHE, backbone_fingerprint, build_model
+from fedfm_flower.registry import METHODS
+from server_apps.inprocess import run_in_process
+
+SHARED_KEYS = {
+    "local": set(),
+    "fedavg": {"adapter", "head"},
+    "fedavg-ft": {"adapter", "head"},
+    "fedrep": {"adapter"},
+}
+
+
+def _groups(keys) -> set[str]:
+    from fedfm_flower.models import parameter_group
+
+    return {parameter_group(k) for k in keys}
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_each_baseline_runs_two_rounds(method: str, small_run_config: dict) -> None:
+    config = {**small_run_config, "method": method}
+    summary, grid = run_in_process(config, num_nodes=4)
+    assert summary["rounds"] == 2
+    assert 0.2 < summary["final-test-accuracy-mean"] <= 1.0  # chance is 0.1
+    assert set(summary["final-per-client-accuracy"]) == {"0", "1", "2", "3"}
+    # Only the method's shared groups travel, and never a backbone tensor.
+    for message in grid.sent:
+        arrays = message.content.array_records.get(P.ARRAYS)
+        keys = set(arrays.keys()) if arrays is not None else set()
+        assert _groups(keys) <= SHARED_KEYS[method]
+        if message.metadata.message_type == "train":
+            assert _groups(keys) == SHARED_KEYS[method]
+    run_dir = Path(config["output-dir"]) / summary["run-name"]
+    rounds = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rounds] == [1, 2]
+    for record in rounds:
+        assert record["clients-reported"] == 4
+        assert not math.isnan(record["test-accuracy-mean"])
+        assert record["bytes-down"] > 0 or method == "local"
+    saved = json.loads((run_dir / "config.json").read_text())
+    assert saved["run-config"]["method"] == method
+    assert saved["foundation"]["public_test_accuracy"] > 0.6
+    assert (run_dir / "summary.json").is_file()
+    assert (run_dir / "checkpoints" / "round_00002.safetensors").is_file()
+
+
+def test_client_training_leaves_the_frozen_backbone_bit_identical(small_run_config: dict) -> None:
+    run_in_process({**small_run_config, "method": "fedavg"}, num_nodes=4)
+    config = ExperimentConfig.from_run_config(
+        {**ExperimentConfig().to_run_config(), **small_run_config, "method": "fedavg"}
+    )
+    trained = MODEL_CACHE._model  # the model the clients trained in this process
+    assert trained is not None
+    fresh = build_model(config, num_classes=10)
+    assert backbone_fingerprint(trained.backbone) == backbone_fingerprint(fresh.backbone)
+
+
+def test_personal_heads_stay_on_their_clients(small_run_config: dict, tmp_path: Path) -> None:
+    config = {**small_run_config, "method": "fedrep", "client-state-dir": str(tmp_path / "st")}
+    summary, grid = run_in_process(config, num_nodes=4)
+    heads = {}
+    for client_dir in sorted((tmp_path / "st" / summary["run-name"]).iterdir()):
+        from safetensors.torch import load_file
+
+        files = sorted(client_dir.glob("round_*.safetensors"))
+        heads[client_dir.name] = load_file(files[-1])["head.weight"]
+    assert len(heads) == 4
+    values = list(heads.values())
+    assert all(not torch.equal(values[0], other) for other in values[1:])
+    for message in grid.sent:  # no head ever left or reached a client
+        arrays = message.content.array_records.get(P.ARRAYS)
+        assert arrays is None or not any(k.startswith("head.") for k in arrays.keys())
+
+
+def test_a_failing_client_does_not_stop_the_round(small_run_config: dict) -> None:
+    def break_client_2(client_id, reply):
+        if client_id == 2 and reply.metadata.message_type == "train":
+            arrays = reply.content.array_records[P.ARRAYS]
+            name = next(iter(arrays.keys()))
+            from flwr.app import Array
+
+            arrays[name] = Array(torch.full(tuple(arrays[name].shape), float("nan")).numpy())
+        return reply
+
+    summary, _ = run_in_process({**small_run_config, "method": "fedavg"}, 4, break_client_2)
+    run_dir = Path(small_run_config["output-dir"]) / summary["run-name"]
+    rounds = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for record in rounds:
+        assert record["clients-reported"] == 3
+        assert "NaN" in record["rejected"]["2"]
+    assert summary["final-test-accuracy-mean"] > 0.2
+
+
+def test_partial_participation_and_missing_clients(small_run_config: dict) -> None:
+    dropped = []
+
+    def drop_client_1(client_id, reply):
+        if client_id == 1 and reply.metadata.message_type == "train":
+            dropped.append(client_id)
+            return None  # as if the node vanished mid-round
+        return reply
+
+    config = {**small_run_config, "method": "fedrep", "fraction-train": 0.5, "num-server-rounds": 3}
+    summary, _ = run_in_process(config, 4, drop_client_1)
+    run_dir = Path(config["output-dir"]) / summary["run-name"]
+    rounds = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["clients-sampled"] == 2 for r in rounds)
+    assert len({tuple(r["sampled"]) for r in rounds}) > 1  # the sample changes by round
+    for record in rounds:
+        if 1 in record["sampled"]:
+            assert record["missing"] == [1]
+            assert record["clients-reported"] == 1
+        else:
+            assert record["missing"] == []
+            assert record["clients-reported"] == 2
+    assert dropped, "client 1 was never sampled; pick another seed"
+    assert summary["rounds"] == 3
+
+
+def test_resume_after_a_crash_gives_the_same_final_metrics(
+    small_run_config: dict, tmp_path: Path
+) -> None:
+    base = {
+        **small_run_config,
+        "method": "fedrep",
+        "num-server-rounds": 3,
+        "client-state-dir": str(tmp_path / "state"),
+    }
+    full, _ = run_in_process({**base, "run-name": "uninterrupted"}, 4)
+
+    class Crash(Exception):
+        pass
+
+    def crash_in_round_3(client_id, reply):
+        if reply.metadata.group_id == "3" and reply.metadata.message_type == "train":
+            raise Crash  # the ServerApp dies while round 3 is under way
+        return reply
+
+    with pytest.raises(Crash):
+        run_in_process({**base, "run-name": "crashed"}, 4, crash_in_round_3)
+    run_dir = Path(base["output-dir"]) / "crashed"
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 2
+    # Fresh contexts (a new `flwr run`): clients recover their state from client-state-dir.
+    resumed, _ = run_in_process({**base, "run-name": "crashed", "resume": True}, 4)
+    assert resumed["rounds"] == 3
+    assert resumed["final-per-client-accuracy"] == full["final-per-client-accuracy"]
+    assert resumed["final-test-accuracy-mean"] == full["final-test-accuracy-mean"]
+    rounds = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rounds] == [1, 2, 3]
+
+
+def test_an_existing_run_is_never_overwritten(small_run_config: dict) -> None:
+    config = {**small_run_config, "num-server-rounds": 1, "run-name": "taken"}
+    run_in_process(config, 4)
+    with pytest.raises(FileExistsError, match="resume=true"):
+        run_in_process(config, 4)
