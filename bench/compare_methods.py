@@ -12,16 +12,29 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import time
 from pathlib import Path
 
-import tomllib
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_one(method: str, setup: str, seed: int, rounds: int, clients: int, out: Path) -> dict:
+def run_one(
+    method: str,
+    setup: str,
+    seed: int,
+    rounds: int,
+    clients: int,
+    out: Path,
+    overrides: dict | None = None,
+    tag: str = "",
+) -> dict:
     """One in-process experiment; returns its summary plus the setup and bytes per client."""
     from server_apps.inprocess import run_in_process
 
@@ -35,8 +48,13 @@ def run_one(method: str, setup: str, seed: int, rounds: int, clients: int, out: 
             "run-name": f"{method}-{setup}-s{seed}",
         }
     )
-    summary, _ = run_in_process(config, clients)
-    run_dir = out / "runs" / summary["run-name"]
+    run_dir = out / "runs" / config["run-name"]
+    if (run_dir / "summary.json").is_file():  # finished earlier: reuse, so reruns are cheap
+        summary = json.loads((run_dir / "summary.json").read_text())
+    else:
+        if run_dir.exists():
+            shutil.rmtree(run_dir)  # an interrupted run: start it over
+        summary, _ = run_in_process(config, clients)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     up = statistics.fmean(r["bytes-up-train"] / max(r["clients-reported"], 1) for r in records)
     return {
@@ -80,16 +98,32 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--clients", type=int, default=10)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "compare")
+    parser.add_argument(
+        "--set",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="run-config overrides for every run, e.g. dirichlet-alpha=0.1",
+    )
+    parser.add_argument("--tag", default="", help="suffix for setup names when using --set")
     args = parser.parse_args(argv)
     from fedfm_flower.logs import configure_logging
 
     configure_logging()
     args.out.mkdir(parents=True, exist_ok=True)
+    overrides = {}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            parser.error(f"--set expects KEY=VALUE, got {item!r}")
+        overrides[key] = tomllib.loads(f"v = {value}")["v"]
     results, started = [], time.perf_counter()
     for setup in args.setups:
         for method in args.methods:
             for seed in args.seeds:
-                result = run_one(method, setup, seed, args.rounds, args.clients, args.out)
+                result = run_one(
+                    method, setup, seed, args.rounds, args.clients, args.out, overrides, args.tag
+                )
                 results.append(result)
                 print(
                     f"{method:10s} {setup:22s} seed {seed}: "
@@ -101,9 +135,10 @@ def main(argv: list[str] | None = None) -> None:
         "results": results,
         "seconds": time.perf_counter() - started,
     }
-    (args.out / "results.json").write_text(json.dumps(payload, indent=2))
-    markdown = table(results, args.methods, args.setups)
-    (args.out / "table.md").write_text(markdown + "\n")
+    name = f"results{args.tag}"
+    (args.out / f"{name}.json").write_text(json.dumps(payload, indent=2))
+    markdown = table(results, args.methods, [s + args.tag for s in args.setups])
+    (args.out / f"table{args.tag}.md").write_text(markdown + "\n")
     print(markdown)
 
 

@@ -96,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     env.setdefault("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", "1")
     env.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
     env.setdefault("HF_HUB_OFFLINE", "1")
+    # flwr spawns `flower-superlink` by name: make this interpreter's scripts win on PATH.
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     flwr_home = Path(env["FLWR_HOME"])
     stop_processes(local_superlink_pids(flwr_home))  # a stale one would run an old app
     flwr = str(Path(sys.executable).parent / "flwr")

@@ -5,7 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import tomllib
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
 
 from fedfm_flower.config import (
     BACKBONES,
@@ -55,6 +59,7 @@ def test_methods_match_the_registry() -> None:
         ("resume", "maybe", "expected a value of type bool"),
         ("lora-target-modules", " , ", "name at least one module"),
         ("colour", "red", "unknown key"),
+        ("partitioner", "natural-id", "has no natural ids"),
     ],
 )
 def test_invalid_values_name_key_value_and_rule(key: str, value: object, fragment: str) -> None:
@@ -64,6 +69,15 @@ def test_invalid_values_name_key_value_and_rule(key: str, value: object, fragmen
     assert f"'{key}'" in message
     assert repr(value) in message
     assert fragment in message
+
+
+def test_natural_id_needs_a_dataset_with_ids() -> None:
+    with pytest.raises(ConfigError, match="'tiny-imagenet' has no natural ids"):
+        ExperimentConfig.from_run_config({"dataset": "tiny-imagenet", "partitioner": "natural-id"})
+    config = ExperimentConfig.from_run_config(
+        {"dataset": "digits-domains", "partitioner": "natural-id"}
+    )
+    assert config.partitioner == "natural-id"
 
 
 def test_resume_needs_a_run_name() -> None:
