@@ -91,7 +91,7 @@ class ExperimentConfig:
     finetune_epochs: int = 1  # fedavg-ft: local fine-tuning epochs before evaluation
     batch_size: int = 32
     optimizer: str = "sgd"
-    lr: float = 0.05
+    lr: float = 0.02
     momentum: float = 0.9
     weight_decay: float = 0.0
     device: str = "auto"
