@@ -121,3 +121,27 @@ def test_steps_override_epochs() -> None:
 def test_bad_lora_target_names_the_config_key() -> None:
     with pytest.raises(ValueError, match="lora-target-modules"):
         build_model(CONFIG.replace(lora_target_modules="not_a_module"), num_classes=3)
+
+
+def test_timm_vit_loads_pretrained_weights_from_a_local_file(tmp_path) -> None:
+    import timm
+    from safetensors.torch import save_file
+
+    from fedfm_flower.models import build_backbone
+
+    torch.manual_seed(123)
+    source = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=10)
+    weights = tmp_path / "vit_tiny.safetensors"
+    save_file({k: v.contiguous() for k, v in source.state_dict().items()}, str(weights))
+    config = ExperimentConfig(
+        backbone="vit_tiny_patch16_224", image_size=224, pretrained=True, weights_file=str(weights)
+    )
+    backbone = build_backbone(config)
+    loaded = backbone.state_dict()
+    assert backbone.num_features == 192
+    for name, tensor in source.state_dict().items():
+        if name.startswith("head."):
+            continue  # the classifier is dropped (num_classes=0): we add our own head
+        assert torch.equal(loaded[name], tensor), name
+    model = build_model(config, num_classes=5)
+    assert len(model.group_parameters(["adapter"])) == 2 * 12
