@@ -17,7 +17,7 @@ from flwr.app import Context
 from fedfm_flower.client_state import ClientStateStore
 from fedfm_flower.config import ExperimentConfig, NodeIdentity
 from fedfm_flower.models import MODEL_CACHE, AdaptedClassifier, pick_device
-from fedfm_flower.training import EvalStats, TrainStats
+from fedfm_flower.training import EvalStats, TrainStats, round_seed
 
 
 @dataclass
@@ -58,8 +58,6 @@ class ClientRuntime:
 
     def seed(self, server_round: int, salt: int = 0) -> int:
         """The seed of this client's work in ``server_round``."""
-        from fedfm_flower.training import round_seed
-
         return round_seed(self.config.seed, self.identity.client_id, server_round, salt)
 
 

@@ -39,30 +39,41 @@ def tensor_spec(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[tuple[in
     }
 
 
-def check_record(
-    record: ArrayRecord, spec: Mapping[str, tuple[tuple[int, ...], str]]
-) -> str | None:
-    """Why ``record`` breaks ``spec`` (keys, shapes, dtypes, NaN/Inf), or None if it is valid."""
+class InvalidRecord(ValueError):
+    """An ArrayRecord that breaks the expected spec; the message says how."""
+
+
+def decode_checked(
+    record: ArrayRecord | None, spec: Mapping[str, tuple[tuple[int, ...], str]]
+) -> dict[str, torch.Tensor]:
+    """Decode ``record`` once after checking keys, shapes, dtypes and sizes against ``spec``.
+
+    Raises ``InvalidRecord`` naming the first problem (also NaN/Inf in the decoded values).
+    """
+    if record is None:
+        raise InvalidRecord("no arrays record")
     missing = sorted(set(spec) - set(record.keys()))
     extra = sorted(set(record.keys()) - set(spec))
     if missing:
-        return f"missing keys {missing[:3]}{'...' if len(missing) > 3 else ''}"
+        raise InvalidRecord(f"missing keys {missing[:3]}{'...' if len(missing) > 3 else ''}")
     if extra:
-        return f"unexpected keys {extra[:3]}{'...' if len(extra) > 3 else ''}"
+        raise InvalidRecord(f"unexpected keys {extra[:3]}{'...' if len(extra) > 3 else ''}")
     for name, (shape, dtype) in spec.items():
         array = record[name]
         if tuple(array.shape) != tuple(shape):
-            return f"'{name}' has shape {tuple(array.shape)}, expected {tuple(shape)}"
+            raise InvalidRecord(f"'{name}' has shape {tuple(array.shape)}, expected {tuple(shape)}")
         if array.dtype != dtype:
-            return f"'{name}' has dtype {array.dtype}, expected {dtype}"
+            raise InvalidRecord(f"'{name}' has dtype {array.dtype}, expected {dtype}")
         expected_bytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
         if len(array.data) > expected_bytes + 1024:
-            return f"'{name}' payload is {len(array.data)} bytes, expected ~{expected_bytes}"
-    for name, array in record.items():
-        try:
-            values = array.numpy()
-        except Exception as err:  # noqa: BLE001 - any decoding failure rejects the reply
-            return f"'{name}' cannot be decoded: {err}"
-        if not np.isfinite(values).all():
-            return f"'{name}' contains NaN or Inf"
-    return None
+            raise InvalidRecord(
+                f"'{name}' payload is {len(array.data)} bytes, expected ~{expected_bytes}"
+            )
+    try:
+        tensors = from_array_record(record)
+    except Exception as err:  # noqa: BLE001 - any decoding failure rejects the reply
+        raise InvalidRecord(f"cannot be decoded: {err}") from err
+    for name, tensor in tensors.items():
+        if not torch.isfinite(tensor).all():
+            raise InvalidRecord(f"'{name}' contains NaN or Inf")
+    return tensors

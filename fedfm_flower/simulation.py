@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+from fedfm_flower.processes import flower_environment, pid_alive, signal_process
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -38,27 +40,16 @@ def local_superlink_pids(flwr_home: Path) -> list[int]:
     return pids
 
 
-def _signal_group(pid: int, sig: signal.Signals) -> None:
-    """Signal the process group led by ``pid`` (or just ``pid``); ignore the vanished."""
-    try:
-        os.killpg(os.getpgid(pid), sig)
-    except (ProcessLookupError, PermissionError):
-        try:
-            os.kill(pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
 def stop_processes(pids: list[int], grace_s: float = 10.0) -> None:
     """SIGTERM the process groups of ``pids``, then SIGKILL what is still alive."""
     for pid in pids:
-        _signal_group(pid, signal.SIGTERM)
+        signal_process(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in pids):
+    while time.monotonic() < deadline and any(pid_alive(p) for p in pids):
         time.sleep(0.2)
     for pid in pids:
-        if Path(f"/proc/{pid}").exists():
-            _signal_group(pid, signal.SIGKILL)
+        if pid_alive(pid):
+            signal_process(pid, signal.SIGKILL)
 
 
 def federation_config(num_supernodes: int, gpu_fraction: float) -> str:
@@ -91,14 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         gpu_fraction = 0.25 if torch.cuda.is_available() else 0.0
-    env = os.environ.copy()
-    env.setdefault("FLWR_HOME", str(ROOT / ".flwr"))
-    env.setdefault("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", "1")
-    env.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    # flwr spawns `flower-superlink` by name: make this interpreter's scripts win on PATH.
-    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-    flwr_home = Path(env["FLWR_HOME"])
+    flwr_home = Path(os.environ.get("FLWR_HOME", ROOT / ".flwr"))
+    env = flower_environment(flwr_home)
     stop_processes(local_superlink_pids(flwr_home))  # a stale one would run an old app
     flwr = str(Path(sys.executable).parent / "flwr")
     command = [

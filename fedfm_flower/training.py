@@ -86,7 +86,7 @@ def train(
     ``steps`` (when > 0) wins over ``epochs``; both default to the config's local-steps and
     local-epochs. Only ``params`` get gradients; everything else keeps ``requires_grad`` as is.
     """
-    params = [p for p in params]
+    params = list(params)
     if epochs is None:
         epochs = config.local_epochs
     if steps is None:

@@ -58,6 +58,9 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from fedfm_flower.config import ConfigError, ExperimentConfig
+from fedfm_flower.processes import flower_environment, pid_alive, signal_process
+
 ROOT = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"  # the only address this script ever binds to or dials
 DEFAULT_BASE_PORT = 19190
@@ -67,7 +70,6 @@ CERT_FILES = ("ca.crt", "server.crt", "server.key")
 # Run-config keys holding paths: made absolute, since the ServerApp and ClientApps run with the
 # SuperLink's and SuperNodes' working directories, not the caller's.
 PATH_KEYS = ("output-dir", "cache-dir", "data-dir", "weights-file", "client-state-dir")
-_HTTPX_LINE = re.compile(r"^(INFO|DEBUG) httpx: HTTP Request: ")
 
 
 class DeploymentError(RuntimeError):
@@ -92,8 +94,7 @@ class DeployOptions:
     startup_timeout: float = 60.0  # seconds for the SuperLink, then for all SuperNodes
     run_timeout: float | None = None  # seconds for `flwr run`; None: no limit
     threads: int | None = None  # OpenMP/torch threads per ServerApp/ClientApp; None: see below
-    echo: bool = True  # print `flwr run`'s stream (without httpx request lines)
-    verbose: bool = False  # also print httpx request lines
+    echo: bool = True  # print `flwr run`'s stream
 
     def __post_init__(self) -> None:
         self.workdir = Path(self.workdir).expanduser().resolve()
@@ -178,15 +179,12 @@ def resolve_run_config(
 ) -> dict[str, Any]:
     """Overrides plus ``num-clients``, absolute paths and a default ``output-dir``.
 
-    Keys must exist under ``[tool.flwr.app.config]`` of the app (Flower rejects others); this is
-    checked here to fail before anything starts.
+    Keys must exist under ``[tool.flwr.app.config]`` of the app (Flower rejects others) and
+    values must pass ``ExperimentConfig`` validation; both are checked here, before anything
+    starts.
     """
-    import tomli
-
     base = base or Path.cwd()
-    declared = tomli.loads((app_dir / "pyproject.toml").read_text())
-    known = declared.get("tool", {}).get("flwr", {}).get("app", {}).get("config", {})
-    unknown = sorted(set(overrides) - set(known))
+    unknown = sorted(set(overrides) - set(ExperimentConfig.keys()))
     if unknown:
         raise RunConfigError(
             f"unknown run-config key(s) {', '.join(unknown)}; declared keys are in "
@@ -204,6 +202,10 @@ def resolve_run_config(
         value = config.get(key)
         if isinstance(value, str) and value and not Path(value).expanduser().is_absolute():
             config[key] = str((base / value).resolve())
+    try:  # every value, not just the keys: fail here rather than in the ServerApp
+        ExperimentConfig.from_run_config({**ExperimentConfig().to_run_config(), **config})
+    except ConfigError as err:
+        raise RunConfigError(str(err)) from err
     return config
 
 
@@ -344,24 +346,6 @@ def _tagged_pids(tag: str) -> set[int]:
         if marker in environ.split(b"\0"):
             found.add(int(entry.name))
     return found
-
-
-def pid_alive(pid: int) -> bool:
-    """True for a running (not zombie) process."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as handle:
-            state = handle.read().rsplit(b")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in (b"Z", b"X")
-
-
-def _signal(pid: int, sig: int, group: bool) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        if group:
-            os.killpg(pid, sig)
-        else:
-            os.kill(pid, sig)
 
 
 def _reap_orphans() -> None:
@@ -506,18 +490,8 @@ class LocalDeployment:
 
     def env(self) -> dict[str, str]:
         """Environment of every process started here (tagged, offline, no `uv sync`)."""
-        env = os.environ.copy()
-        env.update(
-            {
-                TAG_VAR: self.tag,
-                "FLWR_HOME": str(self.flwr_home),
-                "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-                "FLWR_DISABLE_UPDATE_CHECK": "1",
-                "PYTHONUNBUFFERED": "1",
-            }
-        )
-        env.setdefault("HF_HUB_OFFLINE", "1")
-        env.setdefault("HF_DATASETS_OFFLINE", "1")
+        env = flower_environment(self.flwr_home)
+        env.update({TAG_VAR: self.tag, "PYTHONUNBUFFERED": "1"})
         # The ServerApp and the N ClientApps share the CPU cores: without a limit each torch
         # process starts one OpenMP thread per core, and oversubscribed OpenMP spins (measured
         # here: foundation pretraining 12 s with 1 thread, 247 s with 2 threads on a busy 2-core
@@ -525,8 +499,6 @@ class LocalDeployment:
         threads = str(self.threads())
         env.setdefault("OMP_NUM_THREADS", threads)
         env.setdefault("MKL_NUM_THREADS", threads)
-        venv_bin = str(Path(sys.executable).parent)
-        env["PATH"] = venv_bin + os.pathsep + env.get("PATH", "")
         return env
 
     def threads(self) -> int:
@@ -853,8 +825,7 @@ class LocalDeployment:
         return "unknown"
 
     def _echo(self, line: str) -> None:
-        if self.options.verbose or not _HTTPX_LINE.match(line):
-            print(line, flush=True)
+        print(line, flush=True)
 
     # -- stop ---------------------------------------------------------------------------------
     def live_pids(self) -> set[int]:
@@ -878,9 +849,9 @@ class LocalDeployment:
         # The run's client first, then SuperNodes, then the SuperLink (reverse start order).
         for process in reversed(self.processes):
             if process.alive():
-                _signal(process.pid, signal.SIGTERM, group=True)
+                signal_process(process.pid, signal.SIGTERM, group=True)
         for pid in live:
-            _signal(pid, signal.SIGTERM, group=False)
+            signal_process(pid, signal.SIGTERM, group=False)
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline:
             for process in self.processes:
@@ -892,9 +863,9 @@ class LocalDeployment:
         leftover = self.live_pids()
         for process in self.processes:
             if process.alive():
-                _signal(process.pid, signal.SIGKILL, group=True)
+                signal_process(process.pid, signal.SIGKILL, group=True)
         for pid in leftover:
-            _signal(pid, signal.SIGKILL, group=False)
+            signal_process(pid, signal.SIGKILL, group=False)
         if leftover:
             self._say(
                 f"killed {len(leftover)} process(es) that ignored SIGTERM: {sorted(leftover)}"
@@ -1041,7 +1012,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="after the run, keep the SuperLink and SuperNodes until Ctrl-C",
     )
     parser.add_argument("--no-run", action="store_true", help="start the federation only")
-    parser.add_argument("--verbose", action="store_true", help="also print httpx request lines")
     return parser
 
 
@@ -1062,7 +1032,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             startup_timeout=args.startup_timeout,
             run_timeout=args.run_timeout,
             threads=args.threads,
-            verbose=args.verbose,
         )
         overrides = parse_run_config(args.run_config)
         resolve_run_config(overrides, options.num_supernodes, options.app_dir)  # check early

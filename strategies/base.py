@@ -34,7 +34,7 @@ from flwr.serverapp.strategy import Strategy
 
 from fedfm_flower import protocol as P
 from fedfm_flower.config import ExperimentConfig
-from fedfm_flower.records import check_record, from_array_record, to_array_record
+from fedfm_flower.records import InvalidRecord, decode_checked, to_array_record
 from fedfm_flower.training import round_seed
 
 log = logging.getLogger(__name__)
@@ -249,15 +249,19 @@ class PersonalizedStrategy(Strategy):
             node_id = reply.metadata.src_node_id
             expected = self.node_to_client.get(node_id)
             key = str(expected) if expected is not None else f"node {node_id}"
-            reason = self._reject_reason(reply, expected, report, check_arrays)
+            reason = self._reject_reason(reply, expected, report)
+            arrays: dict[str, torch.Tensor] = {}
+            if reason is None and check_arrays:
+                try:
+                    record = reply.content.array_records.get(P.ARRAYS)
+                    arrays = decode_checked(record, self.reply_spec(expected))
+                except InvalidRecord as err:
+                    reason = str(err)
             if reason is not None:
                 report.rejected[key] = reason
                 log.warning("rejected reply of client %s (node %s): %s", expected, node_id, reason)
                 continue
             metrics = dict(reply.content.metric_records[P.METRICS])
-            arrays = (
-                from_array_record(reply.content.array_records[P.ARRAYS]) if check_arrays else {}
-            )
             report.accepted[expected] = {k: float(v) for k, v in metrics.items()}
             valid.append(
                 ClientReply(expected, node_id, arrays, int(metrics[P.NUM_EXAMPLES]), metrics)
@@ -267,8 +271,9 @@ class PersonalizedStrategy(Strategy):
         return sorted(valid, key=lambda r: r.client_id)
 
     def _reject_reason(
-        self, reply: Message, expected: int | None, report: RoundReport, check_arrays: bool
+        self, reply: Message, expected: int | None, report: RoundReport
     ) -> str | None:
+        """Why the reply's metadata or metrics are unacceptable, or None."""
         if reply.has_error():
             return f"client error: {reply.error.reason}"
         if expected is None:
@@ -288,11 +293,6 @@ class PersonalizedStrategy(Strategy):
             return f"bad num-examples {count!r}"
         if any(isinstance(v, float) and not math.isfinite(v) for v in metrics.values()):
             return "metrics contain NaN or Inf"
-        if check_arrays:
-            record = reply.content.array_records.get(P.ARRAYS)
-            if record is None:
-                return "no arrays record"
-            return check_record(record, self.reply_spec(expected))
         return None
 
 

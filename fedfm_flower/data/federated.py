@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -23,6 +24,10 @@ from fedfm_flower.config import ExperimentConfig
 from fedfm_flower.data.images import normalize
 from fedfm_flower.data.registry import dataset_spec
 from fedfm_flower.data.settings import DataSettings
+
+if TYPE_CHECKING:
+    from fedfm_flower.data.domains import Domain
+    from fedfm_flower.data.source import Source
 
 
 @dataclass(frozen=True)
@@ -115,17 +120,10 @@ def _client_data(settings: DataSettings, partition_id: int, num_partitions: int)
         index = int(natural[partition_id]) if natural is not None else partition_id
         domain = DOMAINS[index % len(DOMAINS)]
 
-    def tensors(sample_ids: np.ndarray) -> TensorDataset:
-        images = source.images(sample_ids)
-        if domain is not None:
-            images = domain(images)
-        labels = torch.from_numpy(source.labels[sample_ids].astype(np.int64))
-        return TensorDataset(normalize(images), labels)
-
     return ClientData(
-        train=tensors(ids.train),
-        test=tensors(ids.test),
-        val=tensors(ids.val) if settings.val_fraction > 0 else None,
+        train=_tensor_dataset(source, ids.train, domain),
+        test=_tensor_dataset(source, ids.test, domain),
+        val=_tensor_dataset(source, ids.val, domain) if settings.val_fraction > 0 else None,
         num_classes=source.num_classes,
     )
 
@@ -147,12 +145,18 @@ def _public_data(settings: DataSettings) -> tuple[TensorDataset, TensorDataset, 
 
     source = load_source(settings)
     train, test = _public_ids(settings)
+    return _tensor_dataset(source, train), _tensor_dataset(source, test), source.num_classes
 
-    def tensors(sample_ids: np.ndarray) -> TensorDataset:
-        labels = torch.from_numpy(source.labels[sample_ids].astype(np.int64))
-        return TensorDataset(normalize(source.images(sample_ids)), labels)
 
-    return tensors(train), tensors(test), source.num_classes
+def _tensor_dataset(
+    source: Source, sample_ids: np.ndarray, domain: Domain | None = None
+) -> TensorDataset:
+    """Normalized images (seen through ``domain`` when given) and int64 labels of the samples."""
+    images = source.images(sample_ids)
+    if domain is not None:
+        images = domain(images)
+    labels = torch.from_numpy(source.labels[sample_ids].astype(np.int64))
+    return TensorDataset(normalize(images), labels)
 
 
 def clear_caches() -> None:

@@ -35,7 +35,6 @@ from typing import Any
 
 import numpy as np
 
-from fedfm_flower.data.registry import dataset_spec
 from fedfm_flower.data.settings import DataSettings
 from fedfm_flower.data.source import Source, load_source
 from fedfm_flower.data.splits import PRIVATE_ORDER_STREAM, entropy, public_split, rng_for
@@ -67,8 +66,6 @@ def partition_plan(settings: DataSettings, num_partitions: int) -> PartitionPlan
     """The partition of the private samples over ``num_partitions`` clients (cached)."""
     if num_partitions < 1:
         raise ValueError(f"num_partitions must be >= 1, got {num_partitions}")
-    if settings.partitioner == "natural-id":
-        _check_has_natural_ids(settings)
     from datasets import Dataset
 
     source = load_source(settings)
@@ -144,15 +141,6 @@ def make_partitioner(settings: DataSettings, num_partitions: int, natural_column
         f"partitioner '{settings.partitioner}' unknown; allowed: iid, dirichlet, pathological, "
         "natural-id"
     )
-
-
-def _check_has_natural_ids(settings: DataSettings) -> None:
-    """Fail before loading anything when the dataset cannot have natural ids."""
-    if not (settings.natural_id_column or dataset_spec(settings.dataset).natural_id_column):
-        raise ValueError(
-            f"partitioner 'natural-id' needs natural client ids, but dataset "
-            f"'{settings.dataset}' has none: set 'natural-id-column' to a column of the data"
-        )
 
 
 def _natural_ids(settings: DataSettings, source: Source, private: np.ndarray) -> np.ndarray:

@@ -126,31 +126,13 @@ class ModelCache:
         self, config: ExperimentConfig, num_classes: int, device: torch.device
     ) -> AdaptedClassifier:
         """The model for ``config`` on ``device`` with trainable tensors at their initial value."""
-        key = (_model_key(config), num_classes, str(device))
+        key = (config, num_classes, str(device))
         if self._key != key or self._model is None:
             self._model = build_model(config, num_classes).to(device)
             self._initial = self._model.group_tensors(GROUPS)
             self._key = key
         self._model.load_tensors(self._initial)
         return self._model
-
-
-def _model_key(config: ExperimentConfig) -> tuple:
-    return (
-        config.backbone,
-        config.pretrained,
-        config.weights_file,
-        config.image_size,
-        config.seed,
-        config.lora_rank,
-        config.lora_alpha,
-        config.lora_dropout,
-        config.lora_target_modules,
-        config.dataset,
-        config.public_fraction,
-        config.pretrain_epochs,
-        str(config.cache_path),
-    )
 
 
 MODEL_CACHE = ModelCache()

@@ -37,7 +37,8 @@ class TinyViTSpec:
 TINY_VIT = TinyViTSpec()
 
 
-def _tiny_vit(config: ExperimentConfig) -> nn.Module:
+def tiny_vit(config: ExperimentConfig) -> nn.Module:
+    """The tiny CPU ViT for ``config.image_size``, randomly initialised."""
     from timm.models.vision_transformer import VisionTransformer
 
     return VisionTransformer(
@@ -65,7 +66,7 @@ def _timm_vit(name: str) -> Callable[[ExperimentConfig], nn.Module]:
 
 
 BACKBONE_BUILDERS: dict[str, Callable[[ExperimentConfig], nn.Module]] = {
-    "tiny-vit": _tiny_vit,
+    "tiny-vit": tiny_vit,
     **{name: _timm_vit(name) for name in BACKBONES if name != "tiny-vit"},
 }
 
@@ -79,7 +80,7 @@ def build_backbone(config: ExperimentConfig, *, load_weights: bool = True) -> nn
     if not load_weights:
         config = config.replace(pretrained=False, weights_file="")
     if config.backbone == "tiny-vit":
-        backbone = _tiny_vit(config)
+        backbone = tiny_vit(config)
         if config.pretrained:
             from fedfm_flower.models.foundation import load_foundation_weights
 

@@ -88,13 +88,13 @@ def pretrain_foundation(config: ExperimentConfig) -> tuple[dict[str, torch.Tenso
     import time
 
     from fedfm_flower.data import load_public_split
-    from fedfm_flower.models.backbones import _tiny_vit, pick_device
+    from fedfm_flower.models.backbones import pick_device, tiny_vit
     from fedfm_flower.training import evaluate, train
 
     started = time.perf_counter()
     train_set, test_set, num_classes = load_public_split(config)
     torch.manual_seed(config.seed)
-    backbone = _tiny_vit(config)
+    backbone = tiny_vit(config)
     model = nn.Sequential(backbone, nn.Linear(backbone.num_features, num_classes))
     device = pick_device(config.device)
     model.to(device)

@@ -1,0 +1,54 @@
+"""Flower's processes as this project starts and stops them: their environment and signals.
+
+Both launchers (``fedfm_flower.simulation`` and ``scripts/deploy_local.py``) use these, so the
+recommended environment and the way a vanished process is tolerated are defined once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+
+def flower_environment(flwr_home: Path, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Environment for Flower's CLI and daemons: our FLWR_HOME, no runtime installs, HF offline.
+
+    ``FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION`` stops ``flwr run``/SuperLink/SuperNodes from
+    running ``uv sync`` (which would download torch again); this interpreter's scripts come first
+    on PATH because Flower spawns ``flower-superlink`` and ``flwr-clientapp`` by name.
+    """
+    env = dict(os.environ if base is None else base)
+    env["FLWR_HOME"] = str(flwr_home)
+    env["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] = "1"
+    env["FLWR_DISABLE_UPDATE_CHECK"] = "1"
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("HF_DATASETS_OFFLINE", "1")
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    return env
+
+
+def signal_process(pid: int, sig: int, group: bool = True) -> None:
+    """Send ``sig`` to the group ``pid`` leads (when ``group``) or to ``pid``; vanished is fine.
+
+    Only groups led by ``pid`` are signalled (our launchers start processes in new sessions), so
+    the caller's own group is never hit; a ``pid`` that leads no group gets the signal alone.
+    """
+    if group:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, sig)
+            return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, sig)
+
+
+def pid_alive(pid: int) -> bool:
+    """True for a running (not zombie) process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            state = handle.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in (b"Z", b"X")
