@@ -38,6 +38,8 @@ BACKBONES: tuple[str, ...] = (
 PARTITIONERS: tuple[str, ...] = ("iid", "dirichlet", "pathological", "natural-id")
 OPTIMIZERS: tuple[str, ...] = ("sgd", "adam", "adamw")
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
+SEQ_LEARNERS: tuple[str, ...] = ("mamba", "lstm", "mlp")  # fedfm_flower.learners.sequence
+SCAN_BACKENDS: tuple[str, ...] = ("auto", "torch", "cuda")  # ...learners.selective_scan
 
 
 class ConfigError(ValueError):
@@ -95,6 +97,21 @@ class ExperimentConfig:
     momentum: float = 0.9
     weight_decay: float = 0.0
     device: str = "auto"
+    # pfedseq: the server's sequential learner (docs/methods/pfedseq.md)
+    pfedseq_seq_len: int = 10
+    pfedseq_warmup_rounds: int = 5
+    pfedseq_lr: float = 0.001
+    pfedseq_learner: str = "mamba"
+    pfedseq_num_layers: int = 2
+    pfedseq_state_dim: int = 16
+    pfedseq_expand: int = 2
+    pfedseq_conv_kernel: int = 4
+    pfedseq_mlp_hidden: int = 100
+    pfedseq_cross_client: bool = True
+    pfedseq_global_aggregation: bool = True
+    pfedseq_scale_input: bool = True
+    pfedseq_chunk_size: int = 0
+    pfedseq_scan_backend: str = "auto"
     # outputs and state
     output_dir: str = "runs"
     run_name: str = ""
@@ -139,6 +156,23 @@ class ExperimentConfig:
         _one_of("partitioner", self.partitioner, PARTITIONERS)
         _one_of("optimizer", self.optimizer, OPTIMIZERS)
         _one_of("device", self.device, DEVICES)
+        _one_of("pfedseq-learner", self.pfedseq_learner, SEQ_LEARNERS)
+        _one_of("pfedseq-scan-backend", self.pfedseq_scan_backend, SCAN_BACKENDS)
+        for key, value in (
+            ("pfedseq-seq-len", self.pfedseq_seq_len),
+            ("pfedseq-lr", self.pfedseq_lr),
+            ("pfedseq-num-layers", self.pfedseq_num_layers),
+            ("pfedseq-state-dim", self.pfedseq_state_dim),
+            ("pfedseq-expand", self.pfedseq_expand),
+            ("pfedseq-mlp-hidden", self.pfedseq_mlp_hidden),
+        ):
+            _positive(key, value)
+        if not 2 <= self.pfedseq_conv_kernel <= 4:
+            raise ConfigError(
+                "pfedseq-conv-kernel",
+                self.pfedseq_conv_kernel,
+                "must lie in [2, 4] (the causal-conv1d kernel's range; the paper uses 4)",
+            )
         _positive("num-server-rounds", self.num_server_rounds)
         _positive("eval-every", self.eval_every)
         _positive("image-size", self.image_size)
@@ -160,6 +194,8 @@ class ExperimentConfig:
             ("pretrain-epochs", self.pretrain_epochs),
             ("momentum", self.momentum),
             ("weight-decay", self.weight_decay),
+            ("pfedseq-warmup-rounds", self.pfedseq_warmup_rounds),
+            ("pfedseq-chunk-size", self.pfedseq_chunk_size),
         ):
             if value < 0:
                 raise ConfigError(key, value, "must be >= 0")

@@ -37,6 +37,12 @@ METHODS: dict[str, MethodSpec] = {
         "client_apps.baselines:FedRepClient",
         "adapter averaged, head local; head epochs then adapter epochs (Collins et al. 2021)",
     ),
+    "pfedseq": MethodSpec(
+        "strategies.pfedseq:PFedSeqStrategy",
+        "client_apps.pfedseq:PFedSeqClient",
+        "FedAvg of LoRA updates + a Mamba sequential learner's per-client calibrations "
+        "(Peng et al. 2025)",
+    ),
     "fedavg-ft": MethodSpec(
         "strategies.fedavg_ft:FedAvgFineTuneStrategy",
         "client_apps.baselines:FedAvgFineTuneClient",

@@ -76,6 +76,8 @@ class PersonalizedStrategy(Strategy):
         self.node_to_client: dict[int, int] = {}
         self.train_report = RoundReport()
         self.evaluate_report = RoundReport()
+        self.num_partitions = 0  # largest num-partitions a node reported (0: none yet)
+        self.server_metrics: dict[str, float] = {}  # the strategy's own numbers of the round
 
     # ----------------------------------------------------------------- to implement
     def train_payload(self, client_id: int, server_round: int) -> dict[str, torch.Tensor]:
@@ -132,6 +134,7 @@ class PersonalizedStrategy(Strategy):
                 log.warning("node %s answered the identity query without a client-id", node_id)
                 continue
             client_id = int(metrics[P.CLIENT_ID])
+            self.num_partitions = max(self.num_partitions, int(metrics.get(P.NUM_PARTITIONS, 0)))
             holder = next((n for n, c in self.node_to_client.items() if c == client_id), None)
             if holder is not None:
                 log.warning(
