@@ -1,10 +1,12 @@
 """Compare methods on the offline setups over several seeds; write JSON and a markdown table.
 
-    python -m bench.compare_methods --methods fedrep fedavg --seeds 0 1 2 \
-        --setups digits-label-skew digits-feature-skew --rounds 20
+    python -m bench.compare_methods --methods fedrep fedavg pfedseq pfedseq:variant-b \
+        --seeds 0 1 2 --setups digits-label-skew digits-feature-skew --rounds 20
 
 Each run is the real ServerApp loop and ClientApp in one process (``server_apps.inprocess``),
-with the settings of ``configs/<method>/<setup>.toml``. The table reports the final mean
+with the settings of ``configs/<method>/<setup>.toml``; ``method:variant`` overlays
+``configs/<method>/<variant>.toml`` on them (the paper's ablations), and ``--set`` overlays
+single keys on every run (name such runs with ``--tag``). The table reports the final mean
 per-client test accuracy, mean +- std over seeds, and the bytes each client sends per round.
 """
 
@@ -38,14 +40,19 @@ def run_one(
     """One in-process experiment; returns its summary plus the setup and bytes per client."""
     from server_apps.inprocess import run_in_process
 
-    config = tomllib.loads((ROOT / "configs" / method / f"{setup}.toml").read_text())
+    base, _, variant = method.partition(":")
+    config = tomllib.loads((ROOT / "configs" / base / f"{setup}.toml").read_text())
+    if variant:
+        config.update(tomllib.loads((ROOT / "configs" / base / f"{variant}.toml").read_text()))
+    config.update(overrides or {})
+    label = method.replace(":", "-")
     config.update(
         {
             "seed": seed,
             "num-server-rounds": rounds,
             "num-clients": clients,
             "output-dir": str(out / "runs"),
-            "run-name": f"{method}-{setup}-s{seed}",
+            "run-name": f"{label}-{setup}{tag}-s{seed}",
         }
     )
     run_dir = out / "runs" / config["run-name"]
@@ -59,7 +66,8 @@ def run_one(
     up = statistics.fmean(r["bytes-up-train"] / max(r["clients-reported"], 1) for r in records)
     return {
         **summary,
-        "setup": setup,
+        "method": method,
+        "setup": setup + tag,
         "bytes-up-per-client-round": up,
         "curve": [r.get("test-accuracy-mean") for r in records],
     }

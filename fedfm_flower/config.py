@@ -56,7 +56,7 @@ class ExperimentConfig:
     """All settings of one experiment; field ``foo_bar`` is run-config key ``foo-bar``."""
 
     # federation
-    method: str = "fedrep"
+    method: str = "pfedseq"
     num_server_rounds: int = 20
     num_clients: int = 0  # 0: take it from the node config's num-partitions
     fraction_train: float = 1.0

@@ -20,6 +20,7 @@ SHARED_KEYS = {
     "fedavg": {"adapter", "head"},
     "fedavg-ft": {"adapter", "head"},
     "fedrep": {"adapter"},
+    "pfedseq": {"adapter"},
 }
 
 
@@ -104,7 +105,8 @@ def test_a_failing_client_does_not_stop_the_round(small_run_config: dict) -> Non
     assert summary["final-test-accuracy-mean"] > 0.2
 
 
-def test_partial_participation_and_missing_clients(small_run_config: dict) -> None:
+@pytest.mark.parametrize("method", ["fedrep", "pfedseq"])
+def test_partial_participation_and_missing_clients(small_run_config: dict, method: str) -> None:
     dropped = []
 
     def drop_client_1(client_id, reply):
@@ -113,7 +115,13 @@ def test_partial_participation_and_missing_clients(small_run_config: dict) -> No
             return None  # as if the node vanished mid-round
         return reply
 
-    config = {**small_run_config, "method": "fedrep", "fraction-train": 0.5, "num-server-rounds": 3}
+    config = {
+        **small_run_config,
+        "method": method,
+        "fraction-train": 0.5,
+        "num-server-rounds": 3,
+        "pfedseq-warmup-rounds": 1,
+    }
     summary, _ = run_in_process(config, 4, drop_client_1)
     run_dir = Path(config["output-dir"]) / summary["run-name"]
     rounds = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -130,13 +138,15 @@ def test_partial_participation_and_missing_clients(small_run_config: dict) -> No
     assert summary["rounds"] == 3
 
 
+@pytest.mark.parametrize("method", ["fedrep", "pfedseq"])
 def test_resume_after_a_crash_gives_the_same_final_metrics(
-    small_run_config: dict, tmp_path: Path
+    small_run_config: dict, tmp_path: Path, method: str
 ) -> None:
     base = {
         **small_run_config,
-        "method": "fedrep",
+        "method": method,
         "num-server-rounds": 3,
+        "pfedseq-warmup-rounds": 1,
         "client-state-dir": str(tmp_path / "state"),
     }
     full, _ = run_in_process({**base, "run-name": "uninterrupted"}, 4)
@@ -179,3 +189,30 @@ def test_an_existing_run_is_never_overwritten(small_run_config: dict) -> None:
     run_in_process(config, 4)
     with pytest.raises(FileExistsError, match="resume=true"):
         run_in_process(config, 4)
+
+
+def test_pfedseq_sends_each_client_its_own_personalized_adapter(small_run_config: dict) -> None:
+    from safetensors.torch import load_file
+
+    from fedfm_flower.learners.layout import ParameterLayout
+
+    config = {**small_run_config, "method": "pfedseq", "num-server-rounds": 3}
+    config["pfedseq-warmup-rounds"] = 1
+    summary, grid = run_in_process(config, 4)
+    run_dir = Path(config["output-dir"]) / summary["run-name"]
+    state = load_file(str(run_dir / "checkpoints" / "round_00002.safetensors"))
+    personal = state["personal"]  # theta_i after round 2, what round 3 must send
+    assert not torch.allclose(personal[0], personal[1])
+    round3 = [
+        m for m in grid.sent if m.metadata.message_type == "train" and m.metadata.group_id == "3"
+    ]
+    assert len(round3) == 4
+    for message in round3:
+        client = int(message.content[P.CONFIG][P.CLIENT_ID])
+        sent = {k: torch.from_numpy(v.numpy()) for k, v in message.content[P.ARRAYS].items()}
+        assert _groups(sent) == {"adapter"}
+        layout = ParameterLayout(sent)
+        torch.testing.assert_close(layout.flatten(sent), personal[client], rtol=0, atol=0)
+    run = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert run[0]["server"]["pfedseq-warmup"] == 1.0 and run[1]["server"]["pfedseq-warmup"] == 0.0
+    assert run[2]["server"]["pfedseq-calibration-rms"] > 0
