@@ -1,0 +1,530 @@
+"""Cost of one pFedSeq server step: time and peak working memory over adapter size, clients, L.
+
+    python -m bench.pfedseq_server_step                      # full grid, CPU or CUDA (auto)
+    python -m bench.pfedseq_server_step --device cpu --d 10000 100000 --n 10 --l 5 20
+    python -m bench.pfedseq_server_step --device cuda --learner mamba --backend cuda
+
+One step is ``PFedSeqServer.step()`` once the history holds L rounds and the warm-up is over:
+the learner update (eq. 5: forward + backward over the window in chunks of D rows, one Adam step)
+plus inference (calibrations for every client), plus the cheap bookkeeping around them (eq. 1,
+history update). The grid is adapter size D x clients N x window L (default D in {1e4, 1e5, 1e6},
+N in {10, 100}, L in {5, 20}); the adapter is ONE layer of D parameters (a single tensor
+``blocks.0.lora.weight``), so there is one learner and the numbers are per layer.
+
+Every cell runs in its own child process (``--cell D N L``), so that one cell's allocations do
+not inflate the next one's memory and a cell over ``--timeout-per-cell`` can be killed. The child:
+
+1. builds the server (``seq_len = L``, ``warmup_rounds = L``) and fills its history directly:
+   ``server.history`` gets L random (D, N) float32 tensors (normal, std 1e-3, the size of real
+   adapter updates), ``server.masks`` L all-ones masks, and ``server.round = L``, so the next
+   ``step()`` is round L + 1: past the warm-up, with a full window of L rounds. This skips L
+   real steps, which would cost as much as what is measured;
+2. draws random updates for all N clients (std 1e-3) and calls ``step()`` once: this first call
+   measures the peak working memory (the peak RSS increase over the RSS just before the call, the
+   kernel's high-water mark being reset through ``/proc/self/clear_refs``; on CUDA also
+   ``torch.cuda.max_memory_allocated`` over the allocation before the call) and is a warm-up;
+3. times ``--repeats`` further calls (each a steady-state step: the history stays at L rounds)
+   and reports their median. When the first call took longer than ``--warmup-limit`` seconds it
+   counts as the first of the repeats instead of being discarded (``warmup_discarded`` = false),
+   and no further call starts that would likely end past ``--timeout-per-cell``
+   (``repeats_done`` says how many calls the median is over).
+
+The history itself (L * D * N * 4 bytes, kept in host memory) is reported apart from the step's
+working memory; so are the rows of D per chunk and the number of chunks (``--chunk-size``, 0 =
+the library's automatic size). The table's working memory is the GPU's on CUDA (the host RSS
+increase is its last column) and the host's on CPU. It is measured on the first call, from a
+fresh process, because the allocator may keep freed pages resident for the later calls.
+
+The parent writes ``results-<device>.json`` (every cell, settings, machine) and
+``table-<device>.md`` under ``--out`` after each cell (replacing them; with ``--merge`` the cells
+already there that this run does not measure are kept, so the grid can be measured in several
+invocations), and prints the table at the end. A cell
+that times out, runs out of memory or fails is recorded as such, and cells at least as large in
+D, N and L as a timed-out or out-of-memory cell are skipped (``--no-skip-larger`` runs them).
+
+Only ``fedfm_flower.learners`` and torch are imported: no Flower needed on the benchmark machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import gc
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = ROOT / "bench" / "results" / "pfedseq_server_step"
+LAYER_NAME = "blocks.0.lora.weight"
+UPDATE_STD = 1e-3
+RESULT_PREFIX = "RESULT "
+MIB = float(1 << 20)
+
+
+def count(text: str) -> int:
+    """An integer from the command line, accepting ``1e6`` notation."""
+    value = float(text)
+    if value != int(value) or value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(value)
+
+
+# --------------------------------------------------------------------------- memory
+def proc_status_kib(key: str) -> int | None:
+    """A ``kB`` field of /proc/self/status (VmRSS, VmHWM), or None where there is none."""
+    try:
+        text = Path("/proc/self/status").read_text()
+    except OSError:
+        return None
+    match = re.search(rf"^{key}:\s+(\d+) kB", text, re.MULTILINE)
+    return int(match.group(1)) if match else None
+
+
+def reset_peak_rss() -> bool:
+    """Reset the kernel's RSS high-water mark (VmHWM); whether that worked."""
+    try:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")
+    except OSError:
+        return False
+    return proc_status_kib("VmHWM") is not None
+
+
+class RSSSampler:
+    """Peak VmRSS seen by a background thread (used where VmHWM cannot be reset)."""
+
+    def __init__(self, interval: float = 0.002) -> None:
+        self.interval = interval
+        self.peak_kib = proc_status_kib("VmRSS") or 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak_kib = max(self.peak_kib, proc_status_kib("VmRSS") or 0)
+            time.sleep(self.interval)
+
+    def __enter__(self) -> RSSSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak_kib = max(self.peak_kib, proc_status_kib("VmRSS") or 0)
+
+
+# --------------------------------------------------------------------------- one cell (child)
+def build_server(
+    d: int,
+    n: int,
+    seq_len: int,
+    device: str,
+    learner: str,
+    backend: str,
+    chunk_size: int,
+) -> Any:
+    """A server with one layer of ``d`` parameters whose history already holds L random rounds."""
+    from fedfm_flower.learners.pfedseq import PFedSeqServer, PFedSeqSettings
+    from fedfm_flower.learners.sequence import LearnerSpec
+
+    spec = LearnerSpec(kind=learner, seq_len=seq_len, backend=backend)
+    settings = PFedSeqSettings(
+        seq_len=seq_len, warmup_rounds=seq_len, chunk_size=chunk_size, learner=spec
+    )
+    server = PFedSeqServer(settings, {LAYER_NAME: torch.zeros(d)}, n, seed=0, device=device)
+    generator = torch.Generator().manual_seed(1)
+    server.history = [
+        torch.empty(d, n).normal_(0.0, UPDATE_STD, generator=generator) for _ in range(seq_len)
+    ]
+    server.masks = [torch.ones(n) for _ in range(seq_len)]
+    server.round = seq_len  # == warmup_rounds: the next step is the first one past the warm-up
+    return server
+
+
+def synchronize(device: str) -> None:
+    """Wait for the device's queued work (no-op on CPU)."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_cell(args: argparse.Namespace) -> dict[str, Any]:
+    """Measure one (D, N, L) cell in this process; returns its JSON-ready record."""
+    cell_started = time.perf_counter()
+    d, n, seq_len = args.cell
+    device = args.device
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    server = build_server(d, n, seq_len, device, args.learner, args.backend, args.chunk_size)
+    layer = server.layout.layers[0]
+    generator = torch.Generator().manual_seed(2)
+    updates = {c: torch.empty(d).normal_(0.0, UPDATE_STD, generator=generator) for c in range(n)}
+    num_examples = {c: 100 for c in range(n)}
+
+    # first call: peak working memory (and warm-up)
+    gc.collect()
+    synchronize(device)
+    cuda_base = 0
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        cuda_base = torch.cuda.memory_allocated()
+    rss_before = proc_status_kib("VmRSS") or 0
+    hwm_reset = reset_peak_rss()
+    sampler = None if hwm_reset else RSSSampler()
+    with sampler or contextlib.nullcontext():
+        started = time.perf_counter()
+        stats = server.step(updates, num_examples)
+        synchronize(device)
+        first_seconds = time.perf_counter() - started
+    rss_peak = sampler.peak_kib if sampler else proc_status_kib("VmHWM") or 0
+    record: dict[str, Any] = {
+        "d": d,
+        "n": n,
+        "l": seq_len,
+        "status": "ok",
+        "chunk_rows": min(d, server.chunk_rows(layer, seq_len)),
+        "chunks": math.ceil(d / server.chunk_rows(layer, seq_len)),
+        "learner_parameters": server.num_learner_parameters(),
+        "history_bytes": seq_len * d * n * 4,
+        "rss_before_mib": rss_before * 1024 / MIB,
+        "peak_rss_increase_mib": max(0, rss_peak - rss_before) * 1024 / MIB,
+        "peak_rss_method": "VmHWM after clear_refs" if hwm_reset else "VmRSS sampler thread",
+        "first_call_seconds": first_seconds,
+        "past_warmup": stats["pfedseq-warmup"] == 0.0,
+    }
+    if device == "cuda":
+        record["cuda_peak_increase_mib"] = (torch.cuda.max_memory_allocated() - cuda_base) / MIB
+        record["cuda_allocated_before_mib"] = cuda_base / MIB
+
+    # timed calls
+    discard = first_seconds <= args.warmup_limit
+    times = [] if discard else [first_seconds]
+    server_seconds = [] if discard else [stats["pfedseq-server-seconds"]]
+    while len(times) < args.repeats:
+        if times and time.perf_counter() - cell_started + max(times) > 0.9 * args.budget:
+            break  # another call would likely run past the parent's timeout
+        synchronize(device)
+        started = time.perf_counter()
+        stats = server.step(updates, num_examples)
+        synchronize(device)
+        times.append(time.perf_counter() - started)
+        server_seconds.append(stats["pfedseq-server-seconds"])
+    record.update(
+        {
+            "warmup_discarded": discard,
+            "repeats_done": len(times),
+            "step_seconds": statistics.median(times),
+            "step_seconds_all": times,
+            "server_seconds_median": statistics.median(server_seconds),
+            "calibration_rms": stats.get("pfedseq-calibration-rms"),
+        }
+    )
+    return record
+
+
+def child_main(args: argparse.Namespace) -> int:
+    """Entry point of a ``--cell`` child: print one RESULT line of JSON."""
+    try:
+        record = run_cell(args)
+    except (torch.cuda.OutOfMemoryError, RuntimeError) as error:
+        if not isinstance(error, torch.cuda.OutOfMemoryError) and (
+            "can't allocate memory" not in str(error)
+        ):
+            raise
+        d, n, seq_len = args.cell
+        record = {"d": d, "n": n, "l": seq_len, "status": "oom", "error": str(error)[:500]}
+    print(RESULT_PREFIX + json.dumps(record), flush=True)
+    return 0
+
+
+# --------------------------------------------------------------------------- the grid (parent)
+def git_commit() -> str | None:
+    """``git rev-parse HEAD`` of the repository (with ``-dirty`` if it has changes), or None."""
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return commit + ("-dirty" if dirty else "")
+
+
+def machine_info(device: str) -> dict[str, Any]:
+    """Platform, CPUs, memory, torch, GPU and kernels, date and git commit of this run."""
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": git_commit(),
+    }
+    try:
+        meminfo = Path("/proc/meminfo").read_text()
+        total = re.search(r"^MemTotal:\s+(\d+) kB", meminfo, re.MULTILINE)
+        info["memory_gib"] = int(total.group(1)) / (1 << 20) if total else None
+    except OSError:
+        info["memory_gib"] = None
+    if device == "cuda":
+        from fedfm_flower.learners.selective_scan import kernels
+
+        properties = torch.cuda.get_device_properties(0)
+        info["gpu"] = torch.cuda.get_device_name(0)
+        info["gpu_memory_gib"] = properties.total_memory / (1 << 30)
+        info["cuda"] = torch.version.cuda
+        info["kernels"] = sorted(kernels())
+    return info
+
+
+def fmt(value: float | None, digits: int = 3) -> str:
+    """A number for the table, with ``digits`` significant digits."""
+    return "-" if value is None else f"{value:.{digits}g}"
+
+
+def table(records: list[dict[str, Any]], device: str) -> str:
+    """The markdown table of the cells measured so far."""
+    header = [
+        "D",
+        "N",
+        "L",
+        "chunk rows x chunks",
+        "step s",
+        "peak working memory MiB",
+        "history MiB",
+    ]
+    if device == "cuda":
+        header.append("host peak RSS MiB")
+    lines = ["| " + " | ".join(header) + " |", "|" + "---:|" * len(header)]
+    for r in records:
+        history = r["l"] * r["d"] * r["n"] * 4 / MIB
+        if r["status"] == "ok":
+            working = (
+                r["cuda_peak_increase_mib"] if device == "cuda" else r["peak_rss_increase_mib"]
+            )
+            cells = [fmt(r["step_seconds"]), fmt(working), fmt(history)]
+            if device == "cuda":
+                cells.append(fmt(r["peak_rss_increase_mib"]))
+            chunk = f"{r['chunk_rows']} x {r['chunks']}"
+        else:
+            cells = [r["status"], "-", fmt(history)] + (["-"] if device == "cuda" else [])
+            chunk = "-"
+        lines.append(
+            f"| {r['d']:.3g} | {r['n']} | {r['l']} | {chunk} | " + " | ".join(cells) + " |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def run_child(args: argparse.Namespace, d: int, n: int, seq_len: int) -> dict[str, Any]:
+    """Run one cell in a child process; its record, or a timeout/oom/error record."""
+    command = [
+        sys.executable,
+        "-m",
+        "bench.pfedseq_server_step",
+        "--cell",
+        str(d),
+        str(n),
+        str(seq_len),
+        "--device",
+        args.device,
+        "--learner",
+        args.learner,
+        "--backend",
+        args.backend,
+        "--chunk-size",
+        str(args.chunk_size),
+        "--repeats",
+        str(args.repeats),
+        "--warmup-limit",
+        str(args.warmup_limit),
+        "--threads",
+        str(args.threads),
+        "--budget",
+        str(args.timeout),
+    ]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    base = {"d": d, "n": n, "l": seq_len}
+    started = time.perf_counter()
+    try:
+        done = subprocess.run(
+            command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout
+        )
+    except subprocess.TimeoutExpired:
+        return {**base, "status": "timeout", "error": f"over {args.timeout:g} s"}
+    wall = time.perf_counter() - started
+    for line in done.stdout.splitlines():
+        if line.startswith(RESULT_PREFIX):
+            record = json.loads(line[len(RESULT_PREFIX) :])
+            record["cell_wall_seconds"] = wall
+            return record
+    if done.returncode < 0:
+        status = "oom" if done.returncode == -9 else f"signal {-done.returncode}"
+        error = f"killed by signal {-done.returncode} (-9: likely the out-of-memory killer)"
+    else:
+        status, error = "error", f"exit code {done.returncode}"
+    return {**base, "status": status, "error": error, "stderr_tail": done.stderr[-2000:]}
+
+
+def load_earlier(
+    path: Path, merge: bool, settings: dict[str, Any], must_match: tuple[str, ...]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """With ``merge``, the cells and machines already in ``path`` (same ``must_match`` settings)."""
+    if not merge or not path.exists():
+        return [], []
+    earlier = json.loads(path.read_text())
+    for key in must_match:
+        if earlier["settings"].get(key) != settings.get(key):
+            raise SystemExit(
+                f"--merge: {path} was measured with {key} = {earlier['settings'].get(key)!r}, "
+                f"this run uses {settings.get(key)!r}; use another --out"
+            )
+    machines = earlier.get("earlier_machines", []) + [earlier["machine"]]
+    return earlier["cells"], machines
+
+
+def merged(
+    earlier: list[dict[str, Any]], records: list[dict[str, Any]], key: tuple[str, ...]
+) -> list[dict[str, Any]]:
+    """``earlier`` cells not measured again, plus ``records``, sorted by ``key``."""
+    fresh = {tuple(r[k] for k in key) for r in records}
+    kept = [r for r in earlier if tuple(r[k] for k in key) not in fresh]
+    return sorted(kept + records, key=lambda r: tuple(r[k] for k in key))
+
+
+def dominated(d: int, n: int, seq_len: int, failed: list[tuple[int, int, int]]) -> bool:
+    """Whether the cell is at least as large in D, N and L as a timed-out/oom cell."""
+    return any(d >= fd and n >= fn and seq_len >= fl for fd, fn, fl in failed)
+
+
+def parent_main(args: argparse.Namespace) -> int:
+    """Run the grid cell by cell; write results and table after each cell; print the table."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    json_path = out / f"results-{args.device}.json"
+    table_path = out / f"table-{args.device}.md"
+    settings = {
+        "device": args.device,
+        "learner": args.learner,
+        "backend": args.backend,
+        "chunk_size": args.chunk_size,
+        "repeats": args.repeats,
+        "warmup_limit": args.warmup_limit,
+        "timeout_per_cell": args.timeout,
+        "threads": args.threads,
+        "layer": LAYER_NAME,
+        "update_std": UPDATE_STD,
+    }
+    machine = machine_info(args.device)
+    must_match = ("device", "learner", "backend", "chunk_size", "threads")
+    earlier, machines = load_earlier(json_path, args.merge, settings, must_match)
+    records: list[dict[str, Any]] = []
+    failed: list[tuple[int, int, int]] = []
+    for d in args.d:
+        for n in args.n:
+            for seq_len in args.l:
+                if not args.no_skip_larger and dominated(d, n, seq_len, failed):
+                    record = {"d": d, "n": n, "l": seq_len, "status": "skipped"}
+                else:
+                    record = run_child(args, d, n, seq_len)
+                if record["status"] in ("timeout", "oom"):
+                    failed.append((d, n, seq_len))
+                records.append(record)
+                shown = (
+                    f"{record['step_seconds']:.3g} s"
+                    if record["status"] == "ok"
+                    else record["status"]
+                )
+                print(f"D={d:.3g} N={n} L={seq_len}: {shown}", flush=True)
+                cells = merged(earlier, records, ("d", "n", "l"))
+                payload = {"settings": settings, "machine": machine, "cells": cells}
+                if machines:
+                    payload["earlier_machines"] = machines
+                json_path.write_text(json.dumps(payload, indent=2) + "\n")
+                text = table(cells, args.device)
+                table_path.write_text(
+                    f"pFedSeq server step, {args.device}, learner {args.learner}, "
+                    f"backend {args.backend}, chunk-size {args.chunk_size}\n\n{text}"
+                )
+    print()
+    print(table(merged(earlier, records, ("d", "n", "l")), args.device), end="")
+    print(f"\nwrote {json_path} and {table_path}")
+    return 0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto")
+    parser.add_argument("--d", type=count, nargs="+", default=[10_000, 100_000, 1_000_000])
+    parser.add_argument("--n", type=count, nargs="+", default=[10, 100])
+    parser.add_argument("--l", type=count, nargs="+", default=[5, 20])
+    parser.add_argument("--learner", choices=["mamba", "lstm", "mlp"], default="mamba")
+    parser.add_argument("--backend", choices=["auto", "torch", "cuda"], default="auto")
+    parser.add_argument("--chunk-size", type=int, default=0, help="rows of D per chunk; 0 = auto")
+    parser.add_argument("--repeats", type=count, default=3, help="timed steps (median)")
+    parser.add_argument(
+        "--warmup-limit",
+        type=float,
+        default=60.0,
+        help="a first call slower than this (s) is timed instead of discarded",
+    )
+    parser.add_argument(
+        "--timeout-per-cell", dest="timeout", type=float, default=900.0, help="seconds"
+    )
+    parser.add_argument("--threads", type=int, default=0, help="torch threads; 0 = default")
+    parser.add_argument("--out", default=str(DEFAULT_OUT))
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the cells already in --out that this run does not measure again",
+    )
+    parser.add_argument(
+        "--no-skip-larger",
+        action="store_true",
+        help="also run cells at least as large as a timed-out or out-of-memory one",
+    )
+    parser.add_argument("--budget", type=float, default=math.inf, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--cell", type=count, nargs=3, metavar=("D", "N", "L"), help=argparse.SUPPRESS
+    )
+    args = parser.parse_args(argv)
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda but torch sees no CUDA device")
+    if args.chunk_size < 0:
+        parser.error("--chunk-size must be >= 0")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the grid, or one cell when called with ``--cell``."""
+    args = parse_args(argv)
+    return child_main(args) if args.cell else parent_main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
