@@ -169,7 +169,6 @@ def run_cell(args: argparse.Namespace) -> dict[str, Any]:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     server = build_server(d, n, seq_len, device, args.learner, args.backend, args.chunk_size)
-    layer = server.layout.layers[0]
     generator = torch.Generator().manual_seed(2)
     updates = {c: torch.empty(d).normal_(0.0, UPDATE_STD, generator=generator) for c in range(n)}
     num_examples = {c: 100 for c in range(n)}
@@ -195,8 +194,8 @@ def run_cell(args: argparse.Namespace) -> dict[str, Any]:
         "n": n,
         "l": seq_len,
         "status": "ok",
-        "chunk_rows": min(d, server.chunk_rows(layer, seq_len)),
-        "chunks": math.ceil(d / server.chunk_rows(layer, seq_len)),
+        "chunk_rows": min(d, server.chunk_rows(seq_len)),
+        "chunks": math.ceil(d / server.chunk_rows(seq_len)),
         "learner_parameters": server.num_learner_parameters(),
         "history_bytes": seq_len * d * n * 4,
         "rss_before_mib": rss_before * 1024 / MIB,

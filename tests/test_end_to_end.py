@@ -216,3 +216,25 @@ def test_pfedseq_sends_each_client_its_own_personalized_adapter(small_run_config
     run = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert run[0]["server"]["pfedseq-warmup"] == 1.0 and run[1]["server"]["pfedseq-warmup"] == 0.0
     assert run[2]["server"]["pfedseq-calibration-rms"] > 0
+
+
+def test_pfedseq_sizes_its_learner_from_the_nodes_and_leaves_out_foreign_ids(
+    small_run_config: dict, caplog: pytest.LogCaptureFixture
+) -> None:
+    from safetensors.torch import load_file
+
+    nodes = [{"client-id": i, "partition-id": i, "num-partitions": 3} for i in range(3)]
+    nodes[2]["client-id"] = 7  # a deployment node numbered outside 0..N-1
+    config = {**small_run_config, "method": "pfedseq", "num-clients": 0, "num-server-rounds": 1}
+    summary, grid = run_in_process(config, 3, node_configs=nodes)
+    run_dir = Path(config["output-dir"]) / summary["run-name"]
+    state = load_file(str(run_dir / "checkpoints" / "round_00001.safetensors"))
+    assert state["personal"].shape[0] == 3  # N from the nodes' num-partitions
+    assert set(summary["final-per-client-accuracy"]) == {"0", "1"}
+    addressed = [
+        int(m.content[P.CONFIG][P.CLIENT_ID])
+        for m in grid.sent
+        if m.metadata.message_type in ("train", "evaluate")
+    ]
+    assert sorted(set(addressed)) == [0, 1]
+    assert "client-id 7 outside 0..2" in caplog.text

@@ -61,7 +61,7 @@ def randomize_output_projections(module: torch.nn.Module, seed: int = 0) -> None
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in module.named_parameters():
-            if "out_proj" in name or name.endswith("net.4.weight"):
+            if "out_proj" in name or name.endswith("net.6.weight"):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3)
 
 
@@ -352,7 +352,7 @@ def test_chunked_and_unchunked_learners_agree() -> None:
     for a, b in zip(chunked.learners.parameters(), whole.learners.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-8)
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-9)
-    assert whole.chunk_rows(whole.layout.layers[0], 5) == 10_000
+    assert whole.chunk_rows(5) == 10_000
 
 
 def test_non_reporting_clients_enter_the_sequence_as_zero_and_stay_out_of_eq1() -> None:

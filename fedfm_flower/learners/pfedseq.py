@@ -50,8 +50,9 @@ from fedfm_flower.learners.sequence import LearnerSpec, SequenceLearner
 
 log = logging.getLogger(__name__)
 
-AUTO_CHUNK_ELEMENTS = 1 << 25  # activation elements per chunk and step-sum when chunk-size = 0
+AUTO_CHUNK_ELEMENTS = 1 << 26  # activation elements kept per chunk when chunk-size = 0
 MIN_CHUNK_ROWS = 64
+SQUARE_SUM_BLOCK = 1 << 22  # elements per float64 block when summing squares
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,7 @@ class PFedSeqServer:
         start = self.layout.flatten(initial_adapter)
         self.global_adapter = start.clone()
         self.personal = start.repeat(num_clients, 1)  # (N, D): theta_i of the last round
-        self.history: list[torch.Tensor] = []  # oldest first, each (D, N)
+        self.history: list[torch.Tensor] = []  # oldest first, each (D, N), on the device
         self.masks: list[torch.Tensor] = []  # each (N,), 1.0 where the client reported
         self.round = 0
 
@@ -131,8 +132,8 @@ class PFedSeqServer:
         return sum(p.numel() for p in self.learners.parameters())
 
     # ----------------------------------------------------------------- the learner
-    def chunk_rows(self, layer: LayerRange, steps: int) -> int:
-        """Rows of D per chunk for ``layer`` (the configured size, or an automatic one)."""
+    def chunk_rows(self, steps: int) -> int:
+        """Rows of D per chunk for a window of ``steps`` (the configured size, or automatic)."""
         if self.settings.chunk_size > 0:
             return self.settings.chunk_size
         per_row = max(1, steps) * self.learners[0].elements_per_row_step()
@@ -144,8 +145,7 @@ class PFedSeqServer:
             return 1.0
         total, count = 0.0, 0.0
         for update, mask in zip(history, masks, strict=True):
-            block = update[layer.start : layer.stop]
-            total += float(block.double().pow(2).sum())
+            total += _square_sum(update[layer.start : layer.stop])
             count += float(mask.sum()) * layer.size
         rms = math.sqrt(total / count) if count else 0.0
         return rms if rms > 0 else 1.0
@@ -165,7 +165,7 @@ class PFedSeqServer:
         with torch.no_grad():
             for index, layer in enumerate(self.layout.layers):
                 scale = self.input_scale(layer, history, masks)
-                step = self.chunk_rows(layer, len(history))
+                step = self.chunk_rows(len(history))
                 for start in range(layer.start, layer.stop, step):
                     rows = slice(start, min(start + step, layer.stop))
                     out[rows] = self.calibrate_rows(index, history, rows, scale).cpu()
@@ -183,7 +183,7 @@ class PFedSeqServer:
         value = 0.0
         for index, layer in enumerate(self.layout.layers):
             scale = self.input_scale(layer, self.history, self.masks)
-            step = self.chunk_rows(layer, len(self.history))
+            step = self.chunk_rows(len(self.history))
             for start in range(layer.start, layer.stop, step):
                 rows = slice(start, min(start + step, layer.stop))
                 xi = self.calibrate_rows(index, self.history, rows, scale)
@@ -209,14 +209,16 @@ class PFedSeqServer:
         self.round += 1
         stats: dict[str, float] = {"pfedseq-round": float(self.round)}
 
-        # eq. 1 over the reporting clients (float64 accumulation)
-        weights = torch.tensor(
-            [float(num_examples.get(c, 0)) for c in reported], dtype=torch.float64
-        )
-        if float(weights.sum()) <= 0:
-            weights = torch.ones(len(reported), dtype=torch.float64)
-        updated = self.personal[reported].double() + update_matrix[:, reported].t().double()
-        self.global_adapter = ((weights / weights.sum())[:, None] * updated).sum(0).float()
+        # eq. 1 over the reporting clients (float64 accumulation, O(D) extra memory)
+        weights = {c: float(num_examples.get(c, 0)) for c in reported}
+        if sum(weights.values()) <= 0:
+            weights = dict.fromkeys(reported, 1.0)
+        total = sum(weights.values())
+        accumulated = torch.zeros(self.layout.size, dtype=torch.float64)
+        for client in reported:
+            updated = self.personal[client].double() + update_matrix[:, client].double()
+            accumulated += updated * (weights[client] / total)
+        self.global_adapter = accumulated.float()
 
         # eq. 5: one Adam step on the surrogate, from the window that produced xi^{t-1}
         if self.history:
@@ -233,7 +235,7 @@ class PFedSeqServer:
                     "round %d: non-finite learner gradient; learner step skipped", self.round
                 )
             stats["pfedseq-surrogate"] = surrogate
-        self.history.append(update_matrix)
+        self.history.append(update_matrix.to(self.device))
         self.masks.append(mask)
         del self.history[: -self.settings.seq_len]
         del self.masks[: -self.settings.seq_len]
@@ -269,7 +271,7 @@ class PFedSeqServer:
             "round": torch.tensor(self.round, dtype=torch.int64),
             "global": self.global_adapter.clone(memory_format=torch.contiguous_format),
             "personal": self.personal.clone(memory_format=torch.contiguous_format),
-            "history": torch.stack(self.history) if self.history else torch.zeros(0, size, n),
+            "history": torch.stack(self.history).cpu() if self.history else torch.zeros(0, size, n),
             "masks": torch.stack(self.masks) if self.masks else torch.zeros(0, n),
         }
         for name, value in self.learners.state_dict().items():
@@ -290,7 +292,7 @@ class PFedSeqServer:
         self.round = int(tensors["round"])
         self.global_adapter = tensors["global"].clone()
         self.personal = personal.clone()
-        self.history = [h.clone() for h in tensors["history"]]
+        self.history = [h.to(self.device, copy=True) for h in tensors["history"]]
         self.masks = [m.clone() for m in tensors["masks"]]
         learner = {k[len("learner.") :]: v for k, v in tensors.items() if k.startswith("learner.")}
         self.learners.load_state_dict(learner)
@@ -309,3 +311,12 @@ class PFedSeqServer:
                 "num-clients clients one learner channel; number clients 0..num-clients-1"
             )
         return client
+
+
+def _square_sum(block: torch.Tensor) -> float:
+    """Sum of squares in float64, in blocks so no full float64 copy is made."""
+    flat = block.reshape(-1)
+    return sum(
+        float(flat[i : i + SQUARE_SUM_BLOCK].double().pow(2).sum())
+        for i in range(0, flat.numel(), SQUARE_SUM_BLOCK)
+    )

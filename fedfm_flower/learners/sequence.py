@@ -6,7 +6,8 @@ clients, the L steps are the last rounds. Architectures (``kind``):
 * ``mamba`` (the paper): ``num_layers`` residual blocks ``h <- h + Mamba(RMSNorm(h))``;
 * ``lstm`` (variant E): the same blocks with an LSTM mixer (hidden ``expand * width``);
 * ``mlp`` (variant D): the window, zero-padded on the left to the fixed length L and flattened to
-  ``L * width`` features, through a 2-hidden-layer ReLU MLP (hidden ``mlp-hidden``, as pFedHN).
+  ``L * width`` features, through a 4-layer ReLU MLP (hidden ``mlp-hidden``; pFedHN's 4-layer
+  MLP with hidden size 100, as the paper's Appendix B describes it).
 
 The output is the blocks' contribution to the residual stream at the last step (the stream
 minus its input). Choices the paper leaves open, made here:
@@ -116,6 +117,8 @@ class MLPLearner(nn.Module):
             nn.ReLU(),
             nn.Linear(spec.mlp_hidden, spec.mlp_hidden),
             nn.ReLU(),
+            nn.Linear(spec.mlp_hidden, spec.mlp_hidden),
+            nn.ReLU(),
             nn.Linear(spec.mlp_hidden, width),
         )
         nn.init.zeros_(self.net[-1].weight)
@@ -164,8 +167,14 @@ class SequenceLearner(nn.Module):
         return out.reshape(rows, clients)
 
     def elements_per_row_step(self) -> int:
-        """Activation elements one row costs per step (sizes the automatic D chunks)."""
+        """Activation elements one row keeps per step for the backward pass (sizes D chunks).
+
+        The PyTorch scan keeps about four (inner x state) tensors per step and mixer (the
+        state, its decay, the drive and the output product); the LSTM about eight gate-sized
+        ones; the MLP's activations are small next to its input.
+        """
         channels = self.width * (1 if self.embed is None else self.num_clients)
+        inner = channels * self.spec.expand
         if self.spec.kind == "mamba":
-            return channels * self.spec.expand * max(self.spec.state_dim, 8)
-        return channels * self.spec.expand * 8
+            return 4 * self.spec.num_layers * inner * self.spec.state_dim
+        return 8 * self.spec.num_layers * inner
