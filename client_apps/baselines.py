@@ -141,3 +141,10 @@ class FedAvgFineTuneClient(FedAvgClient):
             device=runtime.device,
         )
         return evaluate(model, runtime.data.test, device=runtime.device)
+
+
+class FedVPTClient(SplitClient):
+    """Visual prompts shared (averaged by the server), head local, trained jointly."""
+
+    shared = ("prompt",)
+    local = ("head",)

@@ -40,6 +40,8 @@ OPTIMIZERS: tuple[str, ...] = ("sgd", "adam", "adamw")
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
 SEQ_LEARNERS: tuple[str, ...] = ("mamba", "lstm", "mlp")  # fedfm_flower.learners.sequence
 SCAN_BACKENDS: tuple[str, ...] = ("auto", "torch", "cuda")  # ...learners.selective_scan
+PROMPT_GENERATORS: tuple[str, ...] = ("cross-attention", "basis", "mlp", "adain")  # learners.pfedpg
+PROMPT_QUERIES: tuple[str, ...] = ("per-prompt", "single")
 
 
 class ConfigError(ValueError):
@@ -112,6 +114,13 @@ class ExperimentConfig:
     pfedseq_scale_input: bool = True
     pfedseq_chunk_size: int = 0
     pfedseq_scan_backend: str = "auto"
+    # visual prompts (fedvpt, fedvpt-deep, pfedpg) and pfedpg's generator (docs/methods/pfedpg.md)
+    vpt_num_prompts: int = 10
+    pfedpg_lr: float = 0.001
+    pfedpg_generator: str = "cross-attention"
+    pfedpg_query: str = "per-prompt"
+    pfedpg_attention_dim: int = 0  # l_k = l_v of the cross-attention; 0: the prompt width
+    pfedpg_hidden: int = 100  # hidden width of the mlp generator
     # outputs and state
     output_dir: str = "runs"
     run_name: str = ""
@@ -158,6 +167,11 @@ class ExperimentConfig:
         _one_of("device", self.device, DEVICES)
         _one_of("pfedseq-learner", self.pfedseq_learner, SEQ_LEARNERS)
         _one_of("pfedseq-scan-backend", self.pfedseq_scan_backend, SCAN_BACKENDS)
+        _one_of("pfedpg-generator", self.pfedpg_generator, PROMPT_GENERATORS)
+        _one_of("pfedpg-query", self.pfedpg_query, PROMPT_QUERIES)
+        _positive("vpt-num-prompts", self.vpt_num_prompts)
+        _positive("pfedpg-lr", self.pfedpg_lr)
+        _positive("pfedpg-hidden", self.pfedpg_hidden)
         for key, value in (
             ("pfedseq-seq-len", self.pfedseq_seq_len),
             ("pfedseq-lr", self.pfedseq_lr),
@@ -196,6 +210,7 @@ class ExperimentConfig:
             ("weight-decay", self.weight_decay),
             ("pfedseq-warmup-rounds", self.pfedseq_warmup_rounds),
             ("pfedseq-chunk-size", self.pfedseq_chunk_size),
+            ("pfedpg-attention-dim", self.pfedpg_attention_dim),
         ):
             if value < 0:
                 raise ConfigError(key, value, "must be >= 0")

@@ -19,6 +19,7 @@ class MethodSpec:
     strategy: str
     client: str
     summary: str
+    tuner: str = "lora"  # what clients train on the frozen backbone: lora, vpt, vpt-deep
 
 
 METHODS: dict[str, MethodSpec] = {
@@ -39,9 +40,28 @@ METHODS: dict[str, MethodSpec] = {
     ),
     "pfedseq": MethodSpec(
         "strategies.pfedseq:PFedSeqStrategy",
-        "client_apps.pfedseq:PFedSeqClient",
+        "client_apps.updates:PFedSeqClient",
         "FedAvg of LoRA updates + a Mamba sequential learner's per-client calibrations "
         "(Peng et al. 2025)",
+    ),
+    "pfedpg": MethodSpec(
+        "strategies.pfedpg:PFedPGStrategy",
+        "client_apps.updates:PFedPGClient",
+        "server-side prompt generator (cross-attention over a prompt basis) personalizes "
+        "visual prompts (Yang et al. 2023)",
+        tuner="vpt",
+    ),
+    "fedvpt": MethodSpec(
+        "strategies.fedvpt:FedVPTStrategy",
+        "client_apps.baselines:FedVPTClient",
+        "visual prompts (VPT-shallow) averaged over clients, head local",
+        tuner="vpt",
+    ),
+    "fedvpt-deep": MethodSpec(
+        "strategies.fedvpt:FedVPTStrategy",
+        "client_apps.baselines:FedVPTClient",
+        "VPT-deep prompts (one set per block) averaged over clients, head local",
+        tuner="vpt-deep",
     ),
     "fedavg-ft": MethodSpec(
         "strategies.fedavg_ft:FedAvgFineTuneStrategy",

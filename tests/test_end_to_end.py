@@ -21,6 +21,9 @@ SHARED_KEYS = {
     "fedavg-ft": {"adapter", "head"},
     "fedrep": {"adapter"},
     "pfedseq": {"adapter"},
+    "fedvpt": {"prompt"},
+    "fedvpt-deep": {"prompt"},
+    "pfedpg": {"prompt"},
 }
 
 
@@ -105,7 +108,7 @@ def test_a_failing_client_does_not_stop_the_round(small_run_config: dict) -> Non
     assert summary["final-test-accuracy-mean"] > 0.2
 
 
-@pytest.mark.parametrize("method", ["fedrep", "pfedseq"])
+@pytest.mark.parametrize("method", ["fedrep", "pfedseq", "pfedpg"])
 def test_partial_participation_and_missing_clients(small_run_config: dict, method: str) -> None:
     dropped = []
 
@@ -138,7 +141,7 @@ def test_partial_participation_and_missing_clients(small_run_config: dict, metho
     assert summary["rounds"] == 3
 
 
-@pytest.mark.parametrize("method", ["fedrep", "pfedseq"])
+@pytest.mark.parametrize("method", ["fedrep", "pfedseq", "pfedpg"])
 def test_resume_after_a_crash_gives_the_same_final_metrics(
     small_run_config: dict, tmp_path: Path, method: str
 ) -> None:
@@ -238,3 +241,32 @@ def test_pfedseq_sizes_its_learner_from_the_nodes_and_leaves_out_foreign_ids(
     ]
     assert sorted(set(addressed)) == [0, 1]
     assert "client-id 7 outside 0..2" in caplog.text
+
+
+def test_pfedpg_sends_each_client_its_own_generated_prompts(small_run_config: dict) -> None:
+    from safetensors.torch import load_file
+
+    from strategies.pfedpg import PFedPGStrategy
+
+    config = {**small_run_config, "method": "pfedpg", "num-server-rounds": 3, "pfedpg-lr": 0.05}
+    summary, grid = run_in_process(config, 4)
+    run_dir = Path(config["output-dir"]) / summary["run-name"]
+    full = ExperimentConfig.from_run_config({**ExperimentConfig().to_run_config(), **config})
+    from fedfm_flower.models import initial_trainable
+
+    strategy = PFedPGStrategy(full, initial_trainable(full, 10))
+    strategy.load_state_tensors(load_file(str(run_dir / "checkpoints" / "round_00002.safetensors")))
+    round3 = [
+        m for m in grid.sent if m.metadata.message_type == "train" and m.metadata.group_id == "3"
+    ]
+    assert len(round3) == 4
+    sent = {}
+    for message in round3:
+        client = int(message.content[P.CONFIG][P.CLIENT_ID])
+        arrays = {k: torch.from_numpy(v.numpy()) for k, v in message.content[P.ARRAYS].items()}
+        assert _groups(arrays) == {"prompt"}
+        sent[client] = arrays["prompts.embeddings"]
+        torch.testing.assert_close(
+            sent[client], strategy.train_payload(client, 3)["prompts.embeddings"]
+        )
+    assert not torch.allclose(sent[0], sent[1])

@@ -47,6 +47,13 @@ from torch import nn
 
 from fedfm_flower.learners.layout import LayerRange, ParameterLayout
 from fedfm_flower.learners.sequence import LearnerSpec, SequenceLearner
+from fedfm_flower.learners.state import (
+    check_client,
+    load_optimizer_tensors,
+    optimizer_tensors,
+    prefixed,
+    unprefixed,
+)
 
 log = logging.getLogger(__name__)
 
@@ -274,12 +281,11 @@ class PFedSeqServer:
             "history": torch.stack(self.history).cpu() if self.history else torch.zeros(0, size, n),
             "masks": torch.stack(self.masks) if self.masks else torch.zeros(0, n),
         }
-        for name, value in self.learners.state_dict().items():
-            tensors[f"learner.{name}"] = value.detach().cpu().clone()
-        for index, state in self.optimizer.state_dict()["state"].items():
-            for key, value in state.items():
-                tensors[f"adam.{index}.{key}"] = torch.as_tensor(value).detach().cpu().clone()
-        return tensors
+        return {
+            **tensors,
+            **prefixed(self.learners, "learner"),
+            **optimizer_tensors(self.optimizer),
+        }
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         """Restore a state written by ``state_tensors`` (same settings and layout)."""
@@ -294,23 +300,11 @@ class PFedSeqServer:
         self.personal = personal.clone()
         self.history = [h.to(self.device, copy=True) for h in tensors["history"]]
         self.masks = [m.clone() for m in tensors["masks"]]
-        learner = {k[len("learner.") :]: v for k, v in tensors.items() if k.startswith("learner.")}
-        self.learners.load_state_dict(learner)
-        optimizer = self.optimizer.state_dict()
-        optimizer["state"] = {}
-        for key, value in tensors.items():
-            if key.startswith("adam."):
-                _, index, name = key.split(".", 2)
-                optimizer["state"].setdefault(int(index), {})[name] = value.clone()
-        self.optimizer.load_state_dict(optimizer)
+        self.learners.load_state_dict(unprefixed(tensors, "learner"))
+        load_optimizer_tensors(self.optimizer, tensors)
 
     def _check_client(self, client: int) -> int:
-        if not 0 <= client < self.num_clients:
-            raise ValueError(
-                f"client-id {client} is outside [0, {self.num_clients}): pFedSeq gives each of "
-                "num-clients clients one learner channel; number clients 0..num-clients-1"
-            )
-        return client
+        return check_client(client, self.num_clients, "pFedSeq")
 
 
 def _square_sum(block: torch.Tensor) -> float:

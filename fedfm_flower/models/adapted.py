@@ -1,8 +1,11 @@
-"""A frozen backbone with LoRA adapters (through peft) and a classification head.
+"""A frozen backbone with a parameter-efficient tuner and a classification head.
 
-Parameter groups, by name prefix of ``named_parameters()``:
+The tuner is the method's (``fedfm_flower.registry.MethodSpec.tuner``): ``lora`` injects LoRA
+adapters through peft; ``vpt`` / ``vpt-deep`` insert visual prompts
+(``fedfm_flower.models.prompts``). Parameter groups, by name of ``named_parameters()``:
 
 * ``adapter``: every ``lora_A``/``lora_B`` weight injected by peft into the target modules;
+* ``prompt``: the visual prompts ``prompts.embeddings``, shape (depth or 1, K, width);
 * ``head``: the linear classifier ``head.weight``/``head.bias``;
 * everything else is the backbone, frozen (``requires_grad=False``) and never sent anywhere.
 
@@ -20,44 +23,42 @@ from torch import nn
 
 from fedfm_flower.config import ExperimentConfig
 from fedfm_flower.models.backbones import build_backbone, freeze
+from fedfm_flower.models.prompts import VisualPrompts
+from fedfm_flower.registry import method_spec
 
-GROUPS: tuple[str, ...] = ("adapter", "head")
+GROUPS: tuple[str, ...] = ("adapter", "prompt", "head")
 
 
 def parameter_group(name: str) -> str:
-    """The group ('adapter', 'head' or 'backbone') a parameter name belongs to."""
+    """The group ('adapter', 'prompt', 'head' or 'backbone') a parameter name belongs to."""
     if "lora_" in name:
         return "adapter"
+    if name.startswith("prompts."):
+        return "prompt"
     if name.startswith("head."):
         return "head"
     return "backbone"
 
 
 class AdaptedClassifier(nn.Module):
-    """Frozen backbone + LoRA adapters + linear head."""
+    """Frozen backbone + the method's tuner (LoRA or visual prompts) + linear head."""
 
     def __init__(self, backbone: nn.Module, num_classes: int, config: ExperimentConfig) -> None:
         super().__init__()
-        from peft import LoraConfig, inject_adapter_in_model
-
         freeze(backbone)
-        lora = LoraConfig(
-            r=config.lora_rank,
-            lora_alpha=config.lora_alpha,
-            lora_dropout=config.lora_dropout,
-            target_modules=config.target_modules,
-        )
-        try:
-            self.backbone = inject_adapter_in_model(lora, backbone)
-        except ValueError as err:
-            raise ValueError(
-                f"run config 'lora-target-modules' = {config.lora_target_modules!r} is invalid "
-                f"for backbone '{config.backbone}': {err}"
-            ) from err
+        self.prompts: VisualPrompts | None = None
+        tuner = method_spec(config.method).tuner
+        if tuner == "lora":
+            self.backbone = _inject_lora(backbone, config)
+        else:
+            self.backbone = backbone
+            self.prompts = VisualPrompts(backbone, config.vpt_num_prompts, deep=tuner == "vpt-deep")
         self.head = nn.Linear(backbone.num_features, num_classes)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         """Class logits."""
+        if self.prompts is not None:
+            return self.head(self.prompts.features(self.backbone, images))
         return self.head(self.backbone(images))
 
     def group_parameters(self, groups: Iterable[str]) -> dict[str, nn.Parameter]:
@@ -81,6 +82,25 @@ class AdaptedClassifier(nn.Module):
         with torch.no_grad():
             for name, value in tensors.items():
                 params[name].copy_(value.to(params[name].device, params[name].dtype))
+
+
+def _inject_lora(backbone: nn.Module, config: ExperimentConfig) -> nn.Module:
+    """``backbone`` with peft LoRA adapters in ``lora-target-modules``."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    lora = LoraConfig(
+        r=config.lora_rank,
+        lora_alpha=config.lora_alpha,
+        lora_dropout=config.lora_dropout,
+        target_modules=config.target_modules,
+    )
+    try:
+        return inject_adapter_in_model(lora, backbone)
+    except ValueError as err:
+        raise ValueError(
+            f"run config 'lora-target-modules' = {config.lora_target_modules!r} is invalid "
+            f"for backbone '{config.backbone}': {err}"
+        ) from err
 
 
 def build_model(

@@ -1,0 +1,82 @@
+"""Base of the strategies whose server keeps one slot per client (pFedSeq, pFedPG).
+
+Their learners need the number of clients N before the first aggregation: ``num-clients`` when
+set, otherwise the ``num-partitions`` the nodes report in the identity query, otherwise the
+state of a checkpoint being resumed. Client ids must be 0..N-1 (partition ids in simulation); a
+node with another id is left out with a warning that says so.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from fedfm_flower.config import ExperimentConfig
+from strategies.base import PersonalizedStrategy
+
+log = logging.getLogger(__name__)
+
+
+class ClientSlotStrategy(PersonalizedStrategy):
+    """A personalized strategy with a lazily sized per-client server (``self.server``)."""
+
+    def __init__(self, config: ExperimentConfig, initial: dict[str, torch.Tensor]) -> None:
+        super().__init__(config, initial)
+        self.server: Any = None
+        if config.num_clients:
+            self.server = self.build_server(config.num_clients)
+
+    def build_server(self, num_clients: int) -> Any:
+        """The method's server state for ``num_clients`` clients."""
+        raise NotImplementedError
+
+    def num_clients_in(self, tensors: dict[str, torch.Tensor]) -> int:
+        """N of a checkpoint written by ``state_tensors``."""
+        raise NotImplementedError
+
+    def learn_node_mapping(self, grid, server_round: int) -> None:  # noqa: ANN001 - flwr Grid
+        """Learn the mapping, size the server, and leave out ids outside 0..N-1."""
+        super().learn_node_mapping(grid, server_round)
+        if self.server is None:
+            count = self.num_partitions or len(self.node_to_client)
+            if count == 0:
+                return
+            self.server = self.build_server(count)
+        limit = self.server.num_clients
+        for node_id, client_id in list(self.node_to_client.items()):
+            if not 0 <= client_id < limit:
+                log.warning(
+                    "node %s has client-id %s outside 0..%d; %s leaves it out (number the "
+                    "clients 0..num-clients-1)",
+                    node_id,
+                    client_id,
+                    limit - 1,
+                    type(self).__name__,
+                )
+                del self.node_to_client[node_id]
+
+    def require_server(self) -> Any:
+        """The server state, or a clear error when N is still unknown."""
+        if self.server is None:
+            raise RuntimeError(
+                f"{type(self).__name__} does not know the number of clients yet; set num-clients"
+            )
+        return self.server
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """The full server state."""
+        return self.require_server().state_tensors()
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Restore the server state; the number of clients comes from the checkpoint."""
+        num_clients = self.num_clients_in(tensors)
+        if self.server is None or self.server.num_clients != num_clients:
+            self.server = self.build_server(num_clients)
+        self.server.load_state_tensors(tensors)
+
+
+def brief(metrics: dict[str, float]) -> str:
+    """``name value`` pairs of a server step's statistics, method prefix dropped, for the log."""
+    return ", ".join(f"{k.split('-', 1)[1]} {v:.4g}" for k, v in metrics.items())

@@ -1,0 +1,9 @@
+"""FedVPT and FedVPT-deep (pFedPG's baselines): visual prompts averaged, heads local."""
+
+from strategies.fedavg import FedAvgStrategy
+
+
+class FedVPTStrategy(FedAvgStrategy):
+    """FedAvg restricted to the prompts (VPT-shallow or VPT-deep, per the method's tuner)."""
+
+    shared_groups = ("prompt",)
