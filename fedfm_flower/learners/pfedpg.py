@@ -27,7 +27,8 @@ Choices the paper leaves open, made here:
 * **Initialisation.** P_base starts at the clients' seeded initial prompts (so round 1 sends
   what FedVPT would), W^O and the MLP's and AdaIN's output maps start at zero, so every client
   starts from P_base and personalization grows only as eq. 5 moves it; W^Q, W^K, W^V are
-  Xavier-uniform, descriptors N(0, 1) (the attention logits then start O(1), not flat).
+  Xavier-uniform, descriptors N(0, 1); with prompt-sized keys the first attention weights are
+  close to uniform.
 * **Partial participation.** Descriptors are one parameter per client; a non-reporting client's
   descriptor has no gradient and Adam skips it, so it is unchanged (with momentum, a zero
   gradient would otherwise still move it). G and P_base move from the reporting clients only.
