@@ -194,10 +194,13 @@ class PFedPGServer:
         self.optimizer.step()
         self.round += 1
         deltas = torch.stack([u.float() for u in updates.values()])
+        prompts = torch.stack([self.prompts_for(c) for c in range(self.num_clients)])
         return {
             "pfedpg-round": float(self.round),
             "pfedpg-surrogate": surrogate,
             "pfedpg-update-rms": float(deltas.pow(2).mean().sqrt()),
+            # how far the clients' prompts are apart: RMS of P_n - mean_n P_n
+            "pfedpg-prompt-spread": float((prompts - prompts.mean(0)).pow(2).mean().sqrt()),
             "pfedpg-server-seconds": time.perf_counter() - started,
         }
 
