@@ -139,7 +139,6 @@ def run_round(
     bytes_down = sum(record_dict_nbytes(m.content) for m in messages)
     replies = list(grid.send_and_receive(messages, timeout=config.round_timeout))
     bytes_up = sum(record_dict_nbytes(r.content) for r in replies if not r.has_error())
-    strategy.server_metrics = {}
     aggregate_started = time.perf_counter()
     _, train_metrics = strategy.aggregate_train(server_round, replies)
     aggregate_seconds = time.perf_counter() - aggregate_started

@@ -77,6 +77,7 @@ class PersonalizedStrategy(Strategy):
         self.train_report = RoundReport()
         self.evaluate_report = RoundReport()
         self.num_partitions = 0  # largest num-partitions a node reported (0: none yet)
+        self.refused_nodes: set[int] = set()  # answered with a client id this strategy refuses
         self.server_metrics: dict[str, float] = {}  # the strategy's own numbers of the round
 
     # ----------------------------------------------------------------- to implement
@@ -104,13 +105,18 @@ class PersonalizedStrategy(Strategy):
         """Restore the tensors of the strategy state."""
         raise NotImplementedError
 
+    def refuse_client(self, client_id: int) -> str | None:
+        """Why this strategy cannot serve ``client_id`` (None: it can); asked once per node."""
+        return None
+
     # ----------------------------------------------------------------- node mapping
     def learn_node_mapping(self, grid: Grid, server_round: int) -> None:
         """Query nodes not seen before for their client id; forget nodes that left."""
         present = set(grid.get_node_ids())
         for node_id in [n for n in self.node_to_client if n not in present]:
             log.info("node %s (client %s) left", node_id, self.node_to_client.pop(node_id))
-        unknown = sorted(present - set(self.node_to_client))
+        self.refused_nodes &= present
+        unknown = sorted(present - set(self.node_to_client) - self.refused_nodes)
         if not unknown:
             return
         messages = [
@@ -135,6 +141,11 @@ class PersonalizedStrategy(Strategy):
                 continue
             client_id = int(metrics[P.CLIENT_ID])
             self.num_partitions = max(self.num_partitions, int(metrics.get(P.NUM_PARTITIONS, 0)))
+            refusal = self.refuse_client(client_id)
+            if refusal is not None:
+                log.warning("node %s is left out: %s", node_id, refusal)
+                self.refused_nodes.add(node_id)
+                continue
             holder = next((n for n, c in self.node_to_client.items() if c == client_id), None)
             if holder is not None:
                 log.warning(
@@ -147,7 +158,9 @@ class PersonalizedStrategy(Strategy):
                 )
                 continue
             self.node_to_client[node_id] = client_id
-        missing = [n for n in unknown if n not in self.node_to_client]
+        missing = [
+            n for n in unknown if n not in self.node_to_client and n not in self.refused_nodes
+        ]
         if missing:
             log.warning("nodes without a known client id this round: %s", missing)
 
@@ -180,6 +193,7 @@ class PersonalizedStrategy(Strategy):
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Validate replies, update the state from the valid ones, return mean train metrics."""
+        self.server_metrics = {}
         valid = self._validate(replies, self.train_report, check_arrays=True)
         if valid:
             self.aggregate(server_round, valid)

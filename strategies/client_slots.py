@@ -3,20 +3,17 @@
 Their learners need the number of clients N before the first aggregation: ``num-clients`` when
 set, otherwise the ``num-partitions`` the nodes report in the identity query, otherwise the
 state of a checkpoint being resumed. Client ids must be 0..N-1 (partition ids in simulation); a
-node with another id is left out with a warning that says so.
+node with another id is refused (``refuse_client``) with a warning that says so, once.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
 
 from fedfm_flower.config import ExperimentConfig
 from strategies.base import PersonalizedStrategy
-
-log = logging.getLogger(__name__)
 
 
 class ClientSlotStrategy(PersonalizedStrategy):
@@ -36,26 +33,23 @@ class ClientSlotStrategy(PersonalizedStrategy):
         """N of a checkpoint written by ``state_tensors``."""
         raise NotImplementedError
 
+    def refuse_client(self, client_id: int) -> str | None:
+        """Ids outside 0..N-1 have no slot (N from the server, else the nodes' num-partitions)."""
+        limit = self.server.num_clients if self.server is not None else self.num_partitions
+        if limit and not 0 <= client_id < limit:
+            return (
+                f"client-id {client_id} outside 0..{limit - 1}; {type(self).__name__} has one "
+                "slot per client (number the clients 0..num-clients-1)"
+            )
+        return None
+
     def learn_node_mapping(self, grid, server_round: int) -> None:  # noqa: ANN001 - flwr Grid
-        """Learn the mapping, size the server, and leave out ids outside 0..N-1."""
+        """Learn the mapping, then size the server if N was unknown until now."""
         super().learn_node_mapping(grid, server_round)
         if self.server is None:
             count = self.num_partitions or len(self.node_to_client)
-            if count == 0:
-                return
-            self.server = self.build_server(count)
-        limit = self.server.num_clients
-        for node_id, client_id in list(self.node_to_client.items()):
-            if not 0 <= client_id < limit:
-                log.warning(
-                    "node %s has client-id %s outside 0..%d; %s leaves it out (number the "
-                    "clients 0..num-clients-1)",
-                    node_id,
-                    client_id,
-                    limit - 1,
-                    type(self).__name__,
-                )
-                del self.node_to_client[node_id]
+            if count:
+                self.server = self.build_server(count)
 
     def require_server(self) -> Any:
         """The server state, or a clear error when N is still unknown."""

@@ -67,7 +67,7 @@ class PFedSeqSettings:
     """pFedSeq's server hyperparameters (run-config keys ``pfedseq-*``)."""
 
     seq_len: int = 10
-    warmup_rounds: int = 10
+    warmup_rounds: int = 5
     lr: float = 1e-3
     global_aggregation: bool = True
     scale_input: bool = True
