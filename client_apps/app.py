@@ -45,11 +45,17 @@ def _received(message: Message) -> dict:
 
 @app.train()
 def train(message: Message, context: Context) -> Message:
-    """Local training with this client's method; replies with what the method sends up."""
+    """Local training with this client's method; replies with what the method sends up.
+
+    The reply also states which saved personal state training started from (``state-round``,
+    ``state-digest``), so a restart's effect can be checked from the server's results.
+    """
+    from client_apps.faults import inject_fault, parse_faults
     from fedfm_flower.records import to_array_record
 
     started = time.perf_counter()
     runtime, logic, server_round = _runtime_and_logic(message, context)
+    faults = parse_faults(context.node_config)  # before training: a bad value fails fast
     sent, stats = logic.train(runtime, _received(message), server_round)
     metrics = MetricRecord(
         {
@@ -58,9 +64,14 @@ def train(message: Message, context: Context) -> Message:
             P.TRAIN_LOSS: stats.loss,
             P.TRAIN_ACCURACY: stats.accuracy,
             P.TRAIN_SECONDS: time.perf_counter() - started,
+            P.STATE_ROUND: runtime.store.loaded_round,
+            P.STATE_DIGEST: runtime.store.loaded_digest,
         }
     )
     content = RecordDict({P.ARRAYS: to_array_record(sent), P.METRICS: metrics})
+    if server_round in faults:
+        log.warning("node config inject-fault: corrupting this reply (%s)", faults[server_round])
+        content = inject_fault(content, faults[server_round])
     return Message(content=content, reply_to=message)
 
 

@@ -13,6 +13,7 @@ Tensors are stored with safetensors, never pickle.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import tempfile
@@ -36,6 +37,8 @@ class ClientStateStore:
     ) -> None:
         self._state = state
         self.keep = keep
+        self.loaded_round = 0  # round of the state the last ``load`` returned (0: none)
+        self.loaded_digest = 0  # its ``state_digest`` (0: none)
         self.directory: Path | None = None
         if state_dir:
             safe_run = re.sub(r"[^A-Za-z0-9_.-]", "_", run_name or "default")
@@ -66,10 +69,12 @@ class ClientStateStore:
         server_round = candidates[-1]
         key = f"{_STATE_PREFIX}{server_round}"
         if key in self._state.array_records:
-            return from_array_record(self._state.array_records[key])
-        assert self.directory is not None
-        tensors = load_file(self.directory / f"round_{server_round:05d}.safetensors")
-        self._state.array_records[key] = to_array_record(tensors)
+            tensors = from_array_record(self._state.array_records[key])
+        else:
+            assert self.directory is not None
+            tensors = load_file(self.directory / f"round_{server_round:05d}.safetensors")
+            self._state.array_records[key] = to_array_record(tensors)
+        self.loaded_round, self.loaded_digest = server_round, state_digest(tensors)
         return tensors
 
     def save(self, server_round: int, tensors: dict[str, torch.Tensor]) -> None:
@@ -98,3 +103,17 @@ class ClientStateStore:
             self._state.array_records.pop(f"{_STATE_PREFIX}{old}", None)
             if self.directory is not None:
                 (self.directory / f"round_{old:05d}.safetensors").unlink(missing_ok=True)
+
+
+def state_digest(tensors: dict[str, torch.Tensor]) -> int:
+    """A 48-bit fingerprint of named tensors (names, dtypes, shapes and values).
+
+    48 bits so that it survives a round trip through a float metric exactly; clients report it
+    for the state they resumed from, and tests compare it with the files on disk.
+    """
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        tensor = tensors[name].detach().cpu().contiguous()
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return int.from_bytes(digest.digest()[:6], "big")

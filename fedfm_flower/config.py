@@ -47,8 +47,8 @@ PROMPT_QUERIES: tuple[str, ...] = ("per-prompt", "single")
 class ConfigError(ValueError):
     """A run-config value that is not allowed; the message names key, value and rule."""
 
-    def __init__(self, key: str, value: Any, allowed: str) -> None:
-        super().__init__(f"run config '{key}' = {value!r} is invalid: {allowed}")
+    def __init__(self, key: str, value: Any, allowed: str, source: str = "run config") -> None:
+        super().__init__(f"{source} '{key}' = {value!r} is invalid: {allowed}")
         self.key = key
         self.value = value
 
@@ -284,7 +284,11 @@ class NodeIdentity:
         pid_raw = node_config.get("partition-id", node_config.get("client-id"))
         if pid_raw is None:
             raise ConfigError(
-                "node-config", dict(node_config), "needs 'partition-id' or 'client-id'"
+                "client-id",
+                None,
+                f"missing; this SuperNode's node config {dict(node_config)} needs 'client-id' "
+                "(deployment) or 'partition-id' (simulation)",
+                source="node config",
             )
         partition_id = _coerce("partition-id", pid_raw, int)
         client_id = _coerce("client-id", node_config.get("client-id", partition_id), int)
@@ -302,7 +306,12 @@ class NodeIdentity:
                 "num-clients", num_partitions, "set num-clients (or node num-partitions) > 0"
             )
         if not 0 <= partition_id < num_partitions:
-            raise ConfigError("partition-id", partition_id, f"must lie in [0, {num_partitions})")
+            raise ConfigError(
+                "partition-id",
+                partition_id,
+                f"must lie in [0, {num_partitions})",
+                source="node config",
+            )
         state_dir = str(node_config.get("state-dir", experiment.client_state_dir) or "")
         return cls(client_id, partition_id, num_partitions, state_dir)
 

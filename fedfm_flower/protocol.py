@@ -20,5 +20,9 @@ NUM_TRAIN_EXAMPLES = "num-train-examples"
 TRAIN_LOSS = "train-loss"
 TRAIN_ACCURACY = "train-accuracy"
 TRAIN_SECONDS = "train-seconds"
+STATE_ROUND = "state-round"  # round of the personal state a training reply started from (0: none)
+STATE_DIGEST = "state-digest"  # client_state.state_digest of that state (0: none)
+# Per-client facts that are not averaged into the round's mean/std metrics.
+IDENTITY_METRICS = frozenset({CLIENT_ID, STATE_ROUND, STATE_DIGEST})
 TEST_LOSS = "test-loss"
 TEST_ACCURACY = "test-accuracy"

@@ -66,6 +66,7 @@ HOST = "127.0.0.1"  # the only address this script ever binds to or dials
 DEFAULT_BASE_PORT = 19190
 CONNECTION = "fedfm-local"
 TAG_VAR = "FEDFM_DEPLOY_ID"  # environment variable marking every process of one deployment
+NODE_VAR = "FEDFM_DEPLOY_NODE"  # ... and the processes of one SuperNode (its index)
 CERT_FILES = ("ca.crt", "server.crt", "server.key")
 # Run-config keys holding paths: made absolute, since the ServerApp and ClientApps run with the
 # SuperLink's and SuperNodes' working directories, not the caller's.
@@ -330,9 +331,15 @@ def write_flwr_config(flwr_home: Path, address: str, ca_cert: Path | None) -> Pa
 # Processes
 
 
-def _tagged_pids(tag: str) -> set[int]:
-    """Pids of live processes whose environment carries ``FEDFM_DEPLOY_ID=<tag>``."""
-    marker = f"{TAG_VAR}={tag}".encode()
+def _tagged_pids(tag: str, node: int | None = None, command: str | None = None) -> set[int]:
+    """Pids of live processes whose environment carries ``FEDFM_DEPLOY_ID=<tag>``.
+
+    ``node``: only processes of SuperNode ``node`` (``FEDFM_DEPLOY_NODE``, inherited by the
+    SuperNode's ClientApp processes); ``command``: only those whose command line contains it.
+    """
+    markers = {f"{TAG_VAR}={tag}".encode()}
+    if node is not None:
+        markers.add(f"{NODE_VAR}={node}".encode())
     found = set()
     me = os.getpid()
     for entry in os.scandir("/proc"):
@@ -343,8 +350,16 @@ def _tagged_pids(tag: str) -> set[int]:
                 environ = handle.read()
         except OSError:
             continue
-        if marker in environ.split(b"\0"):
-            found.add(int(entry.name))
+        if not markers <= set(environ.split(b"\0")):
+            continue
+        if command is not None:
+            try:
+                with open(f"/proc/{entry.name}/cmdline", "rb") as handle:
+                    if command.encode() not in handle.read():
+                        continue
+            except OSError:
+                continue
+        found.add(int(entry.name))
     return found
 
 
@@ -463,6 +478,7 @@ class LocalDeployment:
         self.nodes: dict[int, ManagedProcess] = {}  # the current process of SuperNode i
         self.node_ids: dict[int, str] = {}
         self.keys: list[Path] = []
+        self._runs = 0
         workdir = options.workdir
         self.flwr_home = workdir / "flwr-home"
         self.logs = workdir / "logs"
@@ -701,7 +717,11 @@ class LocalDeployment:
             "num-partitions": n,
             "state-dir": str(state_dir),
         }
-        config.update(node_config or {})
+        for key, value in (node_config or {}).items():  # None removes a key
+            if value is None:
+                config.pop(key, None)
+            else:
+                config[key] = value
         port = self.base_port + 1 + index if self.base_port is not None else None
         if port is None or not port_is_free(port):
             port = _free_port()
@@ -728,9 +748,69 @@ class LocalDeployment:
                 "--auth-supernode-private-key",
                 str(key),
             ]
-        process = self._start(name or f"supernode_{index}", command)
+        env = {**self.env(), NODE_VAR: str(index)}
+        process = self._start(name or f"supernode_{index}", command, env=env)
         self.nodes[index] = process
         return process
+
+    def kill_supernode(self, index: int, timeout: float = 10.0) -> list[int]:
+        """SIGKILL SuperNode ``index`` and its ClientApp processes at once (a machine crash).
+
+        Returns the pids killed. Nothing gets to clean up: no deregistration, no final write.
+        """
+        pids = sorted(_tagged_pids(self.tag, node=index))
+        for pid in pids:
+            signal_process(pid, signal.SIGKILL, group=False)
+        process = self.nodes.get(index)
+        if process is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.popen.wait(timeout=timeout)
+            process.join_output()
+        deadline = time.monotonic() + timeout
+        while any(pid_alive(pid) for pid in pids) and time.monotonic() < deadline:
+            _reap_orphans_if_safe(self.processes)
+            time.sleep(0.05)
+        self._say(f"killed SuperNode {index} (pids {pids})")
+        return pids
+
+    def restart_supernode(self, index: int, timeout: float = 150.0) -> ManagedProcess:
+        """Start SuperNode ``index`` again after a crash, with the same key and state-dir.
+
+        With SuperNode authentication the SuperLink refuses to activate a node id it still
+        believes online (`Failed to activate SuperNode`, exit 305), which lasts until two missed
+        heartbeats (Flower's 2 x 30 s) after the crash; this waits for that first.
+        """
+        node_id = self.node_ids.get(index)
+        if node_id is not None:
+            started = time.monotonic()
+            while any(str(n.get("node-id")) == node_id for n in self.online_nodes()):
+                if time.monotonic() - started > timeout:
+                    raise DeploymentError(
+                        f"node {node_id} (SuperNode {index}) still online {timeout:.0f}s after "
+                        "it stopped; is another process using its key?"
+                    )
+                time.sleep(1.0)
+            self._say(
+                f"SuperLink marked node {node_id} offline after "
+                f"{time.monotonic() - started:.0f}s; restarting SuperNode {index}"
+            )
+        return self.start_supernode(index)
+
+    def clientapp_pids(self, index: int) -> set[int]:
+        """Live ClientApp processes of SuperNode ``index`` (one per message in flight)."""
+        return _tagged_pids(self.tag, node=index, command="flwr-clientapp")
+
+    def serverapp_pids(self) -> set[int]:
+        """Live ServerApp processes of this deployment."""
+        return _tagged_pids(self.tag, command="flwr-serverapp")
+
+    def kill_serverapp(self) -> list[int]:
+        """SIGKILL the running ServerApp process(es) (a crash mid-run); returns the pids."""
+        pids = sorted(self.serverapp_pids())
+        for pid in pids:
+            signal_process(pid, signal.SIGKILL, group=False)
+        self._say(f"killed ServerApp (pids {pids})")
+        return pids
 
     def online_nodes(self) -> list[dict[str, Any]]:
         """`flwr supernode list` entries with status "online"."""
@@ -770,6 +850,10 @@ class LocalDeployment:
         timeout: float | None = None,
     ) -> RunResult:
         """`flwr run <app> fedfm-local --stream` with the merged run config; waits for the end."""
+        return self.finish_run(self.start_run(run_config), timeout)
+
+    def start_run(self, run_config: Mapping[str, Any] | None = None) -> ManagedProcess:
+        """Start `flwr run <app> fedfm-local --stream` without waiting (see ``finish_run``)."""
         options = self.options
         config = resolve_run_config(run_config or {}, options.num_supernodes, options.app_dir)
         config_file = write_toml(options.workdir / "run-config.toml", config)
@@ -784,11 +868,18 @@ class LocalDeployment:
         ]
         self._say(f"$ {shlex.join(command)}")
         self._say(f"run config: {json.dumps(config)}")
-        started = time.monotonic()
-        process = self._start(
-            "flwr_run", command, echo=self._echo if options.echo else None, cwd=options.app_dir
+        self._runs += 1
+        return self._start(
+            "flwr_run" if self._runs == 1 else f"flwr_run_{self._runs}",
+            command,
+            echo=self._echo if options.echo else None,
+            cwd=options.app_dir,
         )
-        timeout = timeout if timeout is not None else options.run_timeout
+
+    def finish_run(self, process: ManagedProcess, timeout: float | None = None) -> RunResult:
+        """Wait for a `flwr run` from ``start_run`` (stopping the run after ``timeout``)."""
+        started = process.started
+        timeout = timeout if timeout is not None else self.options.run_timeout
         status = None
         try:
             process.popen.wait(timeout=timeout)

@@ -5,7 +5,7 @@ the clients' *stable* ids (never Flower node ids, which change across runs and r
 
 * **Node-to-client mapping.** Before a round, nodes the strategy has not seen are sent a QUERY
   message; their replies state their ``client-id``. Nodes that left are forgotten; two nodes
-  claiming one client id are reported and the newcomer is ignored.
+  claiming one client id are reported and the newcomer is ignored (until a node leaves).
 * **Per-node messages.** ``configure_train``/``configure_evaluate`` build a new ``RecordDict``
   for each node from ``train_payload(client_id, round)``, so a client's personalized tensors go
   to that client only. The ``arrays`` argument of Flower's interface is ignored: the strategy
@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
@@ -40,6 +41,11 @@ from fedfm_flower.training import round_seed
 log = logging.getLogger(__name__)
 
 QUERY_TIMEOUT_S = 120.0
+# Error replies the SuperLink makes up for a message that no node answered (the node's heartbeat
+# stopped, or the message expired): the client is missing, which is not the client's error.
+UNDELIVERED_CODES = frozenset(
+    {ErrorCode.NODE_UNAVAILABLE, ErrorCode.MESSAGE_UNAVAILABLE, ErrorCode.REPLY_MESSAGE_UNAVAILABLE}
+)
 
 
 @dataclass(frozen=True)
@@ -113,9 +119,11 @@ class PersonalizedStrategy(Strategy):
     def learn_node_mapping(self, grid: Grid, server_round: int) -> None:
         """Query nodes not seen before for their client id; forget nodes that left."""
         present = set(grid.get_node_ids())
-        for node_id in [n for n in self.node_to_client if n not in present]:
+        left = [n for n in self.node_to_client if n not in present]
+        for node_id in left:
             log.info("node %s (client %s) left", node_id, self.node_to_client.pop(node_id))
-        self.refused_nodes &= present
+        # A node refused as a duplicate may be the rightful holder once the other one left.
+        self.refused_nodes = set() if left else self.refused_nodes & present
         unknown = sorted(present - set(self.node_to_client) - self.refused_nodes)
         if not unknown:
             return
@@ -156,6 +164,7 @@ class PersonalizedStrategy(Strategy):
                     node_id,
                     node_id,
                 )
+                self.refused_nodes.add(node_id)
                 continue
             self.node_to_client[node_id] = client_id
         missing = [
@@ -263,6 +272,9 @@ class PersonalizedStrategy(Strategy):
     ) -> list[ClientReply]:
         valid: list[ClientReply] = []
         for reply in replies:
+            if reply.has_error() and reply.error.code in UNDELIVERED_CODES:
+                log.info("a message went unanswered: %s", reply.error.reason)
+                continue  # its client stays in report.missing
             node_id = reply.metadata.src_node_id
             expected = self.node_to_client.get(node_id)
             key = str(expected) if expected is not None else f"node {node_id}"
@@ -314,10 +326,10 @@ class PersonalizedStrategy(Strategy):
 
 
 def _mean_metrics(per_client: dict[int, dict[str, float]]) -> MetricRecord | None:
-    """Mean and population std of every per-client metric (client-id excluded)."""
+    """Mean and population std of every per-client metric (identity metrics excluded)."""
     if not per_client:
         return None
-    names = sorted({k for m in per_client.values() for k in m} - {P.CLIENT_ID})
+    names = sorted({k for m in per_client.values() for k in m} - P.IDENTITY_METRICS)
     out: dict[str, float] = {}
     for name in names:
         values = [m[name] for m in per_client.values() if name in m]

@@ -119,7 +119,7 @@ def test_node_identity_from_simulation_and_deployment_configs(tmp_path: Path) ->
 @pytest.mark.parametrize(
     ("node_config", "fragment"),
     [
-        ({}, "needs 'partition-id' or 'client-id'"),
+        ({}, "node config 'client-id' = None is invalid: missing"),
         ({"partition-id": 5, "num-partitions": 4}, "must lie in [0, 4)"),
         ({"partition-id": 0}, "num-partitions"),
     ],

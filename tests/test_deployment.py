@@ -5,41 +5,11 @@ behind. Slow (a fresh ``flwr-clientapp`` process per message), but part of the d
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import sys
 import time
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _load_deploy_local():
-    spec = importlib.util.spec_from_file_location(
-        "deploy_local", ROOT / "scripts" / "deploy_local.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
-
-
-dl = _load_deploy_local()
-
-
-def _assert_all_gone(deployment) -> None:
-    """No process this deployment started (or that carries its tag) is still running."""
-    started = {process.pid for process in deployment.processes}
-    assert started <= deployment.seen_pids
-    alive = sorted(pid for pid in deployment.seen_pids if dl.pid_alive(pid))
-    # A pid could in theory be reused by an unrelated process: only ours carry the tag.
-    tagged = dl._tagged_pids(deployment.tag)
-    assert not tagged, f"processes of the deployment still running: {sorted(tagged)}"
-    assert all(process.popen.returncode is not None for process in deployment.processes)
-    assert not (set(alive) & started), f"started processes still alive: {alive}"
+from deploy_support import ROOT, assert_all_gone, dl, read_rounds
 
 
 @pytest.fixture
@@ -73,7 +43,7 @@ def test_secure_deployment_runs_two_fedavg_rounds(options, cache_dir: Path, tmp_
         result = deployment.run(run_config)
     finally:
         deployment.stop()
-    _assert_all_gone(deployment)
+    assert_all_gone(deployment)
     # SuperLink, its SuperExec, 2 SuperNodes and their SuperExecs were running.
     assert len(during) >= 1 + 2
     assert not options.insecure
@@ -96,7 +66,7 @@ def test_secure_deployment_runs_two_fedavg_rounds(options, cache_dir: Path, tmp_
     assert len(run_dirs) == 1, f"expected one run directory in {output_dir}: {run_dirs}"
     run_dir = run_dirs[0]
     assert result.run_dir == run_dir
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = read_rounds(run_dir)
     assert [row["round"] for row in rows] == [1, 2]
     for row in rows:
         assert 0.0 <= row["test-accuracy-mean"] <= 1.0
@@ -131,7 +101,7 @@ def test_supernode_with_unregistered_key_is_refused(options):
         deployment.wait_for_supernodes(1, timeout=60)
     finally:
         deployment.stop()
-    _assert_all_gone(deployment)
+    assert_all_gone(deployment)
     superlink_log = deployment.superlink.log_path.read_text()
     assert "No SuperNode found with the given public key" in superlink_log
 
@@ -144,7 +114,7 @@ def test_unreachable_superlink_is_a_clear_error_and_cleans_up(options):
         with deployment:
             deployment.prepare()
             deployment.start_superlink()
-    _assert_all_gone(deployment)
+    assert_all_gone(deployment)
 
 
 def test_missing_certificates_are_a_clear_error(tmp_path: Path):

@@ -18,9 +18,11 @@ from flwr.app import (
     RecordDict,
 )
 from flwr.clientapp import ClientApp
+from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
 
+from client_apps.faults import FAULT_KINDS, InjectedCrash, inject_fault, parse_faults
 from fedfm_flower import protocol as P
-from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.config import ConfigError, ExperimentConfig
 from fedfm_flower.records import to_array_record
 from server_apps.inprocess import InProcessGrid
 from strategies.fedavg import FedAvgStrategy, weighted_average
@@ -113,6 +115,64 @@ def test_duplicate_client_ids_are_reported_and_ignored(caplog: pytest.LogCapture
     strategy.learn_node_mapping(grid, 1)
     assert sorted(strategy.node_to_client.values()) == [1, 2]
     assert "two nodes claim client-id 1" in caplog.text
+    holder, duplicate = 1001, 1002  # InProcessGrid numbers nodes from 1001 in order
+    assert strategy.node_to_client[holder] == 1 and duplicate in strategy.refused_nodes
+    # The refused duplicate is not queried again every round...
+    caplog.clear()
+    queried = len(grid.sent)
+    strategy.learn_node_mapping(grid, 2)
+    assert len(grid.sent) == queried and "two nodes claim" not in caplog.text
+    # ...but once the holder leaves, it is asked again and takes the client id over.
+    grid.offline.add(holder)
+    strategy.learn_node_mapping(grid, 3)
+    assert strategy.node_to_client == {duplicate: 1, 1003: 2}
+
+
+def test_unanswered_message_counts_as_missing_not_rejected(caplog) -> None:
+    """The SuperLink's NODE_UNAVAILABLE reply (sent from the SuperLink's own node id) for a node
+    whose heartbeat stopped mid-round: the client is missing, the round goes on."""
+    strategy, grid = make_strategy()
+    messages = list(strategy.configure_train(1, ArrayRecord(), ConfigRecord(), grid))
+    good = {k: torch.ones_like(v) for k, v in INITIAL.items()}
+    replies = [reply_to(m, good, 10) for m in messages[:-1]]
+    lost = Message(
+        Error(code=ErrorCode.NODE_UNAVAILABLE, reason="no heartbeat"), reply_to=messages[-1]
+    )
+    lost.metadata.__dict__["_src_node_id"] = SUPERLINK_NODE_ID
+    strategy.aggregate_train(1, [*replies, lost])
+    lost_client = strategy.node_to_client[messages[-1].metadata.dst_node_id]
+    assert strategy.train_report.missing == [lost_client]
+    assert strategy.train_report.rejected == {}
+    assert len(strategy.train_report.accepted) == len(messages) - 1
+    assert "rejected" not in caplog.text
+
+
+@pytest.mark.parametrize("kind", [k for k in FAULT_KINDS if k != "crash"])
+def test_every_injectable_fault_is_rejected_without_state_change(kind: str, caplog) -> None:
+    """What a SuperNode with ``inject-fault`` sends in the deployment tests is refused here."""
+    strategy, grid = make_strategy()
+    before = state_hash(strategy)
+    messages = list(strategy.configure_train(1, ArrayRecord(), ConfigRecord(), grid))
+    good = {k: torch.ones_like(v) for k, v in INITIAL.items()}
+    replies = [reply_to(m, good, 10) for m in messages]
+    for reply in replies:
+        inject_fault(reply.content, kind)
+    strategy.aggregate_train(1, replies)
+    assert strategy.train_report.accepted == {}
+    assert sorted(strategy.train_report.rejected) == sorted(
+        str(c) for c in strategy.train_report.sent
+    )
+    assert state_hash(strategy) == before
+    assert caplog.text.count("rejected reply") == len(messages)
+
+
+def test_fault_injection_config_is_parsed_and_checked() -> None:
+    assert parse_faults({}) == {}
+    assert parse_faults({"inject-fault": "2:nan, 5:oversize"}) == {2: "nan", 5: "oversize"}
+    with pytest.raises(ConfigError, match="node config 'inject-fault' = '2:melt'"):
+        parse_faults({"inject-fault": "2:melt"})
+    with pytest.raises(InjectedCrash):
+        inject_fault(RecordDict(), "crash")
 
 
 def test_fedavg_aggregates_with_example_weights() -> None:

@@ -1,0 +1,270 @@
+"""Fault injection on a real loopback deployment (scripts/deploy_local.py, TLS + SuperNode auth).
+
+Each test starts a SuperLink and SuperNodes on 127.0.0.1, breaks something on purpose, and checks
+from the run's results and logs that the federation behaved as docs/deployment.md says:
+
+* a SuperNode killed mid-round (SIGKILL of the node and its ClientApp) and restarted at once;
+* a ServerApp killed after round k and the run resumed with ``resume=true``;
+* malformed training replies of every kind (``inject-fault`` node config), and operator mistakes
+  (a node config without ``client-id``, two nodes with the same ``client-id``).
+
+Every test stops every process it started (checked by the deployment's process tag).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from deploy_support import assert_all_gone, dl, hash_files, read_rounds
+from safetensors.torch import load_file
+
+from client_apps.faults import FAULT_KINDS
+from fedfm_flower.client_state import state_digest
+
+pytestmark = [pytest.mark.slow]
+
+
+def wait_until(condition: Callable[[], Any], timeout: float, what: str) -> Any:
+    """Poll ``condition`` every 50 ms until it is truthy; fail naming ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def base_config(cache_dir: Path, output_dir: Path, **extra: Any) -> dict[str, Any]:
+    """A small run of the offline setup."""
+    return {
+        "cache-dir": str(cache_dir),
+        "output-dir": str(output_dir),
+        "pretrain-epochs": 30,
+        "seed": 0,
+        **extra,
+    }
+
+
+def make_options(tmp_path: Path, num_supernodes: int) -> Any:
+    """Secure (default) deployment options in a private work directory."""
+    return dl.DeployOptions(
+        num_supernodes=num_supernodes,
+        workdir=tmp_path / "work",
+        startup_timeout=120.0,
+        run_timeout=400.0,
+        echo=False,
+    )
+
+
+@pytest.mark.timeout(600)
+def test_supernode_killed_mid_round_rejoins_with_identical_state(cache_dir, tmp_path):
+    options = make_options(tmp_path, 2)
+    round_timeout = 40.0
+    config = base_config(
+        cache_dir,
+        tmp_path / "runs",
+        **{
+            "method": "pfedseq",
+            "pfedseq-warmup-rounds": 1,
+            "num-server-rounds": 4,
+            "round-timeout": round_timeout,
+            "run-name": "node-killed",
+        },
+    )
+    run_dir = tmp_path / "runs" / "node-killed"
+    node_dir = options.workdir / "node_1"
+    state_file = node_dir / "node-killed" / "client_1" / "round_00001.safetensors"
+    deployment = dl.LocalDeployment(options)
+    try:
+        deployment.start()
+        ids_before = {n["node-id"] for n in deployment.online_nodes()}
+        run = deployment.start_run(config)
+        # Round 1 is recorded, so the next ClientApp process of node 1 handles round 2's training.
+        wait_until(
+            lambda: len(read_rounds(run_dir)) == 1 if (run_dir / "metrics.jsonl").exists() else 0,
+            300,
+            "round 1",
+        )
+        finishing = deployment.clientapp_pids(1)  # round 1's evaluation may still be exiting
+        wait_until(
+            lambda: deployment.clientapp_pids(1) - finishing, 60, "node 1's round-2 ClientApp"
+        )
+        killed = deployment.kill_supernode(1)
+        at_kill = hash_files(node_dir)
+        state_at_kill = load_file(state_file)
+        deployment.restart_supernode(1)  # same key and state-dir: the machine comes back
+        deployment.wait_for_supernodes(2, timeout=60)
+        ids_after = {n["node-id"] for n in deployment.online_nodes()}
+        result = deployment.finish_run(run)
+        after = hash_files(node_dir)
+    finally:
+        deployment.stop()
+    assert_all_gone(deployment)
+    log = result.log_path.read_text()
+    assert result.ok, f"run status {result.status}; log:\n{log[-3000:]}"
+    assert len(killed) >= 2  # the SuperNode and the ClientApp it had started
+    assert ids_after == ids_before  # with SuperNode authentication the node id survives
+
+    rounds = read_rounds(run_dir)
+    assert [r["round"] for r in rounds] == [1, 2, 3, 4]
+    # Round 2 completed with client 0 alone, after the round timeout; client 1 is missing (it
+    # did not answer), not rejected (it did nothing wrong).
+    second = rounds[1]
+    assert sorted(second["train"]) == ["0"] and second["missing"] == [1]
+    assert second["rejected"] == {} and second.get("evaluate-rejected", {}) == {}
+    assert round_timeout <= second["round-seconds"] < 2 * round_timeout + 60
+    assert "client 1 did not reply in time (counted missing)" in log
+    # Client 1 rejoins (by round 4 at the latest: the SuperLink refuses the restarted node until
+    # it has marked the crashed one offline) and trains from exactly the state it had saved
+    # after round 1, the last round it completed.
+    back = [r for r in rounds[2:] if "1" in r["train"]]
+    assert back and back[-1]["round"] == 4, [sorted(r["train"]) for r in rounds]
+    first_back = back[0]["train"]["1"]
+    assert first_back["state-round"] == 1
+    assert first_back["state-digest"] == state_digest(state_at_kill)
+    assert rounds[2]["train"]["0"]["state-round"] == 2
+    # The kill tore nothing: every state file present at the kill is unchanged.
+    assert "node-killed/client_1/round_00001.safetensors" in at_kill
+    for name, digest in at_kill.items():
+        if name in after:
+            assert after[name] == digest, f"{name} changed after the kill"
+    assert not [name for name in after if name.endswith(".tmp")]
+
+
+def _checkpoint(run_dir: Path, server_round: int) -> dict[str, torch.Tensor]:
+    return load_file(run_dir / "checkpoints" / f"round_{server_round:05d}.safetensors")
+
+
+@pytest.mark.timeout(600)
+def test_serverapp_killed_after_round_one_resumes_to_the_same_result(cache_dir, tmp_path):
+    options = make_options(tmp_path, 2)
+    config = base_config(
+        cache_dir,
+        tmp_path / "runs",
+        **{"method": "pfedseq", "pfedseq-warmup-rounds": 1, "num-server-rounds": 2},
+    )
+    reference_dir = tmp_path / "runs" / "reference"
+    crashed_dir = tmp_path / "runs" / "crashed"
+    deployment = dl.LocalDeployment(options)
+    try:
+        deployment.start()
+        reference = deployment.run({**config, "run-name": "reference"})
+        run = deployment.start_run({**config, "run-name": "crashed"})
+        wait_until(
+            lambda: (crashed_dir / "checkpoints" / "round_00001.json").exists(),
+            300,
+            "the round-1 checkpoint",
+        )
+        killed = deployment.kill_serverapp()
+        crashed = deployment.finish_run(run, timeout=90)
+        resumed = deployment.run({**config, "run-name": "crashed", "resume": True})
+    finally:
+        deployment.stop()
+    assert_all_gone(deployment)
+    assert reference.ok, reference.log_path.read_text()[-3000:]
+    assert killed, "no ServerApp process was found to kill"
+    assert not crashed.ok
+    log = resumed.log_path.read_text()
+    assert resumed.ok, log[-3000:]
+    assert "resuming crashed after round 1" in log
+
+    expected, got = read_rounds(reference_dir), read_rounds(crashed_dir)
+    assert [r["round"] for r in got] == [1, 2]  # no round counted twice
+    for want, have in zip(expected, got, strict=True):
+        for phase in ("train", "evaluate"):
+            for client, metrics in want[phase].items():
+                for name in ("train-loss", "test-accuracy", "test-loss", "state-digest"):
+                    if name in metrics:
+                        assert have[phase][client][name] == metrics[name], (phase, client, name)
+    final_reference, final_resumed = _checkpoint(reference_dir, 2), _checkpoint(crashed_dir, 2)
+    assert final_reference.keys() == final_resumed.keys()
+    for name, tensor in final_reference.items():
+        assert torch.equal(tensor, final_resumed[name]), name
+
+
+# Training-reply faults per round: node 0 and node 1 each send a different kind every round from
+# round 2 on, so no valid training reply arrives after round 1 and the FedAvg state must stay
+# exactly the round-1 state.
+FAULTS = {
+    0: ["nan", "shape", "missing-key", "client-id", "crash"],
+    1: ["inf", "dtype", "extra-key", "oversize", "crash"],
+}
+REASONS = {
+    "nan": r"contains NaN or Inf",
+    "inf": r"contains NaN or Inf",
+    "shape": r"has shape \(\d+,\), expected",
+    "dtype": r"has dtype float64, expected float32",
+    "missing-key": r"missing keys",
+    "extra-key": r"unexpected keys \[.*\.extra'\]",
+    "client-id": r"reply claims client-id 1 but node belongs to client 0",
+    "oversize": r"payload is \d+ bytes, expected",
+    "crash": r"client error: .*crashes on purpose",
+}
+
+
+@pytest.mark.timeout(600)
+def test_malformed_replies_and_bad_node_configs_leave_server_state_unchanged(cache_dir, tmp_path):
+    assert {k for kinds in FAULTS.values() for k in kinds} == set(FAULT_KINDS)
+    rounds_total = 1 + len(FAULTS[0])
+    options = make_options(tmp_path, 4)
+    config = base_config(
+        cache_dir,
+        tmp_path / "runs",
+        **{
+            "method": "fedavg",
+            "num-server-rounds": rounds_total,
+            "eval-every": 100,  # evaluate in the last round only
+            "keep-checkpoints": rounds_total,
+            "run-name": "malformed",
+        },
+    )
+    run_dir = tmp_path / "runs" / "malformed"
+    deployment = dl.LocalDeployment(options)
+    try:
+        deployment.prepare()
+        deployment.start_superlink()
+        for i in range(4):
+            deployment.register_key(deployment.keys[i].with_suffix(".pub"))
+        for i in (0, 1):
+            plan = ",".join(f"{r}:{kind}" for r, kind in enumerate(FAULTS[i], start=2))
+            deployment.start_supernode(i, node_config={"inject-fault": plan})
+        deployment.start_supernode(2, node_config={"client-id": 0})  # claims node 0's client id
+        deployment.start_supernode(3, node_config={"client-id": None, "partition-id": None})
+        deployment.wait_for_supernodes(4)
+        result = deployment.run(config)
+    finally:
+        deployment.stop()
+    assert_all_gone(deployment)
+    log = result.log_path.read_text()
+    assert result.ok, f"run status {result.status}; log:\n{log[-3000:]}"
+
+    rounds = read_rounds(run_dir)
+    assert [r["round"] for r in rounds] == list(range(1, rounds_total + 1))
+    assert sorted(rounds[0]["train"]) == ["0", "1"] and rounds[0]["rejected"] == {}
+    for record in rounds[1:]:
+        index = record["round"] - 2
+        assert record["train"] == {}, record["round"]
+        assert sorted(record["rejected"]) == ["0", "1"]
+        for client in (0, 1):
+            kind = FAULTS[client][index]
+            reason = record["rejected"][str(client)]
+            assert re.search(REASONS[kind], reason), (record["round"], kind, reason)
+            assert f"rejected reply of client {client}" in log
+    # The server state after every faulty round is bit-identical to the state after round 1.
+    first = _checkpoint(run_dir, 1)
+    for server_round in range(2, rounds_total + 1):
+        later = _checkpoint(run_dir, server_round)
+        assert all(torch.equal(first[name], later[name]) for name in first), server_round
+    assert sorted(rounds[-1]["evaluate"]) == ["0", "1"]  # the run ended normally
+
+    # Operator mistakes are named in the ServerApp's log; those nodes never got a client slot.
+    assert "two nodes claim client-id 0" in log
+    assert "node config 'client-id' = None is invalid: missing" in log
+    assert all(sorted(r["sampled"]) == [0, 1] for r in rounds)
