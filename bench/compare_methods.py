@@ -19,10 +19,7 @@ import statistics
 import time
 from pathlib import Path
 
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib
+from bench.overrides import parse_overrides, tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -119,12 +116,10 @@ def main(argv: list[str] | None = None) -> None:
 
     configure_logging()
     args.out.mkdir(parents=True, exist_ok=True)
-    overrides = {}
-    for item in args.set:
-        key, sep, value = item.partition("=")
-        if not sep:
-            parser.error(f"--set expects KEY=VALUE, got {item!r}")
-        overrides[key] = tomllib.loads(f"v = {value}")["v"]
+    try:
+        overrides = parse_overrides(args.set)
+    except ValueError as err:
+        parser.error(str(err))
     results, started = [], time.perf_counter()
     for setup in args.setups:
         for method in args.methods:

@@ -52,11 +52,11 @@ def stop_processes(pids: list[int], grace_s: float = 10.0) -> None:
             signal_process(pid, signal.SIGKILL)
 
 
-def federation_config(num_supernodes: int, gpu_fraction: float) -> str:
+def federation_config(num_supernodes: int, gpu_fraction: float, client_cpus: int = 1) -> str:
     """The --federation-config string for the local Ray simulation."""
     parts = [
         f"num-supernodes={num_supernodes}",
-        "client-resources-num-cpus=1",
+        f"client-resources-num-cpus={client_cpus}",
         f"client-resources-num-gpus={gpu_fraction}",
     ]
     return " ".join(parts)
@@ -72,11 +72,19 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="GPU share per ClientApp (default: 0.25 with CUDA, else 0)",
     )
+    parser.add_argument(
+        "--client-cpus",
+        type=int,
+        default=1,
+        help="CPUs per ClientApp (Ray runs usable CPUs / this many clients at once)",
+    )
     parser.add_argument("--app", default=str(ROOT))
     parser.add_argument("flwr_args", nargs="*", help="extra arguments for `flwr run`")
     args = parser.parse_args(argv)
     if args.num_supernodes <= 0:
         parser.error(f"--num-supernodes must be > 0, got {args.num_supernodes}")
+    if args.client_cpus <= 0:
+        parser.error(f"--client-cpus must be > 0, got {args.client_cpus}")
     gpu_fraction = args.gpu_fraction
     if gpu_fraction is None:
         import torch
@@ -92,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         args.app,
         "--stream",
         "--federation-config",
-        federation_config(args.num_supernodes, gpu_fraction),
+        federation_config(args.num_supernodes, gpu_fraction, args.client_cpus),
         *args.flwr_args,
     ]
     print("+ " + " ".join(command), flush=True)

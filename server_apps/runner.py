@@ -136,12 +136,14 @@ def run_round(
     """One training round, plus evaluation when due; returns the round's record."""
     started = time.perf_counter()
     messages = list(strategy.configure_train(server_round, ArrayRecord(), ConfigRecord(), grid))
+    server_seconds = time.perf_counter() - started
     bytes_down = sum(record_dict_nbytes(m.content) for m in messages)
     replies = list(grid.send_and_receive(messages, timeout=config.round_timeout))
     bytes_up = sum(record_dict_nbytes(r.content) for r in replies if not r.has_error())
     aggregate_started = time.perf_counter()
     _, train_metrics = strategy.aggregate_train(server_round, replies)
     aggregate_seconds = time.perf_counter() - aggregate_started
+    server_seconds += aggregate_seconds
     train_report = strategy.train_report
     record: dict[str, Any] = {
         "round": server_round,
@@ -168,13 +170,17 @@ def run_round(
     evaluate = server_round % config.eval_every == 0 or server_round == config.num_server_rounds
     eval_down = eval_up = 0
     if evaluate:
+        configure_started = time.perf_counter()
         messages = list(
             strategy.configure_evaluate(server_round, ArrayRecord(), ConfigRecord(), grid)
         )
+        server_seconds += time.perf_counter() - configure_started
         eval_down = sum(record_dict_nbytes(m.content) for m in messages)
         replies = list(grid.send_and_receive(messages, timeout=config.round_timeout))
         eval_up = sum(record_dict_nbytes(r.content) for r in replies if not r.has_error())
+        aggregate_started = time.perf_counter()
         eval_metrics = strategy.aggregate_evaluate(server_round, replies)
+        server_seconds += time.perf_counter() - aggregate_started
         report = strategy.evaluate_report
         record["evaluate"] = {str(c): m for c, m in report.accepted.items()}
         record["evaluate-rejected"] = dict(report.rejected)
@@ -191,6 +197,9 @@ def run_round(
         )
     record["bytes-down"] = bytes_down + eval_down
     record["bytes-up"] = bytes_up + eval_up
+    # The strategy's own work (building messages, validating and aggregating replies), without
+    # waiting for clients; configure_* includes the node-mapping query when nodes are new.
+    record["server-seconds"] = server_seconds
     record["round-seconds"] = time.perf_counter() - started
     return record
 

@@ -1,33 +1,15 @@
-"""Helpers of the real-deployment tests: load scripts/deploy_local.py, check nothing is left."""
+"""Helpers of the real-deployment tests: scripts/deploy_local.py, results, process checks."""
 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
+from scripts import deploy_local as dl
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def load_deploy_local() -> ModuleType:
-    """scripts/deploy_local.py as a module (it is a script, not part of the package)."""
-    if "deploy_local" in sys.modules:
-        return sys.modules["deploy_local"]
-    spec = importlib.util.spec_from_file_location(
-        "deploy_local", ROOT / "scripts" / "deploy_local.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
-
-
-dl = load_deploy_local()
 
 
 def assert_all_gone(deployment: Any) -> None:
@@ -54,3 +36,19 @@ def hash_files(directory: Path) -> dict[str, str]:
         for path in sorted(directory.rglob("*"))
         if path.is_file()
     }
+
+
+def assert_secure(deployment: Any) -> None:
+    """TLS everywhere and SuperNode authentication with registered keys, on 127.0.0.1 only."""
+    assert not deployment.options.insecure
+    superlink_cmd = deployment.superlink.command
+    assert "--enable-supernode-auth" in superlink_cmd and "--ssl-certfile" in superlink_cmd
+    assert "--insecure" not in superlink_cmd
+    for node in deployment.supernodes:
+        assert "--auth-supernode-private-key" in node.command
+        assert "--root-certificates" in node.command
+        assert "--insecure" not in node.command
+    assert len(deployment.node_ids) == deployment.options.num_supernodes
+    flwr_config = (deployment.flwr_home / "config.toml").read_text()
+    assert "root-certificates" in flwr_config and "insecure" not in flwr_config
+    assert deployment.address.startswith(f"{dl.HOST}:")

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import torch
-from deploy_support import assert_all_gone, dl, hash_files, read_rounds
+from deploy_support import assert_all_gone, assert_secure, dl, hash_files, read_rounds
 from safetensors.torch import load_file
 
 from client_apps.faults import FAULT_KINDS
@@ -107,6 +107,7 @@ def test_supernode_killed_mid_round_rejoins_with_identical_state(cache_dir, tmp_
     finally:
         deployment.stop()
     assert_all_gone(deployment)
+    assert_secure(deployment)
     log = result.log_path.read_text()
     assert result.ok, f"run status {result.status}; log:\n{log[-3000:]}"
     assert len(killed) >= 2  # the SuperNode and the ClientApp it had started
@@ -155,6 +156,7 @@ def test_serverapp_killed_after_round_one_resumes_to_the_same_result(cache_dir, 
     deployment = dl.LocalDeployment(options)
     try:
         deployment.start()
+        during = deployment.live_pids()
         reference = deployment.run({**config, "run-name": "reference"})
         run = deployment.start_run({**config, "run-name": "crashed"})
         wait_until(
@@ -170,7 +172,16 @@ def test_serverapp_killed_after_round_one_resumes_to_the_same_result(cache_dir, 
     finally:
         deployment.stop()
     assert_all_gone(deployment)
+    assert_secure(deployment)
+    assert len(during) >= 1 + 2  # the SuperLink and 2 SuperNodes (plus their SuperExecs)
+    # The uninterrupted run is a complete, ordinary secure run.
     assert reference.ok, reference.log_path.read_text()[-3000:]
+    assert reference.run_dir == reference_dir
+    for record in read_rounds(reference_dir):
+        assert 0.0 <= record["test-accuracy-mean"] <= 1.0
+        # Results are keyed by the stable client-id of the node config.
+        assert sorted(record["evaluate"]) == sorted(record["train"]) == ["0", "1"]
+    assert (reference_dir / "summary.json").is_file()
     assert killed, "no ServerApp process was found to kill"
     assert not crashed.ok
     log = resumed.log_path.read_text()
@@ -244,6 +255,7 @@ def test_malformed_replies_and_bad_node_configs_leave_server_state_unchanged(cac
     finally:
         deployment.stop()
     assert_all_gone(deployment)
+    assert_secure(deployment)
     log = result.log_path.read_text()
     assert result.ok, f"run status {result.status}; log:\n{log[-3000:]}"
 

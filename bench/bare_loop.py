@@ -1,0 +1,117 @@
+"""The bare reference for the simulation-overhead benchmark: FedAvg as a plain PyTorch loop.
+
+    python -m bench.bare_loop --num-clients 10 --rounds 5 --threads 2 [--set key=value ...]
+
+One process, no Flower: the clients are trained and evaluated one after another with the same
+code for the math as the ClientApp (``fedfm_flower.models``, ``fedfm_flower.training``,
+``fedfm_flower.data``), and the global tensors are averaged here with float64 accumulation in
+client-id order, as ``strategies.fedavg`` does. Preparing the clients' data is done before the
+first round and is not timed; each round's time covers training every client, averaging, and
+evaluating every client. The script checks at the end that no ``flwr`` module was imported.
+
+Prints one JSON object: per-round seconds and accuracies, peak RSS, and the modules check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+from bench.overrides import parse_overrides
+from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.data import load_client_data
+from fedfm_flower.models import MODEL_CACHE, pick_device
+from fedfm_flower.models.foundation import foundation_card
+from fedfm_flower.training import evaluate, round_seed, train
+
+SHARED = ("adapter", "head")  # what FedAvg sends both ways
+
+
+def average(updates: list[dict[str, torch.Tensor]], weights: list[int]) -> dict[str, torch.Tensor]:
+    """Example-weighted mean of every tensor (float64 accumulation, original dtype)."""
+    total = float(sum(weights))
+    out = {}
+    for name, first in updates[0].items():
+        acc = torch.zeros(first.shape, dtype=torch.float64)
+        for update, weight in zip(updates, weights, strict=True):
+            acc += update[name].to(torch.float64) * (weight / total)
+        out[name] = acc.to(first.dtype)
+    return out
+
+
+def run_bare_fedavg(config: ExperimentConfig, num_clients: int, rounds: int) -> dict[str, Any]:
+    """Run FedAvg for ``rounds`` rounds over ``num_clients`` clients; timings and accuracies."""
+    foundation_card(config)  # the cached foundation model (built once when missing)
+    device = pick_device(config.device)
+    prepare_started = time.perf_counter()
+    data = [load_client_data(config, c, num_clients) for c in range(num_clients)]
+    model = MODEL_CACHE.get(config, data[0].num_classes, device)
+    global_tensors = model.group_tensors(SHARED)
+    prepare_seconds = time.perf_counter() - prepare_started
+    records = []
+    for server_round in range(1, rounds + 1):
+        started = time.perf_counter()
+        updates, weights = [], []
+        for client in range(num_clients):
+            model.load_tensors(global_tensors)
+            stats = train(
+                model,
+                data[client].train,
+                model.group_parameters(SHARED).values(),
+                config,
+                seed=round_seed(config.seed, client, server_round),
+                device=device,
+            )
+            updates.append(model.group_tensors(SHARED))
+            weights.append(stats.num_examples)
+        global_tensors = average(updates, weights)
+        model.load_tensors(global_tensors)
+        accuracies = [
+            evaluate(model, data[client].test, device=device).accuracy
+            for client in range(num_clients)
+        ]
+        records.append(
+            {
+                "round": server_round,
+                "round-seconds": time.perf_counter() - started,
+                "test-accuracy-mean": statistics.fmean(accuracies),
+                "test-accuracy": accuracies,
+            }
+        )
+    return {"prepare-seconds": prepare_seconds, "rounds": records}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse arguments, run, print the JSON result."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-clients", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    overrides = parse_overrides(args.set)
+    config = ExperimentConfig.from_run_config(
+        {
+            **ExperimentConfig().to_run_config(),
+            **overrides,
+            "method": "fedavg",
+            "num-clients": args.num_clients,
+        }
+    )
+    result = run_bare_fedavg(config, args.num_clients, args.rounds)
+    result["peak-rss-bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    result["flwr-imported"] = sorted(m for m in sys.modules if m == "flwr" or m.startswith("flwr."))
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""Peak memory of a group of processes (a simulation's SuperLink, ServerApp and Ray workers).
+
+Processes are found by an environment variable the benchmark sets on the process it starts;
+every descendant inherits it, including the detached ones Flower and Ray start in new sessions.
+Memory is the sum of their PSS (proportional set size: shared pages divided among the sharers),
+so the torch libraries mapped by ten workers are not counted ten times.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+TAG_VAR = "FEDFM_BENCH_ID"
+
+
+def tagged_pids(tag: str) -> list[int]:
+    """Live processes whose environment has ``FEDFM_BENCH_ID=<tag>``."""
+    marker = f"{TAG_VAR}={tag}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if marker in (entry / "environ").read_bytes().split(b"\0"):
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def pss_bytes(pid: int) -> int:
+    """PSS of one process from /proc/<pid>/smaps_rollup (0 if it vanished)."""
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+class PeakMemory:
+    """Samples the summed PSS of the tagged processes in a thread; keeps the peak."""
+
+    def __init__(self, tag: str, interval: float = 0.25) -> None:
+        self.tag = tag
+        self.interval = interval
+        self.peak_bytes = 0
+        self.peak_processes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="peak-memory", daemon=True)
+
+    def __enter__(self) -> PeakMemory:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            pids = tagged_pids(self.tag)
+            self.peak_bytes = max(self.peak_bytes, sum(pss_bytes(pid) for pid in pids))
+            self.peak_processes = max(self.peak_processes, len(pids))
+            time.sleep(self.interval)

@@ -1,0 +1,194 @@
+"""Simulation overhead: the same FedAvg experiment as a bare PyTorch loop and through `flwr run`.
+
+    python -m bench.simulation_overhead --clients 10 100 --rounds 4 [--set key=value ...]
+
+For each client count N both sides run in fresh processes, one after the other, with the same
+run config, seed and threads per client:
+
+* (a) ``bench.bare_loop``: one process, no Flower, clients trained and evaluated in sequence;
+* (b) ``python -m fedfm_flower.simulation`` (``flwr run`` with the Ray backend, N SuperNodes) with
+  ``client-resources-num-cpus`` = all usable CPUs, so Ray also runs one client at a time with
+  the same number of torch threads; the framework adds messages, records, the ClientApp's
+  per-message set-up, the strategy, checkpoints and results.
+
+Reported per N: steady-state round time (median of rounds 2..R) of (b) over (a), the first
+round's extra time and the launch time of (b) (``flwr run`` until round 1 starts), peak memory
+(summed PSS of every process of the run), and whether both sides reached the same accuracies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from bench.overrides import parse_overrides, to_set_args
+from bench.process_memory import TAG_VAR, PeakMemory, tagged_pids
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def toml_pairs(config: dict[str, Any]) -> str:
+    """``k=v`` pairs for ``flwr run --run-config`` (TOML values)."""
+    return " ".join(f"{k}={json.dumps(v)}" for k, v in config.items())
+
+
+def _stop_tagged(tag: str) -> None:
+    """Stop every process of the run that is still alive (Ray workers, the local SuperLink)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        pids = tagged_pids(tag)
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 10
+        while tagged_pids(tag) and time.monotonic() < deadline:
+            time.sleep(0.2)
+
+
+def run_tagged(command: list[str], env: dict[str, str], log_path: Path) -> tuple[float, PeakMemory]:
+    """Run ``command`` to completion with a fresh tag; (wall seconds, peak memory)."""
+    tag = uuid.uuid4().hex
+    env = {**env, TAG_VAR: tag}
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    with log_path.open("w") as log, PeakMemory(tag) as memory:
+        process = subprocess.run(
+            command, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=False
+        )
+    wall = time.perf_counter() - started
+    _stop_tagged(tag)
+    if process.returncode != 0:
+        raise RuntimeError(f"{command[:4]} failed ({process.returncode}); log {log_path}")
+    return wall, memory
+
+
+def steady(seconds: list[float]) -> float:
+    """Median round time after the first round (the first when there is only one)."""
+    return statistics.median(seconds[1:] if len(seconds) > 1 else seconds)
+
+
+def run_bare(num_clients: int, rounds: int, threads: int, config: dict, workdir: Path) -> dict:
+    """The bare loop in a fresh process."""
+    command = [
+        sys.executable,
+        "-m",
+        "bench.bare_loop",
+        "--num-clients",
+        str(num_clients),
+        "--rounds",
+        str(rounds),
+        "--threads",
+        str(threads),
+    ]
+    command += to_set_args(config)
+    log = workdir / f"bare-{num_clients}.log"
+    wall, memory = run_tagged(command, dict(os.environ), log)
+    result = json.loads(log.read_text().strip().splitlines()[-1])
+    if result["flwr-imported"]:
+        raise RuntimeError(f"the bare loop imported Flower: {result['flwr-imported'][:5]}")
+    seconds = [r["round-seconds"] for r in result["rounds"]]
+    return {
+        "wall-s": wall,
+        "round-s": seconds,
+        "steady-round-s": steady(seconds),
+        "peak-pss-bytes": memory.peak_bytes,
+        "final-accuracy": result["rounds"][-1]["test-accuracy-mean"],
+    }
+
+
+def run_flower_simulation(
+    num_clients: int, rounds: int, client_cpus: int, config: dict, workdir: Path, name: str
+) -> dict:
+    """`flwr run` simulation in fresh processes; timings from the run's metrics.jsonl."""
+    output = workdir / "runs"
+    run_config = {**config, "num-clients": num_clients, "output-dir": str(output), "run-name": name}
+    command = [
+        sys.executable,
+        "-m",
+        "fedfm_flower.simulation",
+        "--num-supernodes",
+        str(num_clients),
+        "--client-cpus",
+        str(client_cpus),
+        "--",
+        "--run-config",
+        toml_pairs(run_config),
+    ]
+    env = {**os.environ, "FLWR_HOME": str(workdir / "flwr-home")}
+    wall, memory = run_tagged(command, env, workdir / f"{name}.log")
+    records = [json.loads(line) for line in (output / name / "metrics.jsonl").read_text().split()]
+    seconds = [r["round-seconds"] for r in records]
+    return {
+        "wall-s": wall,
+        "launch-s": wall - sum(seconds),
+        "round-s": seconds,
+        "steady-round-s": steady(seconds),
+        "server-s": [r.get("server-seconds", r["aggregate-seconds"]) for r in records],
+        "bytes-up": [r["bytes-up-train"] for r in records],
+        "bytes-down": [r["bytes-down-train"] for r in records],
+        "clients-reported": [r["clients-reported"] for r in records],
+        "peak-pss-bytes": memory.peak_bytes,
+        "peak-processes": memory.peak_processes,
+        "final-accuracy": records[-1].get("test-accuracy-mean"),
+    }
+
+
+def measure(clients: list[int], rounds: int, config: dict, workdir: Path) -> list[dict]:
+    """Both sides for each client count; one row per N."""
+    cpus = usable_cpus()
+    rows = []
+    for num_clients in clients:
+        bare = run_bare(num_clients, rounds, cpus, config, workdir)
+        name = f"fedavg-{num_clients}"
+        config_fedavg = {**config, "method": "fedavg"}
+        flower = run_flower_simulation(num_clients, rounds, cpus, config_fedavg, workdir, name)
+        rows.append(
+            {
+                "clients": num_clients,
+                "rounds": rounds,
+                "threads-per-client": cpus,
+                "bare": bare,
+                "simulation": flower,
+                "steady-ratio": flower["steady-round-s"] / bare["steady-round-s"],
+                "first-round-extra-s": flower["round-s"][0] - flower["steady-round-s"],
+                "same-accuracy": abs(flower["final-accuracy"] - bare["final-accuracy"]) < 1e-9,
+            }
+        )
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line: measure and print the rows."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", type=int, nargs="+", default=[10, 100])
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--workdir", type=Path, default=ROOT / "bench" / "work" / "overhead")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    args = parser.parse_args(argv)
+    config: dict[str, Any] = {"num-server-rounds": args.rounds, "seed": 0}
+    config.update(parse_overrides(args.set))
+    measure(args.clients, args.rounds, config, args.workdir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
