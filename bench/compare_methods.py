@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from bench.overrides import parse_overrides, tomllib
+from fedfm_flower.results import RunDirectory
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -59,7 +60,7 @@ def run_one(
         if run_dir.exists():
             shutil.rmtree(run_dir)  # an interrupted run: start it over
         summary, _ = run_in_process(config, clients)
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = RunDirectory(run_dir).rounds()
     up = statistics.fmean(r["bytes-up-train"] / max(r["clients-reported"], 1) for r in records)
     return {
         **summary,

@@ -20,6 +20,7 @@ from typing import Any
 
 from bench.overrides import parse_overrides
 from bench.simulation_overhead import run_flower_simulation, steady, usable_cpus
+from fedfm_flower.results import RunDirectory
 from scripts import deploy_local as dl
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,7 +38,7 @@ def run_deployment(num_nodes: int, config: dict, workdir: Path) -> dict[str, Any
         result = deployment.run({**config, "output-dir": str(output), "run-name": name})
     if not result.ok:
         raise RuntimeError(f"deployment run {name} ended {result.status}; log {result.log_path}")
-    records = [json.loads(line) for line in (output / name / "metrics.jsonl").read_text().split()]
+    records = RunDirectory(output / name).rounds()
     seconds = [r["round-seconds"] for r in records]
     return {
         "round-s": seconds,

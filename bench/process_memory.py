@@ -42,6 +42,21 @@ def pss_bytes(pid: int) -> int:
     return 0
 
 
+def command_name(pid: int) -> str:
+    """A short name for a process: its executable or the Python module/script it runs."""
+    try:
+        parts = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return "?"
+    parts = [p for p in parts if p]
+    if not parts:
+        return "?"
+    if "-m" in parts[:-1]:
+        return parts[parts.index("-m") + 1]
+    names = [Path(p).name for p in parts[:2]]
+    return names[1] if names[0].startswith("python") and len(names) > 1 else names[0]
+
+
 class PeakMemory:
     """Samples the summed PSS of the tagged processes in a thread; keeps the peak."""
 
@@ -50,6 +65,7 @@ class PeakMemory:
         self.interval = interval
         self.peak_bytes = 0
         self.peak_processes = 0
+        self.by_command: dict[str, int] = {}  # command name -> its largest single-process PSS
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="peak-memory", daemon=True)
 
@@ -64,6 +80,10 @@ class PeakMemory:
     def _run(self) -> None:
         while not self._stop.is_set():
             pids = tagged_pids(self.tag)
-            self.peak_bytes = max(self.peak_bytes, sum(pss_bytes(pid) for pid in pids))
+            sizes = {pid: pss_bytes(pid) for pid in pids}
+            self.peak_bytes = max(self.peak_bytes, sum(sizes.values()))
             self.peak_processes = max(self.peak_processes, len(pids))
+            for pid, size in sizes.items():
+                name = command_name(pid)
+                self.by_command[name] = max(self.by_command.get(name, 0), size)
             time.sleep(self.interval)

@@ -32,6 +32,7 @@ from typing import Any
 
 from bench.overrides import parse_overrides, to_set_args
 from bench.process_memory import TAG_VAR, PeakMemory, tagged_pids
+from fedfm_flower.results import RunDirectory
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -134,7 +135,7 @@ def run_flower_simulation(
     ]
     env = {**os.environ, "FLWR_HOME": str(workdir / "flwr-home")}
     wall, memory = run_tagged(command, env, workdir / f"{name}.log")
-    records = [json.loads(line) for line in (output / name / "metrics.jsonl").read_text().split()]
+    records = RunDirectory(output / name).rounds()
     seconds = [r["round-seconds"] for r in records]
     return {
         "wall-s": wall,
@@ -147,6 +148,7 @@ def run_flower_simulation(
         "clients-reported": [r["clients-reported"] for r in records],
         "peak-pss-bytes": memory.peak_bytes,
         "peak-processes": memory.peak_processes,
+        "peak-pss-by-command": memory.by_command,
         "final-accuracy": records[-1].get("test-accuracy-mean"),
     }
 

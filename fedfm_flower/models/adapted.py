@@ -54,6 +54,7 @@ class AdaptedClassifier(nn.Module):
             self.backbone = backbone
             self.prompts = VisualPrompts(backbone, config.vpt_num_prompts, deep=tuner == "vpt-deep")
         self.head = nn.Linear(backbone.num_features, num_classes)
+        self._index: list[tuple[str, nn.Parameter, str]] | None = None
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         """Class logits."""
@@ -67,7 +68,15 @@ class AdaptedClassifier(nn.Module):
         unknown = wanted - set(GROUPS)
         if unknown:
             raise ValueError(f"unknown parameter groups {sorted(unknown)}; allowed: {GROUPS}")
-        return {n: p for n, p in self.named_parameters() if parameter_group(n) in wanted}
+        if self._index is None:
+            # Walking every module for named_parameters() cost ~1 ms per call and a message
+            # makes several calls: the (name, parameter, group) list is built once.
+            self._index = [(n, p, parameter_group(n)) for n, p in self.named_parameters()]
+        return {n: p for n, p, group in self._index if group in wanted}
+
+    def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 - nn.Module's signature
+        self._index = None  # .to() / .half() may replace parameters
+        return super()._apply(fn, recurse)
 
     def group_tensors(self, groups: Iterable[str]) -> dict[str, torch.Tensor]:
         """Detached CPU copies of the given groups' parameters."""
