@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 from pathlib import Path
@@ -33,6 +34,7 @@ def run_deployment(num_nodes: int, config: dict, workdir: Path) -> dict[str, Any
     options = dl.DeployOptions(
         num_supernodes=num_nodes, workdir=workdir / name, echo=False, run_timeout=1800
     )
+    shutil.rmtree(output / name, ignore_errors=True)  # results of an earlier invocation
     with dl.LocalDeployment(options) as deployment:
         deployment.start()
         result = deployment.run({**config, "output-dir": str(output), "run-name": name})

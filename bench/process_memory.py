@@ -53,8 +53,10 @@ def command_name(pid: int) -> str:
         return "?"
     if "-m" in parts[:-1]:
         return parts[parts.index("-m") + 1]
-    names = [Path(p).name for p in parts[:2]]
-    return names[1] if names[0].startswith("python") and len(names) > 1 else names[0]
+    if Path(parts[0]).name.startswith("python"):
+        scripts = [p for p in parts[1:] if not p.startswith("-")]
+        return Path(scripts[0]).name if scripts else "python"
+    return Path(parts[0]).name
 
 
 class PeakMemory:

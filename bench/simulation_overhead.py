@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -134,8 +135,12 @@ def run_flower_simulation(
         toml_pairs(run_config),
     ]
     env = {**os.environ, "FLWR_HOME": str(workdir / "flwr-home")}
+    shutil.rmtree(output / name, ignore_errors=True)  # results of an earlier invocation
     wall, memory = run_tagged(command, env, workdir / f"{name}.log")
     records = RunDirectory(output / name).rounds()
+    if len(records) != rounds:
+        # `flwr run` exits 0 even when the ServerApp failed: check the results instead.
+        raise RuntimeError(f"run {name} wrote {len(records)} of {rounds} rounds; log {workdir}")
     seconds = [r["round-seconds"] for r in records]
     return {
         "wall-s": wall,

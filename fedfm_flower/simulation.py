@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -52,6 +53,19 @@ def stop_processes(pids: list[int], grace_s: float = 10.0) -> None:
             signal_process(pid, signal.SIGKILL)
 
 
+def cuda_available() -> bool:
+    """Whether torch sees a CUDA device; torch (~400 MB, seconds) is imported only if a driver is.
+
+    This launcher only waits for `flwr run`, so on a machine without an NVIDIA driver it does
+    not pay for importing torch at all.
+    """
+    if not (Path("/proc/driver/nvidia").exists() or shutil.which("nvidia-smi")):
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def federation_config(num_supernodes: int, gpu_fraction: float, client_cpus: int = 1) -> str:
     """The --federation-config string for the local Ray simulation."""
     parts = [
@@ -87,9 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--client-cpus must be > 0, got {args.client_cpus}")
     gpu_fraction = args.gpu_fraction
     if gpu_fraction is None:
-        import torch
-
-        gpu_fraction = 0.25 if torch.cuda.is_available() else 0.0
+        gpu_fraction = 0.25 if cuda_available() else 0.0
     flwr_home = Path(os.environ.get("FLWR_HOME", ROOT / ".flwr"))
     env = flower_environment(flwr_home)
     stop_processes(local_superlink_pids(flwr_home))  # a stale one would run an old app
