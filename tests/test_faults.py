@@ -244,7 +244,7 @@ def test_malformed_replies_and_bad_node_configs_leave_server_state_unchanged(cac
         deployment.prepare()
         deployment.start_superlink()
         for i in range(4):
-            deployment.register_key(deployment.keys[i].with_suffix(".pub"))
+            deployment.node_ids[i] = deployment.register_key(deployment.keys[i].with_suffix(".pub"))
         for i in (0, 1):
             plan = ",".join(f"{r}:{kind}" for r, kind in enumerate(FAULTS[i], start=2))
             deployment.start_supernode(i, node_config={"inject-fault": plan})
