@@ -245,10 +245,13 @@ def test_malformed_replies_and_bad_node_configs_leave_server_state_unchanged(cac
         deployment.start_superlink()
         for i in range(4):
             deployment.node_ids[i] = deployment.register_key(deployment.keys[i].with_suffix(".pub"))
+        plans = {i: ",".join(f"{r}:{k}" for r, k in enumerate(FAULTS[i], start=2)) for i in (0, 1)}
         for i in (0, 1):
-            plan = ",".join(f"{r}:{kind}" for r, kind in enumerate(FAULTS[i], start=2))
-            deployment.start_supernode(i, node_config={"inject-fault": plan})
-        deployment.start_supernode(2, node_config={"client-id": 0})  # claims node 0's client id
+            deployment.start_supernode(i, node_config={"inject-fault": plans[i]})
+        # Node 2 claims node 0's client id. Whichever of the two answers the identity query first
+        # keeps it, so node 2 carries the same fault plan and the expected replies do not depend
+        # on that race.
+        deployment.start_supernode(2, node_config={"client-id": 0, "inject-fault": plans[0]})
         deployment.start_supernode(3, node_config={"client-id": None, "partition-id": None})
         deployment.wait_for_supernodes(4)
         result = deployment.run(config)
