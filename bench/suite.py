@@ -1,6 +1,6 @@
 """The benchmark suite: what the framework costs over the bare compute, and how it grows.
 
-    python -m bench.suite --quick      # CPU, offline setup, ~15 minutes on 2 cores
+    python -m bench.suite --quick      # CPU, offline setup, ~8 minutes on 2 cores
     python -m bench.suite --full       # more clients, rounds and SuperNodes; meant for a GPU box
 
 Sections (each also runs alone, see its module):
