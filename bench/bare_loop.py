@@ -3,9 +3,9 @@
     python -m bench.bare_loop --num-clients 10 --rounds 5 --threads 2 [--set key=value ...]
 
 One process, no Flower: the clients are trained and evaluated one after another with the same
-code for the math as the ClientApp (``fedfm_flower.models``, ``fedfm_flower.training``,
-``fedfm_flower.data``), and the global tensors are averaged here with float64 accumulation in
-client-id order, as ``strategies.fedavg`` does. Preparing the clients' data is done before the
+code for the math as the ClientApp and the FedAvg strategy (``fedfm_flower.models``,
+``fedfm_flower.training``, ``fedfm_flower.data``, ``fedfm_flower.aggregation``), in client-id
+order. Preparing the clients' data is done before the
 first round and is not timed; each round's time covers training every client, averaging, and
 evaluating every client. The script checks at the end that no ``flwr`` module was imported.
 
@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from bench.overrides import parse_overrides
+from fedfm_flower.aggregation import weighted_average
 from fedfm_flower.config import ExperimentConfig
 from fedfm_flower.data import load_client_data
 from fedfm_flower.models import MODEL_CACHE, pick_device
@@ -32,18 +33,6 @@ from fedfm_flower.models.foundation import foundation_card
 from fedfm_flower.training import evaluate, round_seed, train
 
 SHARED = ("adapter", "head")  # what FedAvg sends both ways
-
-
-def average(updates: list[dict[str, torch.Tensor]], weights: list[int]) -> dict[str, torch.Tensor]:
-    """Example-weighted mean of every tensor (float64 accumulation, original dtype)."""
-    total = float(sum(weights))
-    out = {}
-    for name, first in updates[0].items():
-        acc = torch.zeros(first.shape, dtype=torch.float64)
-        for update, weight in zip(updates, weights, strict=True):
-            acc += update[name].to(torch.float64) * (weight / total)
-        out[name] = acc.to(first.dtype)
-    return out
 
 
 def run_bare_fedavg(config: ExperimentConfig, num_clients: int, rounds: int) -> dict[str, Any]:
@@ -71,7 +60,7 @@ def run_bare_fedavg(config: ExperimentConfig, num_clients: int, rounds: int) -> 
             )
             updates.append(model.group_tensors(SHARED))
             weights.append(stats.num_examples)
-        global_tensors = average(updates, weights)
+        global_tensors = weighted_average(updates, weights)
         model.load_tensors(global_tensors)
         accuracies = [
             evaluate(model, data[client].test, device=device).accuracy

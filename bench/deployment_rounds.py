@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -70,10 +69,6 @@ def measure(nodes: list[int], rounds: int, config: dict, workdir: Path) -> list[
                 "deployment": deployed,
                 "simulation": {k: simulated[k] for k in ("round-s", "steady-round-s", "launch-s")},
                 "ratio": deployed["steady-round-s"] / simulated["steady-round-s"],
-                "deployment-round-s-per-client": statistics.fmean(
-                    deployed["round-s"][1:] or deployed["round-s"]
-                )
-                / num_nodes,
             }
         )
         print(json.dumps(rows[-1]), flush=True)

@@ -8,27 +8,18 @@ so the torch libraries mapped by ten workers are not counted ten times.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from pathlib import Path
 
+from fedfm_flower.processes import pids_with_environment
+
 TAG_VAR = "FEDFM_BENCH_ID"
 
 
-def tagged_pids(tag: str) -> list[int]:
+def tagged_pids(tag: str) -> set[int]:
     """Live processes whose environment has ``FEDFM_BENCH_ID=<tag>``."""
-    marker = f"{TAG_VAR}={tag}".encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            if marker in (entry / "environ").read_bytes().split(b"\0"):
-                found.append(int(entry.name))
-        except OSError:
-            continue
-    return found
+    return pids_with_environment({TAG_VAR: tag})
 
 
 def pss_bytes(pid: int) -> int:

@@ -27,28 +27,6 @@ METHODS = ("fedavg", "fedrep", "pfedseq", "pfedpg")
 PROMPT_METHODS = ("pfedpg", "fedvpt", "fedvpt-deep")
 
 
-def identity_app() -> Any:
-    """A ClientApp answering only the identity query (client-id = partition-id)."""
-    from flwr.app import Context, Message, MetricRecord, RecordDict
-    from flwr.clientapp import ClientApp
-
-    from fedfm_flower import protocol as P
-
-    app = ClientApp()
-
-    @app.query()
-    def query(message: Message, context: Context) -> Message:
-        metrics = MetricRecord(
-            {
-                P.CLIENT_ID: int(context.node_config["partition-id"]),
-                P.NUM_PARTITIONS: int(context.node_config["num-partitions"]),
-            }
-        )
-        return Message(RecordDict({P.METRICS: metrics}), reply_to=message)
-
-    return app
-
-
 def synthetic_reply(message: Any, spec: dict, generator: torch.Generator) -> Any:
     """A valid training reply to ``message`` with small random tensors of the given spec."""
     from flwr.app import Message, MetricRecord, RecordDict
@@ -74,7 +52,7 @@ def measure_one(
     from flwr.app import ArrayRecord, ConfigRecord
 
     from fedfm_flower.config import ExperimentConfig
-    from server_apps.inprocess import InProcessGrid, simulation_node_configs
+    from server_apps.inprocess import InProcessGrid, identity_app, simulation_node_configs
     from server_apps.runner import build_strategy, prepare_foundation
 
     size_key = "vpt-num-prompts" if method in PROMPT_METHODS else "lora-rank"

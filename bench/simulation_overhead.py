@@ -147,7 +147,7 @@ def run_flower_simulation(
         "launch-s": wall - sum(seconds),
         "round-s": seconds,
         "steady-round-s": steady(seconds),
-        "server-s": [r.get("server-seconds", r["aggregate-seconds"]) for r in records],
+        "server-s": [r["server-seconds"] for r in records],
         "bytes-up": [r["bytes-up-train"] for r in records],
         "bytes-down": [r["bytes-down-train"] for r in records],
         "clients-reported": [r["clients-reported"] for r in records],

@@ -52,3 +52,30 @@ def pid_alive(pid: int) -> bool:
     except (OSError, IndexError):
         return False
     return state not in (b"Z", b"X")
+
+
+def pids_with_environment(variables: Mapping[str, str], command: str | None = None) -> set[int]:
+    """Live processes whose environment holds every ``variables`` entry (this one excluded).
+
+    Launchers tag the processes they start with an environment variable; children inherit it,
+    even those Flower and Ray start in new sessions, so the tag finds them all. ``command``:
+    only processes whose command line contains it.
+    """
+    markers = {f"{key}={value}".encode() for key, value in variables.items()}
+    found = set()
+    me = os.getpid()
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == me:
+            continue
+        try:
+            with open(f"/proc/{entry.name}/environ", "rb") as handle:
+                if not markers <= set(handle.read().split(b"\0")):
+                    continue
+            if command is not None:
+                with open(f"/proc/{entry.name}/cmdline", "rb") as handle:
+                    if command.encode() not in handle.read():
+                        continue
+        except OSError:
+            continue
+        found.add(int(entry.name))
+    return found

@@ -59,7 +59,12 @@ from pathlib import Path
 from typing import IO, Any
 
 from fedfm_flower.config import ConfigError, ExperimentConfig
-from fedfm_flower.processes import flower_environment, pid_alive, signal_process
+from fedfm_flower.processes import (
+    flower_environment,
+    pid_alive,
+    pids_with_environment,
+    signal_process,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"  # the only address this script ever binds to or dials
@@ -337,30 +342,8 @@ def _tagged_pids(tag: str, node: int | None = None, command: str | None = None) 
     ``node``: only processes of SuperNode ``node`` (``FEDFM_DEPLOY_NODE``, inherited by the
     SuperNode's ClientApp processes); ``command``: only those whose command line contains it.
     """
-    markers = {f"{TAG_VAR}={tag}".encode()}
-    if node is not None:
-        markers.add(f"{NODE_VAR}={node}".encode())
-    found = set()
-    me = os.getpid()
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit() or int(entry.name) == me:
-            continue
-        try:
-            with open(f"/proc/{entry.name}/environ", "rb") as handle:
-                environ = handle.read()
-        except OSError:
-            continue
-        if not markers <= set(environ.split(b"\0")):
-            continue
-        if command is not None:
-            try:
-                with open(f"/proc/{entry.name}/cmdline", "rb") as handle:
-                    if command.encode() not in handle.read():
-                        continue
-            except OSError:
-                continue
-        found.add(int(entry.name))
-    return found
+    variables = {TAG_VAR: tag} if node is None else {TAG_VAR: tag, NODE_VAR: str(node)}
+    return pids_with_environment(variables, command)
 
 
 def _reap_orphans() -> None:

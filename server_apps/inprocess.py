@@ -13,11 +13,29 @@ import uuid
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from flwr.app import Context, Error, Message, RecordDict
+from flwr.app import Context, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid
 
 ReplyHook = Callable[[int, Message], Message | None]
+
+
+def identity_app() -> ClientApp:
+    """A ClientApp that only answers the identity query, from the node config (strategy tests
+    and benchmarks that need the node mapping but no training)."""
+    from fedfm_flower import protocol as P
+
+    app = ClientApp()
+
+    @app.query()
+    def query(message: Message, context: Context) -> Message:
+        node = context.node_config
+        metrics = {P.CLIENT_ID: int(node.get("client-id", node.get("partition-id", -1)))}
+        if "num-partitions" in node:
+            metrics[P.NUM_PARTITIONS] = int(node["num-partitions"])
+        return Message(RecordDict({P.METRICS: MetricRecord(metrics)}), reply_to=message)
+
+    return app
 
 
 class InProcessGrid(Grid):

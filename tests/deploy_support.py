@@ -52,3 +52,13 @@ def assert_secure(deployment: Any) -> None:
     flwr_config = (deployment.flwr_home / "config.toml").read_text()
     assert "root-certificates" in flwr_config and "insecure" not in flwr_config
     assert deployment.address.startswith(f"{dl.HOST}:")
+
+
+def completed_log(deployment: Any, result: Any) -> str:
+    """After ``deployment.stop()``: nothing left running, secure mode used, the run completed;
+    returns the run's log."""
+    assert_all_gone(deployment)
+    assert_secure(deployment)
+    log = result.log_path.read_text()
+    assert result.ok, f"run status {result.status}; log:\n{log[-3000:]}"
+    return log

@@ -21,7 +21,14 @@ from typing import Any
 
 import pytest
 import torch
-from deploy_support import assert_all_gone, assert_secure, dl, hash_files, read_rounds
+from deploy_support import (
+    assert_all_gone,
+    assert_secure,
+    completed_log,
+    dl,
+    hash_files,
+    read_rounds,
+)
 from safetensors.torch import load_file
 
 from client_apps.faults import FAULT_KINDS
@@ -106,10 +113,7 @@ def test_supernode_killed_mid_round_rejoins_with_identical_state(cache_dir, tmp_
         after = hash_files(node_dir)
     finally:
         deployment.stop()
-    assert_all_gone(deployment)
-    assert_secure(deployment)
-    log = result.log_path.read_text()
-    assert result.ok, f"run status {result.status}; log:\n{log[-3000:]}"
+    log = completed_log(deployment, result)
     assert len(killed) >= 2  # the SuperNode and the ClientApp it had started
     assert ids_after == ids_before  # with SuperNode authentication the node id survives
 
@@ -257,10 +261,7 @@ def test_malformed_replies_and_bad_node_configs_leave_server_state_unchanged(cac
         result = deployment.run(config)
     finally:
         deployment.stop()
-    assert_all_gone(deployment)
-    assert_secure(deployment)
-    log = result.log_path.read_text()
-    assert result.ok, f"run status {result.status}; log:\n{log[-3000:]}"
+    log = completed_log(deployment, result)
 
     rounds = read_rounds(run_dir)
     assert [r["round"] for r in rounds] == list(range(1, rounds_total + 1))

@@ -11,21 +11,20 @@ from flwr.app import (
     Array,
     ArrayRecord,
     ConfigRecord,
-    Context,
     Error,
     Message,
     MetricRecord,
     RecordDict,
 )
-from flwr.clientapp import ClientApp
 from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
 
 from client_apps.faults import FAULT_KINDS, InjectedCrash, inject_fault, parse_faults
 from fedfm_flower import protocol as P
+from fedfm_flower.aggregation import weighted_average
 from fedfm_flower.config import ConfigError, ExperimentConfig
 from fedfm_flower.records import to_array_record
-from server_apps.inprocess import InProcessGrid
-from strategies.fedavg import FedAvgStrategy, weighted_average
+from server_apps.inprocess import InProcessGrid, identity_app
+from strategies.fedavg import FedAvgStrategy
 from strategies.fedrep import FedRepStrategy
 from strategies.local import LocalStrategy
 
@@ -35,18 +34,6 @@ INITIAL = {
     "head.weight": torch.randn(3, 8),
     "head.bias": torch.zeros(3),
 }
-
-
-def identity_app() -> ClientApp:
-    """A ClientApp that only answers the identity query (client-id from node config)."""
-    app = ClientApp()
-
-    @app.query()
-    def query(message: Message, context: Context) -> Message:
-        cid = int(context.node_config["client-id"])
-        return Message(RecordDict({P.METRICS: MetricRecord({P.CLIENT_ID: cid})}), reply_to=message)
-
-    return app
 
 
 def make_strategy(cls=FedAvgStrategy, num_clients: int = 3):
