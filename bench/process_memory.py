@@ -4,6 +4,11 @@ Processes are found by an environment variable the benchmark sets on the process
 every descendant inherits it, including the detached ones Flower and Ray start in new sessions.
 Memory is the sum of their PSS (proportional set size: shared pages divided among the sharers),
 so the torch libraries mapped by ten workers are not counted ten times.
+
+On a machine with an NVIDIA GPU the device's used memory is sampled too (through NVML, the
+library ``nvidia-smi`` reads): the peak over the run minus what was in use when sampling began.
+The benchmark machine runs nothing else on its GPU, so that difference is the run's own memory,
+CUDA contexts included (about 0.5 GiB per process that touches the GPU).
 """
 
 from __future__ import annotations
@@ -50,6 +55,30 @@ def command_name(pid: int) -> str:
     return Path(parts[0]).name
 
 
+class GpuMemory:
+    """Used memory of GPU 0 through NVML; ``available`` is False without a GPU or NVML."""
+
+    def __init__(self) -> None:
+        self._handle = None
+        try:
+            import pynvml  # nvidia-ml-py, in the GPU image; absent on CPU machines
+
+            pynvml.nvmlInit()
+            self._handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+            self._pynvml = pynvml
+        except Exception:  # no library, no driver or no device: no GPU figures
+            self._handle = None
+
+    @property
+    def available(self) -> bool:
+        """Whether GPU memory can be read here."""
+        return self._handle is not None
+
+    def used_bytes(self) -> int:
+        """Memory in use on the whole device."""
+        return int(self._pynvml.nvmlDeviceGetMemoryInfo(self._handle).used)
+
+
 class PeakMemory:
     """Samples the summed PSS of the tagged processes in a thread; keeps the peak."""
 
@@ -59,6 +88,9 @@ class PeakMemory:
         self.peak_bytes = 0
         self.peak_processes = 0
         self.by_command: dict[str, int] = {}  # command name -> its largest single-process PSS
+        self._gpu = GpuMemory()
+        self._gpu_baseline = self._gpu.used_bytes() if self._gpu.available else 0
+        self.peak_gpu_bytes: int | None = 0 if self._gpu.available else None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="peak-memory", daemon=True)
 
@@ -79,4 +111,7 @@ class PeakMemory:
             for pid, size in sizes.items():
                 name = command_name(pid)
                 self.by_command[name] = max(self.by_command.get(name, 0), size)
+            if self.peak_gpu_bytes is not None:
+                used = self._gpu.used_bytes() - self._gpu_baseline
+                self.peak_gpu_bytes = max(self.peak_gpu_bytes, used)
             time.sleep(self.interval)

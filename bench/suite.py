@@ -1,7 +1,9 @@
 """The benchmark suite: what the framework costs over the bare compute, and how it grows.
 
     python -m bench.suite --quick      # CPU, offline setup, ~8 minutes on 2 cores
-    python -m bench.suite --full       # more clients, rounds and SuperNodes; meant for a GPU box
+    python -m bench.suite --full       # more clients, ranks, L and SuperNodes, plus cold start
+    python -m bench.suite --gpu        # a GPU: ViT-S/B at 224 px, clients sharing the GPU
+    python -m bench.suite --gpu --sections server-cost --merge   # one section, keep the rest
 
 Sections (each also runs alone, see its module):
 
@@ -12,6 +14,9 @@ Sections (each also runs alone, see its module):
 3. ``communication``: bytes on the wire per client and round against the parameters' bytes.
 4. ``deployment_rounds``: loopback deployment with 2 (and 4) SuperNodes against simulation;
    the per-message ClientApp cold start is ``bench.clientapp_cold_start`` (run in ``--full``).
+
+``--gpu`` runs sections 1, 2 and 5 with timm's ViT-S/16 and ViT-B/16 (random weights, 224 px
+digits) at GPU shares 1 (one client at a time, like the bare loop) and 0.25 (four at once).
 
 Writes ``bench/results/suite/results-<mode>.json`` and ``tables-<mode>.md`` and replaces the
 block between ``<!-- bench:<mode>:begin -->`` and ``<!-- bench:<mode>:end -->`` in
@@ -39,30 +44,62 @@ RESULTS = ROOT / "bench" / "results" / "suite"
 DOC = ROOT / "docs" / "benchmarks.md"
 MIB = 1024 * 1024
 
+SECTIONS = ("overhead", "fraction", "server-cost", "communication", "deployment", "cold-start")
+VIT_S, VIT_B = "vit_small_patch16_224", "vit_base_patch16_224"
+
 MODES: dict[str, dict[str, Any]] = {
     "quick": {
-        "clients": [10, 100],
+        "overhead": [("tiny-vit", [10, 100])],
+        "gpu-fractions": [0.0],
         "rounds": 4,
+        "fraction-backbone": "tiny-vit",
+        "server-backbone": "tiny-vit",
         "server-clients": [10, 100],
         "ranks": [4, 16],
         "seq-lens": [5, 10],
         "fraction-methods": ["fedrep", "pfedseq", "pfedpg"],
         "supernodes": [2],
         "deploy-rounds": 3,
-        "cold-start": False,
+        "sections": ("overhead", "fraction", "server-cost", "communication", "deployment"),
     },
     "full": {
-        "clients": [10, 100],
+        "overhead": [("tiny-vit", [10, 100])],
+        "gpu-fractions": [0.0],
         "rounds": 6,
+        "fraction-backbone": "tiny-vit",
+        "server-backbone": "tiny-vit",
         "server-clients": [10, 100, 1000],
         "ranks": [4, 16, 64],
         "seq-lens": [5, 10, 20],
         "fraction-methods": ["fedrep", "pfedseq", "pfedpg"],
         "supernodes": [2, 4],
         "deploy-rounds": 4,
-        "cold-start": True,
+        "sections": SECTIONS,
+    },
+    # A GPU machine: ViT-S/B (random weights, 224 px) with several clients sharing the GPU.
+    "gpu": {
+        "overhead": [(VIT_S, [10, 100]), (VIT_B, [10])],
+        "gpu-fractions": [1.0, 0.25],
+        "rounds": 4,
+        "fraction-backbone": VIT_S,
+        "server-backbone": VIT_B,
+        "server-clients": [10, 100],
+        "ranks": [4, 16],
+        "seq-lens": [5, 10],
+        "fraction-methods": ["fedrep", "pfedseq", "pfedpg"],
+        "sections": ("overhead", "fraction", "server-cost"),
     },
 }
+
+
+def backbone_config(backbone: str) -> dict[str, Any]:
+    """Run-config keys for a benchmark backbone: timm ViTs at 224 px with random weights.
+
+    Timing does not depend on the weights, and random ones need neither the Hub nor a file.
+    """
+    if backbone == "tiny-vit":
+        return {}
+    return {"backbone": backbone, "pretrained": False, "image-size": 224}
 
 
 def machine() -> dict[str, Any]:
@@ -84,121 +121,234 @@ def machine() -> dict[str, Any]:
 
 
 def server_fractions(
-    methods: list[str], rounds: int, config: dict, workdir: Path, overhead: list[dict]
+    methods: list[str],
+    rounds: int,
+    config: dict,
+    workdir: Path,
+    overhead: list[dict],
+    gpu_fraction: float,
 ) -> list[dict]:
-    """Server seconds over round seconds (steady rounds) of simulations with 10 clients."""
-    rows = []
-    runs = {"fedavg": next(r["simulation"] for r in overhead if r["clients"] == 10)}
-    for method in methods:
+    """Server seconds over round seconds (steady rounds) of simulations with 10 clients.
+
+    FedAvg's run is taken from the overhead section when it ran the same setup. pFedSeq runs
+    with a warm-up of 1 round, so that every steady round has both the learner update and the
+    calibrations (with the default warm-up of 5, a 4-round run would never infer).
+    """
+    backbone = config.get("backbone", "tiny-vit")
+    cpus = simulation_overhead.usable_cpus()
+    _, client_cpus = simulation_overhead.share_resources(gpu_fraction, cpus)
+    same_setup = [
+        row["simulation"]
+        for row in overhead
+        if row["clients"] == 10
+        and row.get("backbone", "tiny-vit") == backbone
+        and row.get("gpu-fraction", 0.0) == gpu_fraction
+    ]
+    runs = {"fedavg": same_setup[0]} if same_setup else {}
+    for method in ([] if runs else ["fedavg"]) + methods:
+        method_config = {**config, "method": method}
+        if method == "pfedseq":
+            method_config["pfedseq-warmup-rounds"] = 1
         runs[method] = simulation_overhead.run_flower_simulation(
-            10, rounds, 1, {**config, "method": method}, workdir, f"{method}-10"
+            10, rounds, client_cpus, method_config, workdir, f"{method}-10", gpu_fraction
         )
+    rows = []
     for method, run in runs.items():
         server = simulation_overhead.steady(run["server-s"])
         round_s = run["steady-round-s"]
         rows.append(
-            {"method": method, "server-s": server, "round-s": round_s, "fraction": server / round_s}
+            {
+                "method": method,
+                "backbone": backbone,
+                "gpu-fraction": gpu_fraction,
+                "server-s": server,
+                "round-s": round_s,
+                "fraction": server / round_s,
+            }
         )
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
-def run_suite(mode: str, overrides: dict[str, Any]) -> dict[str, Any]:
-    """Every section; the combined results."""
+def run_suite(mode: str, overrides: dict[str, Any], sections: tuple[str, ...]) -> dict[str, Any]:
+    """The chosen sections of a mode; their results."""
     plan = MODES[mode]
     workdir = ROOT / "bench" / "work" / f"suite-{mode}"
     config = {"seed": 0, "num-server-rounds": plan["rounds"], **overrides}
     started = time.perf_counter()
     results: dict[str, Any] = {"mode": mode, "machine": machine(), "config": config}
-    results["overhead"] = simulation_overhead.measure(
-        plan["clients"], plan["rounds"], config, workdir / "overhead"
-    )
-    results["server-fraction"] = server_fractions(
-        plan["fraction-methods"], plan["rounds"], config, workdir / "fraction", results["overhead"]
-    )
-    results["server-cost"] = server_cost.measure(
-        list(server_cost.METHODS),
-        plan["server-clients"],
-        plan["ranks"],
-        plan["seq-lens"],
-        overrides,
-    )
-    results["communication"] = communication.measure(list(communication.METHODS), overrides)
-    results["deployment"] = deployment_rounds.measure(
-        plan["supernodes"], plan["deploy-rounds"], {"seed": 0, **overrides}, workdir / "deploy"
-    )
-    if plan["cold-start"]:
+    if "overhead" in sections:
+        results["overhead"] = []
+        for backbone, clients in plan["overhead"]:
+            results["overhead"] += simulation_overhead.measure(
+                clients,
+                plan["rounds"],
+                {**config, **backbone_config(backbone)},
+                workdir / "overhead" / backbone,
+                tuple(plan["gpu-fractions"]),
+            )
+    if "fraction" in sections:
+        backbone = plan["fraction-backbone"]
+        results["server-fraction"] = server_fractions(
+            plan["fraction-methods"],
+            plan["rounds"],
+            {**config, **backbone_config(backbone)},
+            workdir / "fraction" / backbone,
+            results.get("overhead", []),
+            plan["gpu-fractions"][-1],
+        )
+    if "server-cost" in sections:
+        results["server-cost"] = server_cost.measure(
+            list(server_cost.METHODS),
+            plan["server-clients"],
+            plan["ranks"],
+            plan["seq-lens"],
+            {**overrides, **backbone_config(plan["server-backbone"])},
+        )
+    if "communication" in sections:
+        results["communication"] = communication.measure(list(communication.METHODS), overrides)
+    if "deployment" in sections:
+        results["deployment"] = deployment_rounds.measure(
+            plan["supernodes"], plan["deploy-rounds"], {"seed": 0, **overrides}, workdir / "deploy"
+        )
+    if "cold-start" in sections:
         subprocess.run([sys.executable, "-m", "bench.clientapp_cold_start"], cwd=ROOT, check=True)
     cold = ROOT / "bench" / "results" / "clientapp_cold_start" / "results.json"
-    results["cold-start"] = json.loads(cold.read_text()) if cold.exists() else None
+    if "deployment" in sections and cold.exists():
+        results["cold-start"] = json.loads(cold.read_text())
     results["seconds"] = time.perf_counter() - started
     return results
+
+
+def merge_results(earlier: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """``earlier`` with the sections ``new`` measured replaced; minutes add up."""
+    merged = {**earlier, **new}
+    merged["seconds"] = earlier.get("seconds", 0.0) + new["seconds"]
+    return merged
 
 
 def _fmt(value: float | None, digits: int = 2) -> str:
     return "n/a" if value is None else f"{value:.{digits}f}"
 
 
+def _gib(value: int | None) -> str:
+    return "n/a" if value is None else f"{value / 1024 / MIB:.2f}"
+
+
+def _accuracy(row: dict[str, Any]) -> str:
+    if row["same-accuracy"]:
+        return "yes"
+    return f"differs by {row.get('accuracy-difference', float('nan')):.4f}"
+
+
+def overhead_tables(rows: list[dict[str, Any]]) -> list[str]:
+    """Sections 1 and 5; the backbone and GPU-share columns only when a GPU was used."""
+    on_gpu = any(row.get("gpu-fraction", 0.0) > 0 for row in rows)
+    setup = "| backbone | GPU share | clients at once " if on_gpu else ""
+    setup_rule = "|---|---:|---:" if on_gpu else ""
+
+    def setup_cells(row: dict[str, Any]) -> str:
+        if not on_gpu:
+            return ""
+        return f"| {row['backbone']} | {row['gpu-fraction']:g} | {row['parallel-clients']} "
+
+    lines = [
+        "**1. Simulation overhead** (FedAvg; steady = median of rounds 2..R; launch = `flwr run`"
+        " until round 1 starts)",
+        "",
+        f"{setup}| clients | bare round s | flwr round s | ratio (target <= 1.10) "
+        "| first-round extra s | launch s | same accuracy |",
+        f"{setup_rule}|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for row in rows:
+        lines.append(
+            f"{setup_cells(row)}| {row['clients']} | {_fmt(row['bare']['steady-round-s'])} "
+            f"| {_fmt(row['simulation']['steady-round-s'])} | {_fmt(row['steady-ratio'])} "
+            f"| {_fmt(row['first-round-extra-s'])} | {_fmt(row['simulation']['launch-s'], 1)} "
+            f"| {_accuracy(row)} |"
+        )
+    lines += [
+        "",
+        "**5. Peak memory** (host: summed PSS of every process of the run"
+        + ("; GPU: device memory in use above the idle baseline" if on_gpu else "")
+        + ")",
+        "",
+        f"{setup}| clients | bare loop MiB | flwr simulation MiB | processes "
+        + ("| bare GPU GiB | flwr GPU GiB |" if on_gpu else "|"),
+        f"{setup_rule}|---:|---:|---:|---:" + ("|---:|---:|" if on_gpu else "|"),
+    ]
+    for row in rows:
+        bare, flower = row["bare"], row["simulation"]
+        gpu = (
+            f" {_gib(bare.get('peak-gpu-bytes'))} | {_gib(flower.get('peak-gpu-bytes'))} |"
+            if on_gpu
+            else ""
+        )
+        lines.append(
+            f"{setup_cells(row)}| {row['clients']} | {bare['peak-pss-bytes'] / MIB:.0f} "
+            f"| {flower['peak-pss-bytes'] / MIB:.0f} | {flower['peak-processes']} |{gpu}"
+        )
+    return lines
+
+
 def tables(results: dict[str, Any]) -> str:
-    """The markdown tables of one suite run."""
+    """The markdown tables of one suite run (the sections it has)."""
     m = results["machine"]
     lines = [
         f"Measured {m['date']} at commit `{m['commit']}` on {m['cpus']} CPU(s) "
         f"({m['processor']}), GPU: {m['gpu'] or 'none'}, torch {m['torch']}, "
         f"mode `{results['mode']}`, {results['seconds'] / 60:.1f} min in all.",
         "",
-        "**1. Simulation overhead** (FedAvg; steady = median of rounds 2..R; launch = `flwr run`"
-        " until round 1 starts)",
-        "",
-        "| clients | bare round s | flwr round s | ratio (target <= 1.10) | first-round extra s "
-        "| launch s | same accuracy |",
-        "|---:|---:|---:|---:|---:|---:|---|",
     ]
-    for row in results["overhead"]:
-        lines.append(
-            f"| {row['clients']} | {_fmt(row['bare']['steady-round-s'])} "
-            f"| {_fmt(row['simulation']['steady-round-s'])} | {_fmt(row['steady-ratio'])} "
-            f"| {_fmt(row['first-round-extra-s'])} | {_fmt(row['simulation']['launch-s'], 1)} "
-            f"| {'yes' if row['same-accuracy'] else 'no'} |"
-        )
-    lines += [
-        "",
-        "**5. Peak memory** (summed PSS of every process of the run)",
-        "",
-        "| clients | bare loop MiB | flwr simulation MiB | processes |",
-        "|---:|---:|---:|---:|",
-    ]
-    for row in results["overhead"]:
-        lines.append(
-            f"| {row['clients']} | {row['bare']['peak-pss-bytes'] / MIB:.0f} "
-            f"| {row['simulation']['peak-pss-bytes'] / MIB:.0f} "
-            f"| {row['simulation']['peak-processes']} |"
-        )
-    lines += [
-        "",
-        "**2a. Server share of a simulated round** (10 clients, steady rounds; target <= 0.3%)",
-        "",
-        "| method | server s | round s | share |",
-        "|---|---:|---:|---:|",
-    ]
-    for row in results["server-fraction"]:
-        lines.append(
-            f"| {row['method']} | {_fmt(row['server-s'], 4)} | {_fmt(row['round-s'])} "
-            f"| {100 * row['fraction']:.2f}% |"
-        )
-    lines += [
+    if "overhead" in results:
+        lines += overhead_tables(results["overhead"])
+    if "server-fraction" in results:
+        rows = results["server-fraction"]
+        backbone = rows[0].get("backbone", "tiny-vit") if rows else "tiny-vit"
+        share = rows[0].get("gpu-fraction", 0.0) if rows else 0.0
+        lines += [
+            "",
+            f"**2a. Server share of a simulated round** (10 clients, {backbone}"
+            + (f", GPU share {share:g}" if share else "")
+            + ", steady rounds; target <= 0.3%)",
+            "",
+            "| method | server s | round s | share |",
+            "|---|---:|---:|---:|",
+        ]
+        for row in rows:
+            lines.append(
+                f"| {row['method']} | {_fmt(row['server-s'], 4)} | {_fmt(row['round-s'])} "
+                f"| {100 * row['fraction']:.2f}% |"
+            )
+    if "server-cost" in results:
+        lines += server_cost_table(results["server-cost"])
+    if "communication" in results:
+        lines += communication_table(results["communication"])
+    if "deployment" in results:
+        lines += deployment_table(results["deployment"], results.get("cold-start"))
+    return "\n".join(lines) + "\n"
+
+
+def server_cost_table(rows: list[dict[str, Any]]) -> list[str]:
+    """Section 2b."""
+    lines = [
         "",
         "**2b. Server seconds per round against N, D and L** (synthetic replies, no clients)",
         "",
         "| method | N | D | L | server s |",
         "|---|---:|---:|---:|---:|",
     ]
-    for row in results["server-cost"]:
+    for row in rows:
         lines.append(
             f"| {row['method']} | {row['clients']} | {row['D']} | {row['L'] or '-'} "
             f"| {_fmt(row['server-s'], 4)} |"
         )
-    lines += [
+    return lines
+
+
+def communication_table(rows: list[dict[str, Any]]) -> list[str]:
+    """Section 3."""
+    lines = [
         "",
         "**3. Communication per client and round** (wire = every object Flower serializes for "
         "the message; target wire/parameters <= 1.05)",
@@ -206,25 +356,29 @@ def tables(results: dict[str, Any]) -> str:
         "| method | parameters B (down / up) | wire B down | wire B up | down ratio | up ratio |",
         "|---|---:|---:|---:|---:|---:|",
     ]
-    for row in results["communication"]:
+    for row in rows:
         lines.append(
             f"| {row['method']} | {row['down-parameter-bytes']:.0f} / "
             f"{row['up-parameter-bytes']:.0f} | {row['down-wire-bytes']:.0f} "
             f"| {row['up-wire-bytes']:.0f} | {_fmt(row['down-ratio'])} | {_fmt(row['up-ratio'])} |"
         )
-    lines += [
+    return lines
+
+
+def deployment_table(rows: list[dict[str, Any]], cold: dict[str, Any] | None) -> list[str]:
+    """Section 4 and the cold-start table."""
+    lines = [
         "",
         "**4. Deployment against simulation** (FedAvg, loopback, TLS + authentication)",
         "",
         "| SuperNodes | deployment round s | simulation round s | ratio |",
         "|---:|---:|---:|---:|",
     ]
-    for row in results["deployment"]:
+    for row in rows:
         lines.append(
             f"| {row['supernodes']} | {_fmt(row['deployment']['steady-round-s'])} "
             f"| {_fmt(row['simulation']['steady-round-s'])} | {_fmt(row['ratio'], 1)} |"
         )
-    cold = results.get("cold-start")
     if cold:
         lines += [
             "",
@@ -240,7 +394,7 @@ def tables(results: dict[str, Any]) -> str:
                 f"| {method} | {_fmt(median['imports'])} | {_fmt(median['data'])} "
                 f"| {_fmt(median['total'])} |"
             )
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def write(results: dict[str, Any]) -> None:
@@ -265,7 +419,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--quick", action="store_true", help="CPU, a few minutes (default)")
-    group.add_argument("--full", action="store_true", help="larger grid, for a GPU machine")
+    group.add_argument("--full", action="store_true", help="larger grid, 4 SuperNodes, cold start")
+    group.add_argument("--gpu", action="store_true", help="ViT-S/B on a GPU, shared by clients")
+    parser.add_argument(
+        "--sections",
+        nargs="+",
+        choices=SECTIONS,
+        help="run only these sections of the mode (default: all of the mode's)",
+    )
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the other sections of the mode's existing results JSON",
+    )
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument(
         "--tables-only", type=Path, help="re-render the tables of an existing results JSON"
@@ -274,7 +440,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.tables_only:
         write(json.loads(args.tables_only.read_text()))
         return 0
-    write(run_suite("full" if args.full else "quick", parse_overrides(args.set)))
+    mode = "full" if args.full else "gpu" if args.gpu else "quick"
+    sections = tuple(args.sections or MODES[mode]["sections"])
+    results = run_suite(mode, parse_overrides(args.set), sections)
+    earlier = RESULTS / f"results-{mode}.json"
+    if args.merge and earlier.exists():
+        results = merge_results(json.loads(earlier.read_text()), results)
+    write(results)
     return 0
 
 
