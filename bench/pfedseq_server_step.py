@@ -29,9 +29,9 @@ not inflate the next one's memory and a cell over ``--timeout-per-cell`` can be 
    and no further call starts that would likely end past ``--timeout-per-cell``
    (``repeats_done`` says how many calls the median is over).
 
-The history itself (L * D * N * 4 bytes, kept in host memory) is reported apart from the step's
-working memory; so are the rows of D per chunk and the number of chunks (``--chunk-size``, 0 =
-the library's automatic size). The table's working memory is the GPU's on CUDA (the host RSS
+The history itself (L * D * N * 4 bytes, kept on the server's device) is reported apart from
+the step's working memory; so are the rows of D per chunk and the number of chunks
+(``--chunk-size``, 0 = the library's automatic size). The table's working memory is the GPU's on CUDA (the host RSS
 increase is its last column) and the host's on CPU. It is measured on the first call, from a
 fresh process, because the allocator may keep freed pages resident for the later calls.
 
@@ -147,8 +147,9 @@ def build_server(
     )
     server = PFedSeqServer(settings, {LAYER_NAME: torch.zeros(d)}, n, seed=0, device=device)
     generator = torch.Generator().manual_seed(1)
-    server.history = [
-        torch.empty(d, n).normal_(0.0, UPDATE_STD, generator=generator) for _ in range(seq_len)
+    server.history = [  # where the server keeps it: its device, as step() appends
+        torch.empty(d, n).normal_(0.0, UPDATE_STD, generator=generator).to(server.device)
+        for _ in range(seq_len)
     ]
     server.masks = [torch.ones(n) for _ in range(seq_len)]
     server.round = seq_len  # == warmup_rounds: the next step is the first one past the warm-up

@@ -158,6 +158,15 @@ def run_flower_simulation(
         # `flwr run` exits 0 even when the ServerApp failed: check the results instead.
         raise RuntimeError(f"run {name} wrote {len(records)} of {rounds} rounds; log {workdir}")
     seconds = [r["round-seconds"] for r in records]
+    # A SuperLink already listening on Flower's local address (one an earlier command left
+    # behind) runs the simulation in its own, untagged processes: their memory is not ours.
+    measured = "flwr-simulation" in memory.by_command
+    if not measured:
+        print(
+            f"run {name}: the simulation ran outside the processes this benchmark started "
+            "(a SuperLink left running?); its host memory is not reported",
+            flush=True,
+        )
     return {
         "wall-s": wall,
         "launch-s": wall - sum(seconds),
@@ -167,9 +176,9 @@ def run_flower_simulation(
         "bytes-up": [r["bytes-up-train"] for r in records],
         "bytes-down": [r["bytes-down-train"] for r in records],
         "clients-reported": [r["clients-reported"] for r in records],
-        "peak-pss-bytes": memory.peak_bytes,
+        "peak-pss-bytes": memory.peak_bytes if measured else None,
         "peak-gpu-bytes": memory.peak_gpu_bytes,
-        "peak-processes": memory.peak_processes,
+        "peak-processes": memory.peak_processes if measured else None,
         "peak-pss-by-command": memory.by_command,
         "final-accuracy": records[-1].get("test-accuracy-mean"),
     }

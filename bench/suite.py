@@ -231,6 +231,10 @@ def _fmt(value: float | None, digits: int = 2) -> str:
     return "n/a" if value is None else f"{value:.{digits}f}"
 
 
+def _mib(value: int | None) -> str:
+    return "n/a" if value is None else f"{value / MIB:.0f}"
+
+
 def _gib(value: int | None) -> str:
     return "n/a" if value is None else f"{value / 1024 / MIB:.2f}"
 
@@ -285,8 +289,8 @@ def overhead_tables(rows: list[dict[str, Any]]) -> list[str]:
             else ""
         )
         lines.append(
-            f"{setup_cells(row)}| {row['clients']} | {bare['peak-pss-bytes'] / MIB:.0f} "
-            f"| {flower['peak-pss-bytes'] / MIB:.0f} | {flower['peak-processes']} |{gpu}"
+            f"{setup_cells(row)}| {row['clients']} | {_mib(bare['peak-pss-bytes'])} "
+            f"| {_mib(flower['peak-pss-bytes'])} | {flower['peak-processes'] or 'n/a'} |{gpu}"
         )
     return lines
 

@@ -26,6 +26,7 @@ PACKAGES=(
   annotated-doc==0.0.7 pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0
   typing-inspection==0.4.5 httptools==0.9.0 websockets==17.4 watchfiles==1.3.0
   python-dotenv==1.2.4 dill==0.4.1 multiprocess==0.70.19 fsspec==2026.2.0
+  cffi==2.1.1 pycparser==3.12
   jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1
 )
 python3 -m pip download -q --no-deps "${PLATFORM[@]}" -d "$DEST" "${PACKAGES[@]}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 
@@ -47,3 +48,65 @@ def test_overrides_round_trip() -> None:
     config = {"rounds": 3, "method": "fedrep", "flag": True, "lr": 0.05}
     args = to_set_args(config)
     assert parse_overrides(args[1::2]) == config
+
+
+def test_pfedseq_step_benchmark_steps_past_the_warmup_with_history_on_the_server_device() -> None:
+    """The benchmark's pre-filled window lives where step() appends (the server's device), and
+    the timed step is the first one that infers calibrations (past the warm-up)."""
+    from bench.pfedseq_server_step import build_server
+
+    server = build_server(64, 3, 2, "cpu", "mamba", "torch", 0)
+    assert all(h.device == server.device for h in server.history)
+    stats = server.step({c: torch.full((64,), 1e-3) for c in range(3)}, dict.fromkeys(range(3), 8))
+    assert stats["pfedseq-warmup"] == 0.0
+    assert len(server.history) == 2  # the window stays at L rounds
+    assert server.personal.shape == (3, 64) and torch.isfinite(server.personal).all()
+
+
+def test_gpu_share_gives_concurrent_clients_and_their_cpus() -> None:
+    """Share f runs 1/f clients at once with usable CPUs * f each; a bad share names itself."""
+    from bench.simulation_overhead import share_resources
+
+    assert share_resources(0.0, 16) == (1, 16)
+    assert share_resources(1.0, 16) == (1, 16)
+    assert share_resources(0.25, 16) == (4, 4)
+    assert share_resources(0.25, 2) == (4, 1)
+    with pytest.raises(ValueError, match="1.5"):
+        share_resources(1.5, 4)
+
+
+def test_suite_tables_show_gpu_columns_and_unmeasured_memory() -> None:
+    """GPU rows get backbone/share columns and GPU memory; unmeasured host memory reads n/a;
+    a merge keeps the sections the new run did not measure."""
+    from bench.suite import merge_results, tables
+
+    run = {
+        "steady-round-s": 2.0,
+        "launch-s": 30.0,
+        "round-s": [9.0, 2.0, 2.0],
+        "peak-pss-bytes": None,
+        "peak-processes": None,
+        "peak-gpu-bytes": 3 << 30,
+    }
+    bare = {"steady-round-s": 1.6, "peak-pss-bytes": 2 << 30, "peak-gpu-bytes": 1 << 30}
+    row = {
+        "clients": 10,
+        "backbone": "vit_small_patch16_224",
+        "gpu-fraction": 0.25,
+        "parallel-clients": 4,
+        "bare": bare,
+        "simulation": run,
+        "steady-ratio": 1.25,
+        "first-round-extra-s": 7.0,
+        "same-accuracy": False,
+        "accuracy-difference": 0.002,
+    }
+    machine = {"date": "d", "commit": "c", "cpus": 16, "processor": "x", "torch": "t", "gpu": "H"}
+    earlier = {"mode": "gpu", "machine": machine, "seconds": 60.0, "server-cost": []}
+    new = {"mode": "gpu", "machine": machine, "seconds": 120.0, "overhead": [row]}
+    merged = merge_results(earlier, new)
+    assert merged["seconds"] == 180.0 and "server-cost" in merged and "overhead" in merged
+    text = tables(merged)
+    assert "| vit_small_patch16_224 | 0.25 | 4 | 10 | 1.60 | 2.00 | 1.25 | 7.00 | 30.0 " in text
+    assert "differs by 0.0020" in text
+    assert "| 2048 | n/a | n/a | 1.00 | 3.00 |" in text
