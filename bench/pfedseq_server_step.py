@@ -32,8 +32,9 @@ not inflate the next one's memory and a cell over ``--timeout-per-cell`` can be 
 The history itself (L * D * N * 4 bytes, kept on the server's device) is reported apart from
 the step's working memory; so are the rows of D per chunk and the number of chunks
 (``--chunk-size``, 0 = the library's automatic size). The table's working memory is the GPU's
-on CUDA (the host RSS increase is its last column) and the host's on CPU. It is measured on the first call, from a
-fresh process, because the allocator may keep freed pages resident for the later calls.
+on CUDA (the host RSS increase is its last column) and the host's on CPU. It is measured on the
+first call, from a fresh process, because the allocator may keep freed pages resident for the
+later calls.
 
 The parent writes ``results-<device>.json`` (every cell, settings, machine) and
 ``table-<device>.md`` under ``--out`` after each cell (replacing them; with ``--merge`` the cells
