@@ -353,3 +353,11 @@ def test_missing_hub_access_says_set_data_dir(monkeypatch: pytest.MonkeyPatch) -
         load_client_data(digits_config(dataset="cifar100", partitioner="iid"), 0, 2)
     with pytest.raises(DataUnavailableError, match="data-dir"):
         load_public_split(digits_config(dataset="office-caltech10", partitioner="natural-id"))
+
+
+def test_digits_upscaled_on_demand_equal_the_whole_set_upscaled() -> None:
+    """Each image is resized on its own: upscaling only the asked samples (any order, repeats)
+    gives bit-identical pixels to upscaling the whole set and indexing it."""
+    ids = np.array([1796, 3, 3, 250, 0, 1024])
+    assert torch.equal(digits_pixels(48, ids), digits_pixels(48)[torch.from_numpy(ids)])
+    assert digits_pixels(48, ids).shape == (6, 3, 48, 48)

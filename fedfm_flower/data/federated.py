@@ -171,7 +171,6 @@ def clear_caches() -> None:
         partition.partition_plan,
         partition.public_and_private,
         source._cached_source,
-        digits.digits_pixels,
         digits.digits_arrays,
     ):
         cached.cache_clear()
