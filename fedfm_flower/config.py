@@ -10,6 +10,7 @@ is allowed, so a typo never surfaces twenty minutes into a run.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -261,10 +262,15 @@ class ExperimentConfig:
 
     @property
     def cache_path(self) -> Path:
-        """Directory for cached foundation models and prepared data."""
+        """Directory for cached foundation models and partition plans.
+
+        ``cache-dir`` when set, else ``$XDG_CACHE_HOME/fedfm-flower`` (``~/.cache/fedfm-flower``
+        when that variable is unset, the XDG default).
+        """
         if self.cache_dir:
             return Path(self.cache_dir).expanduser()
-        return Path.home() / ".cache" / "fedfm-flower"
+        xdg = os.environ.get("XDG_CACHE_HOME")
+        return (Path(xdg) if xdg else Path.home() / ".cache") / "fedfm-flower"
 
 
 @dataclass(frozen=True)

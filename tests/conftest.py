@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,8 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
+# Configs without a cache-dir cache under $XDG_CACHE_HOME: keep the tests' out of the user's.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="fedfm-test-xdg-")
 
 
 @pytest.fixture(scope="session")

@@ -6,6 +6,7 @@ Sample identity is tracked by sample id (the position in the source dataset), wh
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -361,3 +362,103 @@ def test_digits_upscaled_on_demand_equal_the_whole_set_upscaled() -> None:
     ids = np.array([1796, 3, 3, 250, 0, 1024])
     assert torch.equal(digits_pixels(48, ids), digits_pixels(48)[torch.from_numpy(ids)])
     assert digits_pixels(48, ids).shape == (6, 3, 48, 48)
+
+
+def test_partition_plan_is_cached_on_disk_and_read_back_equal(tmp_path: Path) -> None:
+    """The plan is written under cache-dir and a fresh process-level cache reads back exactly
+    the computed plan (public ids, every partition, natural ids)."""
+    from fedfm_flower.data.partition import partition_plan, plan_cache_path
+
+    for dataset, partitioner, clients in (
+        ("digits", "dirichlet", 10),
+        ("digits-domains", "natural-id", 10),
+    ):
+        config = digits_config(
+            cache_dir=str(tmp_path), dataset=dataset, partitioner=partitioner, num_clients=clients
+        )
+        settings = DataSettings.from_config(config)
+        clear_caches()
+        computed = partition_plan(settings, clients)
+        path = plan_cache_path(settings, clients)
+        assert path.is_file() and path.parent == tmp_path / "partitions"
+        clear_caches()
+        read = partition_plan(settings, clients)
+        assert read is not computed
+        assert np.array_equal(read.public, computed.public)
+        assert len(read.partitions) == clients
+        for ours, theirs in zip(read.partitions, computed.partitions, strict=True):
+            assert ours.dtype == np.int64 and np.array_equal(ours, theirs)
+        assert read.natural_ids == computed.natural_ids
+        assert (computed.natural_ids is not None) == (partitioner == "natural-id")
+
+
+def test_partition_cache_key_follows_every_input(tmp_path: Path) -> None:
+    """Settings that change the plan change the file; settings that do not, keep it."""
+    from fedfm_flower.data.partition import plan_cache_path
+
+    base = digits_config(cache_dir=str(tmp_path))
+    key = plan_cache_path(DataSettings.from_config(base), K)
+    for change in (
+        {"seed": 1},
+        {"dirichlet_alpha": 0.5},
+        {"partitioner": "iid"},
+        {"public_fraction": 0.2},
+        {"dataset": "digits-domains"},
+    ):
+        assert plan_cache_path(DataSettings.from_config(base.replace(**change)), K) != key, change
+    assert plan_cache_path(DataSettings.from_config(base), K + 1) != key
+    for same in ({"image_size": 32}, {"test_fraction": 0.3}, {"lr": 0.5}):
+        assert plan_cache_path(DataSettings.from_config(base.replace(**same)), K) == key, same
+
+
+def test_unreadable_partition_cache_is_recomputed_and_replaced(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A truncated or foreign file in the cache is logged, recomputed and overwritten."""
+    from fedfm_flower.data.partition import partition_plan, plan_cache_path
+
+    settings = DataSettings.from_config(digits_config(cache_dir=str(tmp_path)))
+    clear_caches()
+    reference = partition_plan(settings, K)
+    path = plan_cache_path(settings, K)
+    path.write_bytes(path.read_bytes()[:100])
+    clear_caches()
+    with caplog.at_level("WARNING"):
+        again = partition_plan(settings, K)
+    assert "unreadable" in caplog.text and str(path) in caplog.text
+    assert all(
+        np.array_equal(a, b) for a, b in zip(again.partitions, reference.partitions, strict=True)
+    )
+    assert not list(path.parent.glob("*.tmp"))
+    clear_caches()
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        partition_plan(settings, K)
+    assert "unreadable" not in caplog.text  # the file was replaced by a good one
+
+
+def test_warm_partition_cache_spares_a_fresh_process_the_datasets_imports(tmp_path: Path) -> None:
+    """What a ClientApp started per message does: with the plan on disk, loading a client's
+    data imports neither ``datasets`` nor ``flwr_datasets``; the data is the same."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, json\n"
+        "from fedfm_flower.config import ExperimentConfig\n"
+        "from fedfm_flower.data import load_client_data\n"
+        f"c = ExperimentConfig().replace(cache_dir={str(tmp_path)!r})\n"
+        "d = load_client_data(c, 3, 10)\n"
+        "print(json.dumps([sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('datasets', 'flwr_datasets'))[:3], d.train.tensors[1].tolist()]))\n"
+    )
+    runs = [
+        subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+        for _ in range(2)
+    ]
+    (cold_modules, cold_labels), (warm_modules, warm_labels) = (
+        json.loads(r.stdout.strip().splitlines()[-1]) for r in runs
+    )
+    assert cold_modules  # the first process partitions with flwr-datasets
+    assert warm_modules == []
+    assert warm_labels == cold_labels

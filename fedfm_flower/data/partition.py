@@ -25,12 +25,27 @@ The order of operations is fixed and seeded by ``seed``:
 For ``digits-domains`` the ``domain`` column is synthetic: the shuffled private samples are
 dealt round-robin to ``len(DOMAINS)`` domains (sample ``k`` of the shuffled order gets domain
 ``k mod len(DOMAINS)``), so natural-id clients get equal-sized, label-balanced domains.
+
+A computed plan is also written to ``<cache-dir>/partitions/<key>.npz`` (atomically; no pickle),
+keyed by every input of the plan: the partition settings, the number of clients, the dataset's
+labels and natural ids, and the flwr-datasets version. In deployment every message starts a
+fresh ClientApp process; with the plan on disk it needs neither ``datasets`` nor
+``flwr_datasets`` (about 1.5 s of imports per message). A file that cannot be read is
+recomputed and replaced.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import zipfile
 from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -42,6 +57,9 @@ from fedfm_flower.data.splits import PRIVATE_ORDER_STREAM, entropy, public_split
 LABEL = "label"
 SAMPLE_ID = "sample_id"
 MIN_PARTITION_SIZE = 2  # one training and one test sample
+PLAN_CACHE_VERSION = 1  # bump when the plan's computation changes
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, eq=False)
@@ -63,9 +81,94 @@ def public_and_private(settings: DataSettings) -> tuple[np.ndarray, np.ndarray]:
 
 @functools.lru_cache(maxsize=8)
 def partition_plan(settings: DataSettings, num_partitions: int) -> PartitionPlan:
-    """The partition of the private samples over ``num_partitions`` clients (cached)."""
+    """The partition of the private samples over ``num_partitions`` clients (cached in the
+    process and on disk)."""
     if num_partitions < 1:
         raise ValueError(f"num_partitions must be >= 1, got {num_partitions}")
+    path = plan_cache_path(settings, num_partitions)
+    plan = _read_plan(path)
+    if plan is None:
+        plan = _compute_plan(settings, num_partitions)
+        _write_plan(path, plan)
+    return plan
+
+
+def plan_cache_path(settings: DataSettings, num_partitions: int) -> Path:
+    """The file that holds the plan for these settings, keyed by every input of the plan."""
+    source = load_source(settings)
+    digest = hashlib.sha256()
+    fields = {
+        "version": PLAN_CACHE_VERSION,
+        "flwr-datasets": metadata.version("flwr-datasets"),
+        "dataset": settings.dataset,
+        "data-dir": settings.data_dir,
+        "partitioner": settings.partitioner,
+        "dirichlet-alpha": settings.dirichlet_alpha,
+        "classes-per-client": settings.classes_per_client,
+        "natural-id-column": settings.natural_id_column,
+        "public-fraction": settings.public_fraction,
+        "seed": settings.seed,
+        "num-partitions": num_partitions,
+        "synthetic-domains": source.synthetic_domains,
+    }
+    digest.update(json.dumps(fields, sort_keys=True).encode())
+    digest.update(np.ascontiguousarray(source.labels, dtype=np.int64).tobytes())
+    if source.natural_ids is not None:
+        digest.update(json.dumps([str(v) for v in source.natural_ids]).encode())
+    return Path(settings.cache_dir) / "partitions" / f"{digest.hexdigest()[:24]}.npz"
+
+
+def _read_plan(path: Path) -> PartitionPlan | None:
+    """The plan stored at ``path``; None when there is none or it cannot be read."""
+    if not path.is_file():
+        return None
+    try:
+        with np.load(path, allow_pickle=False) as stored:
+            sizes = stored["sizes"]
+            flat = stored["partitions"]
+            natural = json.loads(str(stored["natural_ids"]))
+            plan = PartitionPlan(
+                public=stored["public"].copy(),
+                partitions=tuple(np.split(flat, np.cumsum(sizes)[:-1])),
+                natural_ids=None if natural is None else tuple(natural),
+            )
+        if int(sizes.sum()) != len(flat):
+            raise ValueError(f"sizes add up to {int(sizes.sum())}, not {len(flat)}")
+        return plan
+    except (OSError, KeyError, ValueError, zipfile.BadZipFile) as err:
+        log.warning("partition cache %s is unreadable (%s); recomputing it", path, err)
+        return None
+
+
+def _write_plan(path: Path, plan: PartitionPlan) -> None:
+    """Store ``plan`` at ``path`` atomically; a cache that cannot be written is only logged."""
+    natural = None if plan.natural_ids is None else list(plan.natural_ids)
+    temporary = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        with os.fdopen(handle, "wb") as file:
+            np.savez(
+                file,
+                public=plan.public,
+                partitions=np.concatenate([*plan.partitions, np.zeros(0, np.int64)]),
+                sizes=np.array([len(p) for p in plan.partitions], dtype=np.int64),
+                natural_ids=np.array(json.dumps(natural)),
+            )
+        os.replace(temporary, path)
+    except (OSError, TypeError, ValueError) as err:
+        log.warning("could not write the partition cache %s: %s", path, err)
+        if temporary is not None:
+            Path(temporary).unlink(missing_ok=True)
+
+
+def _plain(value: Any) -> Any:
+    """A natural id as a JSON value (numpy scalars become Python ones)."""
+    return value.item() if isinstance(value, np.generic) else value
+
+
+def _compute_plan(settings: DataSettings, num_partitions: int) -> PartitionPlan:
+    """Partition the private samples with flwr-datasets."""
     from datasets import Dataset
 
     source = load_source(settings)
@@ -98,8 +201,8 @@ def partition_plan(settings: DataSettings, num_partitions: int) -> PartitionPlan
         ) from err
     natural_ids = None
     if natural_column:
-        natural_ids = tuple(
-            partitioner.partition_id_to_natural_id[p] for p in range(num_partitions)
+        natural_ids = tuple(  # plain Python values, as they read back from the cache
+            _plain(partitioner.partition_id_to_natural_id[p]) for p in range(num_partitions)
         )
     return PartitionPlan(public, partitions, natural_ids)
 
