@@ -57,7 +57,7 @@ from fedfm_flower.data.splits import PRIVATE_ORDER_STREAM, entropy, public_split
 LABEL = "label"
 SAMPLE_ID = "sample_id"
 MIN_PARTITION_SIZE = 2  # one training and one test sample
-PLAN_CACHE_VERSION = 1  # bump when the plan's computation changes
+PLAN_CACHE_VERSION = 1  # bump whenever the plan's computation changes (stale files then miss)
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +109,7 @@ def plan_cache_path(settings: DataSettings, num_partitions: int) -> Path:
         "public-fraction": settings.public_fraction,
         "seed": settings.seed,
         "num-partitions": num_partitions,
+        "min-partition-size": MIN_PARTITION_SIZE,
         "synthetic-domains": source.synthetic_domains,
     }
     digest.update(json.dumps(fields, sort_keys=True).encode())
