@@ -40,6 +40,7 @@ from typing import Any
 
 from bench.overrides import parse_overrides, to_set_args
 from bench.process_memory import TAG_VAR, PeakMemory, tagged_pids
+from fedfm_flower.processes import exit_on_sigterm
 from fedfm_flower.results import RunDirectory
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -78,12 +79,14 @@ def run_tagged(command: list[str], env: dict[str, str], log_path: Path) -> tuple
     env = {**env, TAG_VAR: tag}
     log_path.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    with log_path.open("w") as log, PeakMemory(tag) as memory:
-        process = subprocess.run(
-            command, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=False
-        )
-    wall = time.perf_counter() - started
-    _stop_tagged(tag)
+    try:
+        with log_path.open("w") as log, PeakMemory(tag) as memory:
+            process = subprocess.run(
+                command, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=False
+            )
+    finally:  # also when this benchmark is stopped: nothing of the run may outlive it
+        wall = time.perf_counter() - started
+        _stop_tagged(tag)
     if process.returncode != 0:
         raise RuntimeError(f"{command[:4]} failed ({process.returncode}); log {log_path}")
     return wall, memory
@@ -250,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args(argv)
+    exit_on_sigterm()
     config: dict[str, Any] = {"num-server-rounds": args.rounds, "seed": 0}
     config.update(parse_overrides(args.set))
     measure(args.clients, args.rounds, config, args.workdir, tuple(args.gpu_fractions))

@@ -38,6 +38,7 @@ from typing import Any
 
 from bench import communication, deployment_rounds, server_cost, simulation_overhead
 from bench.overrides import parse_overrides
+from fedfm_flower.processes import exit_on_sigterm
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "suite"
@@ -444,6 +445,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.tables_only:
         write(json.loads(args.tables_only.read_text()))
         return 0
+    exit_on_sigterm()  # a stopped suite still stops the run it was measuring
     mode = "full" if args.full else "gpu" if args.gpu else "quick"
     sections = tuple(args.sections or MODES[mode]["sections"])
     results = run_suite(mode, parse_overrides(args.set), sections)

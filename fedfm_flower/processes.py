@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -28,6 +29,20 @@ def flower_environment(flwr_home: Path, base: Mapping[str, str] | None = None) -
     env.setdefault("HF_DATASETS_OFFLINE", "1")
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     return env
+
+
+def exit_on_sigterm() -> None:
+    """Make SIGTERM raise ``SystemExit(143)`` in the main thread, so ``finally`` clean-ups run.
+
+    Python's default for SIGTERM ends the process at once. A launcher stopped that way by
+    ``timeout``, a batch scheduler or ``kill`` would leave the detached SuperLink and Ray
+    running; a later ``flwr run`` would then quietly use that old SuperLink.
+    """
+
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
 
 
 def signal_process(pid: int, sig: int, group: bool = True) -> None:

@@ -3,7 +3,8 @@
 ``python -m fedfm_flower.simulation --num-supernodes 10 -- [flwr run args]`` runs
 ``flwr run . --stream --federation-config "num-supernodes=10 client-resources-num-cpus=1 ..."``
 with the project's environment (see ``scripts/env.sh``), then stops the detached local SuperLink
-that ``flwr run`` started (by process id; Flower leaves it running otherwise). With CUDA, each
+that ``flwr run`` started (by process id; Flower leaves it running otherwise), also when the
+launcher itself is stopped with SIGTERM or Ctrl-C. With CUDA, each
 ClientApp gets a fraction of the GPU (``--gpu-fraction``) so several clients share it.
 """
 
@@ -16,11 +17,19 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
-from fedfm_flower.processes import flower_environment, pid_alive, signal_process
+from fedfm_flower.processes import (
+    exit_on_sigterm,
+    flower_environment,
+    pid_alive,
+    pids_with_environment,
+    signal_process,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
+LAUNCH_TAG = "FEDFM_SIMULATION_ID"  # environment tag of every process of one launch
 
 
 def local_superlink_pids(flwr_home: Path) -> list[int]:
@@ -104,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         gpu_fraction = 0.25 if cuda_available() else 0.0
     flwr_home = Path(os.environ.get("FLWR_HOME", ROOT / ".flwr"))
     env = flower_environment(flwr_home)
+    launch = {LAUNCH_TAG: uuid.uuid4().hex}  # inherited by all that flwr run starts, Ray too
+    env.update(launch)
     stop_processes(local_superlink_pids(flwr_home))  # a stale one would run an old app
     flwr = str(Path(sys.executable).parent / "flwr")
     command = [
@@ -116,10 +127,21 @@ def main(argv: list[str] | None = None) -> int:
         *args.flwr_args,
     ]
     print("+ " + " ".join(command), flush=True)
+    exit_on_sigterm()  # a SIGTERM (timeout, scheduler) still stops what flwr run started
+    process = subprocess.Popen(command, env=env, cwd=args.app)
     try:
-        return subprocess.call(command, env=env, cwd=args.app)
+        return process.wait()
     finally:
+        if process.poll() is None:  # we were stopped: stop `flwr run` too
+            process.terminate()
+            try:
+                process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
         stop_processes(local_superlink_pids(flwr_home))
+        # Stopped mid-run, Ray's agents outlive their raylet: stop whatever is left of ours.
+        stop_processes(sorted(pids_with_environment(launch)), grace_s=5.0)
 
 
 if __name__ == "__main__":
