@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -39,8 +38,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.overrides import parse_overrides, to_set_args
-from bench.process_memory import TAG_VAR, PeakMemory, tagged_pids
-from fedfm_flower.processes import exit_on_sigterm
+from bench.process_memory import TAG_VAR, PeakMemory
+from fedfm_flower.processes import exit_on_sigterm, stop_tagged
 from fedfm_flower.results import RunDirectory
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,20 +58,6 @@ def toml_pairs(config: dict[str, Any]) -> str:
     return " ".join(f"{k}={json.dumps(v)}" for k, v in config.items())
 
 
-def _stop_tagged(tag: str) -> None:
-    """Stop every process of the run that is still alive (Ray workers, the local SuperLink)."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        pids = tagged_pids(tag)
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + 10
-        while tagged_pids(tag) and time.monotonic() < deadline:
-            time.sleep(0.2)
-
-
 def run_tagged(command: list[str], env: dict[str, str], log_path: Path) -> tuple[float, PeakMemory]:
     """Run ``command`` to completion with a fresh tag; (wall seconds, peak memory)."""
     tag = uuid.uuid4().hex
@@ -86,7 +71,7 @@ def run_tagged(command: list[str], env: dict[str, str], log_path: Path) -> tuple
             )
     finally:  # also when this benchmark is stopped: nothing of the run may outlive it
         wall = time.perf_counter() - started
-        _stop_tagged(tag)
+        stop_tagged({TAG_VAR: tag})
     if process.returncode != 0:
         raise RuntimeError(f"{command[:4]} failed ({process.returncode}); log {log_path}")
     return wall, memory

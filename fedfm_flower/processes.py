@@ -10,6 +10,7 @@ import contextlib
 import os
 import signal
 import sys
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -94,3 +95,23 @@ def pids_with_environment(variables: Mapping[str, str], command: str | None = No
             continue
         found.add(int(entry.name))
     return found
+
+
+def stop_processes(pids: list[int], grace_s: float = 10.0) -> None:
+    """SIGTERM the process groups of ``pids``, then SIGKILL what is still alive."""
+    for pid in pids:
+        signal_process(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(pid_alive(p) for p in pids):
+        time.sleep(0.2)
+    for pid in pids:
+        if pid_alive(pid):
+            signal_process(pid, signal.SIGKILL)
+
+
+def stop_tagged(variables: Mapping[str, str], grace_s: float = 10.0) -> None:
+    """Stop every process whose environment holds ``variables`` (``stop_processes``), then
+    SIGKILL any that appeared meanwhile (a parent may spawn while it is being stopped)."""
+    stop_processes(sorted(pids_with_environment(variables)), grace_s)
+    for pid in pids_with_environment(variables):
+        signal_process(pid, signal.SIGKILL, group=False)

@@ -13,19 +13,16 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
 from fedfm_flower.processes import (
     exit_on_sigterm,
     flower_environment,
-    pid_alive,
-    pids_with_environment,
-    signal_process,
+    stop_processes,
+    stop_tagged,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,18 +45,6 @@ def local_superlink_pids(flwr_home: Path) -> list[int]:
         ):
             pids.append(int(proc.name))
     return pids
-
-
-def stop_processes(pids: list[int], grace_s: float = 10.0) -> None:
-    """SIGTERM the process groups of ``pids``, then SIGKILL what is still alive."""
-    for pid in pids:
-        signal_process(pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(pid_alive(p) for p in pids):
-        time.sleep(0.2)
-    for pid in pids:
-        if pid_alive(pid):
-            signal_process(pid, signal.SIGKILL)
 
 
 def cuda_available() -> bool:
@@ -141,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                 process.wait()
         stop_processes(local_superlink_pids(flwr_home))
         # Stopped mid-run, Ray's agents outlive their raylet: stop whatever is left of ours.
-        stop_processes(sorted(pids_with_environment(launch)), grace_s=5.0)
+        stop_tagged(launch, grace_s=5.0)
 
 
 if __name__ == "__main__":
