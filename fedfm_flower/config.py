@@ -41,6 +41,9 @@ OPTIMIZERS: tuple[str, ...] = ("sgd", "adam", "adamw")
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
 SEQ_LEARNERS: tuple[str, ...] = ("mamba", "lstm", "mlp")  # fedfm_flower.learners.sequence
 SCAN_BACKENDS: tuple[str, ...] = ("auto", "torch", "cuda")  # ...learners.selective_scan
+SEQ_INPUT_SCALES: tuple[str, ...] = ("none", "rms", "rms-rescale")  # ...learners.pfedseq
+SEQ_LEARNER_UPDATES: tuple[str, ...] = ("full-batch", "mini-batch")  # ...learners.pfedseq
+SEQ_OUTPUT_INITS: tuple[str, ...] = ("zero", "reference")  # ...learners.sequence
 PROMPT_GENERATORS: tuple[str, ...] = ("cross-attention", "basis", "mlp", "adain")  # learners.pfedpg
 PROMPT_QUERIES: tuple[str, ...] = ("per-prompt", "single")
 
@@ -102,7 +105,7 @@ class ExperimentConfig:
     device: str = "auto"
     # pfedseq: the server's sequential learner (docs/methods/pfedseq.md)
     pfedseq_seq_len: int = 10
-    pfedseq_warmup_rounds: int = 5
+    pfedseq_warmup_rounds: int = 10
     pfedseq_lr: float = 0.001
     pfedseq_learner: str = "mamba"
     pfedseq_num_layers: int = 2
@@ -112,7 +115,10 @@ class ExperimentConfig:
     pfedseq_mlp_hidden: int = 100
     pfedseq_cross_client: bool = True
     pfedseq_global_aggregation: bool = True
-    pfedseq_scale_input: bool = True
+    pfedseq_input_scale: str = "none"
+    pfedseq_output_init: str = "zero"
+    pfedseq_learner_update: str = "full-batch"
+    pfedseq_batch_rows: int = 32
     pfedseq_chunk_size: int = 0
     pfedseq_scan_backend: str = "auto"
     # visual prompts (fedvpt, fedvpt-deep, pfedpg) and pfedpg's generator (docs/methods/pfedpg.md)
@@ -168,6 +174,9 @@ class ExperimentConfig:
         _one_of("device", self.device, DEVICES)
         _one_of("pfedseq-learner", self.pfedseq_learner, SEQ_LEARNERS)
         _one_of("pfedseq-scan-backend", self.pfedseq_scan_backend, SCAN_BACKENDS)
+        _one_of("pfedseq-input-scale", self.pfedseq_input_scale, SEQ_INPUT_SCALES)
+        _one_of("pfedseq-output-init", self.pfedseq_output_init, SEQ_OUTPUT_INITS)
+        _one_of("pfedseq-learner-update", self.pfedseq_learner_update, SEQ_LEARNER_UPDATES)
         _one_of("pfedpg-generator", self.pfedpg_generator, PROMPT_GENERATORS)
         _one_of("pfedpg-query", self.pfedpg_query, PROMPT_QUERIES)
         _positive("vpt-num-prompts", self.vpt_num_prompts)
@@ -180,6 +189,7 @@ class ExperimentConfig:
             ("pfedseq-state-dim", self.pfedseq_state_dim),
             ("pfedseq-expand", self.pfedseq_expand),
             ("pfedseq-mlp-hidden", self.pfedseq_mlp_hidden),
+            ("pfedseq-batch-rows", self.pfedseq_batch_rows),
         ):
             _positive(key, value)
         if not 2 <= self.pfedseq_conv_kernel <= 4:

@@ -4,8 +4,11 @@ Input and output are (batch, L, width). Inside: a linear in-projection to 2 * ex
 split into two branches; on the first a depthwise causal conv1d along the steps, SiLU and the
 selective SSM whose step size, B and C depend on the input; the second gates the SSM output
 through SiLU; a linear out-projection back to ``width``. Initialisation follows the reference
-implementation (S4D-real A, step sizes log-uniform in [1e-3, 1e-1], D = 1) except for the
-out-projection, which starts at zero (see ``fedfm_flower.learners.sequence`` for why).
+implementation (``mamba_ssm.modules.mamba_simple.Mamba``): PyTorch's default (Kaiming-uniform)
+in-, x- and out-projections and depthwise conv, S4D-real A (A_log = log 1..n), step sizes
+log-uniform in [1e-3, 1e-1] (floor 1e-4) through the inverse softplus of dt_proj's bias,
+dt_proj's weight uniform in +-dt_rank^-0.5, D = 1. The residual stack that owns the mixer
+re-initialises the out-projection (``fedfm_flower.learners.sequence``).
 """
 
 from __future__ import annotations
@@ -55,7 +58,6 @@ class MambaMixer(nn.Module):
         self.A_log = nn.Parameter(torch.log(a))
         self.D = nn.Parameter(torch.ones(inner))
         self.out_proj = nn.Linear(inner, width, bias=False)
-        nn.init.zeros_(self.out_proj.weight)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """(batch, L, width) -> (batch, L, width)."""

@@ -9,11 +9,15 @@ Both paths compute, for every batch row b, channel d and step t (layouts as in m
 with u, delta, z of shape (batch, d, L), A of shape (d, n), B and C of shape (batch, n, L).
 
 The PyTorch path is a loop over the L steps that keeps one (batch, d, n) state and builds no
-(batch, d, L, n) tensors, starts from the first step's input instead of a zero-filled state, and
-so stays within O(batch * d * n) memory per step; sequences here are short (L <= 30), so the loop
-is cheap, and D is processed in chunks by the caller. The kernel path calls ``mamba_ssm``'s
-``selective_scan_fn`` and ``causal_conv1d``'s ``causal_conv1d_fn`` when they are importable and the
-tensors live on a CUDA device.
+(batch, d, L, n) tensors, so it stays within O(batch * d * n) memory per step; sequences here
+are short (L <= 30), so the loop is cheap, and D is processed in chunks by the caller. It runs
+the recurrence from an explicit zero state, also on the first step, so that A is in the graph
+of every output: on a one-step window A's gradient is a real zero, as on the kernel, and not
+``None`` (Adam skips a parameter whose gradient is ``None`` and does not count the step, so
+the two paths would then train differently from the second step on).
+
+The kernel path calls ``mamba_ssm``'s ``selective_scan_fn`` and ``causal_conv1d``'s
+``causal_conv1d_fn`` when they are importable and the tensors live on a CUDA device.
 """
 
 from __future__ import annotations
@@ -77,16 +81,13 @@ def selective_scan_torch(
         delta = delta + delta_bias[:, None]
     if delta_softplus:
         delta = F.softplus(delta)
-    state: torch.Tensor | None = None
+    state = u.new_zeros(u.shape[0], u.shape[1], A.shape[-1])
     outputs = []
     for u_t, d_t, b_t, c_t in zip(
         u.unbind(-1), delta.unbind(-1), B.unbind(-1), C.unbind(-1), strict=True
     ):
         drive = (d_t * u_t).unsqueeze(-1) * b_t.unsqueeze(1)  # (batch, d, n)
-        if state is None:
-            state = drive
-        else:
-            state = torch.exp(d_t.unsqueeze(-1) * A) * state + drive
+        state = torch.exp(d_t.unsqueeze(-1) * A) * state + drive
         outputs.append(torch.einsum("bdn,bn->bd", state, c_t))
     y = torch.stack(outputs, dim=-1)
     if D is not None:
