@@ -21,6 +21,8 @@ import json
 import statistics
 from pathlib import Path
 
+from safetensors import safe_open
+
 from fedfm_flower.results import RunDirectory
 from fedfm_flower.statistics import mean_ci, paired_test
 
@@ -42,17 +44,56 @@ def client_accuracies(records: list[dict], server_round: int) -> list[float] | N
     return None
 
 
+def personal_shape(run: RunDirectory) -> tuple[int, int] | None:
+    """(N, D) of a pFedSeq run's personalized adapters, read from its last checkpoint."""
+    rounds = run.checkpoint_rounds()
+    if not rounds:
+        return None
+    path = run.checkpoint_dir / f"round_{rounds[-1]:05d}.safetensors"
+    with safe_open(str(path), "pt") as handle:
+        if "personal" not in handle.keys():  # noqa: SIM118 - safe_open has no __contains__
+            return None
+        n, d = handle.get_slice("personal").get_shape()
+    return n, d
+
+
+def alignments(records: list[dict], shape: tuple[int, int]) -> dict[int, float]:
+    """cos(xi^{t-1}, Delta^t) over all clients per round, from the logged statistics.
+
+    The eq. 5 surrogate is sum_i <xi_i^{t-1}, Delta_i^t>; dividing it by N D rms(xi^{t-1})
+    rms(Delta^t) gives the cosine when every client reports (as in these grids). Positive:
+    the clients' next training moves further along the calibration they were sent; negative:
+    it undoes it.
+    """
+    n, d = shape
+    out, previous = {}, None
+    for record in records:
+        server = record.get("server", {})
+        surrogate = server.get("pfedseq-surrogate")
+        update = server.get("pfedseq-update-rms")
+        if previous and surrogate is not None and update and record["clients-reported"] == n:
+            out[record["round"]] = surrogate / (n * d * previous * update)
+        previous = server.get("pfedseq-calibration-rms")
+    return out
+
+
 def collect(out: Path, methods, setups, seeds, tag: str, rounds) -> dict:
-    """{setup: {method: {round: {seed: [client accuracies]}, 'ratio': {round: [per seed]}}}}."""
+    """{setup: {method: {'accuracy': {round: {seed: [per client]}}, 'ratio'/'alignment':
+    {round: [per seed]}}}}."""
     data: dict = {}
     for setup in setups:
         for method in methods:
-            entry: dict = {"accuracy": {r: {} for r in rounds}, "ratio": {}}
+            entry: dict = {"accuracy": {r: {} for r in rounds}, "ratio": {}, "alignment": {}}
             for seed in seeds:
                 path = run_path(out, method, setup, tag, seed)
                 if not (path / "summary.json").is_file():
                     continue
-                records = RunDirectory(path).rounds()
+                run = RunDirectory(path)
+                records = run.rounds()
+                shape = personal_shape(run)
+                if shape is not None:
+                    for r, value in alignments(records, shape).items():
+                        entry["alignment"].setdefault(r, []).append(value)
                 for r in rounds:
                     accuracies = client_accuracies(records, r)
                     if accuracies is not None:
@@ -121,15 +162,15 @@ def paired_rows(data: dict, methods, baselines, setups, rounds) -> tuple[str, li
     return "\n".join(lines), rows
 
 
-def ratio_table(data: dict, methods, setups) -> str:
-    """Calibration RMS / update RMS per round (mean over seeds, min-max)."""
+def per_round_table(data: dict, methods, setups, key: str) -> str:
+    """A per-round statistic (``ratio`` or ``alignment``): mean over seeds (min-max)."""
     lines = [
         "| setup | method | " + " | ".join(f"r{r}" for r in RATIO_ROUNDS) + " |",
         "|---|---|" + "---|" * len(RATIO_ROUNDS),
     ]
     for setup in setups:
         for method in methods:
-            ratios = data[setup][method]["ratio"]
+            ratios = data[setup][method][key]
             if not ratios:
                 continue
             cells = []
@@ -158,8 +199,9 @@ def main(argv: list[str] | None = None) -> None:
     data = collect(args.out, args.methods, args.setups, args.seeds, args.tag, args.rounds)
     accuracy = accuracy_table(data, args.methods, args.setups, args.rounds)
     paired, rows = paired_rows(data, args.methods, args.baselines, args.setups, args.rounds)
-    ratios = ratio_table(data, args.methods, args.setups)
-    markdown = "\n\n".join([accuracy, paired, ratios]) + "\n"
+    ratios = per_round_table(data, args.methods, args.setups, "ratio")
+    aligned = per_round_table(data, args.methods, args.setups, "alignment")
+    markdown = "\n\n".join([accuracy, paired, ratios, aligned]) + "\n"
     (args.out / f"report{args.tag}.md").write_text(markdown)
     payload = {"args": {k: str(v) for k, v in vars(args).items()}, "data": data, "paired": rows}
     (args.out / f"report{args.tag}.json").write_text(json.dumps(payload, indent=1))
