@@ -110,3 +110,36 @@ def test_suite_tables_show_gpu_columns_and_unmeasured_memory() -> None:
     assert "| vit_small_patch16_224 | 0.25 | 4 | 10 | 1.60 | 2.00 | 1.25 | 7.00 | 30.0 " in text
     assert "differs by 0.0020" in text
     assert "| 2048 | n/a | n/a | 1.00 | 3.00 |" in text
+
+
+def test_pfedseq_report_reads_the_cosine_of_calibration_and_next_update() -> None:
+    """cos(xi^{t-1}, Delta^t) from the logged surrogate and RMS values, against numpy."""
+    from bench.pfedseq_report import alignments, client_accuracies
+
+    g = torch.Generator().manual_seed(0)
+    n, d = 3, 5
+    xi = torch.randn(d, n, generator=g, dtype=torch.float64)
+    delta = torch.randn(d, n, generator=g, dtype=torch.float64)
+    records = [
+        {
+            "round": 11,
+            "clients-reported": n,
+            "server": {"pfedseq-calibration-rms": float(xi.pow(2).mean().sqrt())},
+        },
+        {
+            "round": 12,
+            "clients-reported": n,
+            "server": {
+                "pfedseq-surrogate": float((xi * delta).sum()),
+                "pfedseq-update-rms": float(delta.pow(2).mean().sqrt()),
+            },
+            "evaluate": {
+                "1": {"client-id": 1.0, "test-accuracy": 0.5},
+                "0": {"client-id": 0.0, "test-accuracy": 0.25},
+            },
+        },
+    ]
+    cosine = float((xi * delta).sum() / (xi.norm() * delta.norm()))
+    assert alignments(records, (n, d)) == {12: pytest.approx(cosine)}
+    assert client_accuracies(records, 12) == [0.25, 0.5]
+    assert client_accuracies(records, 11) is None
