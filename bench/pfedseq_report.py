@@ -131,13 +131,15 @@ def paired_rows(data: dict, methods, baselines, setups, rounds) -> tuple[str, li
         "| setup | round | method | vs | difference (points, 95% CI) | p | pairs | verdict |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    rows = []
+    rows, seen = [], set()
     for setup in setups:
         for r in rounds:
             for method in methods:
                 for base in baselines:
-                    if method == base:
-                        continue
+                    pair = frozenset((method, base))
+                    if method == base or (setup, r, pair) in seen:
+                        continue  # the same pair, the other way round, is already there
+                    seen.add((setup, r, pair))
                     a_runs = data[setup][method]["accuracy"][r]
                     b_runs = data[setup][base]["accuracy"][r]
                     seeds = sorted(set(a_runs) & set(b_runs))
