@@ -36,9 +36,10 @@ def run_path(out: Path, method: str, setup: str, tag: str, seed: int) -> Path:
 
 
 def client_accuracies(records: list[dict], server_round: int) -> list[float] | None:
-    """Per-client test accuracy at ``server_round``, ordered by client id (None: not run)."""
+    """Per-client test accuracy at ``server_round``, ordered by client id (None: no client was
+    evaluated, because the round was not run or every client failed)."""
     for record in records:
-        if record["round"] == server_round and "evaluate" in record:
+        if record["round"] == server_round and record.get("evaluate"):
             evaluated = record["evaluate"].values()
             return [m["test-accuracy"] for m in sorted(evaluated, key=lambda m: m["client-id"])]
     return None

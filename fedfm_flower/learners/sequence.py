@@ -22,7 +22,7 @@ minus its input). Choices the paper leaves open, made here:
   (``output-init = reference``; PyTorch's default for the MLP, as pFedHN's). That was measured
   worse: on the quadratic federation (``bench.pfedseq_quadratic``) its personalized error is
   1.4-3.7x FedAvg's (2-layer Mamba, raw input) against 0.41-0.56x with zero outputs, because a
-  random out-projection on the normalised updates gives calibrations ~20-60x an update from the
+  random out-projection on the normalised updates gives calibrations ~17-63x an update from the
   first round, which the linear eq. 5 surrogate does not pull back. Everything else is as in
   ``mamba_ssm`` (see ``fedfm_flower.learners.mamba``). Keeping the skip path (xi^t = Delta^t +
   ...) was measured worse too: 54.4% against 61.6% on the offline feature-skew setup (seed 0,
