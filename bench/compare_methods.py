@@ -25,6 +25,11 @@ from fedfm_flower.results import RunDirectory
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def run_name(method: str, setup: str, tag: str, seed: int) -> str:
+    """The run directory name of one (method, setup, tag, seed) cell of the grid."""
+    return f"{method.replace(':', '-')}-{setup}{tag}-s{seed}"
+
+
 def run_one(
     method: str,
     setup: str,
@@ -43,14 +48,13 @@ def run_one(
     if variant:
         config.update(tomllib.loads((ROOT / "configs" / base / f"{variant}.toml").read_text()))
     config.update(overrides or {})
-    label = method.replace(":", "-")
     config.update(
         {
             "seed": seed,
             "num-server-rounds": rounds,
             "num-clients": clients,
             "output-dir": str(out / "runs"),
-            "run-name": f"{label}-{setup}{tag}-s{seed}",
+            "run-name": run_name(method, setup, tag, seed),
         }
     )
     run_dir = out / "runs" / config["run-name"]

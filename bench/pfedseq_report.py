@@ -23,16 +23,12 @@ from pathlib import Path
 
 from safetensors import safe_open
 
+from bench.compare_methods import run_name
 from fedfm_flower.results import RunDirectory
 from fedfm_flower.statistics import mean_ci, paired_test
 
 ROOT = Path(__file__).resolve().parent.parent
 RATIO_ROUNDS = (11, 12, 13, 15, 20, 30, 40, 60, 80)
-
-
-def run_path(out: Path, method: str, setup: str, tag: str, seed: int) -> Path:
-    """Where ``bench.compare_methods`` put one run."""
-    return out / "runs" / f"{method.replace(':', '-')}-{setup}{tag}-s{seed}"
 
 
 def client_accuracies(records: list[dict], server_round: int) -> list[float] | None:
@@ -86,7 +82,7 @@ def collect(out: Path, methods, setups, seeds, tag: str, rounds) -> dict:
         for method in methods:
             entry: dict = {"accuracy": {r: {} for r in rounds}, "ratio": {}, "alignment": {}}
             for seed in seeds:
-                path = run_path(out, method, setup, tag, seed)
+                path = out / "runs" / run_name(method, setup, tag, seed)
                 if not (path / "summary.json").is_file():
                     continue
                 run = RunDirectory(path)

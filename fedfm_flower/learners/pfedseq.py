@@ -322,6 +322,9 @@ class PFedSeqServer:
         del self.history[: -self.settings.seq_len]
         del self.masks[: -self.settings.seq_len]
 
+        update_rms = float(update_matrix[:, reported].pow(2).mean().sqrt())
+        stats["pfedseq-update-rms"] = update_rms
+
         # eqs. 2/6 and 3, or the global adapter during the warm-up
         warmup = self.round <= self.settings.warmup_rounds
         stats["pfedseq-warmup"] = float(warmup)
@@ -340,11 +343,10 @@ class PFedSeqServer:
                 self.personal = (self.global_adapter[None, :] + xi).contiguous()
             else:
                 self.personal = xi.contiguous()
-            stats["pfedseq-calibration-rms"] = float(xi.pow(2).mean().sqrt())
-        update_rms = float(update_matrix[:, reported].pow(2).mean().sqrt())
-        stats["pfedseq-update-rms"] = update_rms
-        if "pfedseq-calibration-rms" in stats and update_rms > 0:
-            stats["pfedseq-calibration-ratio"] = stats["pfedseq-calibration-rms"] / update_rms
+            calibration_rms = float(xi.pow(2).mean().sqrt())
+            stats["pfedseq-calibration-rms"] = calibration_rms
+            if update_rms > 0:
+                stats["pfedseq-calibration-ratio"] = calibration_rms / update_rms
         stats["pfedseq-server-seconds"] = time.perf_counter() - started
         return stats
 
