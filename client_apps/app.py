@@ -70,7 +70,7 @@ def train(message: Message, context: Context) -> Message:
     )
     content = RecordDict({P.ARRAYS: to_array_record(sent), P.METRICS: metrics})
     if server_round in faults:
-        log.warning("node config inject-fault: corrupting this reply (%s)", faults[server_round])
+        log.warning("inject-fault: corrupting this reply (%s)", faults[server_round])
         content = inject_fault(content, faults[server_round])
     return Message(content=content, reply_to=message)
 

@@ -39,7 +39,7 @@ class ClientRuntime:
             identity.client_id,
             run_name,
             identity.state_dir,
-            keep=config.keep_checkpoints,
+            keep=config.keep_checkpoints + 1,  # see fedfm_flower.client_state
         )
         return cls(config, identity, store, pick_device(config.device))
 

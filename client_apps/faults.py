@@ -6,7 +6,9 @@ experiments. A node started with
     flower-supernode ... --node-config 'client-id=0 inject-fault="2:nan,3:shape"'
 
 corrupts its training reply of round 2 with NaN values and that of round 3 with a wrong shape;
-every other message is left alone. Kinds (``FAULT_KINDS``):
+every other message is left alone. Without the node config key, the environment variable
+``FEDFM_INJECT_FAULT`` (same syntax) applies to every ClientApp that inherits it: all simulated
+clients of one ``flwr run``, or every SuperNode started with it. Kinds (``FAULT_KINDS``):
 
 * ``nan`` / ``inf``: the first value of the first tensor becomes NaN / +Inf;
 * ``shape``: the first tensor loses its last element;
@@ -21,6 +23,7 @@ Faults that need a tensor apply to the ``arrays`` record; a reply without tensor
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -31,6 +34,7 @@ from fedfm_flower import protocol as P
 from fedfm_flower.config import ConfigError
 
 NODE_CONFIG_KEY = "inject-fault"
+ENVIRONMENT_VARIABLE = "FEDFM_INJECT_FAULT"
 FAULT_KINDS = (
     "nan",
     "inf",
@@ -48,9 +52,16 @@ class InjectedCrash(RuntimeError):
     """The ``crash`` fault: the ClientApp fails on purpose."""
 
 
-def parse_faults(node_config: Mapping[str, Any]) -> dict[int, str]:
-    """Round -> fault kind from the node config's ``inject-fault`` ("2:nan,3:shape"); {} if none."""
+def parse_faults(
+    node_config: Mapping[str, Any], environ: Mapping[str, str] = os.environ
+) -> dict[int, str]:
+    """Round -> fault kind from ``inject-fault`` ("2:nan,3:shape") of the node config, else of
+    the environment; {} if neither has one."""
     raw = node_config.get(NODE_CONFIG_KEY, "")
+    key, source = NODE_CONFIG_KEY, "node config"
+    if not raw:
+        raw = environ.get(ENVIRONMENT_VARIABLE, "")
+        key, source = ENVIRONMENT_VARIABLE, "environment"
     if not raw:
         return {}
     faults: dict[int, str] = {}
@@ -58,10 +69,10 @@ def parse_faults(node_config: Mapping[str, Any]) -> dict[int, str]:
         round_text, _, kind = item.strip().partition(":")
         if not round_text.strip().isdigit() or kind.strip() not in FAULT_KINDS:
             raise ConfigError(
-                NODE_CONFIG_KEY,
+                key,
                 raw,
                 f"expected 'round:kind,...' with kinds {', '.join(FAULT_KINDS)}",
-                source="node config",
+                source=source,
             )
         faults[int(round_text)] = kind.strip()
     return faults

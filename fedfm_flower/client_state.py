@@ -7,26 +7,33 @@ ServerApp dies after the clients trained round ``k+1`` but before it checkpointe
 run repeats round ``k+1`` from the clients' round-``k`` state, and no round is counted twice.
 
 Disk files live under ``<state-dir>/<run-name>/client_<id>/``, are written to a temporary file,
-fsynced and renamed into place, so a SuperNode killed mid-write never leaves a torn file.
-Tensors are stored with safetensors, never pickle.
+fsynced and renamed into place, so a SuperNode killed mid-write never leaves a torn file, and
+carry the digest of their tensors (``fedfm_flower.durable``). A file that fails to read or
+to verify (a damaged disk, a copy cut short) is skipped with a warning naming it, and the newest
+intact older state is used instead. Tensors are stored with safetensors, never pickle.
+
+The store keeps ``keep`` rounds; clients keep one more than the server keeps checkpoints
+(``ClientRuntime``), because the newest client state may belong to a round the server never
+committed: a resume that falls back past a damaged server checkpoint still finds the client
+state it needs.
 """
 
 from __future__ import annotations
 
-import hashlib
-import os
+import logging
 import re
-import tempfile
 from pathlib import Path
 
 import torch
 from flwr.app import ConfigRecord, RecordDict
-from safetensors.torch import load_file, save_file
 
+from fedfm_flower.durable import DamagedFileError, load_tensors, save_tensors, tensor_sha256
 from fedfm_flower.records import from_array_record, to_array_record
 
 _ROUND_FILE = re.compile(r"^round_(\d{5,})\.safetensors$")
 _STATE_PREFIX = "personal.r"
+
+log = logging.getLogger(__name__)
 
 
 class ClientStateStore:
@@ -61,21 +68,31 @@ class ClientStateStore:
     def load(
         self, *, before: int | None = None, at_most: int | None = None
     ) -> dict[str, torch.Tensor] | None:
-        """Newest state saved before ``before`` (or at or before ``at_most``), or None."""
+        """Newest intact state saved before ``before`` (or at or before ``at_most``), or None.
+
+        A damaged file is skipped with a warning that names it; the next older state is used.
+        """
         limit = (before - 1) if before is not None else at_most
         candidates = [r for r in self.rounds() if limit is None or r <= limit]
-        if not candidates:
-            return None
-        server_round = candidates[-1]
-        key = f"{_STATE_PREFIX}{server_round}"
-        if key in self._state.array_records:
-            tensors = from_array_record(self._state.array_records[key])
-        else:
-            assert self.directory is not None
-            tensors = load_file(self.directory / f"round_{server_round:05d}.safetensors")
-            self._state.array_records[key] = to_array_record(tensors)
-        self.loaded_round, self.loaded_digest = server_round, state_digest(tensors)
-        return tensors
+        for server_round in reversed(candidates):
+            key = f"{_STATE_PREFIX}{server_round}"
+            if key in self._state.array_records:
+                tensors = from_array_record(self._state.array_records[key])
+            else:
+                assert self.directory is not None
+                try:
+                    tensors = load_tensors(self.directory / f"round_{server_round:05d}.safetensors")
+                except DamagedFileError as err:
+                    log.warning(
+                        "personal state of round %d is damaged (%s); using an older one",
+                        server_round,
+                        err,
+                    )
+                    continue
+                self._state.array_records[key] = to_array_record(tensors)
+            self.loaded_round, self.loaded_digest = server_round, state_digest(tensors)
+            return tensors
+        return None
 
     def save(self, server_round: int, tensors: dict[str, torch.Tensor]) -> None:
         """Save ``tensors`` as the state after ``server_round``; drop states older than keep."""
@@ -83,18 +100,7 @@ class ClientStateStore:
         self._state.array_records[f"{_STATE_PREFIX}{server_round}"] = to_array_record(cpu)
         self._state.config_records["personal.meta"] = ConfigRecord({"last-round": server_round})
         if self.directory is not None:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            target = self.directory / f"round_{server_round:05d}.safetensors"
-            fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
-            os.close(fd)
-            try:
-                save_file(cpu, tmp)
-                with open(tmp, "rb") as handle:
-                    os.fsync(handle.fileno())
-                os.replace(tmp, target)
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
+            save_tensors(self.directory / f"round_{server_round:05d}.safetensors", cpu)
         self._prune()
 
     def _prune(self) -> None:
@@ -106,14 +112,9 @@ class ClientStateStore:
 
 
 def state_digest(tensors: dict[str, torch.Tensor]) -> int:
-    """A 48-bit fingerprint of named tensors (names, dtypes, shapes and values).
+    """A 48-bit fingerprint of named tensors: the first 48 bits of their ``tensor_sha256``.
 
     48 bits so that it survives a round trip through a float metric exactly; clients report it
     for the state they resumed from, and tests compare it with the files on disk.
     """
-    digest = hashlib.sha256()
-    for name in sorted(tensors):
-        tensor = tensors[name].detach().cpu().contiguous()
-        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
-        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return int.from_bytes(digest.digest()[:6], "big")
+    return int(tensor_sha256(tensors)[:12], 16)

@@ -70,6 +70,7 @@ class ExperimentConfig:
     min_train_clients: int = 1
     eval_every: int = 1
     round_timeout: float = 600.0
+    max_failed_rounds: int = 0  # consecutive rounds with no usable reply tolerated (0: none)
     seed: int = 0
     # data
     dataset: str = "digits"
@@ -78,6 +79,8 @@ class ExperimentConfig:
     dirichlet_alpha: float = 0.3
     classes_per_client: int = 2
     natural_id_column: str = ""
+    min_train_examples: int = 10  # per client; a smaller partition fails at start
+    min_test_examples: int = 5
     test_fraction: float = 0.2
     val_fraction: float = 0.0
     public_fraction: float = 0.3
@@ -210,8 +213,11 @@ class ExperimentConfig:
         _positive("dirichlet-alpha", self.dirichlet_alpha)
         _positive("lora-alpha", self.lora_alpha)
         _positive("min-train-clients", self.min_train_clients)
+        _positive("min-train-examples", self.min_train_examples)
+        _positive("min-test-examples", self.min_test_examples)
         for key, value in (
             ("num-clients", self.num_clients),
+            ("max-failed-rounds", self.max_failed_rounds),
             ("local-epochs", self.local_epochs),
             ("local-steps", self.local_steps),
             ("head-epochs", self.head_epochs),

@@ -14,30 +14,23 @@ without this package.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.durable import DamagedFileError, atomic_write_text, load_tensors, save_tensors
 
 _CHECKPOINT = re.compile(r"^round_(\d{5,})\.json$")
+FAILURE_FILE = "failure.json"
 
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` via a temporary file and rename."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    with os.fdopen(fd, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+log = logging.getLogger(__name__)
 
 
 def default_run_name(config: ExperimentConfig) -> str:
@@ -105,20 +98,19 @@ class RunDirectory:
     def save_checkpoint(
         self, server_round: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any], keep: int
     ) -> None:
-        """Write the server state after ``server_round``; the JSON file commits it."""
+        """Write the server state after ``server_round``; the JSON file (with the tensors' digest)
+        commits it, and only then are checkpoints older than the newest ``keep`` removed."""
         stem = self.checkpoint_dir / f"round_{server_round:05d}"
-        fd, tmp = tempfile.mkstemp(dir=self.checkpoint_dir, suffix=".tmp")
-        os.close(fd)
-        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, tmp)
-        os.replace(tmp, stem.with_suffix(".safetensors"))
-        atomic_write_text(stem.with_suffix(".json"), json.dumps({"round": server_round, **meta}))
+        digest = save_tensors(stem.with_suffix(".safetensors"), tensors)
+        record = {"round": server_round, "sha256": digest, **meta}
+        atomic_write_text(stem.with_suffix(".json"), json.dumps(record))
         for old in self.checkpoint_rounds()[:-keep]:
             old_stem = self.checkpoint_dir / f"round_{old:05d}"
             old_stem.with_suffix(".json").unlink(missing_ok=True)
             old_stem.with_suffix(".safetensors").unlink(missing_ok=True)
 
     def checkpoint_rounds(self) -> list[int]:
-        """Rounds with a committed checkpoint, oldest first."""
+        """Rounds with a committed checkpoint (a JSON marker), oldest first."""
         if not self.checkpoint_dir.is_dir():
             return []
         return sorted(
@@ -128,10 +120,51 @@ class RunDirectory:
         )
 
     def load_checkpoint(self, server_round: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """Tensors and metadata of the checkpoint after ``server_round``."""
+        """Tensors and metadata of the checkpoint after ``server_round``, verified against the
+        digest in its JSON; ``DamagedFileError`` names the file that is not intact."""
         stem = self.checkpoint_dir / f"round_{server_round:05d}"
-        meta = json.loads(stem.with_suffix(".json").read_text())
-        return load_file(stem.with_suffix(".safetensors")), meta
+        marker = stem.with_suffix(".json")
+        try:
+            meta = json.loads(marker.read_text())
+        except (OSError, ValueError) as err:
+            raise DamagedFileError(marker, f"unreadable checkpoint record: {err}") from err
+        if not isinstance(meta, dict) or meta.get("round") != server_round:
+            raise DamagedFileError(marker, f"not the record of round {server_round}")
+        return load_tensors(stem.with_suffix(".safetensors"), meta.get("sha256")), meta
+
+    def load_newest_checkpoint(
+        self,
+    ) -> tuple[int, dict[str, torch.Tensor], dict[str, Any]] | None:
+        """The newest intact checkpoint as (round, tensors, meta); None when there is none.
+
+        A damaged checkpoint is skipped with a warning that names the bad file; when every
+        checkpoint is damaged, ``DamagedFileError`` lists them all.
+        """
+        damaged: list[DamagedFileError] = []
+        for server_round in reversed(self.checkpoint_rounds()):
+            try:
+                tensors, meta = self.load_checkpoint(server_round)
+            except DamagedFileError as err:
+                log.warning(
+                    "checkpoint of round %d is damaged (%s); trying an older one", server_round, err
+                )
+                damaged.append(err)
+                continue
+            return server_round, tensors, meta
+        if damaged:
+            raise DamagedFileError(
+                self.checkpoint_dir,
+                "no intact checkpoint: " + "; ".join(str(err) for err in damaged),
+            )
+        return None
+
+    def write_failure(self, failure: dict[str, Any]) -> None:
+        """Record why the run stopped (``failure.json``); a later resume removes it."""
+        atomic_write_text(self.path / FAILURE_FILE, json.dumps(failure, indent=2))
+
+    def clear_failure(self) -> None:
+        """Remove the record of an earlier failure (the run is being resumed)."""
+        (self.path / FAILURE_FILE).unlink(missing_ok=True)
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         """Write summary.json."""

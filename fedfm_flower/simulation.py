@@ -4,8 +4,14 @@
 ``flwr run . --stream --federation-config "num-supernodes=10 client-resources-num-cpus=1 ..."``
 with the project's environment (see ``scripts/env.sh``), then stops the detached local SuperLink
 that ``flwr run`` started (by process id; Flower leaves it running otherwise), also when the
-launcher itself is stopped with SIGTERM or Ctrl-C. With CUDA, each
-ClientApp gets a fraction of the GPU (``--gpu-fraction``) so several clients share it.
+launcher itself is stopped with SIGTERM or Ctrl-C. With CUDA, each ClientApp gets a fraction of
+the GPU (``--gpu-fraction``) so several clients share it.
+
+Before anything starts, the run config (the app's defaults plus the ``-c``/``--run-config``
+overrides) is validated and checked (``fedfm_flower.preflight``); a problem is one line on
+stderr and exit status 2. The run's stream is shown with tracebacks folded into their last line
+(``--debug`` shows them) and is saved whole to ``<output-dir>/logs/``. The exit status is
+Flower's verdict on the run (``fedfm_flower.launch.ExitCode``): 0 only when it completed.
 """
 
 from __future__ import annotations
@@ -15,9 +21,20 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
+import time
+import traceback
 import uuid
 from pathlib import Path
+from typing import IO
 
+from fedfm_flower.launch import (
+    ExitCode,
+    StreamFilter,
+    exit_code_for_status,
+    final_run_status,
+    run_id_from_lines,
+)
 from fedfm_flower.processes import (
     exit_on_sigterm,
     flower_environment,
@@ -70,8 +87,8 @@ def federation_config(num_supernodes: int, gpu_fraction: float, client_cpus: int
     return " ".join(parts)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Parse arguments, run `flwr run`, stop the local SuperLink; returns the exit code."""
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line interface."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-supernodes", type=int, default=10)
     parser.add_argument(
@@ -86,13 +103,47 @@ def main(argv: list[str] | None = None) -> int:
         default=1,
         help="CPUs per ClientApp (Ray runs usable CPUs / this many clients at once)",
     )
+    parser.add_argument(
+        "--timeout", type=float, default=None, help="stop the run after this many seconds"
+    )
+    parser.add_argument(
+        "--debug", action="store_true", help="show tracebacks (of the checks and of the run)"
+    )
     parser.add_argument("--app", default=str(ROOT))
     parser.add_argument("flwr_args", nargs="*", help="extra arguments for `flwr run`")
+    return parser
+
+
+def run_config_items(flwr_args: list[str]) -> list[str]:
+    """The values of every ``-c``/``--run-config`` among the `flwr run` arguments."""
+    finder = argparse.ArgumentParser(add_help=False)
+    finder.add_argument("-c", "--run-config", action="append", default=[])
+    known, _ = finder.parse_known_args(flwr_args)
+    return known.run_config
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Check the run, run `flwr run`, stop the local SuperLink; returns the exit status."""
+    parser = build_parser()
     args = parser.parse_args(argv)
-    if args.num_supernodes <= 0:
-        parser.error(f"--num-supernodes must be > 0, got {args.num_supernodes}")
-    if args.client_cpus <= 0:
-        parser.error(f"--client-cpus must be > 0, got {args.client_cpus}")
+    for flag, value in (
+        ("--num-supernodes", args.num_supernodes),
+        ("--client-cpus", args.client_cpus),
+    ):
+        if value <= 0:
+            parser.error(f"{flag} must be > 0, got {value}")
+    if args.timeout is not None and args.timeout <= 0:
+        parser.error(f"--timeout must be > 0, got {args.timeout}")
+    app = Path(args.app).resolve()
+    try:
+        checked = preflight(app, args.flwr_args, args.num_supernodes)
+    except Exception as err:  # noqa: BLE001 - every failure here is the user's one line
+        if args.debug:
+            traceback.print_exc()
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return ExitCode.BAD_INPUT
+    for note in checked.notes:
+        print(f"[check] {note}", flush=True)
     gpu_fraction = args.gpu_fraction
     if gpu_fraction is None:
         gpu_fraction = 0.25 if cuda_available() else 0.0
@@ -105,28 +156,121 @@ def main(argv: list[str] | None = None) -> int:
     command = [
         flwr,
         "run",
-        args.app,
+        str(app),
         "--stream",
         "--federation-config",
         federation_config(args.num_supernodes, gpu_fraction, args.client_cpus),
         *args.flwr_args,
     ]
+    log_path = launch_log_path(Path(checked.config.output_dir), launch[LAUNCH_TAG])
     print("+ " + " ".join(command), flush=True)
+    print(f"[log] {log_path}", flush=True)
     exit_on_sigterm()  # a SIGTERM (timeout, scheduler) still stops what flwr run started
-    process = subprocess.Popen(command, env=env, cwd=args.app)
+    with open(log_path, "w") as log_file:
+        shown = StreamFilter(lambda text: print(text, flush=True), debug=args.debug)
+        process = subprocess.Popen(
+            command,
+            env=env,
+            cwd=app,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+        )
+        lines: list[str] = []
+        reader = threading.Thread(
+            target=_copy_stream, args=(process.stdout, log_file, shown, lines), daemon=True
+        )
+        reader.start()
+        try:
+            code = _wait(process, args.timeout, flwr, env, app, lines)
+            reader.join(timeout=10)
+            run_id = run_id_from_lines(lines)
+            if code is not None:
+                return code
+            if run_id is None:
+                print(
+                    f"error: `flwr run` exited with {process.returncode} before a run started; "
+                    f"see {log_path}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                return ExitCode.NOT_STARTED
+            status, details = final_run_status(flwr, "local", run_id, env, cwd=str(app))
+            code = exit_code_for_status(status)
+            if code != ExitCode.COMPLETED:
+                print(
+                    f"error: run {run_id} {status}: {details or 'no details'}; log {log_path}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            return code
+        except KeyboardInterrupt:
+            print("\ninterrupted; stopping the run", file=sys.stderr, flush=True)
+            return ExitCode.INTERRUPTED
+        finally:
+            if process.poll() is None:  # we were stopped: stop `flwr run` too
+                process.terminate()
+                try:
+                    process.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+            stop_processes(local_superlink_pids(flwr_home))
+            # Stopped mid-run, Ray's agents outlive their raylet: stop whatever is left of ours.
+            stop_tagged(launch, grace_s=5.0)
+            reader.join(timeout=5)
+
+
+def preflight(app: Path, flwr_args: list[str], num_supernodes: int):  # noqa: ANN201
+    """Validate the merged run config and check the run (``fedfm_flower.preflight``)."""
+    from fedfm_flower.preflight import check_run, parse_overrides, resolve_config
+
+    overrides = parse_overrides(run_config_items(flwr_args), app)
+    return check_run(resolve_config(app, overrides), num_supernodes)
+
+
+def launch_log_path(output_dir: Path, launch_id: str) -> Path:
+    """``<output-dir>/logs/simulation-<UTC time>-<launch id>.log`` (the directory is created)."""
+    logs = output_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    return logs / f"simulation-{stamp}-{launch_id[:8]}.log"
+
+
+def _copy_stream(stream: IO[str], log_file: IO[str], shown: StreamFilter, lines: list[str]) -> None:
+    for line in stream:
+        log_file.write(line)
+        log_file.flush()
+        lines.append(line)
+        shown.feed(line)
+
+
+def _wait(
+    process: subprocess.Popen, timeout: float | None, flwr: str, env: dict, app: Path, lines: list
+) -> ExitCode | None:
+    """Wait for `flwr run`; after ``timeout`` stop the run and return TIMEOUT (else None)."""
     try:
-        return process.wait()
-    finally:
-        if process.poll() is None:  # we were stopped: stop `flwr run` too
-            process.terminate()
-            try:
-                process.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-        stop_processes(local_superlink_pids(flwr_home))
-        # Stopped mid-run, Ray's agents outlive their raylet: stop whatever is left of ours.
-        stop_tagged(launch, grace_s=5.0)
+        process.wait(timeout=timeout)
+        return None
+    except subprocess.TimeoutExpired:
+        pass
+    run_id = run_id_from_lines(lines)
+    print(
+        f"error: the run did not finish within --timeout {timeout:g} s; stopping it",
+        file=sys.stderr,
+        flush=True,
+    )
+    if run_id is not None:
+        subprocess.run(
+            [flwr, "stop", str(run_id), "local"],
+            env=env,
+            cwd=app,
+            capture_output=True,
+            timeout=60,
+            check=False,
+        )
+    return ExitCode.TIMEOUT
 
 
 if __name__ == "__main__":

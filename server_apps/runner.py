@@ -2,8 +2,22 @@
 
 Compared with ``Strategy.start`` this loop also learns the node-to-client mapping before each
 round, evaluates every ``eval-every`` rounds (and after the last), counts bytes both ways,
-appends a JSON line per round, checkpoints the strategy after every round, resumes from the last
-checkpoint with ``resume=true``, and prints a progress line with accuracy, bytes, time and ETA.
+appends a JSON line per round, checkpoints the strategy after every round, resumes from the
+newest intact checkpoint with ``resume=true``, and prints a progress line with accuracy, bytes,
+time and ETA.
+
+A run fails loudly instead of reporting stale numbers:
+
+* at start, when a client holds fewer examples than ``min-train-examples``/``min-test-examples``
+  (``fedfm_flower.data.sizes``);
+* when more than ``max-failed-rounds`` consecutive rounds fail, a round failing when no client
+  returns a usable training reply or, when evaluation is due, no usable evaluation reply;
+* when the last round's evaluation has no usable reply (there is no final accuracy to report).
+
+``RunFailed`` then ends the ServerApp, so Flower marks the run failed and the launchers exit
+non-zero. The failing round's record is appended to ``metrics.jsonl`` (with ``failed``) but not
+checkpointed, ``failure.json`` in the run directory says why, and ``resume=true`` repeats the
+round once the cause is fixed.
 """
 
 from __future__ import annotations
@@ -12,6 +26,7 @@ import logging
 import math
 import platform
 import time
+import traceback
 from typing import Any
 
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
@@ -27,6 +42,11 @@ from strategies.base import PersonalizedStrategy
 log = logging.getLogger("fedfm_flower")
 
 NODE_WAIT_POLL_S = 1.0
+MAX_REASONS = 3  # rejection reasons quoted in a failure message
+
+
+class RunFailed(RuntimeError):
+    """The run cannot produce trustworthy results; the message says why and how to go on."""
 
 
 def build_strategy(config: ExperimentConfig) -> PersonalizedStrategy:
@@ -76,29 +96,52 @@ def wait_for_nodes(grid: Grid, config: ExperimentConfig) -> list[int]:
 
 
 def run_experiment(grid: Grid, config: ExperimentConfig) -> dict[str, Any]:
-    """Run (or resume) the experiment described by ``config``; returns the summary."""
+    """Run (or resume) the experiment described by ``config``; returns the summary.
+
+    Any exception is also recorded in the run directory's ``failure.json`` before it propagates.
+    """
     run = RunDirectory.open(config)
+    try:
+        return _run(grid, config, run)
+    except Exception as err:
+        run.write_failure(
+            {
+                "error": f"{type(err).__name__}: {err}",
+                "traceback": traceback.format_exc(),
+                "rounds-completed": len(run.rounds()),
+            }
+        )
+        log.error("run %s failed: %s", run.name, err)
+        raise
+
+
+def _run(grid: Grid, config: ExperimentConfig, run: RunDirectory) -> dict[str, Any]:
     card = prepare_foundation(config)
     strategy = build_strategy(config)
     strategy.run_name = run.name
     start_round = 1
     if config.resume:
-        done = run.checkpoint_rounds()
-        if done:
-            tensors, meta = run.load_checkpoint(done[-1])
+        run.clear_failure()
+        newest = run.load_newest_checkpoint()
+        if newest is None:
+            log.warning("resume=true but %s has no checkpoint; starting at round 1", run.name)
+        else:
+            done, tensors, meta = newest
             strategy.load_state_dict(tensors, meta["strategy"])
-            start_round = done[-1] + 1
-            log.info("resuming %s after round %d", run.name, done[-1])
+            start_round = done + 1
+            log.info("resuming %s after round %d", run.name, done)
         run.truncate_rounds(start_round - 1)
+    nodes = wait_for_nodes(grid, config)
+    client_examples = check_partitions(config, config.num_clients or len(nodes))
     run.write_config(
         config,
         {
             "foundation": card,
+            "client-examples": client_examples,
             "fedfm-flower": __version__,
             "python": platform.python_version(),
         },
     )
-    wait_for_nodes(grid, config)
     log.info(
         "run %s: method %s, %d rounds, results in %s",
         run.name,
@@ -108,9 +151,29 @@ def run_experiment(grid: Grid, config: ExperimentConfig) -> dict[str, Any]:
     )
     started = time.perf_counter()
     round_times: list[float] = [r["round-seconds"] for r in run.rounds()]
+    failed_in_a_row = 0
     for server_round in range(start_round, config.num_server_rounds + 1):
         record = run_round(grid, strategy, config, server_round)
         round_times.append(record["round-seconds"])
+        problem = round_failure(record)
+        failed_in_a_row = failed_in_a_row + 1 if problem else 0
+        last = server_round == config.num_server_rounds
+        if problem:
+            record["failed"] = problem
+            log.warning("round %d failed: %s", server_round, problem)
+        no_final_accuracy = last and record.get("evaluate") == {}
+        if problem and (failed_in_a_row > config.max_failed_rounds or no_final_accuracy):
+            run.append_round(record)  # for the record; not checkpointed, so resume repeats it
+            why = (
+                "the last round has no evaluation"
+                if no_final_accuracy
+                else f"{failed_in_a_row} failed round(s) in a row, "
+                f"max-failed-rounds = {config.max_failed_rounds}"
+            )
+            raise RunFailed(
+                f"round {server_round}: {problem}; {why}. Fix the cause, then continue with "
+                f"resume=true run-name='{run.name}'"
+            )
         run.append_round(record)
         tensors, meta = strategy.state_dict()
         run.save_checkpoint(server_round, tensors, {"strategy": meta}, config.keep_checkpoints)
@@ -121,6 +184,7 @@ def run_experiment(grid: Grid, config: ExperimentConfig) -> dict[str, Any]:
             flush=True,
         )
     summary = summarize(run, config, time.perf_counter() - started)
+    summary["client-examples"] = client_examples
     run.write_summary(summary)
     print(
         f"[done] {run.name}: final accuracy {summary['final-test-accuracy-mean']:.4f} ± "
@@ -128,6 +192,38 @@ def run_experiment(grid: Grid, config: ExperimentConfig) -> dict[str, Any]:
         flush=True,
     )
     return summary
+
+
+def check_partitions(config: ExperimentConfig, num_clients: int) -> dict[str, dict[str, int]]:
+    """Every client's example counts by client id; fails when one is below the minimum."""
+    from fedfm_flower.data import check_client_sizes
+
+    counts = check_client_sizes(config, num_clients)
+    return {str(client): c.as_dict() for client, c in enumerate(counts)}
+
+
+def round_failure(record: dict[str, Any]) -> str:
+    """Why the round in ``record`` failed ('' when it did not): no usable reply in a phase."""
+    problems = []
+    for phase, accepted, rejected, missing in (
+        ("training", record["train"], record["rejected"], record["missing"]),
+        (
+            "evaluation",
+            record.get("evaluate"),
+            record.get("evaluate-rejected", {}),
+            record.get("evaluate-missing", []),
+        ),
+    ):
+        if accepted is None or accepted:  # not due, or someone replied
+            continue
+        reasons = [f"client {c}: {why}" for c, why in sorted(rejected.items())[:MAX_REASONS]]
+        if len(rejected) > MAX_REASONS:
+            reasons.append(f"{len(rejected) - MAX_REASONS} more rejected")
+        if missing:
+            reasons.append(f"no reply from {missing}")
+        detail = "; ".join(reasons) or "no client was sampled"
+        problems.append(f"no client returned a usable {phase} reply ({detail})")
+    return " and ".join(problems)
 
 
 def run_round(

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+import re
 import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -304,7 +305,7 @@ class PersonalizedStrategy(Strategy):
     ) -> str | None:
         """Why the reply's metadata or metrics are unacceptable, or None."""
         if reply.has_error():
-            return f"client error: {reply.error.reason}"
+            return f"client error: {short_client_error(reply.error.reason)}"
         if expected is None:
             return "reply from a node with no known client id"
         if expected not in report.sent:
@@ -337,3 +338,29 @@ def _mean_metrics(per_client: dict[int, dict[str, float]]) -> MetricRecord | Non
         out[f"{name}-std"] = statistics.pstdev(values) if len(values) > 1 else 0.0
     out["num-clients"] = len(per_client)
     return MetricRecord(out)
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*): (.+)$")
+_FLOWER_ERROR = re.compile(r"^<class '([\w.]+)'>:<'(.*)'>$", re.DOTALL)  # ClientApp's error form
+MAX_ERROR_CHARS = 300
+
+
+def short_client_error(reason: str) -> str:
+    """The original exception of a ClientApp error as "Type: message", without tracebacks.
+
+    Ray wraps a ClientApp's exception in several tracebacks; the first "module.Type: message"
+    line that is not one of the wrappers is the exception the client raised.
+    """
+    text = _ANSI.sub("", reason).strip()
+    flower = _FLOWER_ERROR.match(text)
+    if flower and "\n" not in flower.group(2):
+        return f"{flower.group(1).rsplit('.', 1)[-1]}: {flower.group(2)}"[:MAX_ERROR_CHARS]
+    for line in text.splitlines():
+        match = _EXCEPTION_LINE.match(line.strip())
+        if match and not match.group(1).startswith(("flwr.", "ray.", "ray::", "Exception")):
+            return f"{match.group(1).rsplit('.', 1)[-1]}: {match.group(2)}"[:MAX_ERROR_CHARS]
+    if "Message: " in text:
+        return text.rsplit("Message: ", 1)[1].strip().rstrip("'>").strip()[:MAX_ERROR_CHARS]
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return (lines[-1] if lines else text)[:MAX_ERROR_CHARS]

@@ -239,6 +239,7 @@ def test_malformed_replies_and_bad_node_configs_leave_server_state_unchanged(cac
             "num-server-rounds": rounds_total,
             "eval-every": 100,  # evaluate in the last round only
             "keep-checkpoints": rounds_total,
+            "max-failed-rounds": rounds_total - 1,  # rounds 2.. have no usable training reply
             "run-name": "malformed",
         },
     )

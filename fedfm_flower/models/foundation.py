@@ -16,15 +16,13 @@ import fcntl
 import hashlib
 import json
 import logging
-import os
-import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.durable import DamagedFileError, atomic_write_text, load_tensors, save_tensors
 
 log = logging.getLogger(__name__)
 
@@ -57,10 +55,19 @@ def foundation_path(config: ExperimentConfig) -> Path:
 
 
 def load_foundation_weights(config: ExperimentConfig) -> dict[str, torch.Tensor]:
-    """The pretrained tiny-ViT state dict, from the cache or pretrained now and cached."""
+    """The pretrained tiny-ViT state dict, from the cache or pretrained now and cached.
+
+    A damaged ``weights-file`` is an error naming the file; a damaged cache is pretrained again.
+    """
     if config.weights_file:
-        return load_file(config.weights_file)
-    return load_file(ensure_foundation(config))
+        return load_tensors(config.weights_file)
+    path = ensure_foundation(config)
+    try:
+        return load_tensors(path)
+    except DamagedFileError as err:
+        log.warning("cached foundation model is damaged (%s); pretraining it again", err)
+        path.unlink(missing_ok=True)
+        return load_tensors(ensure_foundation(config))
 
 
 def foundation_card(config: ExperimentConfig) -> dict:
@@ -135,11 +142,5 @@ def pretrain_foundation(config: ExperimentConfig) -> tuple[dict[str, torch.Tenso
 
 
 def _atomic_save(path: Path, state: dict[str, torch.Tensor], card: dict) -> None:
-    for target, writer in (
-        (path.with_suffix(".json"), lambda p: Path(p).write_text(json.dumps(card, indent=2))),
-        (path, lambda p: save_file(state, p)),
-    ):
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-        os.close(fd)
-        writer(tmp)
-        os.replace(tmp, target)
+    atomic_write_text(path.with_suffix(".json"), json.dumps(card, indent=2))
+    save_tensors(path, state)  # the weights last: their presence says the card is there

@@ -1,0 +1,109 @@
+"""Files that are complete or absent: atomic, durable writes and verified tensor reads.
+
+``atomic_write_text`` and ``save_tensors`` write to a temporary file in the target directory,
+fsync it, rename it into place and fsync the directory.
+A file under its final name is therefore always
+complete. A tensor file also carries the SHA-256 of its tensors (``tensor_sha256``: names, dtypes,
+shapes and bytes) in its safetensors metadata; ``load_tensors`` recomputes it, compares it with
+that and with a digest the caller kept elsewhere (a checkpoint's JSON), and raises
+``DamagedFileError`` naming the file when anything does not match or cannot be parsed. Files
+written before digests existed (no ``sha256`` metadata) are accepted when they parse.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+DIGEST_KEY = "sha256"  # safetensors metadata key of the tensors' digest
+
+
+class DamagedFileError(OSError):
+    """A tensor file that is missing, truncated, unparsable or fails its digest."""
+
+    def __init__(self, path: Path | str, reason: str) -> None:
+        super().__init__(f"{path}: {reason}")
+        self.path = Path(path)
+        self.reason = reason
+
+
+def tensor_sha256(tensors: dict[str, torch.Tensor]) -> str:
+    """Hex SHA-256 of named tensors: for each name in sorted order, name, dtype, shape, bytes."""
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        tensor = tensors[name].detach().cpu().contiguous()
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def fsync_directory(directory: Path) -> None:
+    """Make a rename inside ``directory`` durable (no-op where directories cannot be opened)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def atomic_write_text(path: Path | str, text: str) -> None:
+    """Write ``text`` to ``path`` atomically and durably."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    fsync_directory(path.parent)
+
+
+def save_tensors(path: Path | str, tensors: dict[str, torch.Tensor]) -> str:
+    """Write ``tensors`` to ``path`` atomically and durably; returns their ``tensor_sha256``."""
+    path = Path(path)
+    cpu = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    digest = tensor_sha256(cpu)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        save_file(cpu, tmp, metadata={DIGEST_KEY: digest})
+        with open(tmp, "rb") as handle:
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    fsync_directory(path.parent)
+    return digest
+
+
+def load_tensors(path: Path | str, expected_sha256: str | None = None) -> dict[str, torch.Tensor]:
+    """Read and verify a tensor file; ``DamagedFileError`` names the file when it is not intact."""
+    path = Path(path)
+    if not path.is_file():
+        raise DamagedFileError(path, "no such file")
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            stored = (handle.metadata() or {}).get(DIGEST_KEY)
+            tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
+    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
+        reason = f"not a readable safetensors file ({path.stat().st_size} bytes): {err}"
+        raise DamagedFileError(path, reason) from err
+    if stored is not None or expected_sha256 is not None:
+        actual = tensor_sha256(tensors)
+        for source, wanted in (("its own metadata", stored), ("its record", expected_sha256)):
+            if wanted is not None and wanted != actual:
+                reason = f"tensor digest {actual[:12]}... differs from {wanted[:12]}... in {source}"
+                raise DamagedFileError(path, reason)
+    return tensors
