@@ -8,6 +8,10 @@ with the settings of ``configs/<method>/<setup>.toml``; ``method:variant`` overl
 ``configs/<method>/<variant>.toml`` on them (the paper's ablations), and ``--set`` overlays
 single keys on every run (name such runs with ``--tag``). The table reports the final mean
 per-client test accuracy, mean +- std over seeds, and the bytes each client sends per round.
+
+Every cell's config is validated before the first run (a bad one: exit status 2, nothing run).
+A run that fails is reported and skipped, the other cells still run, their results are written,
+and the exit status is 1; rerunning repeats only the failed cells.
 """
 
 from __future__ import annotations
@@ -16,8 +20,10 @@ import argparse
 import json
 import shutil
 import statistics
+import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from bench.overrides import parse_overrides, tomllib
 from fedfm_flower.results import RunDirectory
@@ -28,6 +34,34 @@ ROOT = Path(__file__).resolve().parent.parent
 def run_name(method: str, setup: str, tag: str, seed: int) -> str:
     """The run directory name of one (method, setup, tag, seed) cell of the grid."""
     return f"{method.replace(':', '-')}-{setup}{tag}-s{seed}"
+
+
+def cell_config(
+    method: str,
+    setup: str,
+    seed: int,
+    rounds: int,
+    clients: int,
+    out: Path,
+    overrides: dict | None = None,
+    tag: str = "",
+) -> dict[str, Any]:
+    """The run config of one (method, setup, seed) cell of the grid."""
+    base, _, variant = method.partition(":")
+    config = tomllib.loads((ROOT / "configs" / base / f"{setup}.toml").read_text())
+    if variant:
+        config.update(tomllib.loads((ROOT / "configs" / base / f"{variant}.toml").read_text()))
+    config.update(overrides or {})
+    config.update(
+        {
+            "seed": seed,
+            "num-server-rounds": rounds,
+            "num-clients": clients,
+            "output-dir": str(out / "runs"),
+            "run-name": run_name(method, setup, tag, seed),
+        }
+    )
+    return config
 
 
 def run_one(
@@ -43,26 +77,13 @@ def run_one(
     """One in-process experiment; returns its summary plus the setup and bytes per client."""
     from server_apps.inprocess import run_in_process
 
-    base, _, variant = method.partition(":")
-    config = tomllib.loads((ROOT / "configs" / base / f"{setup}.toml").read_text())
-    if variant:
-        config.update(tomllib.loads((ROOT / "configs" / base / f"{variant}.toml").read_text()))
-    config.update(overrides or {})
-    config.update(
-        {
-            "seed": seed,
-            "num-server-rounds": rounds,
-            "num-clients": clients,
-            "output-dir": str(out / "runs"),
-            "run-name": run_name(method, setup, tag, seed),
-        }
-    )
+    config = cell_config(method, setup, seed, rounds, clients, out, overrides, tag)
     run_dir = out / "runs" / config["run-name"]
     if (run_dir / "summary.json").is_file():  # finished earlier: reuse, so reruns are cheap
         summary = json.loads((run_dir / "summary.json").read_text())
     else:
         if run_dir.exists():
-            shutil.rmtree(run_dir)  # an interrupted run: start it over
+            shutil.rmtree(run_dir)  # an interrupted or failed run: start it over
         summary, _ = run_in_process(config, clients)
     records = RunDirectory(run_dir).rounds()
     up = statistics.fmean(r["bytes-up-train"] / max(r["clients-reported"], 1) for r in records)
@@ -73,6 +94,18 @@ def run_one(
         "bytes-up-per-client-round": up,
         "curve": [r.get("test-accuracy-mean") for r in records],
     }
+
+
+def check_cells(cells: list[dict[str, Any]]) -> None:
+    """Validate every cell's config; the ``ValueError`` names the cell and the bad value."""
+    from fedfm_flower.config import ConfigError, ExperimentConfig
+
+    defaults = ExperimentConfig().to_run_config()
+    for config in cells:
+        try:
+            ExperimentConfig.from_run_config({**defaults, **config})
+        except ConfigError as err:
+            raise ValueError(f"run {config['run-name']}: {err}") from err
 
 
 def table(results: list[dict], methods: list[str], setups: list[str]) -> str:
@@ -99,8 +132,8 @@ def table(results: list[dict], methods: list[str], setups: list[str]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Run the grid of experiments and print/write the results."""
+def main(argv: list[str] | None = None) -> int:
+    """Run the grid of experiments and print/write the results; returns the exit status."""
     parser = argparse.ArgumentParser(description="compare methods on the offline setups")
     parser.add_argument("--methods", nargs="+", default=["fedrep", "fedavg"])
     parser.add_argument("--setups", nargs="+", default=["digits-label-skew", "digits-feature-skew"])
@@ -120,27 +153,45 @@ def main(argv: list[str] | None = None) -> None:
     from fedfm_flower.logs import configure_logging
 
     configure_logging()
-    args.out.mkdir(parents=True, exist_ok=True)
     try:
         overrides = parse_overrides(args.set)
-    except ValueError as err:
-        parser.error(str(err))
-    results, started = [], time.perf_counter()
-    for setup in args.setups:
-        for method in args.methods:
-            for seed in args.seeds:
-                result = run_one(
-                    method, setup, seed, args.rounds, args.clients, args.out, overrides, args.tag
-                )
-                results.append(result)
-                print(
-                    f"{method:10s} {setup:22s} seed {seed}: "
-                    f"{100 * result['final-test-accuracy-mean']:.2f}",
-                    flush=True,
-                )
+        grid = [
+            (setup, method, seed)
+            for setup in args.setups
+            for method in args.methods
+            for seed in args.seeds
+        ]
+        check_cells(
+            [
+                cell_config(m, s, seed, args.rounds, args.clients, args.out, overrides, args.tag)
+                for s, m, seed in grid
+            ]
+        )
+    except (ValueError, OSError) as err:  # ConfigError, a missing configs/<method>/<setup>.toml
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    results, failures, started = [], [], time.perf_counter()
+    for setup, method, seed in grid:
+        try:
+            result = run_one(
+                method, setup, seed, args.rounds, args.clients, args.out, overrides, args.tag
+            )
+        except Exception as err:  # noqa: BLE001 - report it, run the other cells
+            failures.append(
+                {"method": method, "setup": setup, "seed": seed, "error": f"{err}"[:2000]}
+            )
+            print(f"FAILED {method} {setup} seed {seed}: {err}", file=sys.stderr, flush=True)
+            continue
+        results.append(result)
+        print(
+            f"{method:10s} {setup:22s} seed {seed}: {100 * result['final-test-accuracy-mean']:.2f}",
+            flush=True,
+        )
     payload = {
         "args": {k: str(v) for k, v in vars(args).items()},
         "results": results,
+        "failures": failures,
         "seconds": time.perf_counter() - started,
     }
     name = f"results{args.tag}"
@@ -148,7 +199,11 @@ def main(argv: list[str] | None = None) -> None:
     markdown = table(results, args.methods, [s + args.tag for s in args.setups])
     (args.out / f"table{args.tag}.md").write_text(markdown + "\n")
     print(markdown)
+    if failures:
+        print(f"error: {len(failures)} of {len(grid)} runs failed", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

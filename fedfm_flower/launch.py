@@ -2,8 +2,7 @@
 
 ``flwr run --stream`` exits 0 whether or not the run completed, so the launchers ask the
 SuperLink for the run's final status (``flwr ls --run-id``) and turn it into their exit code.
-``StreamFilter`` shows the run's log stream with each Python traceback folded into its last
-line (the full text stays in the launcher's log file, and ``--debug`` shows it).
+``fedfm_flower.tracebacks.StreamFilter`` shortens what the user sees of the run's stream.
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ import json
 import re
 import subprocess
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from enum import IntEnum
 
 
@@ -83,43 +82,3 @@ def final_run_status(
 def exit_code_for_status(status: str) -> ExitCode:
     """COMPLETED for Flower's "finished:completed", FAILED for any other outcome."""
     return ExitCode.COMPLETED if status == COMPLETED_STATUS else ExitCode.FAILED
-
-
-class StreamFilter:
-    """Passes log lines through, folding each Python traceback into its exception line.
-
-    Folded tracebacks are counted in ``hidden``; with ``debug`` every line passes unchanged.
-    """
-
-    _CONTINUATIONS = (
-        "Traceback (most recent call last):",
-        "During handling of the above exception",
-        "The above exception was the direct cause",
-    )
-
-    def __init__(self, write: Callable[[str], None], debug: bool = False) -> None:
-        self.write = write
-        self.debug = debug
-        self.hidden = 0
-        self._inside = False
-
-    def feed(self, line: str) -> None:
-        """Show ``line`` (without its newline) unless it is part of a traceback's body."""
-        text = line.rstrip("\n")
-        if self.debug:
-            self.write(text)
-            return
-        if text.startswith(self._CONTINUATIONS[0]):
-            if not self._inside:
-                self.hidden += 1
-            self._inside = True
-            return
-        if self._inside:
-            if not text.strip() or text.startswith((" ", "\t", "^")):
-                return
-            if text.startswith(self._CONTINUATIONS[1:]):
-                return
-            self._inside = False
-            self.write(f"{text}  [traceback folded]")
-            return
-        self.write(text)

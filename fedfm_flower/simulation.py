@@ -30,7 +30,6 @@ from typing import IO
 
 from fedfm_flower.launch import (
     ExitCode,
-    StreamFilter,
     exit_code_for_status,
     final_run_status,
     run_id_from_lines,
@@ -41,6 +40,7 @@ from fedfm_flower.processes import (
     stop_processes,
     stop_tagged,
 )
+from fedfm_flower.tracebacks import StreamFilter
 
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCH_TAG = "FEDFM_SIMULATION_ID"  # environment tag of every process of one launch
@@ -244,6 +244,7 @@ def _copy_stream(stream: IO[str], log_file: IO[str], shown: StreamFilter, lines:
         log_file.flush()
         lines.append(line)
         shown.feed(line)
+    shown.close()
 
 
 def _wait(

@@ -29,9 +29,14 @@ Step by step (docs/deployment.md explains each one):
 
 Every process gets ``OMP_NUM_THREADS`` = usable CPUs / (N + 1) (``--threads``), since N + 1
 torch processes share the cores. Logs (with wall-clock and elapsed-time stamps) go to
-``<workdir>/logs/``. Only 127.0.0.1 is
-ever used. Exit status: 0 run completed, 1 run failed or stopped, 2 bad arguments, 3 the
-deployment could not start, 130 interrupted.
+``<workdir>/logs/``. Only 127.0.0.1 is ever used.
+
+Before anything starts, the merged run config is validated and checked
+(``fedfm_flower.preflight``: resume target, existing results, weights file, partition sizes);
+a problem is one line on stderr. The run's stream is shown with tracebacks folded (``--debug``
+shows them; the logs keep them). Exit status (``fedfm_flower.launch.ExitCode``): 0 run
+completed, 1 run failed or stopped, 2 bad arguments or run config, 3 the deployment could not
+start, 124 ``--run-timeout`` reached, 130 interrupted.
 """
 
 from __future__ import annotations
@@ -53,18 +58,32 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from fedfm_flower.config import ConfigError, ExperimentConfig
+from fedfm_flower.launch import (
+    COMPLETED_STATUS,
+    ExitCode,
+    exit_code_for_status,
+    final_run_status,
+    run_id_from_lines,
+)
+from fedfm_flower.preflight import (
+    PreflightError,
+    absolute_paths,
+    check_run,
+    resolve_config,
+)
 from fedfm_flower.processes import (
     flower_environment,
     pid_alive,
     pids_with_environment,
     signal_process,
 )
+from fedfm_flower.tracebacks import StreamFilter
 
 ROOT = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"  # the only address this script ever binds to or dials
@@ -73,9 +92,6 @@ CONNECTION = "fedfm-local"
 TAG_VAR = "FEDFM_DEPLOY_ID"  # environment variable marking every process of one deployment
 NODE_VAR = "FEDFM_DEPLOY_NODE"  # ... and the processes of one SuperNode (its index)
 CERT_FILES = ("ca.crt", "server.crt", "server.key")
-# Run-config keys holding paths: made absolute, since the ServerApp and ClientApps run with the
-# SuperLink's and SuperNodes' working directories, not the caller's.
-PATH_KEYS = ("output-dir", "cache-dir", "data-dir", "weights-file", "client-state-dir")
 
 
 class DeploymentError(RuntimeError):
@@ -101,6 +117,7 @@ class DeployOptions:
     run_timeout: float | None = None  # seconds for `flwr run`; None: no limit
     threads: int | None = None  # OpenMP/torch threads per ServerApp/ClientApp; None: see below
     echo: bool = True  # print `flwr run`'s stream
+    debug: bool = False  # print it unfolded (tracebacks in full)
 
     def __post_init__(self) -> None:
         self.workdir = Path(self.workdir).expanduser().resolve()
@@ -135,16 +152,26 @@ class RunResult:
     """What one `flwr run` produced."""
 
     run_id: int | None
-    status: str  # e.g. "finished:completed", "finished:failed", "interrupted", "timeout"
+    status: str  # e.g. "finished:completed", "finished:failed", "not-started", "timeout"
     returncode: int | None
     seconds: float
     run_dir: Path | None
     log_path: Path
+    details: str = ""  # Flower's status details (the ServerApp's error, when it failed)
 
     @property
     def ok(self) -> bool:
         """True when Flower reports the run as completed."""
-        return self.status == "finished:completed"
+        return self.status == COMPLETED_STATUS
+
+    @property
+    def exit_code(self) -> ExitCode:
+        """The launcher's exit status for this outcome."""
+        if self.status == "timeout":
+            return ExitCode.TIMEOUT
+        if self.status == "not-started":
+            return ExitCode.NOT_STARTED
+        return exit_code_for_status(self.status)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -185,17 +212,11 @@ def resolve_run_config(
 ) -> dict[str, Any]:
     """Overrides plus ``num-clients``, absolute paths and a default ``output-dir``.
 
-    Keys must exist under ``[tool.flwr.app.config]`` of the app (Flower rejects others) and
-    values must pass ``ExperimentConfig`` validation; both are checked here, before anything
-    starts.
+    Paths are made absolute against ``base`` (the caller's directory), since the ServerApp and
+    ClientApps run with the SuperLink's and SuperNodes' working directories. Keys must exist
+    under ``[tool.flwr.app.config]`` of the app (Flower rejects others) and values must pass
+    ``ExperimentConfig`` validation; both are checked here, before anything starts.
     """
-    base = base or Path.cwd()
-    unknown = sorted(set(overrides) - set(ExperimentConfig.keys()))
-    if unknown:
-        raise RunConfigError(
-            f"unknown run-config key(s) {', '.join(unknown)}; declared keys are in "
-            f"[tool.flwr.app.config] of {app_dir / 'pyproject.toml'}"
-        )
     config = dict(overrides)
     given = config.get("num-clients")
     if given not in (None, 0, num_clients):
@@ -204,13 +225,10 @@ def resolve_run_config(
         )
     config["num-clients"] = num_clients
     config.setdefault("output-dir", str(app_dir / "runs"))
-    for key in PATH_KEYS:
-        value = config.get(key)
-        if isinstance(value, str) and value and not Path(value).expanduser().is_absolute():
-            config[key] = str((base / value).resolve())
+    config = absolute_paths(config, base or Path.cwd())
     try:  # every value, not just the keys: fail here rather than in the ServerApp
-        ExperimentConfig.from_run_config({**ExperimentConfig().to_run_config(), **config})
-    except ConfigError as err:
+        resolve_config(app_dir, config)
+    except PreflightError as err:
         raise RunConfigError(str(err)) from err
     return config
 
@@ -466,6 +484,7 @@ class LocalDeployment:
         self.flwr_home = workdir / "flwr-home"
         self.logs = workdir / "logs"
         self._stopped = False
+        self._shown = StreamFilter(lambda text: print(text, flush=True), options.debug)
 
     # -- context manager ----------------------------------------------------------------------
     def __enter__(self) -> LocalDeployment:
@@ -870,36 +889,29 @@ class LocalDeployment:
             status = "timeout"
             self._say(f"`flwr run` still running after {timeout:.0f}s: stopping the run")
         process.join_output()
-        run_id = _run_id(process.lines)
+        self._shown.close()
+        run_id = run_id_from_lines(process.lines)
+        details = ""
         if status == "timeout":
             if run_id is not None:
                 self.flwr("stop", str(run_id), CONNECTION, timeout=30)
         elif run_id is None:
             status = "not-started"
         else:
-            status = self.run_status(run_id)
+            status, details = final_run_status(
+                self._bin("flwr"), CONNECTION, run_id, self.env(), cwd=str(self.options.workdir)
+            )
         seconds = time.monotonic() - started
         run_dir = _run_dir(process.lines)
         result = RunResult(
-            run_id, status, process.popen.returncode, seconds, run_dir, process.log_path
+            run_id, status, process.popen.returncode, seconds, run_dir, process.log_path, details
         )
         self.timings["run-s"] = seconds
         self._say(f"run {run_id}: {status} after {seconds:.1f}s; results in {run_dir}")
         return result
 
-    def run_status(self, run_id: int) -> str:
-        """Flower's status of a run, e.g. "finished:completed"."""
-        for _ in range(20):
-            result = self.flwr("ls", CONNECTION, "--run-id", str(run_id), "--format", "json")
-            with contextlib.suppress(json.JSONDecodeError, AttributeError, IndexError):
-                status = json.loads(result.stdout)["runs"][0]["status"]
-                if status.startswith("finished"):
-                    return status
-            time.sleep(0.5)
-        return "unknown"
-
     def _echo(self, line: str) -> None:
-        print(line, flush=True)
+        self._shown.feed(line)
 
     # -- stop ---------------------------------------------------------------------------------
     def live_pids(self) -> set[int]:
@@ -1005,14 +1017,6 @@ def _node_config_string(config: Mapping[str, Any]) -> str:
     return " ".join(parts)
 
 
-def _run_id(lines: Sequence[str]) -> int | None:
-    for line in lines:
-        match = re.search(r"Successfully started run (\d+)", line)
-        if match:
-            return int(match.group(1))
-    return None
-
-
 def _run_dir(lines: Sequence[str]) -> Path | None:
     for line in reversed(lines):
         match = re.search(r"results in (\S+)", line)
@@ -1086,6 +1090,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="after the run, keep the SuperLink and SuperNodes until Ctrl-C",
     )
     parser.add_argument("--no-run", action="store_true", help="start the federation only")
+    parser.add_argument(
+        "--debug", action="store_true", help="show tracebacks (of the checks and of the run)"
+    )
     return parser
 
 
@@ -1106,11 +1113,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             startup_timeout=args.startup_timeout,
             run_timeout=args.run_timeout,
             threads=args.threads,
+            debug=args.debug,
         )
-        overrides = parse_run_config(args.run_config)
-        resolve_run_config(overrides, options.num_supernodes, options.app_dir)  # check early
-    except (ValueError, RunConfigError) as err:
+    except ValueError as err:
         parser.error(str(err))
+    try:  # everything about the run that can be checked before a process starts
+        overrides = parse_run_config(args.run_config)
+        resolved = resolve_run_config(overrides, options.num_supernodes, options.app_dir)
+        if not args.no_run:
+            found = check_run(resolve_config(options.app_dir, resolved), options.num_supernodes)
+            for note in found.notes:
+                print(f"[check] {note}", flush=True)
+    except (RunConfigError, PreflightError) as err:
+        if args.debug:
+            traceback.print_exc()
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return ExitCode.BAD_INPUT
     if args.insecure:
         print("WARNING: --insecure: no TLS, no SuperNode authentication; local debugging only")
     _SUBREAPER = become_subreaper()
@@ -1118,14 +1136,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _raise_terminated)
     signal.signal(signal.SIGHUP, _raise_terminated)
     deployment = LocalDeployment(options)
-    code = 0
+    code = ExitCode.COMPLETED
     try:
         deployment.start()
         if not args.no_run:
             result = deployment.run(overrides)
-            code = 0 if result.ok else 1
+            code = result.exit_code
             if result.ok and result.run_dir is not None:
                 print(f"results: {result.run_dir}")
+            elif not result.ok:
+                print(
+                    f"error: run {result.run_id} {result.status}: "
+                    f"{result.details or 'no details'}; log {result.log_path}",
+                    file=sys.stderr,
+                    flush=True,
+                )
         if args.keep_running or args.no_run:
             deployment._say(
                 f"running: connection '{CONNECTION}' in FLWR_HOME={deployment.flwr_home} "
@@ -1135,12 +1160,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 time.sleep(1.0)
             deployment._say("a SuperLink/SuperNode process exited; stopping")
     except DeploymentError as err:
-        print(f"ERROR: {err}", file=sys.stderr)
-        code = 3
+        print(f"error: {err}", file=sys.stderr)
+        code = ExitCode.NOT_STARTED
     except (KeyboardInterrupt, _Terminated) as err:
         reason = "SIGINT" if isinstance(err, KeyboardInterrupt) else str(err)
         print(f"\ninterrupted ({reason}); stopping everything", file=sys.stderr)
-        code = 130
+        code = ExitCode.INTERRUPTED
     finally:
         deployment.stop()
         timings = ", ".join(f"{k} {v:.1f}" for k, v in deployment.timings.items())

@@ -216,9 +216,15 @@ def round_failure(record: dict[str, Any]) -> str:
     ):
         if accepted is None or accepted:  # not due, or someone replied
             continue
-        reasons = [f"client {c}: {why}" for c, why in sorted(rejected.items())[:MAX_REASONS]]
-        if len(rejected) > MAX_REASONS:
-            reasons.append(f"{len(rejected) - MAX_REASONS} more rejected")
+        by_reason: dict[str, list[str]] = {}
+        for client, why in sorted(rejected.items()):
+            by_reason.setdefault(why, []).append(client)
+        reasons = [
+            f"client{'s' if len(cs) > 1 else ''} {', '.join(cs)}: {why}"
+            for why, cs in list(by_reason.items())[:MAX_REASONS]
+        ]
+        if len(by_reason) > MAX_REASONS:
+            reasons.append(f"{len(by_reason) - MAX_REASONS} other reasons")
         if missing:
             reasons.append(f"no reply from {missing}")
         detail = "; ".join(reasons) or "no client was sampled"

@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import math
 import random
-import re
 import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -37,6 +36,7 @@ from flwr.serverapp.strategy import Strategy
 from fedfm_flower import protocol as P
 from fedfm_flower.config import ExperimentConfig
 from fedfm_flower.records import InvalidRecord, decode_checked, to_array_record
+from fedfm_flower.tracebacks import original_exception
 from fedfm_flower.training import round_seed
 
 log = logging.getLogger(__name__)
@@ -305,7 +305,7 @@ class PersonalizedStrategy(Strategy):
     ) -> str | None:
         """Why the reply's metadata or metrics are unacceptable, or None."""
         if reply.has_error():
-            return f"client error: {short_client_error(reply.error.reason)}"
+            return f"client error: {original_exception(reply.error.reason)}"
         if expected is None:
             return "reply from a node with no known client id"
         if expected not in report.sent:
@@ -338,29 +338,3 @@ def _mean_metrics(per_client: dict[int, dict[str, float]]) -> MetricRecord | Non
         out[f"{name}-std"] = statistics.pstdev(values) if len(values) > 1 else 0.0
     out["num-clients"] = len(per_client)
     return MetricRecord(out)
-
-
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
-_EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*): (.+)$")
-_FLOWER_ERROR = re.compile(r"^<class '([\w.]+)'>:<'(.*)'>$", re.DOTALL)  # ClientApp's error form
-MAX_ERROR_CHARS = 300
-
-
-def short_client_error(reason: str) -> str:
-    """The original exception of a ClientApp error as "Type: message", without tracebacks.
-
-    Ray wraps a ClientApp's exception in several tracebacks; the first "module.Type: message"
-    line that is not one of the wrappers is the exception the client raised.
-    """
-    text = _ANSI.sub("", reason).strip()
-    flower = _FLOWER_ERROR.match(text)
-    if flower and "\n" not in flower.group(2):
-        return f"{flower.group(1).rsplit('.', 1)[-1]}: {flower.group(2)}"[:MAX_ERROR_CHARS]
-    for line in text.splitlines():
-        match = _EXCEPTION_LINE.match(line.strip())
-        if match and not match.group(1).startswith(("flwr.", "ray.", "ray::", "Exception")):
-            return f"{match.group(1).rsplit('.', 1)[-1]}: {match.group(2)}"[:MAX_ERROR_CHARS]
-    if "Message: " in text:
-        return text.rsplit("Message: ", 1)[1].strip().rstrip("'>").strip()[:MAX_ERROR_CHARS]
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return (lines[-1] if lines else text)[:MAX_ERROR_CHARS]
