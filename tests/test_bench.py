@@ -143,3 +143,54 @@ def test_pfedseq_report_reads_the_cosine_of_calibration_and_next_update() -> Non
     assert alignments(records, (n, d)) == {12: pytest.approx(cosine)}
     assert client_accuracies(records, 12) == [0.25, 0.5]
     assert client_accuracies(records, 11) is None
+
+
+def test_compare_methods_checks_every_cell_before_running_any(tmp_path: Path, capsys) -> None:
+    from bench import compare_methods
+
+    code = compare_methods.main(
+        ["--methods", "fedavg", "--seeds", "0", "--out", str(tmp_path), "--set", "lora-rank=-1"]
+    )
+    assert code == 2
+    assert "run config 'lora-rank' = -1 is invalid" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_compare_methods_runs_the_other_cells_and_exits_1_when_one_fails(
+    small_run_config: dict, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    import server_apps.inprocess as inprocess
+    from bench import compare_methods
+
+    real = inprocess.run_in_process
+
+    def failing_local(config, clients, *args, **kwargs):
+        if config["method"] == "local":
+            raise RuntimeError("round 1: no client returned a usable training reply")
+        return real(config, clients, *args, **kwargs)
+
+    monkeypatch.setattr(inprocess, "run_in_process", failing_local)
+    common = [f"cache-dir={json.dumps(small_run_config['cache-dir'])}", "pretrain-epochs=30"]
+    argv = ["--methods", "local", "fedavg", "--setups", "digits-label-skew", "--seeds", "0"]
+    argv += ["--rounds", "1", "--clients", "4", "--out", str(tmp_path), "--set", *common]
+    assert compare_methods.main(argv) == 1
+    err = capsys.readouterr().err
+    assert "FAILED local digits-label-skew seed 0: round 1: no client returned" in err
+    assert "error: 1 of 2 runs failed" in err
+    written = json.loads((tmp_path / "results.json").read_text())
+    assert [r["method"] for r in written["results"]] == ["fedavg"]  # the other cell ran
+    assert written["failures"] == [
+        {
+            "method": "local",
+            "setup": "digits-label-skew",
+            "seed": 0,
+            "error": "round 1: no client returned a usable training reply",
+        }
+    ]
+
+
+def test_simulation_benchmark_fails_when_the_launcher_fails(tmp_path: Path) -> None:
+    from bench.simulation_overhead import run_flower_simulation
+
+    with pytest.raises(RuntimeError, match=r"failed \(2\)"):
+        run_flower_simulation(2, 1, 1, {"method": "fedprox"}, tmp_path, "bad")

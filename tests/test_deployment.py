@@ -99,3 +99,65 @@ def test_run_config_merging(tmp_path: Path):
         dl.resolve_run_config({"num-clients": 5}, 2, ROOT)
     with pytest.raises(dl.RunConfigError, match="cannot parse"):
         dl.parse_run_config(["method=fedavg"])  # strings need quotes, as with `flwr run`
+
+
+def _deploy(args: list[str], tmp_path: Path, extra_env: dict | None = None):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", **(extra_env or {})}
+    return subprocess.run(
+        [sys.executable, "scripts/deploy_local.py", "--workdir", str(tmp_path / "work"), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("method='fedprox'", "run config 'method' = 'fedprox' is invalid"),
+        ("resume=true run-name='nope'", "resume=true but run directory .*/nope does not exist"),
+        ("min-test-examples=100000", "fewer than min-train-examples = 10 / min-test-examples"),
+    ],
+)
+def test_deploy_refuses_bad_input_in_one_line_before_starting(
+    override: str, message: str, cache_dir: Path, tmp_path: Path
+) -> None:
+    import re
+
+    common = f"cache-dir='{cache_dir}' output-dir='{tmp_path / 'runs'}'"
+    result = _deploy(["--run-config", f"{override} {common}"], tmp_path)
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and re.search(message, lines[0]), result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    assert not (tmp_path / "work").exists()  # no certificate, key or process was made
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_deploy_exits_1_when_every_client_fails(cache_dir: Path, tmp_path: Path) -> None:
+    overrides = (
+        f"method='fedavg' num-server-rounds=2 run-name='dead' cache-dir='{cache_dir}' "
+        f"output-dir='{tmp_path / 'runs'}' pretrain-epochs=30"
+    )
+    result = _deploy(
+        ["--num-supernodes", "2", "--insecure", "--run-config", overrides],
+        tmp_path,
+        {"FEDFM_INJECT_FAULT": "1:crash"},  # inherited by both SuperNodes' ClientApps
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output[-3000:]
+    error = [line for line in result.stderr.splitlines() if line.startswith("error: run ")]
+    assert (
+        error
+        and "finished:failed: round 1: no client returned a usable training reply" in (error[-1])
+    )
+    assert "InjectedCrash: fault injection" in error[-1]
+    assert "Traceback" not in output
+    assert not (tmp_path / "runs" / "dead" / "summary.json").exists()

@@ -128,3 +128,174 @@ def test_launcher_stopped_with_sigterm_leaves_no_superlink(cache_dir: Path, tmp_
     while pids_with_environment(tag) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert pids_with_environment(tag) == set()
+
+
+def _launch(
+    args: list[str], tmp_path: Path, extra_env: dict | None = None, timeout: float = 400
+) -> subprocess.CompletedProcess:
+    """Run the real launcher with a private FLWR_HOME."""
+    env = {
+        **os.environ,
+        "FLWR_HOME": str(tmp_path / "flwr-home"),
+        "HF_HUB_OFFLINE": "1",
+        **(extra_env or {}),
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "fedfm_flower.simulation", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+# The bad inputs of issue 13, each refused before Flower, Ray or a SuperLink starts.
+BAD_INPUTS = {
+    "unknown-method": ("method='fedprox'", "run config 'method' = 'fedprox' is invalid: allowed:"),
+    "negative-rank": ("lora-rank=-1", "run config 'lora-rank' = -1 is invalid: must be > 0"),
+    "resume-missing": (
+        "resume=true run-name='does-not-exist'",
+        "resume=true but run directory .*/does-not-exist does not exist",
+    ),
+    "tiny-partition": (
+        "dataset='digits-domains' dirichlet-alpha=0.1 seed=1",
+        "client 4 of 8 holds 1 training and 1 test examples, fewer than min-train-examples",
+    ),
+    "unknown-key": ("lora-rnak=4", "unknown run-config key\\(s\\) lora-rnak"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_launcher_refuses_bad_input_in_one_line_before_starting(
+    case: str, cache_dir: Path, tmp_path: Path
+) -> None:
+    import re
+
+    override, message = BAD_INPUTS[case]
+    common = f"cache-dir='{cache_dir}' output-dir='{tmp_path / 'runs'}'"
+    result = _launch(["--num-supernodes", "8", "--", "-c", f"{override} {common}"], tmp_path)
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert re.search(message, lines[0]), lines[0]
+    assert "Traceback" not in result.stdout + result.stderr
+    assert not (tmp_path / "flwr-home").exists()  # flwr run never ran
+    if case == "unknown-method":  # --debug keeps the traceback
+        debug = _launch(["--debug", "--", "-c", f"{override} {common}"], tmp_path)
+        assert debug.returncode == 2 and "Traceback (most recent call last)" in debug.stderr
+
+
+def test_launcher_takes_a_run_config_file_relative_to_the_app(tmp_path: Path) -> None:
+    from fedfm_flower.simulation import preflight, run_config_items
+
+    args = ["--stream", "-c", "configs/fedavg/digits-label-skew.toml"]
+    assert run_config_items(args) == ["configs/fedavg/digits-label-skew.toml"]
+    assert run_config_items(["--run-config", "a=1", "-c", "b=2"]) == ["a=1", "b=2"]
+    checked = preflight(ROOT, ["-c", "configs/fedavg/digits-label-skew.toml"], 10)
+    assert checked.config.method == "fedavg"
+    assert Path(checked.config.output_dir) == ROOT / "runs"  # relative to the app directory
+    assert any("10 clients; the smallest holds" in note for note in checked.notes)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_launcher_exits_1_when_every_client_fails(cache_dir: Path, tmp_path: Path) -> None:
+    overrides = (
+        f"method='fedavg' num-server-rounds=2 run-name='dead' cache-dir='{cache_dir}' "
+        f"output-dir='{tmp_path / 'runs'}' pretrain-epochs=30"
+    )
+    result = _launch(
+        ["--num-supernodes", "2", "--", "--run-config", overrides],
+        tmp_path,
+        {"FEDFM_INJECT_FAULT": "1:crash"},  # every simulated ClientApp crashes in round 1
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output[-3000:]
+    error = result.stderr.strip().splitlines()[-1]
+    assert (
+        error.startswith("error: run ") and " finished:failed: round 1: no client returned" in error
+    )
+    assert "InjectedCrash: fault injection: this ClientApp crashes on purpose" in error
+    assert "Traceback" not in output  # folded; the launcher's log keeps them
+    log_path = Path(error.rsplit("; log ", 1)[1])
+    assert "Traceback (most recent call last)" in log_path.read_text()
+    run_dir = tmp_path / "runs" / "dead"
+    assert "RunFailed: round 1" in json.loads((run_dir / "failure.json").read_text())["error"]
+    assert not (run_dir / "summary.json").exists()
+    assert local_superlink_pids(tmp_path / "flwr-home") == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_launcher_timeout_stops_the_run_and_exits_124(cache_dir: Path, tmp_path: Path) -> None:
+    import time
+
+    overrides = (
+        f"method='fedavg' num-server-rounds=200 run-name='slow' cache-dir='{cache_dir}' "
+        f"output-dir='{tmp_path / 'runs'}' pretrain-epochs=30"
+    )
+    started = time.monotonic()
+    result = _launch(
+        ["--num-supernodes", "2", "--timeout", "30", "--", "--run-config", overrides], tmp_path
+    )
+    assert result.returncode == 124, (result.stdout + result.stderr)[-3000:]
+    assert "did not finish within --timeout 30 s" in result.stderr
+    assert time.monotonic() - started < 120
+    flwr_home = tmp_path / "flwr-home"
+    assert local_superlink_pids(flwr_home) == []
+    assert pids_with_environment({"FLWR_HOME": str(flwr_home)}) == set()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_main_sh_exits_with_the_launchers_status(tmp_path: Path) -> None:
+    env = {**os.environ, "FLWR_HOME": str(tmp_path / "flwr-home")}
+    result = subprocess.run(
+        ["bash", "scripts/main.sh", "-c", "method='fedprox'"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=580,
+    )
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "error: run config 'method' = 'fedprox' is invalid" in result.stderr
+
+
+def test_setup_refuses_a_python_older_than_the_dependencies_need(tmp_path: Path) -> None:
+    import shutil
+
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(ROOT / "scripts" / "setup.sh", tmp_path / "scripts" / "setup.sh")
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    old = tmp_path / "python3.10"  # answers like a Python 3.10 interpreter
+    old.write_text(
+        '#!/bin/sh\ncase "$*" in *version_info*) exit 1;; *python_version*) echo 3.10.12;; esac\n'
+    )
+    old.chmod(0o755)
+    result = subprocess.run(
+        ["bash", str(tmp_path / "scripts" / "setup.sh")],
+        env={**os.environ, "PYTHON": str(old)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 1
+    assert "needs Python >= 3.11" in result.stderr and "is Python 3.10.12" in result.stderr
+    assert not (tmp_path / ".venv").exists()
+
+
+def test_requires_python_is_what_the_dependencies_require() -> None:
+    import re
+    import tomllib
+    from importlib import metadata
+
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
+    minimum = max(
+        tuple(int(x) for x in re.search(r">=\s*([\d.]+)", need).group(1).split(".")[:2])
+        for need in (metadata.metadata(d)["Requires-Python"] for d in ("flwr", "flwr-datasets"))
+    )
+    assert declared == f">={minimum[0]}.{minimum[1]}"
+    readme = (ROOT / "README.md").read_text()
+    assert f"Python {minimum[0]}.{minimum[1]}+" in readme
