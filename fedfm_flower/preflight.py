@@ -50,21 +50,16 @@ def app_defaults(app_dir: Path) -> dict[str, Any]:
         raise PreflightError(f"{pyproject}: no readable [tool.flwr.app.config] ({err})") from err
 
 
-def parse_overrides(items: Sequence[str], base_dir: Path) -> dict[str, Any]:
-    """Merge run-config overrides as ``flwr run -c`` reads them: one TOML file, or "k=v" strings.
+def parse_item(item: str, base_dir: Path) -> dict[str, Any]:
+    """One run-config override as ``flwr run -c`` reads it: a TOML file or "k=v ..." pairs.
 
-    A relative TOML path is taken relative to ``base_dir``, where ``flwr run`` will run.
+    A relative TOML path is taken relative to ``base_dir``.
     """
     from flwr.common.config import parse_config_args
 
-    items = [item.strip() for item in items if item.strip()]
-    files = [item for item in items if item.endswith(".toml")]
-    if files and len(items) > 1:
-        raise PreflightError(
-            f"--run-config: a TOML file ({files[0]}) cannot be combined with other overrides"
-        )
-    if files:
-        path = Path(files[0]).expanduser()
+    item = item.strip()
+    if item.endswith(".toml"):
+        path = Path(item).expanduser()
         path = path if path.is_absolute() else base_dir / path
         if not path.is_file():
             raise PreflightError(f"--run-config file not found: {path}")
@@ -72,15 +67,26 @@ def parse_overrides(items: Sequence[str], base_dir: Path) -> dict[str, Any]:
             return parse_config_args([str(path)])
         except (OSError, tomllib.TOMLDecodeError) as err:
             raise PreflightError(f"--run-config file {path} is not valid TOML: {err}") from err
+    try:
+        parsed = parse_config_args([item])
+    except Exception as err:  # click.ClickException carries the explanation
+        raise PreflightError(f"cannot parse --run-config {item!r}: {err}") from err
+    if not parsed:
+        raise PreflightError(f"--run-config {item!r} has no key=value pair")
+    return parsed
+
+
+def parse_overrides(items: Sequence[str], base_dir: Path) -> dict[str, Any]:
+    """Merge ``flwr run``'s run-config overrides: one TOML file, or any number of "k=v" items."""
+    items = [item.strip() for item in items if item.strip()]
+    files = [item for item in items if item.endswith(".toml")]
+    if files and len(items) > 1:
+        raise PreflightError(
+            f"--run-config: a TOML file ({files[0]}) cannot be combined with other overrides"
+        )
     merged: dict[str, Any] = {}
     for item in items:
-        try:
-            parsed = parse_config_args([item])
-        except Exception as err:  # click.ClickException carries the explanation
-            raise PreflightError(f"cannot parse --run-config {item!r}: {err}") from err
-        if not parsed:
-            raise PreflightError(f"--run-config {item!r} has no key=value pair")
-        merged.update(parsed)
+        merged.update(parse_item(item, base_dir))
     return merged
 
 

@@ -26,7 +26,7 @@ import time
 import traceback
 import uuid
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 from fedfm_flower.launch import (
     ExitCode,
@@ -41,6 +41,9 @@ from fedfm_flower.processes import (
     stop_tagged,
 )
 from fedfm_flower.tracebacks import StreamFilter
+
+if TYPE_CHECKING:
+    from fedfm_flower.preflight import Preflight
 
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCH_TAG = "FEDFM_SIMULATION_ID"  # environment tag of every process of one launch
@@ -222,8 +225,9 @@ def main(argv: list[str] | None = None) -> int:
             reader.join(timeout=5)
 
 
-def preflight(app: Path, flwr_args: list[str], num_supernodes: int):  # noqa: ANN201
-    """Validate the merged run config and check the run (``fedfm_flower.preflight``)."""
+def preflight(app: Path, flwr_args: list[str], num_supernodes: int) -> Preflight:
+    """Validate the merged run config and check the run (``fedfm_flower.preflight``; imported
+    here, since it loads torch and the data stack, which `--help` does not need)."""
     from fedfm_flower.preflight import check_run, parse_overrides, resolve_config
 
     overrides = parse_overrides(run_config_items(flwr_args), app)
@@ -248,7 +252,12 @@ def _copy_stream(stream: IO[str], log_file: IO[str], shown: StreamFilter, lines:
 
 
 def _wait(
-    process: subprocess.Popen, timeout: float | None, flwr: str, env: dict, app: Path, lines: list
+    process: subprocess.Popen,
+    timeout: float | None,
+    flwr: str,
+    env: dict[str, str],
+    app: Path,
+    lines: list[str],
 ) -> ExitCode | None:
     """Wait for `flwr run`; after ``timeout`` stop the run and return TIMEOUT (else None)."""
     try:

@@ -75,6 +75,7 @@ from fedfm_flower.preflight import (
     PreflightError,
     absolute_paths,
     check_run,
+    parse_item,
     resolve_config,
 )
 from fedfm_flower.processes import (
@@ -184,26 +185,13 @@ def parse_run_config(items: Sequence[str] | None) -> dict[str, Any]:
     Uses Flower's own parser for each item, so values follow `flwr run`'s rules (strings need
     quotes: ``method='fedavg'``).
     """
-    from flwr.common.config import parse_config_args
-
     merged: dict[str, Any] = {}
     for item in items or []:
-        item = item.strip()
-        if not item:
-            continue
-        if item.endswith(".toml"):
-            path = Path(item).expanduser()
-            if not path.is_file():
-                raise RunConfigError(f"run-config file not found: {path}")
-            merged.update(parse_config_args([str(path)]))
-            continue
-        try:
-            parsed = parse_config_args([item])
-        except Exception as err:  # click.ClickException carries the explanation
-            raise RunConfigError(f"cannot parse --run-config {item!r}: {err}") from err
-        if not parsed:
-            raise RunConfigError(f"--run-config {item!r} has no key=value pair")
-        merged.update(parsed)
+        if item.strip():
+            try:
+                merged.update(parse_item(item, Path.cwd()))
+            except PreflightError as err:
+                raise RunConfigError(str(err)) from err
     return merged
 
 

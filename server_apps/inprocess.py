@@ -20,6 +20,23 @@ from flwr.serverapp import Grid
 ReplyHook = Callable[[int, Message], Message | None]
 
 
+class ServerCrash(Exception):
+    """Raised by ``crash_in_round``: the ServerApp dies mid-round, as a killed process would."""
+
+
+def crash_in_round(server_round: int) -> ReplyHook:
+    """A reply hook that kills the run when the first training reply of ``server_round`` comes
+    back (the clients have trained that round; the server has not checkpointed it)."""
+
+    def hook(client_id: int, reply: Message) -> Message | None:
+        metadata = reply.metadata
+        if metadata.group_id == str(server_round) and metadata.message_type == "train":
+            raise ServerCrash(f"the ServerApp dies in round {server_round}")
+        return reply
+
+    return hook
+
+
 def identity_app() -> ClientApp:
     """A ClientApp that only answers the identity query, from the node config (strategy tests
     and benchmarks that need the node mapping but no training)."""

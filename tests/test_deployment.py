@@ -101,12 +101,12 @@ def test_run_config_merging(tmp_path: Path):
         dl.parse_run_config(["method=fedavg"])  # strings need quotes, as with `flwr run`
 
 
-def _deploy(args: list[str], tmp_path: Path, extra_env: dict | None = None):
+def _deploy(args: list[str], tmp_path: Path):
     import os
     import subprocess
     import sys
 
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", **(extra_env or {})}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     return subprocess.run(
         [sys.executable, "scripts/deploy_local.py", "--workdir", str(tmp_path / "work"), *args],
         cwd=ROOT,
@@ -139,25 +139,18 @@ def test_deploy_refuses_bad_input_in_one_line_before_starting(
     assert not (tmp_path / "work").exists()  # no certificate, key or process was made
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(400)
-def test_deploy_exits_1_when_every_client_fails(cache_dir: Path, tmp_path: Path) -> None:
-    overrides = (
-        f"method='fedavg' num-server-rounds=2 run-name='dead' cache-dir='{cache_dir}' "
-        f"output-dir='{tmp_path / 'runs'}' pretrain-epochs=30"
-    )
-    result = _deploy(
-        ["--num-supernodes", "2", "--insecure", "--run-config", overrides],
-        tmp_path,
-        {"FEDFM_INJECT_FAULT": "1:crash"},  # inherited by both SuperNodes' ClientApps
-    )
-    output = result.stdout + result.stderr
-    assert result.returncode == 1, output[-3000:]
-    error = [line for line in result.stderr.splitlines() if line.startswith("error: run ")]
-    assert (
-        error
-        and "finished:failed: round 1: no client returned a usable training reply" in (error[-1])
-    )
-    assert "InjectedCrash: fault injection" in error[-1]
-    assert "Traceback" not in output
-    assert not (tmp_path / "runs" / "dead" / "summary.json").exists()
+@pytest.mark.parametrize(
+    ("status", "code"),
+    [
+        ("finished:completed", 0),
+        ("finished:failed", 1),
+        ("finished:stopped", 1),
+        ("unknown", 1),
+        ("not-started", 3),
+        ("timeout", 124),
+    ],
+)
+def test_deploy_exit_status_follows_the_run_status(status: str, code: int, tmp_path: Path):
+    result = dl.RunResult(1, status, 0, 1.0, None, tmp_path / "flwr_run.log")
+    assert result.exit_code == code
+    assert result.ok == (code == 0)

@@ -13,7 +13,7 @@ from fedfm_flower import protocol as P
 from fedfm_flower.config import ExperimentConfig
 from fedfm_flower.models import MODEL_CACHE, backbone_fingerprint, build_model
 from fedfm_flower.registry import METHODS
-from server_apps.inprocess import run_in_process
+from server_apps.inprocess import ServerCrash, crash_in_round, run_in_process
 
 SHARED_KEYS = {
     "local": set(),
@@ -154,16 +154,8 @@ def test_resume_after_a_crash_gives_the_same_final_metrics(
     }
     full, _ = run_in_process({**base, "run-name": "uninterrupted"}, 4)
 
-    class Crash(Exception):
-        pass
-
-    def crash_in_round_3(client_id, reply):
-        if reply.metadata.group_id == "3" and reply.metadata.message_type == "train":
-            raise Crash  # the ServerApp dies while round 3 is under way
-        return reply
-
-    with pytest.raises(Crash):
-        run_in_process({**base, "run-name": "crashed"}, 4, crash_in_round_3)
+    with pytest.raises(ServerCrash):  # the ServerApp dies while round 3 is under way
+        run_in_process({**base, "run-name": "crashed"}, 4, crash_in_round(3))
     run_dir = Path(base["output-dir"]) / "crashed"
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 2
     # Fresh contexts (a new `flwr run`): clients recover their state from client-state-dir.

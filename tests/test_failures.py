@@ -173,7 +173,7 @@ def test_resume_after_a_crash_and_damaged_newest_files_equals_the_uninterrupted_
     or a full disk leaves them. Resume falls back to round 1 and repeats rounds 2 and 3."""
     from safetensors.torch import load_file
 
-    from server_apps.inprocess import run_in_process
+    from server_apps.inprocess import ServerCrash, crash_in_round, run_in_process
 
     base = {
         **small_run_config,
@@ -184,16 +184,8 @@ def test_resume_after_a_crash_and_damaged_newest_files_equals_the_uninterrupted_
     }
     full, _ = run_in_process({**base, "run-name": "uninterrupted"}, 4)
 
-    class Crash(Exception):
-        pass
-
-    def crash_in_round_3(client_id, reply):
-        if reply.metadata.group_id == "3" and reply.metadata.message_type == "train":
-            raise Crash
-        return reply
-
-    with pytest.raises(Crash):
-        run_in_process({**base, "run-name": "crashed"}, 4, crash_in_round_3)
+    with pytest.raises(ServerCrash):
+        run_in_process({**base, "run-name": "crashed"}, 4, crash_in_round(3))
     run_dir = Path(base["output-dir"]) / "crashed"
     assert json.loads((run_dir / "failure.json").read_text())["rounds-completed"] == 2
     bad_checkpoint = run_dir / "checkpoints" / "round_00002.safetensors"

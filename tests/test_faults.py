@@ -33,6 +33,7 @@ from safetensors.torch import load_file
 
 from client_apps.faults import FAULT_KINDS
 from fedfm_flower.client_state import state_digest
+from fedfm_flower.launch import ExitCode
 
 pytestmark = [pytest.mark.slow]
 
@@ -187,9 +188,10 @@ def test_serverapp_killed_after_round_one_resumes_to_the_same_result(cache_dir, 
         assert sorted(record["evaluate"]) == sorted(record["train"]) == ["0", "1"]
     assert (reference_dir / "summary.json").is_file()
     assert killed, "no ServerApp process was found to kill"
-    assert not crashed.ok
+    assert not crashed.ok and crashed.exit_code != ExitCode.COMPLETED
     log = resumed.log_path.read_text()
     assert resumed.ok, log[-3000:]
+    assert resumed.exit_code == reference.exit_code == ExitCode.COMPLETED
     assert "resuming crashed after round 1" in log
 
     expected, got = read_rounds(reference_dir), read_rounds(crashed_dir)
