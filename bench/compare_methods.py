@@ -64,33 +64,24 @@ def cell_config(
     return config
 
 
-def run_one(
-    method: str,
-    setup: str,
-    seed: int,
-    rounds: int,
-    clients: int,
-    out: Path,
-    overrides: dict | None = None,
-    tag: str = "",
-) -> dict:
-    """One in-process experiment; returns its summary plus the setup and bytes per client."""
+def run_one(config: dict[str, Any], method: str, setup: str) -> dict:
+    """One in-process experiment of a ``cell_config``; returns its summary plus the method, the
+    setup (with its tag) and the bytes each client sends per round."""
     from server_apps.inprocess import run_in_process
 
-    config = cell_config(method, setup, seed, rounds, clients, out, overrides, tag)
-    run_dir = out / "runs" / config["run-name"]
+    run_dir = Path(config["output-dir"]) / config["run-name"]
     if (run_dir / "summary.json").is_file():  # finished earlier: reuse, so reruns are cheap
         summary = json.loads((run_dir / "summary.json").read_text())
     else:
         if run_dir.exists():
             shutil.rmtree(run_dir)  # an interrupted or failed run: start it over
-        summary, _ = run_in_process(config, clients)
+        summary, _ = run_in_process(config, config["num-clients"])
     records = RunDirectory(run_dir).rounds()
     up = statistics.fmean(r["bytes-up-train"] / max(r["clients-reported"], 1) for r in records)
     return {
         **summary,
         "method": method,
-        "setup": setup + tag,
+        "setup": setup,
         "bytes-up-per-client-round": up,
         "curve": [r.get("test-accuracy-mean") for r in records],
     }
@@ -155,28 +146,23 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging()
     try:
         overrides = parse_overrides(args.set)
-        grid = [
-            (setup, method, seed)
+        grid = {
+            (setup, method, seed): cell_config(
+                method, setup, seed, args.rounds, args.clients, args.out, overrides, args.tag
+            )
             for setup in args.setups
             for method in args.methods
             for seed in args.seeds
-        ]
-        check_cells(
-            [
-                cell_config(m, s, seed, args.rounds, args.clients, args.out, overrides, args.tag)
-                for s, m, seed in grid
-            ]
-        )
+        }
+        check_cells(list(grid.values()))
     except (ValueError, OSError) as err:  # ConfigError, a missing configs/<method>/<setup>.toml
         print(f"error: {err}", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     results, failures, started = [], [], time.perf_counter()
-    for setup, method, seed in grid:
+    for (setup, method, seed), config in grid.items():
         try:
-            result = run_one(
-                method, setup, seed, args.rounds, args.clients, args.out, overrides, args.tag
-            )
+            result = run_one(config, method, setup + args.tag)
         except Exception as err:  # noqa: BLE001 - report it, run the other cells
             failures.append(
                 {"method": method, "setup": setup, "seed": seed, "error": f"{err}"[:2000]}

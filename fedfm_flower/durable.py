@@ -16,6 +16,7 @@ import contextlib
 import hashlib
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -54,52 +55,48 @@ def fsync_directory(directory: Path) -> None:
             os.close(fd)
 
 
-def atomic_write_text(path: Path | str, text: str) -> None:
-    """Write ``text`` to ``path`` atomically and durably."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
-    fsync_directory(path.parent)
-
-
-def save_tensors(path: Path | str, tensors: dict[str, torch.Tensor]) -> str:
-    """Write ``tensors`` to ``path`` atomically and durably; returns their ``tensor_sha256``."""
-    path = Path(path)
-    cpu = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
-    digest = tensor_sha256(cpu)
+@contextlib.contextmanager
+def atomic_path(path: Path) -> Iterator[Path]:
+    """A temporary file beside ``path`` to write; on success it is fsynced and renamed onto
+    ``path`` (and the directory fsynced), on failure removed."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
-        save_file(cpu, tmp, metadata={DIGEST_KEY: digest})
+        yield Path(tmp)
         with open(tmp, "rb") as handle:
             os.fsync(handle.fileno())
         os.replace(tmp, path)
     finally:
         Path(tmp).unlink(missing_ok=True)
     fsync_directory(path.parent)
+
+
+def atomic_write_text(path: Path | str, text: str) -> None:
+    """Write ``text`` to ``path`` atomically and durably."""
+    with atomic_path(Path(path)) as tmp:
+        tmp.write_text(text)
+
+
+def save_tensors(path: Path | str, tensors: dict[str, torch.Tensor]) -> str:
+    """Write ``tensors`` to ``path`` atomically and durably; returns their ``tensor_sha256``."""
+    cpu = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    digest = tensor_sha256(cpu)
+    with atomic_path(Path(path)) as tmp:
+        save_file(cpu, str(tmp), metadata={DIGEST_KEY: digest})
     return digest
+
+
+def check_tensor_file(path: Path | str) -> None:
+    """Parse a tensor file's header and size only (cheap for large weights); ``DamagedFileError``
+    names the file when that fails. ``load_tensors`` verifies the values too."""
+    _open(Path(path), read_values=False)
 
 
 def load_tensors(path: Path | str, expected_sha256: str | None = None) -> dict[str, torch.Tensor]:
     """Read and verify a tensor file; ``DamagedFileError`` names the file when it is not intact."""
     path = Path(path)
-    if not path.is_file():
-        raise DamagedFileError(path, "no such file")
-    try:
-        with safe_open(str(path), framework="pt") as handle:
-            stored = (handle.metadata() or {}).get(DIGEST_KEY)
-            tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
-    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
-        reason = f"not a readable safetensors file ({path.stat().st_size} bytes): {err}"
-        raise DamagedFileError(path, reason) from err
+    tensors, stored = _open(path, read_values=True)
     if stored is not None or expected_sha256 is not None:
         actual = tensor_sha256(tensors)
         for source, wanted in (("its own metadata", stored), ("its record", expected_sha256)):
@@ -107,3 +104,18 @@ def load_tensors(path: Path | str, expected_sha256: str | None = None) -> dict[s
                 reason = f"tensor digest {actual[:12]}... differs from {wanted[:12]}... in {source}"
                 raise DamagedFileError(path, reason)
     return tensors
+
+
+def _open(path: Path, read_values: bool) -> tuple[dict[str, torch.Tensor], str | None]:
+    """(tensors, when ``read_values``, and the stored digest) of a safetensors file."""
+    if not path.is_file():
+        raise DamagedFileError(path, "no such file")
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            stored = (handle.metadata() or {}).get(DIGEST_KEY)
+            names = handle.keys() if read_values else []
+            tensors = {name: handle.get_tensor(name) for name in names}
+    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
+        reason = f"not a readable safetensors file ({path.stat().st_size} bytes): {err}"
+        raise DamagedFileError(path, reason) from err
+    return tensors, stored

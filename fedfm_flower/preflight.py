@@ -152,19 +152,17 @@ def _check_output(config: ExperimentConfig, found: Preflight) -> None:
             existing = sorted(p.name for p in output.iterdir() if (p / "metrics.jsonl").exists())
             hint = f" (runs there: {', '.join(existing[-5:])})" if existing else ""
             raise PreflightError(f"resume=true but run directory {run.path} does not exist{hint}")
-        newest = None
-        for server_round in reversed(run.checkpoint_rounds()):
-            try:
-                run.load_checkpoint(server_round)
-            except DamagedFileError as err:
-                found.notes.append(f"warning: checkpoint of round {server_round} is damaged: {err}")
-                continue
-            newest = server_round
-            break
-        if newest is None and found.notes:
-            raise PreflightError(f"resume=true but no checkpoint of {run.path} is intact")
+
+        def note(server_round: int, err: DamagedFileError) -> None:
+            found.notes.append(f"warning: checkpoint of round {server_round} is damaged: {err}")
+
+        try:
+            newest = run.load_newest_checkpoint(on_damaged=note)
+        except DamagedFileError as err:
+            message = f"resume=true but no checkpoint of {run.path} is intact ({err.reason})"
+            raise PreflightError(message) from err
         found.notes.append(
-            f"resuming {run.name} after round {newest}"
+            f"resuming {run.name} after round {newest[0]}"
             if newest is not None
             else f"resume=true but {run.name} has no checkpoint: it starts at round 1"
         )
@@ -177,14 +175,12 @@ def _check_output(config: ExperimentConfig, found: Preflight) -> None:
 
 def _check_weights(path: Path) -> None:
     """The weights file parses as safetensors (its header and size; values are read later)."""
-    from safetensors import SafetensorError, safe_open
+    from fedfm_flower.durable import DamagedFileError, check_tensor_file
 
     try:
-        with safe_open(str(path), framework="pt") as handle:
-            handle.keys()
-    except (SafetensorError, OSError) as err:
-        message = f"weights-file {path} is not a readable safetensors file: {err}"
-        raise PreflightError(message) from err
+        check_tensor_file(path)
+    except DamagedFileError as err:
+        raise PreflightError(f"weights-file {err}") from err
 
 
 def _check_partitions(config: ExperimentConfig, num_clients: int, found: Preflight) -> None:

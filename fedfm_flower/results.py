@@ -19,6 +19,7 @@ import math
 import os
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -133,21 +134,19 @@ class RunDirectory:
         return load_tensors(stem.with_suffix(".safetensors"), meta.get("sha256")), meta
 
     def load_newest_checkpoint(
-        self,
+        self, on_damaged: Callable[[int, DamagedFileError], None] | None = None
     ) -> tuple[int, dict[str, torch.Tensor], dict[str, Any]] | None:
         """The newest intact checkpoint as (round, tensors, meta); None when there is none.
 
-        A damaged checkpoint is skipped with a warning that names the bad file; when every
-        checkpoint is damaged, ``DamagedFileError`` lists them all.
+        A damaged checkpoint is skipped and reported to ``on_damaged`` (default: a warning that
+        names the bad file); when every checkpoint is damaged, ``DamagedFileError`` lists them.
         """
         damaged: list[DamagedFileError] = []
         for server_round in reversed(self.checkpoint_rounds()):
             try:
                 tensors, meta = self.load_checkpoint(server_round)
             except DamagedFileError as err:
-                log.warning(
-                    "checkpoint of round %d is damaged (%s); trying an older one", server_round, err
-                )
+                (on_damaged or _warn_damaged)(server_round, err)
                 damaged.append(err)
                 continue
             return server_round, tensors, meta
@@ -169,6 +168,10 @@ class RunDirectory:
     def write_summary(self, summary: dict[str, Any]) -> None:
         """Write summary.json."""
         atomic_write_text(self.path / "summary.json", json.dumps(summary, indent=2))
+
+
+def _warn_damaged(server_round: int, err: DamagedFileError) -> None:
+    log.warning("checkpoint of round %d is damaged (%s); trying an older one", server_round, err)
 
 
 def human_bytes(count: float) -> str:
