@@ -30,6 +30,7 @@ from fedfm_flower.config import ExperimentConfig
 from fedfm_flower.data import load_client_data
 from fedfm_flower.models import MODEL_CACHE, pick_device
 from fedfm_flower.models.foundation import foundation_card
+from fedfm_flower.tasks.classification import ImageClassification
 from fedfm_flower.training import evaluate, round_seed, train
 
 SHARED = ("adapter", "head")  # what FedAvg sends both ways
@@ -41,7 +42,8 @@ def run_bare_fedavg(config: ExperimentConfig, num_clients: int, rounds: int) -> 
     device = pick_device(config.device)
     prepare_started = time.perf_counter()
     data = [load_client_data(config, c, num_clients) for c in range(num_clients)]
-    model = MODEL_CACHE.get(config, data[0].num_classes, device)
+    task = ImageClassification()
+    model = MODEL_CACHE.get(config, "lora", data[0].num_classes, device)
     global_tensors = model.group_tensors(SHARED)
     prepare_seconds = time.perf_counter() - prepare_started
     records = []
@@ -51,6 +53,7 @@ def run_bare_fedavg(config: ExperimentConfig, num_clients: int, rounds: int) -> 
         for client in range(num_clients):
             model.load_tensors(global_tensors)
             stats = train(
+                task,
                 model,
                 data[client].train,
                 model.group_parameters(SHARED).values(),
@@ -63,7 +66,7 @@ def run_bare_fedavg(config: ExperimentConfig, num_clients: int, rounds: int) -> 
         global_tensors = weighted_average(updates, weights)
         model.load_tensors(global_tensors)
         accuracies = [
-            evaluate(model, data[client].test, device=device).accuracy
+            evaluate(task, model, data[client].test, device=device).metrics["accuracy"]
             for client in range(num_clients)
         ]
         records.append(

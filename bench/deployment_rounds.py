@@ -3,7 +3,7 @@
     python -m bench.deployment_rounds --supernodes 2 4 --rounds 3
 
 For each N the same FedAvg experiment (N clients, offline setup) runs (a) on a real loopback
-deployment from ``scripts/deploy_local.py`` (SuperLink + N SuperNodes, TLS and authentication,
+deployment from ``fedfm_flower.deploy`` (SuperLink + N SuperNodes, TLS and authentication,
 a fresh ``flwr-clientapp`` process per message) and (b) in ``flwr run`` simulation with N
 SuperNodes. Reported: steady-state round time (median of rounds 2..R) of each and their ratio.
 The ClientApp's cold start per message, which dominates (a), is ``bench.clientapp_cold_start``.
@@ -20,8 +20,8 @@ from typing import Any
 
 from bench.overrides import parse_overrides
 from bench.simulation_overhead import run_flower_simulation, steady, usable_cpus
+from fedfm_flower.deploy import DeployOptions, LocalDeployment
 from fedfm_flower.results import RunDirectory
-from scripts import deploy_local as dl
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -30,11 +30,11 @@ def run_deployment(num_nodes: int, config: dict, workdir: Path) -> dict[str, Any
     """A secure loopback deployment with ``num_nodes`` SuperNodes; round times."""
     name = f"deploy-{num_nodes}"
     output = workdir / "runs"
-    options = dl.DeployOptions(
+    options = DeployOptions(
         num_supernodes=num_nodes, workdir=workdir / name, echo=False, run_timeout=1800
     )
     shutil.rmtree(output / name, ignore_errors=True)  # results of an earlier invocation
-    with dl.LocalDeployment(options) as deployment:
+    with LocalDeployment(options) as deployment:
         deployment.start()
         result = deployment.run({**config, "output-dir": str(output), "run-name": name})
     if not result.ok:

@@ -50,6 +50,7 @@ import torch
 from torch import nn
 
 from bench.pfedseq_server_step import count, load_earlier, machine_info, merged
+from fedfm_flower.durable import atomic_write_text
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "bench" / "results" / "pfedseq_kernels"
@@ -383,8 +384,10 @@ def main(argv: list[str] | None = None) -> int:
                 payload = {"settings": settings, "machine": machine, "cells": cells}
                 if machines:
                     payload["earlier_machines"] = machines
-                (out / "results.json").write_text(json.dumps(payload, indent=2) + "\n")
-                (out / "table.md").write_text(table(cells))
+                # Atomic, not durable: a kill mid-write must not lose the earlier cells.
+                text = json.dumps(payload, indent=2) + "\n"
+                atomic_write_text(out / "results.json", text, durable=False)
+                atomic_write_text(out / "table.md", table(cells), durable=False)
     print()
     print(table(merged(earlier, records, KEY)), end="")
     print(f"\nwrote {out / 'results.json'} and {out / 'table.md'}")

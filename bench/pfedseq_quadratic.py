@@ -13,7 +13,6 @@ the calibration/update RMS ratio, per round after the warm-up, mean over seeds.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 from pathlib import Path
@@ -22,7 +21,6 @@ import torch
 
 from fedfm_flower.learners.pfedseq import PFedSeqSettings
 from fedfm_flower.learners.quadratic import QuadraticFederation, fedavg_settings, run_quadratic
-from fedfm_flower.learners.sequence import LearnerSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 SETTINGS: dict[str, dict] = {
@@ -34,14 +32,11 @@ SETTINGS: dict[str, dict] = {
     "learner-update mini-batch (32 rows)": {"learner_update": "mini-batch"},
     "variant C (no cross-client)": {"cross_client": False},
 }
-SPEC_FIELDS = {f.name for f in dataclasses.fields(LearnerSpec)}
 
 
 def settings_for(changes: dict) -> PFedSeqSettings:
-    """The paper's settings with ``changes`` (LearnerSpec or PFedSeqSettings fields)."""
-    spec = LearnerSpec(seq_len=10, **{k: v for k, v in changes.items() if k in SPEC_FIELDS})
-    rest = {k: v for k, v in changes.items() if k not in SPEC_FIELDS}
-    return PFedSeqSettings(seq_len=10, warmup_rounds=10, lr=1e-3, learner=spec, **rest)
+    """The paper's settings with ``changes`` (PFedSeqSettings fields)."""
+    return PFedSeqSettings(seq_len=10, warmup_rounds=10, lr=1e-3, **changes)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -67,6 +67,8 @@ from typing import Any
 
 import torch
 
+from fedfm_flower.durable import atomic_write_text
+
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "bench" / "results" / "pfedseq_server_step"
 LAYER_NAME = "blocks.0.lora.weight"
@@ -140,11 +142,13 @@ def build_server(
 ) -> Any:
     """A server with one layer of ``d`` parameters whose history already holds L random rounds."""
     from fedfm_flower.learners.pfedseq import PFedSeqServer, PFedSeqSettings
-    from fedfm_flower.learners.sequence import LearnerSpec
 
-    spec = LearnerSpec(kind=learner, seq_len=seq_len, backend=backend)
     settings = PFedSeqSettings(
-        seq_len=seq_len, warmup_rounds=seq_len, chunk_size=chunk_size, learner=spec
+        seq_len=seq_len,
+        warmup_rounds=seq_len,
+        chunk_size=chunk_size,
+        learner=learner,
+        scan_backend=backend,
     )
     server = PFedSeqServer(settings, {LAYER_NAME: torch.zeros(d)}, n, seed=0, device=device)
     generator = torch.Generator().manual_seed(1)
@@ -463,11 +467,14 @@ def parent_main(args: argparse.Namespace) -> int:
                 payload = {"settings": settings, "machine": machine, "cells": cells}
                 if machines:
                     payload["earlier_machines"] = machines
-                json_path.write_text(json.dumps(payload, indent=2) + "\n")
+                # Atomic, not durable: a kill mid-write must not lose the earlier cells.
+                atomic_write_text(json_path, json.dumps(payload, indent=2) + "\n", durable=False)
                 text = table(cells, args.device)
-                table_path.write_text(
+                atomic_write_text(
+                    table_path,
                     f"pFedSeq server step, {args.device}, learner {args.learner}, "
-                    f"backend {args.backend}, chunk-size {args.chunk_size}\n\n{text}"
+                    f"backend {args.backend}, chunk-size {args.chunk_size}\n\n{text}",
+                    durable=False,
                 )
     print()
     print(table(merged(earlier, records, ("d", "n", "l")), args.device), end="")

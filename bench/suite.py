@@ -38,6 +38,7 @@ from typing import Any
 
 from bench import communication, deployment_rounds, server_cost, simulation_overhead
 from bench.overrides import parse_overrides
+from fedfm_flower.durable import atomic_write_text
 from fedfm_flower.processes import exit_on_sigterm
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -406,16 +407,18 @@ def write(results: dict[str, Any]) -> None:
     """JSON and tables under bench/results/suite, and the block in docs/benchmarks.md."""
     mode = results["mode"]
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"results-{mode}.json").write_text(json.dumps(results, indent=2))
+    # Atomic (not durable): a kill mid-write must not lose the sections measured earlier.
+    text = json.dumps(results, indent=2)
+    atomic_write_text(RESULTS / f"results-{mode}.json", text, durable=False)
     text = tables(results)
-    (RESULTS / f"tables-{mode}.md").write_text(text)
+    atomic_write_text(RESULTS / f"tables-{mode}.md", text, durable=False)
     begin, end = f"<!-- bench:{mode}:begin -->", f"<!-- bench:{mode}:end -->"
     if DOC.exists():
         doc = DOC.read_text()
         if begin in doc and end in doc:
             head, rest = doc.split(begin, 1)
             _, tail = rest.split(end, 1)
-            DOC.write_text(f"{head}{begin}\n{text}{end}{tail}")
+            atomic_write_text(DOC, f"{head}{begin}\n{text}{end}{tail}", durable=False)
     print(text)
 
 

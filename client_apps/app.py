@@ -56,13 +56,17 @@ def train(message: Message, context: Context) -> Message:
     started = time.perf_counter()
     runtime, logic, server_round = _runtime_and_logic(message, context)
     faults = parse_faults(context.node_config)  # before training: a bad value fails fast
-    sent, stats = logic.train(runtime, _received(message), server_round)
+    config_record = message.content.config_records.get(P.CONFIG, ConfigRecord())
+    if config_record.get(P.PHASE, "train") == "post-training":
+        sent, stats = logic.post_train(runtime, _received(message), server_round)
+    else:
+        sent, stats = logic.train(runtime, _received(message), server_round)
     metrics = MetricRecord(
         {
             P.CLIENT_ID: runtime.identity.client_id,
             P.NUM_EXAMPLES: stats.num_examples,
             P.TRAIN_LOSS: stats.loss,
-            P.TRAIN_ACCURACY: stats.accuracy,
+            **{P.train_metric(k): v for k, v in stats.metrics.items()},
             P.TRAIN_SECONDS: time.perf_counter() - started,
             P.STATE_ROUND: runtime.store.loaded_round,
             P.STATE_DIGEST: runtime.store.loaded_digest,
@@ -85,7 +89,7 @@ def evaluate(message: Message, context: Context) -> Message:
             P.CLIENT_ID: runtime.identity.client_id,
             P.NUM_EXAMPLES: stats.num_examples,
             P.TEST_LOSS: stats.loss,
-            P.TEST_ACCURACY: stats.accuracy,
+            **{P.test_metric(k): v for k, v in stats.metrics.items()},
         }
     )
     return Message(content=RecordDict({P.METRICS: metrics}), reply_to=message)
@@ -105,4 +109,7 @@ def query(message: Message, context: Context) -> Message:
             P.NUM_PARTITIONS: identity.num_partitions,
         }
     )
-    return Message(content=RecordDict({P.METRICS: metrics}), reply_to=message)
+    # What this client holds (modalities, tasks), from its node config; TAP-style strategies
+    # give components only to the clients that have them.
+    facts = ConfigRecord({P.CAPABILITIES: str(context.node_config.get(P.CAPABILITIES, ""))})
+    return Message(content=RecordDict({P.METRICS: metrics, P.CONFIG: facts}), reply_to=message)

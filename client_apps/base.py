@@ -16,7 +16,9 @@ from flwr.app import Context
 
 from fedfm_flower.client_state import ClientStateStore
 from fedfm_flower.config import ExperimentConfig, NodeIdentity
-from fedfm_flower.models import MODEL_CACHE, AdaptedClassifier, pick_device
+from fedfm_flower.models import MODEL_CACHE, TunedModel, pick_device
+from fedfm_flower.tasks import task_of
+from fedfm_flower.tasks.base import Task
 from fedfm_flower.training import EvalStats, TrainStats, round_seed
 
 
@@ -44,17 +46,48 @@ class ClientRuntime:
         return cls(config, identity, store, pick_device(config.device))
 
     @functools.cached_property
-    def data(self):  # noqa: ANN201 - fedfm_flower.data.ClientData, imported lazily
-        """This client's train/test (and validation) split."""
-        from fedfm_flower.data import load_client_data
+    def task(self) -> Task:
+        """The task of the configured dataset."""
+        return task_of(self.config)
 
-        return load_client_data(
+    @functools.cached_property
+    def data(self):  # noqa: ANN201 - the task's client data, imported lazily
+        """This client's train/test (and validation) split, as the task prepares it."""
+        return self.task.client_data(
             self.config, self.identity.partition_id, self.identity.num_partitions
         )
 
-    def model(self) -> AdaptedClassifier:
-        """The (cached) model with adapter and head at their seeded initial values."""
-        return MODEL_CACHE.get(self.config, self.data.num_classes, self.device)
+    def model(self) -> TunedModel:
+        """The (cached) model with its trainable parts at their seeded initial values."""
+        from fedfm_flower.registry import method_spec
+
+        tuner = method_spec(self.config.method).tuner
+        outputs = self.task.num_outputs(self.config, self.data)
+        return MODEL_CACHE.get(self.config, tuner, outputs, self.device)
+
+    def train(
+        self, model: TunedModel, groups: tuple[str, ...], seed: int, **schedule
+    ) -> TrainStats:  # noqa: ANN003
+        """Train ``groups`` of ``model`` on this client's train split with the task's loss."""
+        from fedfm_flower.training import train
+
+        params = model.group_parameters(groups).values()
+        return train(
+            self.task,
+            model,
+            self.data.train,
+            params,
+            self.config,
+            seed=seed,
+            device=self.device,
+            **schedule,
+        )
+
+    def evaluate(self, model: TunedModel) -> EvalStats:
+        """The task's loss and metrics of ``model`` on this client's test split."""
+        from fedfm_flower.training import evaluate
+
+        return evaluate(self.task, model, self.data.test, device=self.device)
 
     def seed(self, server_round: int, salt: int = 0) -> int:
         """The seed of this client's work in ``server_round``."""
@@ -75,3 +108,10 @@ class ClientLogic:
     ) -> EvalStats:
         """Evaluate the personalized model on this client's test split."""
         raise NotImplementedError
+
+    def post_train(
+        self, runtime: ClientRuntime, received: dict[str, torch.Tensor], server_round: int
+    ) -> tuple[dict[str, torch.Tensor], TrainStats]:
+        """A post-training round's work (after the last federated round), for methods that
+        have such a phase (their strategy's ``post_training_rounds`` > 0)."""
+        raise NotImplementedError(f"{type(self).__name__} has no post-training phase")

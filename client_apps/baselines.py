@@ -9,6 +9,9 @@ client, and in the local schedule:
   fixed, then ``local-epochs`` on the adapter with the head fixed (Collins et al. 2021);
 * ``fedavg-ft``: FedAvg, and before each evaluation a copy is fine-tuned for
   ``finetune-epochs`` on the client's train split (the papers' "+post-train" baseline).
+
+Groups a model does not have select nothing: on a causal LM (no task head) ``fedavg`` shares
+the adapter only.
 """
 
 from __future__ import annotations
@@ -16,8 +19,8 @@ from __future__ import annotations
 import torch
 
 from client_apps.base import ClientLogic, ClientRuntime
-from fedfm_flower.models import AdaptedClassifier
-from fedfm_flower.training import EvalStats, TrainStats, evaluate, train
+from fedfm_flower.models import TunedModel
+from fedfm_flower.training import EvalStats, TrainStats
 
 
 class SplitClient(ClientLogic):
@@ -28,7 +31,7 @@ class SplitClient(ClientLogic):
 
     def prepare(
         self, runtime: ClientRuntime, received: dict[str, torch.Tensor], personal_round: dict
-    ) -> AdaptedClassifier:
+    ) -> TunedModel:
         """The model with local state (per ``personal_round`` lookup) and received tensors."""
         model = runtime.model()
         if self.local:
@@ -39,18 +42,10 @@ class SplitClient(ClientLogic):
         return model
 
     def local_training(
-        self, runtime: ClientRuntime, model: AdaptedClassifier, server_round: int
+        self, runtime: ClientRuntime, model: TunedModel, server_round: int
     ) -> TrainStats:
         """Joint training of every shared and local group."""
-        params = model.group_parameters(self.shared + self.local).values()
-        return train(
-            model,
-            runtime.data.train,
-            params,
-            runtime.config,
-            seed=runtime.seed(server_round),
-            device=runtime.device,
-        )
+        return runtime.train(model, self.shared + self.local, runtime.seed(server_round))
 
     def train(
         self, runtime: ClientRuntime, received: dict[str, torch.Tensor], server_round: int
@@ -67,7 +62,7 @@ class SplitClient(ClientLogic):
     ) -> EvalStats:
         """Evaluate with the received shared groups and the latest local ones."""
         model = self.prepare(runtime, received, {"at_most": server_round})
-        return evaluate(model, runtime.data.test, device=runtime.device)
+        return runtime.evaluate(model)
 
 
 class LocalClient(SplitClient):
@@ -91,31 +86,20 @@ class FedRepClient(SplitClient):
     local = ("head",)
 
     def local_training(
-        self, runtime: ClientRuntime, model: AdaptedClassifier, server_round: int
+        self, runtime: ClientRuntime, model: TunedModel, server_round: int
     ) -> TrainStats:
         """Head epochs with the adapter fixed, then adapter epochs with the head fixed."""
-        config = runtime.config
-        head_stats = train(
+        head_stats = runtime.train(
             model,
-            runtime.data.train,
-            model.group_parameters(self.local).values(),
-            config,
-            seed=runtime.seed(server_round, salt=1),
-            epochs=config.head_epochs,
+            self.local,
+            runtime.seed(server_round, salt=1),
+            epochs=runtime.config.head_epochs,
             steps=0,
-            device=runtime.device,
         )
-        body_stats = train(
-            model,
-            runtime.data.train,
-            model.group_parameters(self.shared).values(),
-            config,
-            seed=runtime.seed(server_round),
-            device=runtime.device,
-        )
+        body_stats = runtime.train(model, self.shared, runtime.seed(server_round))
         return TrainStats(
             body_stats.loss,
-            body_stats.accuracy,
+            body_stats.metrics,
             body_stats.num_examples,
             head_stats.num_steps + body_stats.num_steps,
             head_stats.seconds + body_stats.seconds,
@@ -128,19 +112,16 @@ class FedAvgFineTuneClient(FedAvgClient):
     def evaluate(
         self, runtime: ClientRuntime, received: dict[str, torch.Tensor], server_round: int
     ) -> EvalStats:
-        """Fine-tune adapter and head for finetune-epochs, then evaluate (nothing is kept)."""
+        """Fine-tune the shared groups for finetune-epochs, then evaluate (nothing is kept)."""
         model = self.prepare(runtime, received, {"at_most": server_round})
-        train(
+        runtime.train(
             model,
-            runtime.data.train,
-            model.group_parameters(self.shared).values(),
-            runtime.config,
-            seed=runtime.seed(server_round, salt=2),
+            self.shared,
+            runtime.seed(server_round, salt=2),
             epochs=runtime.config.finetune_epochs,
             steps=0,
-            device=runtime.device,
         )
-        return evaluate(model, runtime.data.test, device=runtime.device)
+        return runtime.evaluate(model)
 
 
 class FedVPTClient(SplitClient):

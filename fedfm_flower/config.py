@@ -5,18 +5,27 @@ Every key lives, with its default, under ``[tool.flwr.app.config]`` in ``pyproje
 dataclass fields are the snake_case twins of those keys. ``ExperimentConfig.from_run_config``
 checks every value and fails at start with an error that names the key, the value and what
 is allowed, so a typo never surfaces twenty minutes into a run.
+
+A method's own keys (``pfedseq-*``, ``pfedpg-*``) are declared next to its code, as a
+``MethodSettings`` class (``fedfm_flower.settings``) that the method registry names; the config
+carries every registered method's values in ``method_values`` and hands out the typed object,
+``config.settings_of(PFedSeqSettings)`` or ``config.method_settings`` for the active method.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+from fedfm_flower.models.families import BACKBONES as FAMILY_BACKBONES
 from fedfm_flower.registry import METHODS as METHOD_REGISTRY
+from fedfm_flower.registry import settings_class, settings_classes
+from fedfm_flower.settings import ConfigError, MethodSettings, coerce
 
 # Names the config accepts. Registries elsewhere (methods, datasets, backbones) must agree
 # with these tuples; tests check that they do.
@@ -29,37 +38,26 @@ DATASETS: tuple[str, ...] = (
     "domainnet",
     "office-caltech10",
     "omniglot",
+    "instructions",
 )
-BACKBONES: tuple[str, ...] = (
-    "tiny-vit",
-    "vit_tiny_patch16_224",
-    "vit_small_patch16_224",
-    "vit_base_patch16_224",
-)
+BACKBONES: tuple[str, ...] = FAMILY_BACKBONES  # fedfm_flower.models.families
 PARTITIONERS: tuple[str, ...] = ("iid", "dirichlet", "pathological", "natural-id")
 OPTIMIZERS: tuple[str, ...] = ("sgd", "adam", "adamw")
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
-SEQ_LEARNERS: tuple[str, ...] = ("mamba", "lstm", "mlp")  # fedfm_flower.learners.sequence
-SCAN_BACKENDS: tuple[str, ...] = ("auto", "torch", "cuda")  # ...learners.selective_scan
-SEQ_INPUT_SCALES: tuple[str, ...] = ("none", "rms", "rms-rescale")  # ...learners.pfedseq
-SEQ_LEARNER_UPDATES: tuple[str, ...] = ("full-batch", "mini-batch")  # ...learners.pfedseq
-SEQ_OUTPUT_INITS: tuple[str, ...] = ("zero", "reference")  # ...learners.sequence
-PROMPT_GENERATORS: tuple[str, ...] = ("cross-attention", "basis", "mlp", "adain")  # learners.pfedpg
-PROMPT_QUERIES: tuple[str, ...] = ("per-prompt", "single")
+# The methods' own allowed values (pfedseq-learner, pfedpg-generator, ...) are in their
+# settings classes: fedfm_flower/learners/pfedseq_settings.py, pfedpg_settings.py.
 
-
-class ConfigError(ValueError):
-    """A run-config value that is not allowed; the message names key, value and rule."""
-
-    def __init__(self, key: str, value: Any, allowed: str, source: str = "run config") -> None:
-        super().__init__(f"{source} '{key}' = {value!r} is invalid: {allowed}")
-        self.key = key
-        self.value = value
+SettingsT = TypeVar("SettingsT", bound=MethodSettings)
 
 
 @dataclass(frozen=True)
 class ExperimentConfig:
-    """All settings of one experiment; field ``foo_bar`` is run-config key ``foo-bar``."""
+    """All settings of one experiment; field ``foo_bar`` is run-config key ``foo-bar``.
+
+    ``method_values`` holds the keys of every registered method's settings class, as
+    ``(run-config key, value)`` pairs in ``method_keys()`` order (missing keys take their
+    default), so equality and hashing include them; read them typed with ``settings_of``.
+    """
 
     # federation
     method: str = "pfedseq"
@@ -85,11 +83,14 @@ class ExperimentConfig:
     val_fraction: float = 0.0
     public_fraction: float = 0.3
     image_size: int = 16
+    max_length: int = 96  # text tasks: tokens per training example (prompt + response)
+    max_new_tokens: int = 16  # text tasks: tokens generated per evaluation prompt
     # model
     backbone: str = "tiny-vit"
     pretrained: bool = True
     weights_file: str = ""
     cache_dir: str = ""
+    model_name_or_path: str = ""  # backbone hf-causal-lm: a Hugging Face name or local path
     pretrain_epochs: int = 40
     lora_rank: int = 4
     lora_alpha: float = 8.0
@@ -106,31 +107,11 @@ class ExperimentConfig:
     momentum: float = 0.9
     weight_decay: float = 0.0
     device: str = "auto"
-    # pfedseq: the server's sequential learner (docs/methods/pfedseq.md)
-    pfedseq_seq_len: int = 10
-    pfedseq_warmup_rounds: int = 10
-    pfedseq_lr: float = 0.001
-    pfedseq_learner: str = "mamba"
-    pfedseq_num_layers: int = 2
-    pfedseq_state_dim: int = 16
-    pfedseq_expand: int = 2
-    pfedseq_conv_kernel: int = 4
-    pfedseq_mlp_hidden: int = 100
-    pfedseq_cross_client: bool = True
-    pfedseq_global_aggregation: bool = True
-    pfedseq_input_scale: str = "none"
-    pfedseq_output_init: str = "zero"
-    pfedseq_learner_update: str = "full-batch"
-    pfedseq_batch_rows: int = 32
-    pfedseq_chunk_size: int = 0
-    pfedseq_scan_backend: str = "auto"
-    # visual prompts (fedvpt, fedvpt-deep, pfedpg) and pfedpg's generator (docs/methods/pfedpg.md)
+    # visual prompts (fedvpt, fedvpt-deep, pfedpg)
     vpt_num_prompts: int = 10
-    pfedpg_lr: float = 0.001
-    pfedpg_generator: str = "cross-attention"
-    pfedpg_query: str = "per-prompt"
-    pfedpg_attention_dim: int = 0  # l_k = l_v of the cross-attention; 0: the prompt width
-    pfedpg_hidden: int = 100  # hidden width of the mlp generator
+    # every registered method's own keys (pfedseq-*, pfedpg-*): fedfm_flower.registry's
+    # MethodSpec.settings; run-config keys and typed values via method_keys() and settings_of()
+    method_values: tuple[tuple[str, Any], ...] = ()
     # outputs and state
     output_dir: str = "runs"
     run_name: str = ""
@@ -138,34 +119,81 @@ class ExperimentConfig:
     keep_checkpoints: int = 2
     client_state_dir: str = ""
 
+    def __post_init__(self) -> None:
+        # Every registered method key, in method_keys() order, with its default where missing:
+        # equal settings give equal (and equally hashed) configs however they were written.
+        defaults = _method_defaults()
+        given = dict(self.method_values)
+        for key, value in given.items():
+            if key not in defaults:
+                raise ConfigError(key, value, "not a key of any registered method's settings")
+        values = tuple((key, given.get(key, default)) for key, default in defaults.items())
+        object.__setattr__(self, "method_values", values)
+
     @staticmethod
     def keys() -> tuple[str, ...]:
-        """All run-config keys (kebab-case) this config understands."""
-        return tuple(f.name.replace("_", "-") for f in dataclasses.fields(ExperimentConfig))
+        """All run-config keys (kebab-case) this config understands, methods' keys included."""
+        return tuple(ExperimentConfig().to_run_config())
+
+    @staticmethod
+    def method_keys() -> tuple[str, ...]:
+        """The run-config keys of every registered method's settings class."""
+        return tuple(_method_defaults())
 
     @classmethod
     def from_run_config(cls, run_config: Mapping[str, Any]) -> ExperimentConfig:
         """Parse and validate Flower's run config; unknown keys are an error too."""
-        fields = {f.name: f for f in dataclasses.fields(cls)}
+        common, methods = _common_defaults(), _method_defaults()
         values: dict[str, Any] = {}
+        method_values: dict[str, Any] = {}
         for key, raw in run_config.items():
-            name = key.replace("-", "_")
-            if name not in fields:
+            if key in common:
+                values[key.replace("-", "_")] = coerce(key, raw, type(common[key]))
+            elif key in methods:
+                method_values[key] = coerce(key, raw, type(methods[key]))
+            else:
                 raise ConfigError(key, raw, f"unknown key; known keys: {', '.join(cls.keys())}")
-            values[name] = _coerce(key, raw, type(getattr(cls(), name)))
-        config = cls(**values)
+        config = cls(**values, method_values=tuple(method_values.items()))
         config.validate()
         return config
 
     def to_run_config(self) -> dict[str, Any]:
-        """The kebab-case mapping Flower would pass for this config."""
-        return {f.name.replace("_", "-"): getattr(self, f.name) for f in dataclasses.fields(self)}
+        """The kebab-case mapping Flower would pass for this config (every method's keys too)."""
+        mapping: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            if f.name == "method_values":
+                mapping.update(self.method_values)
+            else:
+                mapping[f.name.replace("_", "-")] = getattr(self, f.name)
+        return mapping
 
     def replace(self, **changes: Any) -> ExperimentConfig:
-        """A validated copy with some fields changed (snake_case names)."""
+        """A validated copy with some fields changed (snake_case names).
+
+        A method's settings go by their run-config key in snake case, e.g. ``pfedseq_lr``.
+        """
+        methods = _method_defaults()
+        method_changes = {
+            name.replace("_", "-"): changes.pop(name)
+            for name in list(changes)
+            if name.replace("_", "-") in methods
+        }
+        if method_changes:
+            merged = {**dict(changes.pop("method_values", self.method_values)), **method_changes}
+            changes["method_values"] = tuple(merged.items())
         config = dataclasses.replace(self, **changes)
         config.validate()
         return config
+
+    def settings_of(self, kind: type[SettingsT]) -> SettingsT:
+        """The typed, validated settings ``kind`` (a registered MethodSettings class)."""
+        return _typed_settings(kind, self.method_values)
+
+    @property
+    def method_settings(self) -> MethodSettings | None:
+        """The active method's typed settings; None for a method without keys of its own."""
+        kind = settings_class(self.method)
+        return None if kind is None else self.settings_of(kind)
 
     def validate(self) -> None:
         """Raise ConfigError naming the first invalid value."""
@@ -175,35 +203,17 @@ class ExperimentConfig:
         _one_of("partitioner", self.partitioner, PARTITIONERS)
         _one_of("optimizer", self.optimizer, OPTIMIZERS)
         _one_of("device", self.device, DEVICES)
-        _one_of("pfedseq-learner", self.pfedseq_learner, SEQ_LEARNERS)
-        _one_of("pfedseq-scan-backend", self.pfedseq_scan_backend, SCAN_BACKENDS)
-        _one_of("pfedseq-input-scale", self.pfedseq_input_scale, SEQ_INPUT_SCALES)
-        _one_of("pfedseq-output-init", self.pfedseq_output_init, SEQ_OUTPUT_INITS)
-        _one_of("pfedseq-learner-update", self.pfedseq_learner_update, SEQ_LEARNER_UPDATES)
-        _one_of("pfedpg-generator", self.pfedpg_generator, PROMPT_GENERATORS)
-        _one_of("pfedpg-query", self.pfedpg_query, PROMPT_QUERIES)
+        # Every registered method's values, not only the active one's: a bad value in a
+        # config file fails now, not when someone switches the method.
+        for kind in settings_classes():
+            self.settings_of(kind)
         _positive("vpt-num-prompts", self.vpt_num_prompts)
-        _positive("pfedpg-lr", self.pfedpg_lr)
-        _positive("pfedpg-hidden", self.pfedpg_hidden)
-        for key, value in (
-            ("pfedseq-seq-len", self.pfedseq_seq_len),
-            ("pfedseq-lr", self.pfedseq_lr),
-            ("pfedseq-num-layers", self.pfedseq_num_layers),
-            ("pfedseq-state-dim", self.pfedseq_state_dim),
-            ("pfedseq-expand", self.pfedseq_expand),
-            ("pfedseq-mlp-hidden", self.pfedseq_mlp_hidden),
-            ("pfedseq-batch-rows", self.pfedseq_batch_rows),
-        ):
-            _positive(key, value)
-        if not 2 <= self.pfedseq_conv_kernel <= 4:
-            raise ConfigError(
-                "pfedseq-conv-kernel",
-                self.pfedseq_conv_kernel,
-                "must lie in [2, 4] (the causal-conv1d kernel's range; the paper uses 4)",
-            )
         _positive("num-server-rounds", self.num_server_rounds)
         _positive("eval-every", self.eval_every)
         _positive("image-size", self.image_size)
+        _positive("max-length", self.max_length)
+        _positive("max-new-tokens", self.max_new_tokens)
+        self._check_modality()
         _positive("batch-size", self.batch_size)
         _positive("lora-rank", self.lora_rank)
         _positive("classes-per-client", self.classes_per_client)
@@ -225,9 +235,6 @@ class ExperimentConfig:
             ("pretrain-epochs", self.pretrain_epochs),
             ("momentum", self.momentum),
             ("weight-decay", self.weight_decay),
-            ("pfedseq-warmup-rounds", self.pfedseq_warmup_rounds),
-            ("pfedseq-chunk-size", self.pfedseq_chunk_size),
-            ("pfedpg-attention-dim", self.pfedpg_attention_dim),
         ):
             if value < 0:
                 raise ConfigError(key, value, "must be >= 0")
@@ -271,6 +278,22 @@ class ExperimentConfig:
         if self.resume and not self.run_name:
             raise ConfigError("resume", True, "needs 'run-name' naming the run to resume")
 
+    def _check_modality(self) -> None:
+        from fedfm_flower.data.registry import dataset_spec
+        from fedfm_flower.models.families import family_of
+        from fedfm_flower.tasks import task_modality
+
+        task = dataset_spec(self.dataset).task
+        family = family_of(self.backbone)
+        if task_modality(task) != family.modality:
+            raise ConfigError(
+                "backbone",
+                self.backbone,
+                f"dataset '{self.dataset}' is a {task} task on {task_modality(task)} input; "
+                f"backbone '{self.backbone}' is a {family.modality} model (family "
+                f"'{family.name}'); choose a backbone of a {task_modality(task)} family",
+            )
+
     @property
     def target_modules(self) -> list[str]:
         """LoRA target module names from the comma-separated config value."""
@@ -312,10 +335,10 @@ class NodeIdentity:
                 "(deployment) or 'partition-id' (simulation)",
                 source="node config",
             )
-        partition_id = _coerce("partition-id", pid_raw, int)
-        client_id = _coerce("client-id", node_config.get("client-id", partition_id), int)
+        partition_id = coerce("partition-id", pid_raw, int)
+        client_id = coerce("client-id", node_config.get("client-id", partition_id), int)
         num_raw = node_config.get("num-partitions", experiment.num_clients)
-        num_partitions = _coerce("num-partitions", num_raw, int)
+        num_partitions = coerce("num-partitions", num_raw, int)
         if experiment.num_clients and num_partitions != experiment.num_clients:
             raise ConfigError(
                 "num-clients",
@@ -338,28 +361,36 @@ class NodeIdentity:
         return cls(client_id, partition_id, num_partitions, state_dir)
 
 
-def _coerce(key: str, raw: Any, kind: type) -> Any:
-    """Convert a TOML/CLI value to the field's type, or fail naming the key."""
-    try:
-        if kind is bool:
-            if isinstance(raw, bool):
-                return raw
-            if isinstance(raw, str) and raw.lower() in ("true", "false"):
-                return raw.lower() == "true"
-            raise ValueError
-        if kind is int:
-            if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
-                raise ValueError
-            return int(raw)
-        if kind is float:
-            if isinstance(raw, bool):
-                raise ValueError
-            return float(raw)
-        if kind is str:
-            return str(raw)
-    except (TypeError, ValueError):
-        pass
-    raise ConfigError(key, raw, f"expected a value of type {kind.__name__}")
+@functools.cache
+def _common_defaults() -> dict[str, Any]:
+    """Run-config key -> default of every ExperimentConfig field but ``method_values``."""
+    return {
+        f.name.replace("_", "-"): f.default
+        for f in dataclasses.fields(ExperimentConfig)
+        if f.name != "method_values"
+    }
+
+
+@functools.cache
+def _method_defaults() -> dict[str, Any]:
+    """Run-config key -> default of every registered method's settings, in registry order."""
+    defaults: dict[str, Any] = {}
+    for kind in settings_classes():
+        if not issubclass(kind, MethodSettings) or not kind.prefix:
+            raise TypeError(f"{kind.__name__} is not a MethodSettings class with a prefix")
+        for key, default in kind.defaults().items():
+            if key in defaults or key in _common_defaults():
+                raise TypeError(f"run-config key '{key}' of {kind.__name__} is declared twice")
+            defaults[key] = default
+    return defaults
+
+
+@functools.lru_cache(maxsize=64)
+def _typed_settings(kind: type[SettingsT], values: tuple[tuple[str, Any], ...]) -> SettingsT:
+    """``kind`` parsed from a config's method values (cached: configs are cache keys)."""
+    if not set(kind.keys()) <= set(_method_defaults()):
+        raise ValueError(f"{kind.__name__} is not a registered method's settings class")
+    return kind.from_run_config(dict(values))
 
 
 def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:

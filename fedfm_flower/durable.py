@@ -1,13 +1,14 @@
 """Files that are complete or absent: atomic, durable writes and verified tensor reads.
 
 ``atomic_write_text`` and ``save_tensors`` write to a temporary file in the target directory,
-fsync it, rename it into place and fsync the directory.
-A file under its final name is therefore always
-complete. A tensor file also carries the SHA-256 of its tensors (``tensor_sha256``: names, dtypes,
-shapes and bytes) in its safetensors metadata; ``load_tensors`` recomputes it, compares it with
-that and with a digest the caller kept elsewhere (a checkpoint's JSON), and raises
-``DamagedFileError`` naming the file when anything does not match or cannot be parsed. Files
-written before digests existed (no ``sha256`` metadata) are accepted when they parse.
+fsync it, rename it into place and fsync the directory; ``atomic_path`` does the same for any
+writer (``durable=False`` for caches: no fsync). Every atomic write of the package goes through
+``atomic_path``. A file under its final name is therefore always complete. A tensor file also
+carries the SHA-256 of its tensors (``tensor_sha256``: names, dtypes, shapes and bytes) in its
+safetensors metadata; ``load_tensors`` recomputes it, compares it with that and with a digest
+the caller kept elsewhere (a checkpoint's JSON), and raises ``DamagedFileError`` naming the
+file when anything does not match or cannot be parsed. Files written before digests existed
+(no ``sha256`` metadata) are accepted when they parse.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -56,25 +58,35 @@ def fsync_directory(directory: Path) -> None:
 
 
 @contextlib.contextmanager
-def atomic_path(path: Path) -> Iterator[Path]:
+def atomic_path(path: Path, durable: bool = True) -> Iterator[Path]:
     """A temporary file beside ``path`` to write; on success it is fsynced and renamed onto
-    ``path`` (and the directory fsynced), on failure removed."""
+    ``path`` (and the directory fsynced), on failure removed.
+
+    ``durable=False`` skips both fsyncs, for files that are only a cache or throwaway output:
+    the rename still means no process ever sees a partial file, but after a power loss the file
+    may be empty or gone, so its reader must treat an unreadable file as missing. A file that
+    is replaced keeps its permission bits; a new one is readable by its owner only.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with contextlib.suppress(FileNotFoundError):
+        os.fchmod(fd, stat.S_IMODE(os.stat(path).st_mode))
     os.close(fd)
     try:
         yield Path(tmp)
-        with open(tmp, "rb") as handle:
-            os.fsync(handle.fileno())
+        if durable:
+            with open(tmp, "rb") as handle:
+                os.fsync(handle.fileno())
         os.replace(tmp, path)
     finally:
         Path(tmp).unlink(missing_ok=True)
-    fsync_directory(path.parent)
+    if durable:
+        fsync_directory(path.parent)
 
 
-def atomic_write_text(path: Path | str, text: str) -> None:
-    """Write ``text`` to ``path`` atomically and durably."""
-    with atomic_path(Path(path)) as tmp:
+def atomic_write_text(path: Path | str, text: str, durable: bool = True) -> None:
+    """Write ``text`` to ``path`` atomically and (unless ``durable=False``) durably."""
+    with atomic_path(Path(path), durable) as tmp:
         tmp.write_text(text)
 
 

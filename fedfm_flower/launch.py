@@ -17,7 +17,7 @@ from enum import IntEnum
 
 
 class ExitCode(IntEnum):
-    """Exit statuses of ``python -m fedfm_flower.simulation`` and ``scripts/deploy_local.py``."""
+    """Exit statuses of ``python -m fedfm_flower.simulation`` and ``fedfm_flower.deploy``."""
 
     COMPLETED = 0  # Flower reports the run finished:completed
     FAILED = 1  # the run started and did not complete (ServerApp error, every client failed)

@@ -1,6 +1,6 @@
 """Checks of a run before anything starts: run config, resume target, files, partitions.
 
-Both launchers (``fedfm_flower.simulation`` and ``scripts/deploy_local.py``) merge the app's
+Both launchers (``fedfm_flower.simulation`` and ``fedfm_flower.deploy``) merge the app's
 declared defaults with the user's overrides exactly as ``flwr run`` will, validate the result,
 and check what would otherwise fail only after the SuperLink, Ray or the SuperNodes have
 started: the run directory to resume (and its newest intact checkpoint), an existing run that
@@ -186,9 +186,10 @@ def _check_weights(path: Path) -> None:
 def _check_partitions(config: ExperimentConfig, num_clients: int, found: Preflight) -> None:
     """Every client's partition exists and holds at least the configured minimum."""
     from fedfm_flower.data import DataUnavailableError, check_client_sizes
+    from fedfm_flower.tasks import task_of
 
     try:
-        counts = check_client_sizes(config, num_clients)
+        counts = check_client_sizes(config, task_of(config).example_counts(config, num_clients))
     except (ValueError, DataUnavailableError) as err:
         raise PreflightError(str(err)) from err
     smallest = min(counts, key=lambda c: (c.train, c.test))

@@ -1,6 +1,6 @@
 """Flower's processes as this project starts and stops them: their environment and signals.
 
-Both launchers (``fedfm_flower.simulation`` and ``scripts/deploy_local.py``) use these, so the
+Both launchers (``fedfm_flower.simulation`` and ``fedfm_flower.deploy``) use these, so the
 recommended environment and the way a vanished process is tolerated are defined once.
 """
 

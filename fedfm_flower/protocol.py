@@ -18,11 +18,21 @@ NUM_PARTITIONS = "num-partitions"
 NUM_EXAMPLES = "num-examples"
 NUM_TRAIN_EXAMPLES = "num-train-examples"
 TRAIN_LOSS = "train-loss"
-TRAIN_ACCURACY = "train-accuracy"
 TRAIN_SECONDS = "train-seconds"
 STATE_ROUND = "state-round"  # round of the personal state a training reply started from (0: none)
 STATE_DIGEST = "state-digest"  # client_state.state_digest of that state (0: none)
 # Per-client facts that are not averaged into the round's mean/std metrics.
 IDENTITY_METRICS = frozenset({CLIENT_ID, STATE_ROUND, STATE_DIGEST})
 TEST_LOSS = "test-loss"
-TEST_ACCURACY = "test-accuracy"
+PHASE = "phase"  # config of a message: "train" (a federated round) or "post-training"
+CAPABILITIES = "capabilities"  # query reply: comma-separated modalities/tasks a client has
+
+
+def train_metric(name: str) -> str:
+    """Reply metric name of a task's training statistic ``name`` (``train-<name>``)."""
+    return f"train-{name}"
+
+
+def test_metric(name: str) -> str:
+    """Reply metric name of a task's evaluation metric ``name`` (``test-<name>``)."""
+    return f"test-{name}"

@@ -44,21 +44,27 @@ class InvalidRecord(ValueError):
 
 
 def decode_checked(
-    record: ArrayRecord | None, spec: Mapping[str, tuple[tuple[int, ...], str]]
+    record: ArrayRecord | None,
+    spec: Mapping[str, tuple[tuple[int, ...], str]],
+    required: set[str] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Decode ``record`` once after checking keys, shapes, dtypes and sizes against ``spec``.
 
-    Raises ``InvalidRecord`` naming the first problem (also NaN/Inf in the decoded values).
+    Every key of ``spec`` must be present unless ``required`` names the ones that must; keys
+    outside ``spec`` never may. Raises ``InvalidRecord`` naming the first problem (also NaN/Inf
+    in the decoded values).
     """
     if record is None:
         raise InvalidRecord("no arrays record")
-    missing = sorted(set(spec) - set(record.keys()))
+    missing = sorted((set(spec) if required is None else set(required)) - set(record.keys()))
     extra = sorted(set(record.keys()) - set(spec))
     if missing:
         raise InvalidRecord(f"missing keys {missing[:3]}{'...' if len(missing) > 3 else ''}")
     if extra:
         raise InvalidRecord(f"unexpected keys {extra[:3]}{'...' if len(extra) > 3 else ''}")
     for name, (shape, dtype) in spec.items():
+        if name not in record:
+            continue
         array = record[name]
         if tuple(array.shape) != tuple(shape):
             raise InvalidRecord(f"'{name}' has shape {tuple(array.shape)}, expected {tuple(shape)}")

@@ -1,8 +1,10 @@
-"""The method registry: method name -> its strategy class and its client logic class.
+"""The method registry: method name -> its strategy class, its client logic class, its settings.
 
 Entries name their classes by import path so the ClientApp (which starts a fresh process per
 message in deployment) imports only its own client module, never server code. Adding a method
-means one strategy module, one client module and one entry here.
+means one strategy module, one client module and one entry here; a method with run-config keys of
+its own also declares them in a light settings module (``fedfm_flower.settings``) named by
+``settings``.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ class MethodSpec:
     strategy: str
     client: str
     summary: str
+    settings: str = ""  # its MethodSettings class (keys <prefix>-*); "" when it has no keys
     tuner: str = "lora"  # what clients train on the frozen backbone: lora, vpt, vpt-deep
 
 
@@ -43,12 +46,14 @@ METHODS: dict[str, MethodSpec] = {
         "client_apps.updates:PFedSeqClient",
         "FedAvg of LoRA updates + a Mamba sequential learner's per-client calibrations "
         "(Peng et al. 2025)",
+        settings="fedfm_flower.learners.pfedseq_settings:PFedSeqSettings",
     ),
     "pfedpg": MethodSpec(
         "strategies.pfedpg:PFedPGStrategy",
         "client_apps.updates:PFedPGClient",
         "server-side prompt generator (cross-attention over a prompt basis) personalizes "
         "visual prompts (Yang et al. 2023)",
+        settings="fedfm_flower.learners.pfedpg_settings:PFedPGSettings",
         tuner="vpt",
     ),
     "fedvpt": MethodSpec(
@@ -91,3 +96,15 @@ def strategy_class(method: str) -> Any:
 def client_class(method: str) -> Any:
     """The client logic class of ``method`` (imported on demand)."""
     return _load(method_spec(method).client)
+
+
+def settings_class(method: str) -> Any:
+    """The MethodSettings class of ``method``, or None when it has no keys of its own."""
+    path = method_spec(method).settings
+    return _load(path) if path else None
+
+
+def settings_classes() -> tuple[Any, ...]:
+    """Every registered MethodSettings class once, in registry order (imported on demand)."""
+    paths = dict.fromkeys(spec.settings for spec in METHODS.values() if spec.settings)
+    return tuple(_load(path) for path in paths)

@@ -183,16 +183,23 @@ def human_bytes(count: float) -> str:
     return f"{count:.1f} GB"
 
 
-def progress_line(record: dict[str, Any], num_rounds: int, eta_s: float) -> str:
-    """The one-line progress report printed after each round."""
-    acc = record.get("test-accuracy-mean")
-    acc_text = (
-        f"acc {acc:.4f} ± {record['test-accuracy-std']:.4f}"
-        if acc is not None and not math.isnan(acc)
-        else "acc    n/a       "
+PROGRESS_ABBREVIATIONS = {"accuracy": "acc"}
+
+
+def progress_line(
+    record: dict[str, Any], num_rounds: int, eta_s: float, metric: str = "accuracy"
+) -> str:
+    """The one-line progress report printed after each round, with the task's primary metric."""
+    value = record.get(f"test-{metric}-mean")
+    label = PROGRESS_ABBREVIATIONS.get(metric, metric)
+    value_text = (
+        f"{label} {value:.4f} ± {record[f'test-{metric}-std']:.4f}"
+        if value is not None and not math.isnan(value)
+        else f"{label}    n/a       "
     )
+    phase = " post-training" if record.get("phase") == "post-training" else ""
     return (
-        f"[round {record['round']:>3}/{num_rounds}] {acc_text} | "
+        f"[round {record['round']:>3}/{num_rounds}{phase}] {value_text} | "
         f"train-loss {record.get('train-loss-mean', float('nan')):.4f} | "
         f"clients {record['clients-reported']}/{record['clients-sampled']} | "
         f"down {human_bytes(record['bytes-down'])} up {human_bytes(record['bytes-up'])} | "

@@ -1,42 +1,24 @@
-"""Local train and evaluate loops shared by every method.
+"""Local train and evaluate loops shared by every method and every task.
 
-The loops work on ``TensorDataset``s held in memory (the datasets of this framework are
-prepared tensors), draw batches from a ``torch.Generator`` seeded per (seed, client, round) so a
-round can be replayed exactly, and only step the parameters they are given: the frozen backbone
-is never touched.
+The loops know nothing of labels or metrics: the task (``fedfm_flower.tasks``) batches the data,
+computes each batch's loss and statistics, and evaluates. Batches are drawn from a
+``torch.Generator`` seeded per (seed, client, round) so a round can be replayed exactly, and only
+the parameters given are stepped: the frozen backbone is never touched.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import TensorDataset
 
 from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.tasks.base import EvalStats, Task, TrainStats
 
-
-@dataclass(frozen=True)
-class TrainStats:
-    """What one local training call did."""
-
-    loss: float
-    accuracy: float
-    num_examples: int
-    num_steps: int
-    seconds: float
-
-
-@dataclass(frozen=True)
-class EvalStats:
-    """Loss and accuracy of a model on a dataset."""
-
-    loss: float
-    accuracy: float
-    num_examples: int
+__all__ = ["EvalStats", "TrainStats", "evaluate", "make_optimizer", "round_seed", "train"]
 
 
 def round_seed(seed: int, client_id: int, server_round: int, salt: int = 0) -> int:
@@ -59,20 +41,10 @@ def make_optimizer(
     return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
 
 
-def _batches(
-    data: TensorDataset, batch_size: int, generator: torch.Generator | None
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    images, labels = data.tensors
-    n = len(labels)
-    order = torch.randperm(n, generator=generator) if generator is not None else torch.arange(n)
-    for start in range(0, n, batch_size):
-        index = order[start : start + batch_size]
-        yield images[index], labels[index]
-
-
 def train(
+    task: Task,
     model: nn.Module,
-    data: TensorDataset,
+    data: Any,
     params: Iterable[nn.Parameter],
     config: ExperimentConfig,
     *,
@@ -81,7 +53,7 @@ def train(
     steps: int | None = None,
     device: torch.device | None = None,
 ) -> TrainStats:
-    """Train ``params`` of ``model`` on ``data`` with cross-entropy for epochs or steps.
+    """Train ``params`` of ``model`` on ``data`` with the task's loss for epochs or steps.
 
     ``steps`` (when > 0) wins over ``epochs``; both default to the config's local-steps and
     local-epochs. Only ``params`` get gradients; everything else keeps ``requires_grad`` as is.
@@ -94,7 +66,7 @@ def train(
     device = device or next(model.parameters()).device
     started = time.perf_counter()
     if not params or len(data) == 0 or (epochs <= 0 and steps <= 0):
-        return TrainStats(0.0, 0.0, 0, 0, 0.0)
+        return TrainStats(0.0, {}, 0, 0, 0.0)
     generator = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)  # dropout and other in-model randomness
     trainable = {id(p) for p in params}
@@ -102,21 +74,21 @@ def train(
     for p in model.parameters():
         p.requires_grad_(id(p) in trainable)
     optimizer = make_optimizer(params, config)
-    loss_fn = nn.CrossEntropyLoss()
     model.train()
-    total_loss, correct, seen, done = 0.0, 0, 0, 0
+    total_loss, seen, done = 0.0, 0, 0
+    sums: dict[str, float] = {}
     try:
         while True:
-            for images, labels in _batches(data, config.batch_size, generator):
-                images, labels = images.to(device), labels.to(device)
+            for batch in task.batches(data, config.batch_size, generator):
+                batch = tuple(t.to(device) for t in batch)
                 optimizer.zero_grad(set_to_none=True)
-                logits = model(images)
-                loss = loss_fn(logits, labels)
-                loss.backward()
+                result = task.step(model, batch)
+                result.loss.backward()
                 optimizer.step()
-                total_loss += loss.item() * len(labels)
-                correct += (logits.argmax(1) == labels).sum().item()
-                seen += len(labels)
+                total_loss += result.loss.item() * result.count
+                for name, value in result.sums.items():
+                    sums[name] = sums.get(name, 0) + value
+                seen += result.count
                 done += 1
                 if steps > 0 and done >= steps:
                     break
@@ -128,25 +100,20 @@ def train(
             p.requires_grad_(saved_flags[name])
     return TrainStats(
         total_loss / max(seen, 1),
-        correct / max(seen, 1),
+        {name: value / max(seen, 1) for name, value in sums.items()},
         seen,
         done,
         time.perf_counter() - started,
     )
 
 
-@torch.no_grad()
 def evaluate(
-    model: nn.Module, data: TensorDataset, batch_size: int = 256, device: torch.device | None = None
+    task: Task,
+    model: nn.Module,
+    data: Any,
+    batch_size: int = 256,
+    device: torch.device | None = None,
 ) -> EvalStats:
-    """Mean cross-entropy and accuracy of ``model`` on ``data``."""
+    """The task's loss and metrics of ``model`` on ``data``."""
     device = device or next(model.parameters()).device
-    model.eval()
-    total_loss, correct, seen = 0.0, 0, 0
-    for images, labels in _batches(data, batch_size, None):
-        images, labels = images.to(device), labels.to(device)
-        logits = model(images)
-        total_loss += nn.functional.cross_entropy(logits, labels, reduction="sum").item()
-        correct += (logits.argmax(1) == labels).sum().item()
-        seen += len(labels)
-    return EvalStats(total_loss / max(seen, 1), correct / max(seen, 1), seen)
+    return task.evaluate(model, data, device, batch_size)

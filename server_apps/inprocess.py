@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from flwr.app import Context, Error, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid
 
@@ -50,7 +50,9 @@ def identity_app() -> ClientApp:
         metrics = {P.CLIENT_ID: int(node.get("client-id", node.get("partition-id", -1)))}
         if "num-partitions" in node:
             metrics[P.NUM_PARTITIONS] = int(node["num-partitions"])
-        return Message(RecordDict({P.METRICS: MetricRecord(metrics)}), reply_to=message)
+        facts = ConfigRecord({P.CAPABILITIES: str(node.get(P.CAPABILITIES, ""))})
+        content = RecordDict({P.METRICS: MetricRecord(metrics), P.CONFIG: facts})
+        return Message(content, reply_to=message)
 
     return app
 

@@ -3,8 +3,9 @@
 Compared with ``Strategy.start`` this loop also learns the node-to-client mapping before each
 round, evaluates every ``eval-every`` rounds (and after the last), counts bytes both ways,
 appends a JSON line per round, checkpoints the strategy after every round, resumes from the
-newest intact checkpoint with ``resume=true``, and prints a progress line with accuracy, bytes,
-time and ETA.
+newest intact checkpoint with ``resume=true``, and prints a progress line with the task's
+primary metric, bytes, time and ETA. A strategy's post-training rounds follow the last
+federated round and are run, recorded and checkpointed the same way.
 
 A run fails loudly instead of reporting stale numbers:
 
@@ -12,7 +13,7 @@ A run fails loudly instead of reporting stale numbers:
   (``fedfm_flower.data.sizes``);
 * when more than ``max-failed-rounds`` consecutive rounds fail, a round failing when no client
   returns a usable training reply or, when evaluation is due, no usable evaluation reply;
-* when the last round's evaluation has no usable reply (there is no final accuracy to report).
+* when the last round's evaluation has no usable reply (there is no final result to report).
 
 ``RunFailed`` then ends the ServerApp, so Flower marks the run failed and the launchers exit
 non-zero. The failing round's record is appended to ``metrics.jsonl`` (with ``failed``) but not
@@ -37,6 +38,7 @@ from fedfm_flower import protocol as P
 from fedfm_flower.config import ExperimentConfig
 from fedfm_flower.records import record_dict_nbytes
 from fedfm_flower.results import RunDirectory, progress_line
+from fedfm_flower.tasks import task_of
 from strategies.base import PersonalizedStrategy
 
 log = logging.getLogger("fedfm_flower")
@@ -50,28 +52,36 @@ class RunFailed(RuntimeError):
 
 
 def build_strategy(config: ExperimentConfig) -> PersonalizedStrategy:
-    """The configured method's strategy, initialised from the seeded adapter and head."""
-    from fedfm_flower.data import num_classes_of
+    """The configured method's strategy, initialised from the seeded trainable tensors."""
     from fedfm_flower.models import initial_trainable
-    from fedfm_flower.registry import strategy_class
+    from fedfm_flower.registry import method_spec, strategy_class
 
-    initial = initial_trainable(config, num_classes_of(config))
+    outputs = task_of(config).num_outputs(config)
+    initial = initial_trainable(config, method_spec(config.method).tuner, outputs)
     return strategy_class(config.method)(config, initial)
 
 
 def prepare_foundation(config: ExperimentConfig) -> dict[str, Any]:
     """Build (or find) the cached offline foundation model so clients never race to build it."""
-    if config.backbone != "tiny-vit" or not config.pretrained or config.weights_file:
+    if not config.pretrained or config.weights_file:
         return {}
-    from fedfm_flower.models.foundation import foundation_card, foundation_path
+    if config.backbone == "tiny-vit":
+        from fedfm_flower.models.foundation import foundation_card, foundation_path
 
-    card = foundation_card(config)
-    log.info(
-        "foundation model %s: public test accuracy %.3f",
-        foundation_path(config).name,
-        card["public_test_accuracy"],
-    )
-    return card
+        card = foundation_card(config)
+        log.info(
+            "foundation model %s: public test accuracy %.3f",
+            foundation_path(config).name,
+            card["public_test_accuracy"],
+        )
+        return card
+    if config.backbone == "tiny-llama":
+        from fedfm_flower.models.causal_lm import tiny_llama_card
+
+        card = tiny_llama_card(config)
+        log.info("foundation model tiny-llama: %s", card.get("summary", card))
+        return card
+    return {}
 
 
 def wait_for_nodes(grid: Grid, config: ExperimentConfig) -> list[int]:
@@ -142,31 +152,34 @@ def _run(grid: Grid, config: ExperimentConfig, run: RunDirectory) -> dict[str, A
             "python": platform.python_version(),
         },
     )
+    total = config.num_server_rounds + strategy.post_training_rounds()
+    primary = task_of(config).primary_metric
     log.info(
-        "run %s: method %s, %d rounds, results in %s",
+        "run %s: method %s, %d rounds (%d post-training), results in %s",
         run.name,
         config.method,
-        config.num_server_rounds,
+        total,
+        total - config.num_server_rounds,
         run.path,
     )
     started = time.perf_counter()
     round_times: list[float] = [r["round-seconds"] for r in run.rounds()]
     failed_in_a_row = 0
-    for server_round in range(start_round, config.num_server_rounds + 1):
-        record = run_round(grid, strategy, config, server_round)
+    for server_round in range(start_round, total + 1):
+        last = server_round == total
+        record = run_round(grid, strategy, config, server_round, last)
         round_times.append(record["round-seconds"])
         problem = round_failure(record)
         failed_in_a_row = failed_in_a_row + 1 if problem else 0
-        last = server_round == config.num_server_rounds
         if problem:
             record["failed"] = problem
             log.warning("round %d failed: %s", server_round, problem)
-        no_final_accuracy = last and record.get("evaluate") == {}
-        if problem and (failed_in_a_row > config.max_failed_rounds or no_final_accuracy):
+        no_final_result = last and record.get("evaluate") == {}
+        if problem and (failed_in_a_row > config.max_failed_rounds or no_final_result):
             run.append_round(record)  # for the record; not checkpointed, so resume repeats it
             why = (
                 "the last round has no evaluation"
-                if no_final_accuracy
+                if no_final_result
                 else f"{failed_in_a_row} failed round(s) in a row, "
                 f"max-failed-rounds = {config.max_failed_rounds}"
             )
@@ -177,18 +190,16 @@ def _run(grid: Grid, config: ExperimentConfig, run: RunDirectory) -> dict[str, A
         run.append_round(record)
         tensors, meta = strategy.state_dict()
         run.save_checkpoint(server_round, tensors, {"strategy": meta}, config.keep_checkpoints)
-        remaining = config.num_server_rounds - server_round
+        remaining = total - server_round
         recent = round_times[-5:]
-        print(
-            progress_line(record, config.num_server_rounds, remaining * sum(recent) / len(recent)),
-            flush=True,
-        )
+        eta = remaining * sum(recent) / len(recent)
+        print(progress_line(record, total, eta, primary), flush=True)
     summary = summarize(run, config, time.perf_counter() - started)
     summary["client-examples"] = client_examples
     run.write_summary(summary)
     print(
-        f"[done] {run.name}: final accuracy {summary['final-test-accuracy-mean']:.4f} ± "
-        f"{summary['final-test-accuracy-std']:.4f}; results in {run.path}",
+        f"[done] {run.name}: final {primary} {summary[f'final-test-{primary}-mean']:.4f} ± "
+        f"{summary[f'final-test-{primary}-std']:.4f}; results in {run.path}",
         flush=True,
     )
     return summary
@@ -198,7 +209,7 @@ def check_partitions(config: ExperimentConfig, num_clients: int) -> dict[str, di
     """Every client's example counts by client id; fails when one is below the minimum."""
     from fedfm_flower.data import check_client_sizes
 
-    counts = check_client_sizes(config, num_clients)
+    counts = check_client_sizes(config, task_of(config).example_counts(config, num_clients))
     return {str(client): c.as_dict() for client, c in enumerate(counts)}
 
 
@@ -233,9 +244,14 @@ def round_failure(record: dict[str, Any]) -> str:
 
 
 def run_round(
-    grid: Grid, strategy: PersonalizedStrategy, config: ExperimentConfig, server_round: int
+    grid: Grid,
+    strategy: PersonalizedStrategy,
+    config: ExperimentConfig,
+    server_round: int,
+    last: bool = False,
 ) -> dict[str, Any]:
-    """One training round, plus evaluation when due; returns the round's record."""
+    """One training (or post-training) round, plus evaluation when due or ``last``; returns the
+    round's record."""
     started = time.perf_counter()
     messages = list(strategy.configure_train(server_round, ArrayRecord(), ConfigRecord(), grid))
     server_seconds = time.perf_counter() - started
@@ -249,6 +265,7 @@ def run_round(
     train_report = strategy.train_report
     record: dict[str, Any] = {
         "round": server_round,
+        "phase": strategy.phase(server_round),
         "clients-sampled": len(train_report.sent),
         "sampled": list(train_report.sent),
         "clients-reported": len(train_report.accepted),
@@ -260,16 +277,8 @@ def run_round(
         "aggregate-seconds": aggregate_seconds,
         "server": dict(strategy.server_metrics),
     }
-    record.update(
-        _flat(
-            train_metrics,
-            {
-                f"{P.TRAIN_LOSS}-mean": "train-loss-mean",
-                f"{P.TRAIN_ACCURACY}-mean": "train-accuracy-mean",
-            },
-        )
-    )
-    evaluate = server_round % config.eval_every == 0 or server_round == config.num_server_rounds
+    record.update(_means(train_metrics, "train-", ("-mean",)))
+    evaluate = server_round % config.eval_every == 0 or last
     eval_down = eval_up = 0
     if evaluate:
         configure_started = time.perf_counter()
@@ -287,16 +296,7 @@ def run_round(
         record["evaluate"] = {str(c): m for c, m in report.accepted.items()}
         record["evaluate-rejected"] = dict(report.rejected)
         record["evaluate-missing"] = report.missing
-        record.update(
-            _flat(
-                eval_metrics,
-                {
-                    f"{P.TEST_ACCURACY}-mean": "test-accuracy-mean",
-                    f"{P.TEST_ACCURACY}-std": "test-accuracy-std",
-                    f"{P.TEST_LOSS}-mean": "test-loss-mean",
-                },
-            )
-        )
+        record.update(_means(eval_metrics, "test-", ("-mean", "-std")))
     record["bytes-down"] = bytes_down + eval_down
     record["bytes-up"] = bytes_up + eval_up
     # The strategy's own work (building messages, validating and aggregating replies), without
@@ -307,23 +307,29 @@ def run_round(
 
 
 def summarize(run: RunDirectory, config: ExperimentConfig, seconds: float) -> dict[str, Any]:
-    """Final and best mean accuracy, totals of bytes and time over all rounds."""
+    """Final and best mean of the task's primary metric, totals of bytes and time over all rounds.
+
+    Keys name the metric: ``final-test-<metric>-mean``, ``final-per-client-<metric>``, ...
+    """
+    primary = task_of(config).primary_metric
+    key = f"{P.test_metric(primary)}-mean"
     rounds = run.rounds()
-    evaluated = [r for r in rounds if "test-accuracy-mean" in r]
+    evaluated = [r for r in rounds if key in r]
     final = evaluated[-1] if evaluated else {}
-    best = max(evaluated, key=lambda r: r["test-accuracy-mean"], default={})
+    best = max(evaluated, key=lambda r: r[key], default={})
     return {
         "run-name": run.name,
         "method": config.method,
         "dataset": config.dataset,
         "seed": config.seed,
         "rounds": len(rounds),
-        "final-test-accuracy-mean": final.get("test-accuracy-mean", math.nan),
-        "final-test-accuracy-std": final.get("test-accuracy-std", math.nan),
-        "final-per-client-accuracy": {
-            c: m[P.TEST_ACCURACY] for c, m in final.get("evaluate", {}).items()
+        "primary-metric": primary,
+        f"final-test-{primary}-mean": final.get(key, math.nan),
+        f"final-test-{primary}-std": final.get(f"{P.test_metric(primary)}-std", math.nan),
+        f"final-per-client-{primary}": {
+            c: m[P.test_metric(primary)] for c, m in final.get("evaluate", {}).items()
         },
-        "best-test-accuracy-mean": best.get("test-accuracy-mean", math.nan),
+        f"best-test-{primary}-mean": best.get(key, math.nan),
         "best-round": best.get("round"),
         "total-bytes-down": sum(r["bytes-down"] for r in rounds),
         "total-bytes-up": sum(r["bytes-up"] for r in rounds),
@@ -332,7 +338,14 @@ def summarize(run: RunDirectory, config: ExperimentConfig, seconds: float) -> di
     }
 
 
-def _flat(metrics: MetricRecord | None, names: dict[str, str]) -> dict[str, float]:
+def _means(
+    metrics: MetricRecord | None, prefix: str, suffixes: tuple[str, ...]
+) -> dict[str, float]:
+    """The aggregated ``prefix...suffix`` metrics (e.g. ``test-rouge-l-mean``), as floats."""
     if metrics is None:
         return {}
-    return {out: float(metrics[key]) for key, out in names.items() if key in metrics}
+    return {
+        k: float(v)
+        for k, v in metrics.items()
+        if k.startswith(prefix) and k.endswith(suffixes) and k != f"{P.TRAIN_SECONDS}-mean"
+    }

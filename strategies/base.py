@@ -15,6 +15,13 @@ the clients' *stable* ids (never Flower node ids, which change across runs and r
   dropped with a logged reason before any state changes; the round goes on with the rest.
 * **State.** ``state_dict()`` returns ``(tensors, meta)``: safetensors-ready tensors and
   JSON-ready metadata, restored exactly by ``load_state_dict``.
+* **Capabilities.** The identity query also returns what a client holds (its node config's
+  ``capabilities``, e.g. ``image,text,vqa``), kept in ``capabilities`` by client id, so a
+  strategy can give a component only to the clients that have its modality or task.
+* **Post-training phase.** ``post_training_rounds()`` > 0 adds rounds after the last federated
+  round (FedDPA-F's local fine-tuning, TAP's distillation). The runner runs and checkpoints them
+  like any round; their messages say ``phase = post-training`` and the ClientApp calls the
+  method's ``post_train``. ``phase(round)`` tells which phase a round belongs to.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from flwr.serverapp.strategy import Strategy
 
 from fedfm_flower import protocol as P
 from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.models import TrainableTensors
 from fedfm_flower.records import InvalidRecord, decode_checked, to_array_record
 from fedfm_flower.tracebacks import original_exception
 from fedfm_flower.training import round_seed
@@ -77,10 +85,11 @@ class RoundReport:
 class PersonalizedStrategy(Strategy):
     """Base of the method strategies: mapping, per-node messages, validation, state."""
 
-    def __init__(self, config: ExperimentConfig, initial: dict[str, torch.Tensor]) -> None:
+    def __init__(self, config: ExperimentConfig, initial: TrainableTensors) -> None:
         self.config = config
         self.run_name = ""
         self.node_to_client: dict[int, int] = {}
+        self.capabilities: dict[int, frozenset[str]] = {}  # client id -> what it holds
         self.train_report = RoundReport()
         self.evaluate_report = RoundReport()
         self.num_partitions = 0  # largest num-partitions a node reported (0: none yet)
@@ -116,6 +125,19 @@ class PersonalizedStrategy(Strategy):
         """Why this strategy cannot serve ``client_id`` (None: it can); asked once per node."""
         return None
 
+    def required_reply_keys(self, client_id: int) -> set[str] | None:
+        """Keys of ``reply_spec`` a reply must hold (None: all); the others may be left out,
+        as by clients that own only some components."""
+        return None
+
+    def post_training_rounds(self) -> int:
+        """Rounds of the post-training phase after the last federated round (0: none)."""
+        return 0
+
+    def phase(self, server_round: int) -> str:
+        """'train' for the federated rounds, 'post-training' for the rounds after them."""
+        return "train" if server_round <= self.config.num_server_rounds else "post-training"
+
     # ----------------------------------------------------------------- node mapping
     def learn_node_mapping(self, grid: Grid, server_round: int) -> None:
         """Query nodes not seen before for their client id; forget nodes that left."""
@@ -149,6 +171,9 @@ class PersonalizedStrategy(Strategy):
                 log.warning("node %s answered the identity query without a client-id", node_id)
                 continue
             client_id = int(metrics[P.CLIENT_ID])
+            facts = reply.content.config_records.get(P.CONFIG, ConfigRecord())
+            declared = str(facts.get(P.CAPABILITIES, ""))
+            self.capabilities[client_id] = frozenset(c for c in declared.split(",") if c)
             self.num_partitions = max(self.num_partitions, int(metrics.get(P.NUM_PARTITIONS, 0)))
             refusal = self.refuse_client(client_id)
             if refusal is not None:
@@ -255,6 +280,7 @@ class PersonalizedStrategy(Strategy):
             record[P.SERVER_ROUND] = server_round
             record[P.RUN_NAME] = self.run_name
             record[P.CLIENT_ID] = client_id
+            record[P.PHASE] = self.phase(server_round)
             content = RecordDict(
                 {P.ARRAYS: to_array_record(payload(client_id, server_round)), P.CONFIG: record}
             )
@@ -284,7 +310,9 @@ class PersonalizedStrategy(Strategy):
             if reason is None and check_arrays:
                 try:
                     record = reply.content.array_records.get(P.ARRAYS)
-                    arrays = decode_checked(record, self.reply_spec(expected))
+                    arrays = decode_checked(
+                        record, self.reply_spec(expected), self.required_reply_keys(expected)
+                    )
                 except InvalidRecord as err:
                     reason = str(err)
             if reason is not None:

@@ -13,13 +13,14 @@ from typing import Any
 import torch
 
 from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.models import TrainableTensors
 from strategies.base import PersonalizedStrategy
 
 
 class ClientSlotStrategy(PersonalizedStrategy):
     """A personalized strategy with a lazily sized per-client server (``self.server``)."""
 
-    def __init__(self, config: ExperimentConfig, initial: dict[str, torch.Tensor]) -> None:
+    def __init__(self, config: ExperimentConfig, initial: TrainableTensors) -> None:
         super().__init__(config, initial)
         self.server: Any = None
         if config.num_clients:

@@ -1,16 +1,19 @@
-"""FedAvg over the shared parameter groups (adapter and head), weighted by example counts.
+"""FedAvg over the shared parameter groups, each tensor averaged over the clients that sent it.
 
 The global tensors are averaged in float64 and cast back, so the result does not depend on the
-order replies arrive in. Subclasses choose which groups are shared (``shared_groups``).
+order replies arrive in. Subclasses choose which groups are shared (``shared_groups``) and how
+clients are weighted (``weighting``: example counts, or equal as FedDPA's eq. 2).
 """
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
-from fedfm_flower.aggregation import weighted_average
+from fedfm_flower.aggregation import average_over_owners, client_weights
 from fedfm_flower.config import ExperimentConfig
-from fedfm_flower.models import parameter_group
+from fedfm_flower.models import TrainableTensors
 from fedfm_flower.records import tensor_spec
 from strategies.base import ClientReply, PersonalizedStrategy
 
@@ -18,13 +21,12 @@ from strategies.base import ClientReply, PersonalizedStrategy
 class FedAvgStrategy(PersonalizedStrategy):
     """One global copy of the shared groups, averaged over the reporting clients."""
 
-    shared_groups: tuple[str, ...] = ("adapter", "head")
+    shared_groups: ClassVar[tuple[str, ...]] = ("adapter", "head")
+    weighting: ClassVar[str] = "examples"
 
-    def __init__(self, config: ExperimentConfig, initial: dict[str, torch.Tensor]) -> None:
+    def __init__(self, config: ExperimentConfig, initial: TrainableTensors) -> None:
         super().__init__(config, initial)
-        self.global_tensors = {
-            k: v.clone() for k, v in initial.items() if parameter_group(k) in self.shared_groups
-        }
+        self.global_tensors = initial.select(self.shared_groups)
 
     def train_payload(self, client_id: int, server_round: int) -> dict[str, torch.Tensor]:
         """The global shared tensors (the same for every client)."""
@@ -35,13 +37,12 @@ class FedAvgStrategy(PersonalizedStrategy):
         return tensor_spec(self.global_tensors)
 
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> None:
-        """Example-weighted average of the replies (eq. 1 of pFedSeq, FedAvg)."""
+        """Average of the replies per tensor over its senders (eq. 1 of pFedSeq, FedAvg)."""
         if not self.global_tensors:
             return
-        weights = [float(r.num_examples) for r in replies]
-        if sum(weights) == 0:
-            weights = [1.0] * len(replies)
-        self.global_tensors = weighted_average([r.arrays for r in replies], weights)
+        weights = client_weights([r.num_examples for r in replies], self.weighting)
+        averaged = average_over_owners([r.arrays for r in replies], weights)
+        self.global_tensors = {**self.global_tensors, **averaged}
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """The global shared tensors."""

@@ -12,7 +12,7 @@ import torch
 
 from fedfm_flower.config import ExperimentConfig
 from fedfm_flower.learners.pfedpg import PFedPGServer, PFedPGSettings
-from fedfm_flower.models import parameter_group, pick_device
+from fedfm_flower.models import TrainableTensors, pick_device
 from fedfm_flower.records import tensor_spec
 from strategies.base import ClientReply
 from strategies.client_slots import ClientSlotStrategy, brief
@@ -23,8 +23,8 @@ log = logging.getLogger(__name__)
 class PFedPGStrategy(ClientSlotStrategy):
     """A prompt generator trained with the clients' prompt changes as gradient proxies."""
 
-    def __init__(self, config: ExperimentConfig, initial: dict[str, torch.Tensor]) -> None:
-        prompts = {k: v for k, v in initial.items() if parameter_group(k) == "prompt"}
+    def __init__(self, config: ExperimentConfig, initial: TrainableTensors) -> None:
+        prompts = initial.select(["prompt"])
         if len(prompts) != 1:
             raise ValueError("pFedPG needs the vpt tuner's single prompt tensor")
         ((self.prompt_name, tensor),) = prompts.items()
@@ -32,7 +32,7 @@ class PFedPGStrategy(ClientSlotStrategy):
             raise ValueError("pFedPG generates VPT-shallow prompts (one prompt set)")
         self.prompt_shape = tuple(tensor.shape)
         self.initial_prompts = tensor[0].clone()
-        self.settings = PFedPGSettings.from_config(config)
+        self.settings = config.settings_of(PFedPGSettings)
         super().__init__(config, initial)
 
     def build_server(self, num_clients: int) -> PFedPGServer:

@@ -12,7 +12,7 @@ import torch
 
 from fedfm_flower.config import ExperimentConfig
 from fedfm_flower.learners.pfedseq import PFedSeqServer, PFedSeqSettings
-from fedfm_flower.models import parameter_group, pick_device
+from fedfm_flower.models import TrainableTensors, pick_device
 from fedfm_flower.records import tensor_spec
 from strategies.base import ClientReply
 from strategies.client_slots import ClientSlotStrategy, brief
@@ -23,13 +23,11 @@ log = logging.getLogger(__name__)
 class PFedSeqStrategy(ClientSlotStrategy):
     """FedAvg of adapters plus a sequential learner's per-client calibrations."""
 
-    def __init__(self, config: ExperimentConfig, initial: dict[str, torch.Tensor]) -> None:
-        self.initial_adapter = {
-            k: v.clone() for k, v in initial.items() if parameter_group(k) == "adapter"
-        }
+    def __init__(self, config: ExperimentConfig, initial: TrainableTensors) -> None:
+        self.initial_adapter = initial.select(["adapter"])
         if not self.initial_adapter:
             raise ValueError("pFedSeq needs LoRA adapters; check lora-target-modules")
-        self.settings = PFedSeqSettings.from_config(config)
+        self.settings = config.settings_of(PFedSeqSettings)
         super().__init__(config, initial)
 
     def build_server(self, num_clients: int) -> PFedSeqServer:
@@ -47,7 +45,7 @@ class PFedSeqStrategy(ClientSlotStrategy):
             num_clients,
             len(server.layout.layers),
             server.layout.size,
-            self.settings.learner.kind,
+            self.settings.learner,
             server.num_learner_parameters(),
             self.settings.seq_len,
             self.settings.warmup_rounds,

@@ -1,4 +1,4 @@
-"""Helpers of the real-deployment tests: scripts/deploy_local.py, results, process checks."""
+"""Helpers of the real-deployment tests: fedfm_flower.deploy, results, process checks."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from scripts import deploy_local as dl
+from fedfm_flower.deploy import HOST, tagged_pids
+from fedfm_flower.processes import pid_alive
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -16,9 +17,9 @@ def assert_all_gone(deployment: Any) -> None:
     """No process this deployment started (or that carries its tag) is still running."""
     started = {process.pid for process in deployment.processes}
     assert started <= deployment.seen_pids
-    alive = sorted(pid for pid in deployment.seen_pids if dl.pid_alive(pid))
+    alive = sorted(pid for pid in deployment.seen_pids if pid_alive(pid))
     # A pid could in theory be reused by an unrelated process: only ours carry the tag.
-    tagged = dl._tagged_pids(deployment.tag)
+    tagged = tagged_pids(deployment.tag)
     assert not tagged, f"processes of the deployment still running: {sorted(tagged)}"
     assert all(process.popen.returncode is not None for process in deployment.processes)
     assert not (set(alive) & started), f"started processes still alive: {alive}"
@@ -51,7 +52,7 @@ def assert_secure(deployment: Any) -> None:
     assert len(deployment.node_ids) == deployment.options.num_supernodes
     flwr_config = (deployment.flwr_home / "config.toml").read_text()
     assert "root-certificates" in flwr_config and "insecure" not in flwr_config
-    assert deployment.address.startswith(f"{dl.HOST}:")
+    assert deployment.address.startswith(f"{HOST}:")
 
 
 def completed_log(deployment: Any, result: Any) -> str:

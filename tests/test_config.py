@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,23 +16,165 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 from fedfm_flower.config import (
-    BACKBONES,
     DATASETS,
     METHODS,
     ConfigError,
     ExperimentConfig,
     NodeIdentity,
 )
+from fedfm_flower.learners.pfedpg_settings import PFedPGSettings
+from fedfm_flower.learners.pfedseq_settings import PFedSeqSettings
 from fedfm_flower.registry import METHODS as REGISTRY
+from fedfm_flower.registry import settings_class, settings_classes
+from fedfm_flower.settings import MethodSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def declared_defaults() -> dict[str, object]:
+    """Run-config key -> default: ExperimentConfig's fields and every registered settings'."""
+    defaults: dict[str, object] = {
+        f.name.replace("_", "-"): f.default
+        for f in dataclasses.fields(ExperimentConfig)
+        if f.name != "method_values"
+    }
+    for kind in settings_classes():
+        defaults.update({kind.key_of(f.name): f.default for f in dataclasses.fields(kind)})
+    return defaults
+
+
 def test_pyproject_declares_every_key_with_the_dataclass_default() -> None:
+    """pyproject.toml's [tool.flwr.app.config] == the common keys + every method's settings."""
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     declared = pyproject["tool"]["flwr"]["app"]["config"]
+    keys = ExperimentConfig.keys()
+    assert len(set(keys)) == len(keys)
+    missing, extra = sorted(set(keys) - set(declared)), sorted(set(declared) - set(keys))
+    assert not missing, f"missing in pyproject.toml: {missing}"
+    assert not extra, f"in pyproject.toml but no dataclass declares them: {extra}"
+    defaults = declared_defaults()
+    assert set(defaults) == set(keys)
+    for key, value in declared.items():
+        assert value == defaults[key], f"{key}: pyproject {value!r}, dataclass {defaults[key]!r}"
     assert declared == ExperimentConfig().to_run_config()
     assert ExperimentConfig.from_run_config(declared) == ExperimentConfig()
+
+
+def test_method_settings_are_registered_under_their_own_prefix() -> None:
+    assert settings_classes() == (PFedSeqSettings, PFedPGSettings)
+    common = {f.name.replace("_", "-") for f in dataclasses.fields(ExperimentConfig)}
+    seen: set[str] = set()
+    for kind in settings_classes():
+        assert issubclass(kind, MethodSettings) and kind.prefix
+        assert all(key.startswith(f"{kind.prefix}-") for key in kind.keys())
+        assert not set(kind.keys()) & (common | seen)
+        seen |= set(kind.keys())
+        kind()  # the defaults are valid
+    assert set(ExperimentConfig.method_keys()) == seen
+    for method in REGISTRY:
+        config = ExperimentConfig.from_run_config({"method": method})
+        kind = settings_class(method)
+        if kind is None:
+            assert config.method_settings is None
+        else:
+            assert config.method_settings == kind() and config.method_settings is not None
+    assert settings_class("pfedseq") is PFedSeqSettings
+    assert settings_class("pfedpg") is PFedPGSettings
+
+
+NON_DEFAULT = {
+    "pfedseq-seq-len": 3,
+    "pfedseq-warmup-rounds": 0,
+    "pfedseq-lr": 0.05,
+    "pfedseq-learner": "lstm",
+    "pfedseq-num-layers": 1,
+    "pfedseq-state-dim": 8,
+    "pfedseq-expand": 3,
+    "pfedseq-conv-kernel": 2,
+    "pfedseq-mlp-hidden": 7,
+    "pfedseq-cross-client": False,
+    "pfedseq-global-aggregation": False,
+    "pfedseq-input-scale": "rms",
+    "pfedseq-output-init": "reference",
+    "pfedseq-learner-update": "mini-batch",
+    "pfedseq-batch-rows": 5,
+    "pfedseq-chunk-size": 11,
+    "pfedseq-scan-backend": "torch",
+    "pfedpg-lr": 0.5,
+    "pfedpg-generator": "mlp",
+    "pfedpg-query": "single",
+    "pfedpg-attention-dim": 4,
+    "pfedpg-hidden": 9,
+}
+
+
+def test_typed_settings_hold_the_run_config_values() -> None:
+    assert set(NON_DEFAULT) == set(ExperimentConfig.method_keys())  # every key, changed
+    assert all(NON_DEFAULT[key] != declared_defaults()[key] for key in NON_DEFAULT)
+    as_cli = {
+        key: str(value).lower() if isinstance(value, bool) else str(value)
+        for key, value in NON_DEFAULT.items()
+    }
+    for run_config in (NON_DEFAULT, as_cli):  # typed (TOML) or strings (CLI overrides)
+        config = ExperimentConfig.from_run_config({"method": "fedavg", **run_config})
+        seq, pg = config.settings_of(PFedSeqSettings), config.settings_of(PFedPGSettings)
+        assert {**seq.to_run_config(), **pg.to_run_config()} == NON_DEFAULT
+        assert seq == PFedSeqSettings.from_run_config(NON_DEFAULT)
+        assert (seq.seq_len, seq.learner, seq.cross_client, seq.lr) == (3, "lstm", False, 0.05)
+        assert (pg.generator, pg.attention_dim, pg.lr) == ("mlp", 4, 0.5)
+        assert {k: v for k, v in config.to_run_config().items() if k in NON_DEFAULT} == NON_DEFAULT
+        assert config.method_settings is None  # fedavg has no keys of its own
+        assert config.replace(method="pfedpg").method_settings == pg
+        assert config.settings_of(PFedSeqSettings) is seq  # parsed once per config value
+
+
+def test_method_values_take_part_in_equality_hashing_and_replace() -> None:
+    base = ExperimentConfig()
+    changed = base.replace(pfedseq_lr=0.01, seed=3)
+    parsed = ExperimentConfig.from_run_config({"pfedseq-lr": 0.01, "seed": 3})
+    assert changed == parsed and hash(changed) == hash(parsed)
+    assert changed != base and changed.replace(pfedseq_lr=0.001, seed=0) == base
+    assert changed.settings_of(PFedSeqSettings).lr == 0.01
+    assert base.settings_of(PFedSeqSettings) == PFedSeqSettings()
+    assert len({base, changed, parsed}) == 2  # usable as a cache key
+    order = ExperimentConfig(method_values=(("pfedpg-lr", 0.1), ("pfedseq-lr", 0.2)))
+    assert order == base.replace(pfedseq_lr=0.2, pfedpg_lr=0.1)  # however they are written
+    with pytest.raises(ConfigError, match="'pfedseq-learner' = 'gru'"):
+        base.replace(pfedseq_learner="gru")
+    with pytest.raises(TypeError):
+        base.replace(pfedseq_colour="red")
+    with pytest.raises(ConfigError, match="'pfedseq-colour'"):
+        ExperimentConfig(method_values=(("pfedseq-colour", "red"),))
+    settings = PFedSeqSettings().replace(seq_len=4)
+    assert settings.seq_len == 4 and PFedSeqSettings.from_config(changed).lr == 0.01
+
+
+def test_settings_of_needs_a_registered_class() -> None:
+    @dataclasses.dataclass(frozen=True)
+    class Stray(MethodSettings):
+        prefix = "stray"
+        width: int = 3
+
+    with pytest.raises(ValueError, match="not a registered"):
+        ExperimentConfig().settings_of(Stray)
+
+
+def test_method_settings_import_neither_torch_nor_flwr() -> None:
+    """The ClientApp parses the run config in a fresh process per message."""
+    script = (
+        "import sys, json\n"
+        "from fedfm_flower.config import ExperimentConfig\n"
+        "from fedfm_flower.registry import settings_classes\n"
+        "kinds = settings_classes()\n"
+        "assert kinds and [k.from_run_config({}) for k in kinds]\n"
+        "c = ExperimentConfig(method_values=(('pfedpg-lr', 0.1),))\n"
+        "assert c.method_settings.lr == 0.001 and c.settings_of(kinds[1]).lr == 0.1\n"
+        "print(json.dumps(sorted(m for m in ('torch', 'flwr') if m in sys.modules)))\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=ROOT
+    )
+    assert json.loads(run.stdout.strip().splitlines()[-1]) == []
 
 
 def test_methods_match_the_registry() -> None:
@@ -59,6 +205,19 @@ def test_methods_match_the_registry() -> None:
         ("resume", "maybe", "expected a value of type bool"),
         ("lora-target-modules", " , ", "name at least one module"),
         ("colour", "red", "unknown key"),
+        ("pfedseq-seq-length", 3, "unknown key"),
+        ("pfedseq_lr", 0.1, "unknown key"),
+        ("method-values", "", "unknown key"),
+        ("pfedseq-learner", "gru", "allowed: mamba, lstm, mlp"),
+        ("pfedseq-scan-backend", "triton", "allowed: auto, torch, cuda"),
+        ("pfedseq-conv-kernel", 5, "must lie in [2, 4]"),
+        ("pfedseq-lr", 0.0, "must be > 0"),
+        ("pfedseq-warmup-rounds", -1, "must be >= 0"),
+        ("pfedseq-cross-client", "maybe", "expected a value of type bool"),
+        ("pfedpg-generator", "film", "allowed: cross-attention, basis, mlp, adain"),
+        ("pfedpg-query", "multi", "allowed: per-prompt, single"),
+        ("pfedpg-hidden", "wide", "expected a value of type int"),
+        ("pfedpg-attention-dim", -2, "must be >= 0"),
         ("partitioner", "natural-id", "has no natural ids"),
     ],
 )
@@ -69,6 +228,14 @@ def test_invalid_values_name_key_value_and_rule(key: str, value: object, fragmen
     assert f"'{key}'" in message
     assert repr(value) in message
     assert fragment in message
+
+
+@pytest.mark.parametrize("method", ["fedavg", "pfedseq", "pfedpg"])
+def test_every_methods_settings_are_validated_whatever_the_method(method: str) -> None:
+    """A bad pfedpg-* value is an error in a pfedseq run too: config files hold every key."""
+    for key, value in (("pfedpg-generator", "film"), ("pfedseq-learner", "gru")):
+        with pytest.raises(ConfigError, match=f"'{key}'"):
+            ExperimentConfig.from_run_config({"method": method, key: value})
 
 
 def test_natural_id_needs_a_dataset_with_ids() -> None:
@@ -98,11 +265,20 @@ def test_values_are_coerced_from_cli_strings() -> None:
 def test_registry_names_are_all_accepted() -> None:
     for method in METHODS:
         assert ExperimentConfig.from_run_config({"method": method}).method == method
+    from fedfm_flower.data.registry import dataset_spec
+    from fedfm_flower.models.families import FAMILIES
+    from fedfm_flower.tasks import task_modality
+
+    backbone_for = {f.modality: f.backbones[0] for f in FAMILIES.values()}
     for name in DATASETS:
-        partitioner = "iid"
-        assert ExperimentConfig.from_run_config({"dataset": name, "partitioner": partitioner})
-    for name in BACKBONES:
-        assert ExperimentConfig.from_run_config({"backbone": name}).backbone == name
+        backbone = backbone_for[task_modality(dataset_spec(name).task)]
+        config = {"dataset": name, "partitioner": "iid", "backbone": backbone}
+        assert ExperimentConfig.from_run_config(config)
+    dataset_for = {"image": "digits", "text": "instructions"}
+    for family in FAMILIES.values():
+        for name in family.backbones:
+            config = {"backbone": name, "dataset": dataset_for[family.modality]}
+            assert ExperimentConfig.from_run_config(config).backbone == name
 
 
 def test_node_identity_from_simulation_and_deployment_configs(tmp_path: Path) -> None:

@@ -30,8 +30,8 @@ from fedfm_flower.data import (
 )
 from fedfm_flower.data.digits import digits_arrays, digits_pixels
 from fedfm_flower.data.images import normalize
+from fedfm_flower.data.loaders import load_source
 from fedfm_flower.data.settings import DataSettings
-from fedfm_flower.data.source import load_source
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

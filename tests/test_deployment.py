@@ -1,6 +1,7 @@
-"""Operator-side checks of scripts/deploy_local.py on 127.0.0.1: an unregistered SuperNode key is
-refused, an unreachable SuperLink and missing certificates are clear errors, certificates and keys
-are generated, run configs merge. Complete secure runs (and their faults) are in test_faults.py.
+"""Operator-side checks of the launcher (fedfm_flower.deploy) on 127.0.0.1: an unregistered
+SuperNode key is refused, an unreachable SuperLink and missing certificates are clear errors,
+certificates and keys are generated, run configs merge. Complete secure runs (and their faults)
+are in test_faults.py.
 """
 
 from __future__ import annotations
@@ -9,13 +10,27 @@ import time
 from pathlib import Path
 
 import pytest
-from deploy_support import ROOT, assert_all_gone, dl
+from deploy_support import ROOT, assert_all_gone
+
+from fedfm_flower.deploy import (
+    CERT_FILES,
+    DeploymentError,
+    DeployOptions,
+    LocalDeployment,
+    RunConfigError,
+    RunResult,
+    ensure_certificates,
+    ensure_supernode_keys,
+    generate_supernode_key,
+    parse_run_config,
+    resolve_run_config,
+)
 
 
 @pytest.fixture
 def options(tmp_path: Path):
     """Secure (default) options with a private work directory and a free port block."""
-    return dl.DeployOptions(
+    return DeployOptions(
         num_supernodes=2,
         workdir=tmp_path / "work",
         startup_timeout=90.0,
@@ -28,12 +43,12 @@ def options(tmp_path: Path):
 @pytest.mark.timeout(120)
 def test_supernode_with_unregistered_key_is_refused(options):
     options.num_supernodes = 1
-    deployment = dl.LocalDeployment(options)
+    deployment = LocalDeployment(options)
     try:
         deployment.prepare()
         deployment.start_superlink()
         rogue_key = options.workdir / "rogue" / "rogue_key"
-        dl.generate_supernode_key(rogue_key)  # never registered
+        generate_supernode_key(rogue_key)  # never registered
         rogue = deployment.start_supernode(0, private_key=rogue_key, name="rogue")
         deadline = time.monotonic() + 60
         while rogue.alive() and time.monotonic() < deadline:
@@ -57,8 +72,8 @@ def test_supernode_with_unregistered_key_is_refused(options):
 @pytest.mark.timeout(60)
 def test_unreachable_superlink_is_a_clear_error_and_cleans_up(options):
     options.startup_timeout = 0.01  # no SuperLink is ready within 10 ms
-    deployment = dl.LocalDeployment(options)
-    with pytest.raises(dl.DeploymentError, match="SuperLink not reachable at 127.0.0.1:"):
+    deployment = LocalDeployment(options)
+    with pytest.raises(DeploymentError, match="SuperLink not reachable at 127.0.0.1:"):
         with deployment:
             deployment.prepare()
             deployment.start_superlink()
@@ -66,19 +81,19 @@ def test_unreachable_superlink_is_a_clear_error_and_cleans_up(options):
 
 
 def test_missing_certificates_are_a_clear_error(tmp_path: Path):
-    options = dl.DeployOptions(workdir=tmp_path / "work", certs_dir=tmp_path / "nowhere")
-    with pytest.raises(dl.DeploymentError, match=r"missing TLS file\(s\) .*ca\.crt"):
-        dl.ensure_certificates(options)
-    options = dl.DeployOptions(workdir=tmp_path / "work", keys_dir=tmp_path / "nokeys")
-    with pytest.raises(dl.DeploymentError, match="missing SuperNode key"):
-        dl.ensure_supernode_keys(options)
+    options = DeployOptions(workdir=tmp_path / "work", certs_dir=tmp_path / "nowhere")
+    with pytest.raises(DeploymentError, match=r"missing TLS file\(s\) .*ca\.crt"):
+        ensure_certificates(options)
+    options = DeployOptions(workdir=tmp_path / "work", keys_dir=tmp_path / "nokeys")
+    with pytest.raises(DeploymentError, match="missing SuperNode key"):
+        ensure_supernode_keys(options)
 
 
 def test_default_certificates_and_keys_are_generated(tmp_path: Path):
-    options = dl.DeployOptions(num_supernodes=2, workdir=tmp_path / "work")
-    certs = dl.ensure_certificates(options)
-    assert all((certs / name).is_file() for name in dl.CERT_FILES)
-    keys = dl.ensure_supernode_keys(options)
+    options = DeployOptions(num_supernodes=2, workdir=tmp_path / "work")
+    certs = ensure_certificates(options)
+    assert all((certs / name).is_file() for name in CERT_FILES)
+    keys = ensure_supernode_keys(options)
     assert [k.name for k in keys] == ["supernode_0", "supernode_1"]
     assert keys[0].with_suffix(".pub").read_text().startswith("ecdsa-sha2-nistp384 ")
     assert (keys[0].stat().st_mode & 0o077) == 0  # private key readable by the owner only
@@ -87,18 +102,18 @@ def test_default_certificates_and_keys_are_generated(tmp_path: Path):
 def test_run_config_merging(tmp_path: Path):
     toml_file = tmp_path / "extra.toml"
     toml_file.write_text('method = "fedrep"\nseed = 3\n')
-    merged = dl.parse_run_config([str(toml_file), "seed=4 output-dir='out'"])
+    merged = parse_run_config([str(toml_file), "seed=4 output-dir='out'"])
     assert merged == {"method": "fedrep", "seed": 4, "output-dir": "out"}
-    resolved = dl.resolve_run_config(merged, 3, ROOT, base=tmp_path)
+    resolved = resolve_run_config(merged, 3, ROOT, base=tmp_path)
     assert resolved["num-clients"] == 3
     assert resolved["output-dir"] == str(tmp_path / "out")
-    assert dl.resolve_run_config({}, 2, ROOT)["output-dir"] == str(ROOT / "runs")
-    with pytest.raises(dl.RunConfigError, match="unknown run-config key"):
-        dl.resolve_run_config({"no-such-key": 1}, 2, ROOT)
-    with pytest.raises(dl.RunConfigError, match="differs from --num-supernodes"):
-        dl.resolve_run_config({"num-clients": 5}, 2, ROOT)
-    with pytest.raises(dl.RunConfigError, match="cannot parse"):
-        dl.parse_run_config(["method=fedavg"])  # strings need quotes, as with `flwr run`
+    assert resolve_run_config({}, 2, ROOT)["output-dir"] == str(ROOT / "runs")
+    with pytest.raises(RunConfigError, match="unknown run-config key"):
+        resolve_run_config({"no-such-key": 1}, 2, ROOT)
+    with pytest.raises(RunConfigError, match="differs from --num-supernodes"):
+        resolve_run_config({"num-clients": 5}, 2, ROOT)
+    with pytest.raises(RunConfigError, match="cannot parse"):
+        parse_run_config(["method=fedavg"])  # strings need quotes, as with `flwr run`
 
 
 def _deploy(args: list[str], tmp_path: Path):
@@ -115,6 +130,22 @@ def _deploy(args: list[str], tmp_path: Path):
         text=True,
         timeout=400,
     )
+
+
+def test_script_and_module_are_the_same_command():
+    import subprocess
+    import sys
+
+    def options(command: list[str]) -> str:
+        result = subprocess.run(
+            [sys.executable, *command, "--help"], cwd=ROOT, capture_output=True, text=True
+        )
+        assert result.returncode == 0, result.stderr
+        return result.stdout.partition("options:")[2]
+
+    script = options(["scripts/deploy_local.py"])
+    assert "--num-supernodes" in script
+    assert options(["-m", "fedfm_flower.deploy"]) == script
 
 
 @pytest.mark.parametrize(
@@ -151,6 +182,6 @@ def test_deploy_refuses_bad_input_in_one_line_before_starting(
     ],
 )
 def test_deploy_exit_status_follows_the_run_status(status: str, code: int, tmp_path: Path):
-    result = dl.RunResult(1, status, 0, 1.0, None, tmp_path / "flwr_run.log")
+    result = RunResult(1, status, 0, 1.0, None, tmp_path / "flwr_run.log")
     assert result.exit_code == code
     assert result.ok == (code == 0)

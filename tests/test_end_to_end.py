@@ -11,7 +11,7 @@ import torch
 
 from fedfm_flower import protocol as P
 from fedfm_flower.config import ExperimentConfig
-from fedfm_flower.models import MODEL_CACHE, backbone_fingerprint, build_model
+from fedfm_flower.models import MODEL_CACHE, backbone_fingerprint, build_model, initial_trainable
 from fedfm_flower.registry import METHODS
 from server_apps.inprocess import ServerCrash, crash_in_round, run_in_process
 
@@ -28,9 +28,9 @@ SHARED_KEYS = {
 
 
 def _groups(keys) -> set[str]:
-    from fedfm_flower.models import parameter_group
-
-    return {parameter_group(k) for k in keys}
+    groups = {**initial_trainable(ExperimentConfig(), "lora", 10).groups}
+    groups.update(initial_trainable(ExperimentConfig(), "vpt", 10).groups)
+    return {groups.get(k, "backbone") for k in keys}
 
 
 @pytest.mark.parametrize("method", sorted(METHODS))
@@ -68,7 +68,7 @@ def test_client_training_leaves_the_frozen_backbone_bit_identical(small_run_conf
     )
     trained = MODEL_CACHE._model  # the model the clients trained in this process
     assert trained is not None
-    fresh = build_model(config, num_classes=10)
+    fresh = build_model(config, "lora", 10)
     assert backbone_fingerprint(trained.backbone) == backbone_fingerprint(fresh.backbone)
 
 
@@ -244,9 +244,7 @@ def test_pfedpg_sends_each_client_its_own_generated_prompts(small_run_config: di
     summary, grid = run_in_process(config, 4)
     run_dir = Path(config["output-dir"]) / summary["run-name"]
     full = ExperimentConfig.from_run_config({**ExperimentConfig().to_run_config(), **config})
-    from fedfm_flower.models import initial_trainable
-
-    strategy = PFedPGStrategy(full, initial_trainable(full, 10))
+    strategy = PFedPGStrategy(full, initial_trainable(full, "vpt", 10))
     strategy.load_state_tensors(load_file(str(run_dir / "checkpoints" / "round_00002.safetensors")))
     round3 = [
         m for m in grid.sent if m.metadata.message_type == "train" and m.metadata.group_id == "3"

@@ -216,20 +216,26 @@ def test_resume_after_a_crash_and_damaged_newest_files_equals_the_uninterrupted_
 
 
 def test_a_partition_below_the_minimum_fails_naming_client_counts_and_knobs() -> None:
-    from fedfm_flower.data import PartitionTooSmallError, check_client_sizes, client_sample_ids
+    from fedfm_flower.data import (
+        PartitionTooSmallError,
+        check_client_sizes,
+        client_example_counts,
+        client_sample_ids,
+    )
 
     # The case of the issue: Dirichlet 0.1 over 8 clients of the feature-skew data, seed 1.
     config = ExperimentConfig(dataset="digits-domains", dirichlet_alpha=0.1, seed=1)
     ids = client_sample_ids(config, 4, 8)
     assert (len(ids.train), len(ids.test)) == (1, 1)  # independent count of client 4's data
     with pytest.raises(PartitionTooSmallError) as info:
-        check_client_sizes(config, 8)
+        check_client_sizes(config, client_example_counts(config, 8))
     message = str(info.value)
     assert "client 4 of 8 holds 1 training and 1 test examples" in message
     assert "min-train-examples = 10" in message and "min-test-examples = 5" in message
     assert "dirichlet-alpha (now 0.1)" in message and "fewer clients" in message
     # Lowering the minimum is the documented way to accept it; the counts are then reported.
-    counts = check_client_sizes(config.replace(min_train_examples=1, min_test_examples=1), 8)
+    accepting = config.replace(min_train_examples=1, min_test_examples=1)
+    counts = check_client_sizes(accepting, client_example_counts(accepting, 8))
     assert (counts[4].train, counts[4].test) == (1, 1)
     for client, count in enumerate(counts):
         split = client_sample_ids(config, client, 8)
@@ -240,13 +246,13 @@ def test_a_partition_below_the_minimum_fails_naming_client_counts_and_knobs() ->
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_the_offline_setups_pass_the_default_minimum(seed: int) -> None:
-    from fedfm_flower.data import check_client_sizes
+    from fedfm_flower.data import check_client_sizes, client_example_counts
 
     for setup in (
         ExperimentConfig(seed=seed),  # label skew: Dirichlet 0.3 over 10 clients
         ExperimentConfig(dataset="digits-domains", partitioner="iid", seed=seed),
     ):
-        counts = check_client_sizes(setup, 10)
+        counts = check_client_sizes(setup, client_example_counts(setup, 10))
         assert min(c.test for c in counts) >= setup.min_test_examples
 
 

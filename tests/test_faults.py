@@ -1,4 +1,4 @@
-"""Fault injection on a real loopback deployment (scripts/deploy_local.py, TLS + SuperNode auth).
+"""Fault injection on a real loopback deployment (fedfm_flower.deploy, TLS + SuperNode auth).
 
 Each test starts a SuperLink and SuperNodes on 127.0.0.1, breaks something on purpose, and checks
 from the run's results and logs that the federation behaved as docs/deployment.md says:
@@ -25,7 +25,6 @@ from deploy_support import (
     assert_all_gone,
     assert_secure,
     completed_log,
-    dl,
     hash_files,
     read_rounds,
 )
@@ -33,6 +32,7 @@ from safetensors.torch import load_file
 
 from client_apps.faults import FAULT_KINDS
 from fedfm_flower.client_state import state_digest
+from fedfm_flower.deploy import DeployOptions, LocalDeployment
 from fedfm_flower.launch import ExitCode
 
 pytestmark = [pytest.mark.slow]
@@ -62,7 +62,7 @@ def base_config(cache_dir: Path, output_dir: Path, **extra: Any) -> dict[str, An
 
 def make_options(tmp_path: Path, num_supernodes: int) -> Any:
     """Secure (default) deployment options in a private work directory."""
-    return dl.DeployOptions(
+    return DeployOptions(
         num_supernodes=num_supernodes,
         workdir=tmp_path / "work",
         startup_timeout=120.0,
@@ -89,7 +89,7 @@ def test_supernode_killed_mid_round_rejoins_with_identical_state(cache_dir, tmp_
     run_dir = tmp_path / "runs" / "node-killed"
     node_dir = options.workdir / "node_1"
     state_file = node_dir / "node-killed" / "client_1" / "round_00001.safetensors"
-    deployment = dl.LocalDeployment(options)
+    deployment = LocalDeployment(options)
     try:
         deployment.start()
         ids_before = {n["node-id"] for n in deployment.online_nodes()}
@@ -158,7 +158,7 @@ def test_serverapp_killed_after_round_one_resumes_to_the_same_result(cache_dir, 
     )
     reference_dir = tmp_path / "runs" / "reference"
     crashed_dir = tmp_path / "runs" / "crashed"
-    deployment = dl.LocalDeployment(options)
+    deployment = LocalDeployment(options)
     try:
         deployment.start()
         during = deployment.live_pids()
@@ -246,7 +246,7 @@ def test_malformed_replies_and_bad_node_configs_leave_server_state_unchanged(cac
         },
     )
     run_dir = tmp_path / "runs" / "malformed"
-    deployment = dl.LocalDeployment(options)
+    deployment = LocalDeployment(options)
     try:
         deployment.prepare()
         deployment.start_superlink()

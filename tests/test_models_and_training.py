@@ -7,15 +7,37 @@ import torch
 from torch.utils.data import TensorDataset
 
 from fedfm_flower.config import ExperimentConfig
-from fedfm_flower.models import (
-    backbone_fingerprint,
-    build_model,
-    initial_trainable,
-    parameter_group,
-)
-from fedfm_flower.training import evaluate, round_seed, train
+from fedfm_flower.models import backbone_fingerprint
+from fedfm_flower.models import build_model as build_tuned
+from fedfm_flower.models import initial_trainable as initial_tuned
+from fedfm_flower.models.groups import BACKBONE
+from fedfm_flower.tasks.classification import ImageClassification
+from fedfm_flower.training import evaluate as evaluate_task
+from fedfm_flower.training import round_seed
+from fedfm_flower.training import train as train_task
 
 CONFIG = ExperimentConfig(pretrained=False, lr=0.01)
+TASK = ImageClassification()
+
+
+def build_model(config, num_classes):  # noqa: ANN001, ANN201
+    return build_tuned(config, "lora", num_classes)
+
+
+def initial_trainable(config, num_classes):  # noqa: ANN001, ANN201
+    return initial_tuned(config, "lora", num_classes).tensors
+
+
+def train(model, data, params, config, **kwargs):  # noqa: ANN001, ANN003, ANN201
+    return train_task(TASK, model, data, params, config, **kwargs)
+
+
+def evaluate(model, data):  # noqa: ANN001, ANN201
+    return evaluate_task(TASK, model, data)
+
+
+def parameter_group(model, name: str) -> str:  # noqa: ANN001
+    return model.parameter_groups().get(name, BACKBONE)
 
 
 def synthetic(n: int = 64, classes: int = 3, seed: int = 0) -> TensorDataset:
@@ -32,7 +54,7 @@ def test_lora_is_injected_into_every_target_and_backbone_is_frozen() -> None:
     assert len(adapter) == 2 * 4  # lora_A and lora_B in the qkv of each of 4 blocks
     assert all(".attn.qkv.lora_" in name for name in adapter)
     for name, param in model.named_parameters():
-        assert param.requires_grad == (parameter_group(name) != "backbone"), name
+        assert param.requires_grad == (parameter_group(model, name) != "backbone"), name
     a = next(p for n, p in adapter.items() if "lora_A" in n)
     assert a.shape == (CONFIG.lora_rank, 64)
 
@@ -83,7 +105,7 @@ def test_only_given_parameters_move() -> None:
     train(model, synthetic(), model.group_parameters(["head"]).values(), CONFIG, seed=0)
     after = model.group_tensors(["adapter", "head"])
     for name in before:
-        assert torch.equal(before[name], after[name]) == (parameter_group(name) == "adapter")
+        assert torch.equal(before[name], after[name]) == (parameter_group(model, name) == "adapter")
     # requires_grad flags are restored after training
     assert all(p.requires_grad for p in model.group_parameters(["adapter"]).values())
 
@@ -127,7 +149,7 @@ def test_timm_vit_loads_pretrained_weights_from_a_local_file(tmp_path) -> None:
     import timm
     from safetensors.torch import save_file
 
-    from fedfm_flower.models import build_backbone
+    from fedfm_flower.models.classifier import vision_backbone as build_backbone
 
     torch.manual_seed(123)
     source = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=10)

@@ -7,11 +7,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from fedfm_flower.config import PROMPT_GENERATORS, PROMPT_QUERIES, ConfigError, ExperimentConfig
-from fedfm_flower.learners.pfedpg import GENERATORS, QUERIES, PFedPGServer, PFedPGSettings
+from fedfm_flower.config import ConfigError, ExperimentConfig
+from fedfm_flower.learners.pfedpg import PFedPGServer, PFedPGSettings
+from fedfm_flower.learners.pfedpg_settings import GENERATORS, QUERIES
 from fedfm_flower.models import backbone_fingerprint, build_model
 from fedfm_flower.models.backbones import tiny_vit
-from fedfm_flower.models.prompts import VisualPrompts
+from fedfm_flower.models.tuners.prompts import VisualPrompts
 from fedfm_flower.training import train
 
 K, WIDTH, N = 3, 8, 4
@@ -27,10 +28,15 @@ def images(count: int = 2) -> torch.Tensor:
     return torch.randn(count, 3, 16, 16, generator=torch.Generator().manual_seed(1))
 
 
-def test_config_tuples_match_the_implementation() -> None:
-    assert PROMPT_GENERATORS == GENERATORS and PROMPT_QUERIES == QUERIES
-    with pytest.raises(ConfigError, match="pfedpg-generator"):
-        ExperimentConfig(pfedpg_generator="film").validate()
+def test_bad_settings_fail_in_the_settings_and_the_config() -> None:
+    with pytest.raises(ConfigError, match="'pfedpg-generator' = 'film' is invalid: allowed: cross"):
+        PFedPGSettings(generator="film")
+    with pytest.raises(ConfigError, match="'pfedpg-generator'"):
+        ExperimentConfig().replace(pfedpg_generator="film")
+    with pytest.raises(ConfigError, match="'pfedpg-query'"):
+        ExperimentConfig.from_run_config({"pfedpg-query": "multi"})
+    with pytest.raises(ConfigError, match="'pfedpg-attention-dim'"):
+        PFedPGSettings(attention_dim=-1)
     with pytest.raises(ConfigError, match="vpt-num-prompts"):
         ExperimentConfig(vpt_num_prompts=0).validate()
 
@@ -74,13 +80,17 @@ def test_without_prompts_the_output_is_the_plain_vit(deep: bool) -> None:
 @pytest.mark.parametrize("method", ["fedvpt", "fedvpt-deep", "pfedpg"])
 def test_prompt_training_leaves_the_backbone_bit_identical(method: str) -> None:
     config = ExperimentConfig(method=method, pretrained=False, local_steps=3, local_epochs=0)
-    model = build_model(config, num_classes=10, load_weights=False)
+    from fedfm_flower.registry import method_spec
+    from fedfm_flower.tasks.classification import ImageClassification
+
+    model = build_model(config, method_spec(method).tuner, 10, load_weights=False)
     before = backbone_fingerprint(model.backbone)
     prompts_before = model.prompts.embeddings.detach().clone()
     assert set(model.group_parameters(["prompt"])) == {"prompts.embeddings"}
     assert not model.group_parameters(["adapter"])
     data = torch.utils.data.TensorDataset(images(32), torch.randint(0, 10, (32,)))
-    train(model, data, model.group_parameters(["prompt", "head"]).values(), config, seed=0)
+    params = model.group_parameters(["prompt", "head"]).values()
+    train(ImageClassification(), model, data, params, config, seed=0)
     assert backbone_fingerprint(model.backbone) == before
     assert not torch.equal(model.prompts.embeddings, prompts_before)
 

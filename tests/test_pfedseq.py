@@ -2,34 +2,20 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from fedfm_flower.config import (
-    SCAN_BACKENDS,
-    SEQ_INPUT_SCALES,
-    SEQ_LEARNER_UPDATES,
-    SEQ_LEARNERS,
-    SEQ_OUTPUT_INITS,
-    ConfigError,
-    ExperimentConfig,
-)
+from fedfm_flower.config import ConfigError, ExperimentConfig
 from fedfm_flower.learners import selective_scan as scan
 from fedfm_flower.learners.layout import ParameterLayout, layer_key
 from fedfm_flower.learners.mamba import MambaMixer
-from fedfm_flower.learners.pfedseq import (
-    INPUT_SCALES,
-    LEARNER_UPDATES,
-    PFedSeqServer,
-    PFedSeqSettings,
-)
+from fedfm_flower.learners.pfedseq import PFedSeqServer, PFedSeqSettings
+from fedfm_flower.learners.pfedseq_settings import INPUT_SCALES, LEARNERS
 from fedfm_flower.learners.quadratic import QuadraticFederation, fedavg_settings, run_quadratic
-from fedfm_flower.learners.sequence import LEARNERS, OUTPUT_INITS, LearnerSpec, SequenceLearner
+from fedfm_flower.learners.sequence import LearnerSpec, SequenceLearner
 
 N = 4
 ADAPTER = {
@@ -46,14 +32,10 @@ def initial_adapter(seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 def make_server(**changes) -> PFedSeqServer:
-    learner = dataclasses.replace(
-        LearnerSpec(seq_len=changes.pop("seq_len", 5)), **changes.pop("spec", {})
-    )
     settings = PFedSeqSettings(
-        seq_len=learner.seq_len,
+        seq_len=changes.pop("seq_len", 5),
         warmup_rounds=changes.pop("warmup_rounds", 1),
         lr=changes.pop("lr", 1e-2),
-        learner=learner,
         **changes,
     )
     return PFedSeqServer(settings, initial_adapter(), N, seed=0)
@@ -161,26 +143,28 @@ def test_cuda_backend_without_kernels_is_a_clear_error() -> None:
     assert not scan.use_kernel("selective_scan", torch.zeros(1), "auto")  # CPU tensor
 
 
-def test_config_tuples_match_the_implementations() -> None:
-    assert SEQ_LEARNERS == LEARNERS
-    assert SCAN_BACKENDS == scan.BACKENDS
-    assert SEQ_INPUT_SCALES == INPUT_SCALES
-    assert SEQ_LEARNER_UPDATES == LEARNER_UPDATES
-    assert SEQ_OUTPUT_INITS == OUTPUT_INITS
-    with pytest.raises(ConfigError, match="pfedseq-input-scale"):
-        ExperimentConfig(pfedseq_input_scale="layer").validate()
-    with pytest.raises(ConfigError, match="pfedseq-learner-update"):
-        ExperimentConfig(pfedseq_learner_update="sgd").validate()
-    with pytest.raises(ConfigError, match="pfedseq-batch-rows"):
-        ExperimentConfig(pfedseq_batch_rows=0).validate()
-    with pytest.raises(ConfigError, match="pfedseq-output-init"):
-        ExperimentConfig(pfedseq_output_init="xavier").validate()
-    with pytest.raises(ConfigError, match="pfedseq-learner"):
-        ExperimentConfig(pfedseq_learner="transformer").validate()
-    with pytest.raises(ConfigError, match="pfedseq-conv-kernel"):
-        ExperimentConfig(pfedseq_conv_kernel=5).validate()
-    with pytest.raises(ConfigError, match="pfedseq-seq-len"):
-        ExperimentConfig(pfedseq_seq_len=0).validate()
+@pytest.mark.parametrize(
+    ("changes", "key"),
+    [
+        ({"input_scale": "layer"}, "pfedseq-input-scale"),
+        ({"learner_update": "sgd"}, "pfedseq-learner-update"),
+        ({"batch_rows": 0}, "pfedseq-batch-rows"),
+        ({"output_init": "xavier"}, "pfedseq-output-init"),
+        ({"learner": "transformer"}, "pfedseq-learner"),
+        ({"conv_kernel": 5}, "pfedseq-conv-kernel"),
+        ({"seq_len": 0}, "pfedseq-seq-len"),
+        ({"scan_backend": "triton"}, "pfedseq-scan-backend"),
+    ],
+)
+def test_bad_settings_fail_in_the_settings_and_the_config(changes: dict, key: str) -> None:
+    """The settings class is the one place of pFedSeq's rules; the config applies them."""
+    with pytest.raises(ConfigError, match=f"'{key}'"):
+        PFedSeqSettings(**changes)
+    ((name, value),) = changes.items()
+    with pytest.raises(ConfigError, match=f"'{key}'"):
+        ExperimentConfig().replace(**{f"pfedseq_{name}": value})
+    with pytest.raises(ConfigError, match=f"'{key}'"):
+        ExperimentConfig.from_run_config({key: value})
 
 
 # ---------------------------------------------------------------- layout and learners
@@ -203,13 +187,31 @@ def test_learner_size_does_not_depend_on_the_adapter_size(kind: str) -> None:
     for rows in (3, 1000):
         assert learner(torch.randn(rows, 5, N)).shape == (rows, N)
     assert sum(p.numel() for p in learner.parameters()) == count
-    small = PFedSeqServer(PFedSeqSettings(learner=LearnerSpec(kind=kind)), initial_adapter(), N)
+    small = PFedSeqServer(PFedSeqSettings(learner=kind), initial_adapter(), N)
     big_adapter = {
         k: torch.zeros(v.shape[0] * 50, v.shape[1]) for k, v in initial_adapter().items()
     }
-    big = PFedSeqServer(PFedSeqSettings(learner=LearnerSpec(kind=kind)), big_adapter, N)
+    big = PFedSeqServer(PFedSeqSettings(learner=kind), big_adapter, N)
     assert big.layout.size == 50 * small.layout.size
     assert big.num_learner_parameters() == small.num_learner_parameters()
+
+
+def test_learner_spec_is_read_from_the_typed_settings() -> None:
+    assert LearnerSpec() == LearnerSpec.from_settings(PFedSeqSettings())  # one set of defaults
+    config = ExperimentConfig().replace(
+        pfedseq_learner="lstm",
+        pfedseq_num_layers=3,
+        pfedseq_state_dim=8,
+        pfedseq_expand=4,
+        pfedseq_conv_kernel=3,
+        pfedseq_mlp_hidden=50,
+        pfedseq_seq_len=7,
+        pfedseq_cross_client=False,
+        pfedseq_scan_backend="torch",
+        pfedseq_output_init="reference",
+    )
+    spec = LearnerSpec.from_settings(config.settings_of(PFedSeqSettings))
+    assert spec == LearnerSpec("lstm", 3, 8, 4, 3, 50, 7, False, "torch", "reference")
 
 
 @pytest.mark.parametrize("kind", LEARNERS)
@@ -292,7 +294,7 @@ def reference_scales(server: PFedSeqServer, part: torch.Tensor, masks: torch.Ten
     if server.settings.input_scale == "none":
         return torch.ones(N, dtype=torch.float64)
     reported = masks.double() * part.shape[0]  # (L, N) entries that were reported
-    if server.settings.learner.cross_client:
+    if server.settings.cross_client:
         return (part.pow(2).sum() / reported.sum()).sqrt().expand(N)
     return (part.pow(2).sum((0, 1)) / reported.sum(0)).sqrt()  # each client its own RMS
 
@@ -313,9 +315,7 @@ def expected_calibrations(server: PFedSeqServer, history=None, masks=None) -> to
 @pytest.mark.parametrize("input_scale", INPUT_SCALES)
 @pytest.mark.parametrize("cross_client", [True, False])
 def test_personalized_adapter_is_global_plus_calibration_eq3(input_scale, cross_client) -> None:
-    server = make_server(
-        warmup_rounds=1, input_scale=input_scale, spec={"cross_client": cross_client}
-    )
+    server = make_server(warmup_rounds=1, input_scale=input_scale, cross_client=cross_client)
     run_rounds(server, range(4))
     xi = expected_calibrations(server).detach()
     assert xi.abs().max() > 0
@@ -420,12 +420,12 @@ def test_non_reporting_clients_enter_the_sequence_as_zero_and_stay_out_of_eq1() 
 
 @pytest.mark.parametrize("kind", LEARNERS)
 def test_checkpoint_and_resume_are_exact(kind: str, tmp_path) -> None:
-    uninterrupted = make_server(spec={"kind": kind}, warmup_rounds=2)
+    uninterrupted = make_server(learner=kind, warmup_rounds=2)
     run_rounds(uninterrupted, range(7))
-    first = make_server(spec={"kind": kind}, warmup_rounds=2)
+    first = make_server(learner=kind, warmup_rounds=2)
     run_rounds(first, range(4))
     save_file(first.state_tensors(), str(tmp_path / "state.safetensors"))
-    resumed = make_server(spec={"kind": kind}, warmup_rounds=2)
+    resumed = make_server(learner=kind, warmup_rounds=2)
     resumed.load_state_tensors(load_file(str(tmp_path / "state.safetensors")))
     run_rounds(resumed, range(4, 7))
     a, b = uninterrupted.state_tensors(), resumed.state_tensors()
@@ -444,9 +444,7 @@ def test_a_client_id_outside_the_channels_is_a_clear_error() -> None:
 @pytest.mark.parametrize("input_scale", INPUT_SCALES)
 def test_variant_c_calibration_depends_on_the_clients_own_history_only(input_scale) -> None:
     """Changing client 2's history (and whether it reported) leaves every other xi_i as is."""
-    server = make_server(
-        warmup_rounds=1, input_scale=input_scale, spec={"cross_client": False}, seq_len=4
-    )
+    server = make_server(warmup_rounds=1, input_scale=input_scale, cross_client=False, seq_len=4)
     run_rounds(server, range(6))
     randomize_output_projections(server.learners)
     history = [h.clone() for h in server.history]
@@ -552,9 +550,7 @@ QUADRATIC_ROUNDS = 16
 
 def quadratic_settings(**changes) -> PFedSeqSettings:
     """The paper's server settings (Adam 1e-3, 2-layer Mamba, W = 10, L = 10)."""
-    return PFedSeqSettings(
-        seq_len=10, warmup_rounds=10, lr=1e-3, learner=LearnerSpec(seq_len=10), **changes
-    )
+    return PFedSeqSettings(seq_len=10, warmup_rounds=10, lr=1e-3, **changes)
 
 
 def test_calibrations_act_right_after_the_warm_up() -> None:

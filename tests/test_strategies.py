@@ -22,23 +22,32 @@ from client_apps.faults import FAULT_KINDS, InjectedCrash, inject_fault, parse_f
 from fedfm_flower import protocol as P
 from fedfm_flower.aggregation import weighted_average
 from fedfm_flower.config import ConfigError, ExperimentConfig
+from fedfm_flower.models import TrainableTensors
 from fedfm_flower.records import to_array_record
 from server_apps.inprocess import InProcessGrid, identity_app
 from strategies.fedavg import FedAvgStrategy
 from strategies.fedrep import FedRepStrategy
 from strategies.local import LocalStrategy
 
-INITIAL = {
-    "backbone.blocks.0.attn.qkv.lora_A.default.weight": torch.randn(2, 8),
-    "backbone.blocks.0.attn.qkv.lora_B.default.weight": torch.zeros(24, 2),
-    "head.weight": torch.randn(3, 8),
-    "head.bias": torch.zeros(3),
-}
+INITIAL = TrainableTensors(
+    {
+        "backbone.blocks.0.attn.qkv.lora_A.default.weight": torch.randn(2, 8),
+        "backbone.blocks.0.attn.qkv.lora_B.default.weight": torch.zeros(24, 2),
+        "head.weight": torch.randn(3, 8),
+        "head.bias": torch.zeros(3),
+    },
+    {
+        "backbone.blocks.0.attn.qkv.lora_A.default.weight": "adapter",
+        "backbone.blocks.0.attn.qkv.lora_B.default.weight": "adapter",
+        "head.weight": "head",
+        "head.bias": "head",
+    },
+)
 
 
 def make_strategy(cls=FedAvgStrategy, num_clients: int = 3):
     config = ExperimentConfig(num_clients=num_clients)
-    strategy = cls(config, {k: v.clone() for k, v in INITIAL.items()})
+    strategy = cls(config, INITIAL)
     grid = InProcessGrid(
         identity_app(), config.to_run_config(), [{"client-id": 10 + i} for i in range(num_clients)]
     )
@@ -82,7 +91,7 @@ def test_node_mapping_is_learned_by_query_and_messages_are_per_node() -> None:
         )
         keys = set(message.content[P.ARRAYS].keys())
         # FedRep sends the adapter only: no head, no frozen backbone tensor.
-        assert keys == {k for k in INITIAL if "lora_" in k}
+        assert keys == {k for k in INITIAL.tensors if "lora_" in k}
 
 
 def test_local_sends_nothing() -> None:
@@ -120,7 +129,7 @@ def test_unanswered_message_counts_as_missing_not_rejected(caplog) -> None:
     whose heartbeat stopped mid-round: the client is missing, the round goes on."""
     strategy, grid = make_strategy()
     messages = list(strategy.configure_train(1, ArrayRecord(), ConfigRecord(), grid))
-    good = {k: torch.ones_like(v) for k, v in INITIAL.items()}
+    good = {k: torch.ones_like(v) for k, v in INITIAL.tensors.items()}
     replies = [reply_to(m, good, 10) for m in messages[:-1]]
     lost = Message(
         Error(code=ErrorCode.NODE_UNAVAILABLE, reason="no heartbeat"), reply_to=messages[-1]
@@ -140,7 +149,7 @@ def test_every_injectable_fault_is_rejected_without_state_change(kind: str, capl
     strategy, grid = make_strategy()
     before = state_hash(strategy)
     messages = list(strategy.configure_train(1, ArrayRecord(), ConfigRecord(), grid))
-    good = {k: torch.ones_like(v) for k, v in INITIAL.items()}
+    good = {k: torch.ones_like(v) for k, v in INITIAL.tensors.items()}
     replies = [reply_to(m, good, 10) for m in messages]
     for reply in replies:
         inject_fault(reply.content, kind)
@@ -166,7 +175,7 @@ def test_fedavg_aggregates_with_example_weights() -> None:
     strategy, grid = make_strategy()
     messages = list(strategy.configure_train(1, ArrayRecord(), ConfigRecord(), grid))
     updates = [
-        {k: torch.full_like(v, float(i + 1)) for k, v in INITIAL.items()}
+        {k: torch.full_like(v, float(i + 1)) for k, v in INITIAL.tensors.items()}
         for i in range(len(messages))
     ]
     counts = [10, 20, 70]
@@ -223,7 +232,7 @@ def _corrupt(kind: str, arrays: dict) -> ArrayRecord | dict:
 def test_bad_reply_is_dropped_and_round_completes(kind: str, caplog) -> None:
     strategy, grid = make_strategy()
     messages = list(strategy.configure_train(1, ArrayRecord(), ConfigRecord(), grid))
-    good = {k: torch.ones_like(v) for k, v in INITIAL.items()}
+    good = {k: torch.ones_like(v) for k, v in INITIAL.tensors.items()}
     replies = [reply_to(m, good, 10) for m in messages[:-1]]
     last = messages[-1]
     if kind == "foreign-id":
@@ -249,7 +258,7 @@ def test_all_bad_replies_leave_state_unchanged(kind: str) -> None:
     strategy, grid = make_strategy()
     before = state_hash(strategy)
     messages = list(strategy.configure_train(1, ArrayRecord(), ConfigRecord(), grid))
-    good = {k: torch.ones_like(v) for k, v in INITIAL.items()}
+    good = {k: torch.ones_like(v) for k, v in INITIAL.tensors.items()}
     if kind == "foreign-id":
         replies = [reply_to(m, good, 10, client_id=99) for m in messages]
     else:

@@ -4,52 +4,47 @@
 (and validation) tensors; ``load_public_split(config)`` gives the public split no client holds,
 on which the offline foundation model is pretrained; ``num_classes_of(config)`` sizes heads.
 
-Modules, one concept each: ``registry`` (dataset name -> spec), ``digits`` (the embedded
-offline data), ``loaders`` (local copies and the Hugging Face Hub), ``source`` (labels up
-front, pixels on demand), ``splits`` (seeded stratified splits), ``partition`` (flwr-datasets
-partitioners), ``domains`` (synthetic feature skew), ``images`` (resizing and normalization),
-``federated`` (this API), ``sizes`` (example counts; the smallest partition a run accepts).
+Modules, one concept each: ``registry`` (dataset name -> spec), ``source`` (the ``Source``
+type: labels up front, pixels on demand), ``digits`` (the embedded offline data), ``loaders``
+(``load_source``: the digits, local copies or the Hugging Face Hub), ``splits`` (seeded
+stratified splits), ``partition`` (flwr-datasets partitioners), ``domains`` (synthetic feature
+skew), ``images`` (resizing and normalization), ``federated`` (this API), ``sizes`` (example
+counts; the smallest partition a run accepts).
 Heavy libraries (``datasets``, ``flwr_datasets``, scikit-learn) are imported only when data is
-first prepared, so importing this package stays cheap.
+first prepared; the names below resolve on first use, so importing this package (or its light
+``registry``, which the config reads) imports neither torch nor those libraries.
 """
 
-from fedfm_flower.data.domains import DOMAINS, Domain
-from fedfm_flower.data.federated import (
-    ClientData,
-    ClientSampleIds,
-    clear_caches,
-    client_sample_ids,
-    load_client_data,
-    load_public_split,
-    num_classes_of,
-    public_sample_ids,
-)
-from fedfm_flower.data.loaders import DataUnavailableError
-from fedfm_flower.data.registry import DATASETS, DatasetSpec, dataset_spec
-from fedfm_flower.data.sizes import (
-    ClientExamples,
-    PartitionTooSmallError,
-    check_client_sizes,
-    client_example_counts,
-)
+from __future__ import annotations
 
-__all__ = [
-    "DATASETS",
-    "DOMAINS",
-    "ClientData",
-    "ClientExamples",
-    "ClientSampleIds",
-    "DataUnavailableError",
-    "DatasetSpec",
-    "Domain",
-    "PartitionTooSmallError",
-    "check_client_sizes",
-    "clear_caches",
-    "client_example_counts",
-    "client_sample_ids",
-    "dataset_spec",
-    "load_client_data",
-    "load_public_split",
-    "num_classes_of",
-    "public_sample_ids",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "DOMAINS": "fedfm_flower.data.domains",
+    "Domain": "fedfm_flower.data.domains",
+    "ClientData": "fedfm_flower.data.federated",
+    "ClientSampleIds": "fedfm_flower.data.federated",
+    "clear_caches": "fedfm_flower.data.federated",
+    "client_sample_ids": "fedfm_flower.data.federated",
+    "load_client_data": "fedfm_flower.data.federated",
+    "load_public_split": "fedfm_flower.data.federated",
+    "num_classes_of": "fedfm_flower.data.federated",
+    "public_sample_ids": "fedfm_flower.data.federated",
+    "DataUnavailableError": "fedfm_flower.data.loaders",
+    "DATASETS": "fedfm_flower.data.registry",
+    "DatasetSpec": "fedfm_flower.data.registry",
+    "dataset_spec": "fedfm_flower.data.registry",
+    "ClientExamples": "fedfm_flower.data.sizes",
+    "PartitionTooSmallError": "fedfm_flower.data.sizes",
+    "check_client_sizes": "fedfm_flower.data.sizes",
+    "client_example_counts": "fedfm_flower.data.sizes",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

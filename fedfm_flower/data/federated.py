@@ -54,7 +54,7 @@ def num_classes_of(config: ExperimentConfig) -> int:
     spec = dataset_spec(config.dataset)
     if spec.embedded or not config.data_dir:
         return spec.num_classes
-    from fedfm_flower.data.source import load_source
+    from fedfm_flower.data.loaders import load_source
 
     return load_source(DataSettings.from_config(config)).num_classes
 
@@ -94,8 +94,8 @@ def _check_partition(partition_id: int, num_partitions: int) -> None:
 
 @functools.lru_cache(maxsize=256)
 def _client_ids(settings: DataSettings, partition_id: int, num_partitions: int) -> ClientSampleIds:
+    from fedfm_flower.data.loaders import load_source
     from fedfm_flower.data.partition import partition_plan
-    from fedfm_flower.data.source import load_source
     from fedfm_flower.data.splits import client_split
 
     ids = partition_plan(settings, num_partitions).partitions[partition_id]
@@ -109,8 +109,8 @@ def _client_ids(settings: DataSettings, partition_id: int, num_partitions: int) 
 @functools.lru_cache(maxsize=64)
 def _client_data(settings: DataSettings, partition_id: int, num_partitions: int) -> ClientData:
     from fedfm_flower.data.domains import DOMAINS
+    from fedfm_flower.data.loaders import load_source
     from fedfm_flower.data.partition import partition_plan
-    from fedfm_flower.data.source import load_source
 
     ids = _client_ids(settings, partition_id, num_partitions)
     source = load_source(settings)
@@ -130,8 +130,8 @@ def _client_data(settings: DataSettings, partition_id: int, num_partitions: int)
 
 @functools.lru_cache(maxsize=8)
 def _public_ids(settings: DataSettings) -> tuple[np.ndarray, np.ndarray]:
+    from fedfm_flower.data.loaders import load_source
     from fedfm_flower.data.partition import public_and_private
-    from fedfm_flower.data.source import load_source
     from fedfm_flower.data.splits import pretrain_split
 
     public, _ = public_and_private(settings)
@@ -141,7 +141,7 @@ def _public_ids(settings: DataSettings) -> tuple[np.ndarray, np.ndarray]:
 
 @functools.lru_cache(maxsize=4)
 def _public_data(settings: DataSettings) -> tuple[TensorDataset, TensorDataset, int]:
-    from fedfm_flower.data.source import load_source
+    from fedfm_flower.data.loaders import load_source
 
     source = load_source(settings)
     train, test = _public_ids(settings)
@@ -161,7 +161,7 @@ def _tensor_dataset(
 
 def clear_caches() -> None:
     """Forget every prepared source, split and client dataset held in this process."""
-    from fedfm_flower.data import digits, partition, source
+    from fedfm_flower.data import digits, loaders, partition
 
     for cached in (
         _client_ids,
@@ -170,7 +170,7 @@ def clear_caches() -> None:
         _public_data,
         partition.partition_plan,
         partition.public_and_private,
-        source._cached_source,
+        loaders._cached_source,
         digits.digits_arrays,
     ):
         cached.cache_clear()

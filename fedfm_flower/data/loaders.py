@@ -1,4 +1,10 @@
-"""Loading the papers' datasets: a local copy under ``data-dir``, else the Hugging Face Hub.
+"""Loading a registered dataset as a ``Source``: the embedded digits, or for the papers'
+datasets a local copy under ``data-dir``, else the Hugging Face Hub.
+
+``load_source`` picks the loader by the registry's spec and caches one source per (dataset,
+data-dir, image size, natural-id column) in the process, so a ClientApp that loads its data on
+every message pays the preparation once. The embedded digits are ``fedfm_flower.data.digits``;
+the rest of this module loads the other datasets.
 
 Local copies come in two layouts, told apart by their files:
 
@@ -22,6 +28,7 @@ files under ``<cache-dir>/datasets``; images are decoded and resized only for th
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 from typing import Any
@@ -30,7 +37,8 @@ import numpy as np
 import torch
 
 from fedfm_flower.data.images import pil_to_tensor
-from fedfm_flower.data.registry import DatasetSpec
+from fedfm_flower.data.registry import DatasetSpec, dataset_spec
+from fedfm_flower.data.settings import DataSettings
 from fedfm_flower.data.source import Source
 
 log = logging.getLogger(__name__)
@@ -41,6 +49,36 @@ LABEL_COLUMNS = ("label",)
 
 class DataUnavailableError(RuntimeError):
     """The dataset could not be loaded; the message says how to provide it (``data-dir``)."""
+
+
+def load_source(settings: DataSettings) -> Source:
+    """The (process-cached) source of ``settings.dataset``."""
+    return _cached_source(
+        settings.dataset,
+        settings.data_dir,
+        settings.cache_dir,
+        settings.image_size,
+        settings.natural_id_column,
+    )
+
+
+@functools.lru_cache(maxsize=4)
+def _cached_source(
+    name: str, data_dir: str, cache_dir: str, image_size: int, natural_id_column: str
+) -> Source:
+    spec = dataset_spec(name)
+    if spec.embedded:
+        from fedfm_flower.data.digits import digits_source
+
+        if natural_id_column and natural_id_column != spec.natural_id_column:
+            raise ValueError(
+                f"dataset '{name}' has no column '{natural_id_column}'; its natural-id column "
+                f"is {spec.natural_id_column or 'absent'!r}"
+            )
+        return digits_source(name, image_size, with_domains=bool(spec.natural_id_column))
+    return loaded_source(
+        name, spec, data_dir, cache_dir, image_size, natural_id_column or spec.natural_id_column
+    )
 
 
 def load_raw(name: str, spec: DatasetSpec, data_dir: str, cache_dir: str) -> tuple[Any, bool]:

@@ -40,8 +40,6 @@ import functools
 import hashlib
 import json
 import logging
-import os
-import tempfile
 import zipfile
 from dataclasses import dataclass
 from importlib import metadata
@@ -50,9 +48,11 @@ from typing import Any
 
 import numpy as np
 
+from fedfm_flower.data.loaders import load_source
 from fedfm_flower.data.settings import DataSettings
-from fedfm_flower.data.source import Source, load_source
+from fedfm_flower.data.source import Source
 from fedfm_flower.data.splits import PRIVATE_ORDER_STREAM, entropy, public_split, rng_for
+from fedfm_flower.durable import atomic_path
 
 LABEL = "label"
 SAMPLE_ID = "sample_id"
@@ -142,13 +142,11 @@ def _read_plan(path: Path) -> PartitionPlan | None:
 
 
 def _write_plan(path: Path, plan: PartitionPlan) -> None:
-    """Store ``plan`` at ``path`` atomically; a cache that cannot be written is only logged."""
+    """Store ``plan`` at ``path`` atomically (a cache: no fsync, an unreadable file is
+    recomputed); a cache that cannot be written is only logged."""
     natural = None if plan.natural_ids is None else list(plan.natural_ids)
-    temporary = None
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        handle, temporary = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-        with os.fdopen(handle, "wb") as file:
+        with atomic_path(path, durable=False) as temporary, temporary.open("wb") as file:
             np.savez(
                 file,
                 public=plan.public,
@@ -156,11 +154,8 @@ def _write_plan(path: Path, plan: PartitionPlan) -> None:
                 sizes=np.array([len(p) for p in plan.partitions], dtype=np.int64),
                 natural_ids=np.array(json.dumps(natural)),
             )
-        os.replace(temporary, path)
     except (OSError, TypeError, ValueError) as err:
         log.warning("could not write the partition cache %s: %s", path, err)
-        if temporary is not None:
-            Path(temporary).unlink(missing_ok=True)
 
 
 def _plain(value: Any) -> Any:

@@ -29,8 +29,9 @@ class DatasetSpec:
     natural_id_column: str  # "" when the dataset has no natural client ids
     num_classes: int  # after ``top_classes`` is applied
     top_classes: int = 0  # keep only the most frequent classes (0: keep all)
-    embedded: bool = False  # prepared in-process from scikit-learn, never downloaded
+    embedded: bool = False  # prepared in-process, never downloaded
     summary: str = ""
+    task: str = "image-classification"  # fedfm_flower.tasks
 
 
 DATASETS: dict[str, DatasetSpec] = {
@@ -92,6 +93,17 @@ DATASETS: dict[str, DatasetSpec] = {
         natural_id_column="drawer",
         num_classes=50,
         summary="Omniglot, predict the alphabet, one client per drawer (pFedSeq); needs data-dir",
+    ),
+    "instructions": DatasetSpec(
+        hub_name="",
+        image_column="",
+        label_column="",
+        natural_id_column="",
+        num_classes=0,
+        embedded=True,
+        summary="offline instruction-following tasks, one task per client "
+        "(fedfm_flower.data.instructions); generation and classification in generative form",
+        task="instruction-following",
     ),
 }
 

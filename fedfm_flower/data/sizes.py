@@ -42,9 +42,12 @@ def client_example_counts(config: ExperimentConfig, num_clients: int) -> list[Cl
     return counts
 
 
-def check_client_sizes(config: ExperimentConfig, num_clients: int) -> list[ClientExamples]:
-    """The clients' example counts; ``PartitionTooSmallError`` when one is below the minimum."""
-    counts = client_example_counts(config, num_clients)
+def check_client_sizes(
+    config: ExperimentConfig, counts: list[ClientExamples]
+) -> list[ClientExamples]:
+    """``counts`` (client id = position); ``PartitionTooSmallError`` when one is below the
+    minimum."""
+    num_clients = len(counts)
     small = [
         (client, c)
         for client, c in enumerate(counts)

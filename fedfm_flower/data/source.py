@@ -7,21 +7,17 @@ resized only for the rows a client actually holds. Samples are named by their po
 source (the *sample id*); every split and partition in this package is an array of sample ids,
 which is also how tests check that splits are disjoint and cover the data.
 
-``load_source`` caches one source per (dataset, data-dir, image size, natural-id column) in the
-process, so a ClientApp that loads its data on every message pays the preparation once.
+This module is the type only: the embedded digits (``digits``) and the loaders of the other
+datasets (``loaders``) make sources, and ``loaders.load_source`` picks one by the registry.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-
-from fedfm_flower.data.registry import dataset_spec
-from fedfm_flower.data.settings import DataSettings
 
 
 @dataclass(frozen=True, eq=False)
@@ -43,35 +39,3 @@ class Source:
     def images(self, sample_ids: np.ndarray) -> torch.Tensor:
         """RGB images of ``sample_ids`` as ``[n, 3, H, W]`` floats in ``[0, 1]``."""
         return self.pixels(np.asarray(sample_ids, dtype=np.int64))
-
-
-def load_source(settings: DataSettings) -> Source:
-    """The (process-cached) source of ``settings.dataset``."""
-    return _cached_source(
-        settings.dataset,
-        settings.data_dir,
-        settings.cache_dir,
-        settings.image_size,
-        settings.natural_id_column,
-    )
-
-
-@functools.lru_cache(maxsize=4)
-def _cached_source(
-    name: str, data_dir: str, cache_dir: str, image_size: int, natural_id_column: str
-) -> Source:
-    spec = dataset_spec(name)
-    if spec.embedded:
-        from fedfm_flower.data.digits import digits_source
-
-        if natural_id_column and natural_id_column != spec.natural_id_column:
-            raise ValueError(
-                f"dataset '{name}' has no column '{natural_id_column}'; its natural-id column "
-                f"is {spec.natural_id_column or 'absent'!r}"
-            )
-        return digits_source(name, image_size, with_domains=bool(spec.natural_id_column))
-    from fedfm_flower.data.loaders import loaded_source
-
-    return loaded_source(
-        name, spec, data_dir, cache_dir, image_size, natural_id_column or spec.natural_id_column
-    )

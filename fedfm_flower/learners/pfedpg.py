@@ -38,11 +38,11 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from fedfm_flower.learners.pfedpg_settings import PFedPGSettings
 from fedfm_flower.learners.state import (
     check_client,
     load_optimizer_tensors,
@@ -51,42 +51,13 @@ from fedfm_flower.learners.state import (
     unprefixed,
 )
 
-GENERATORS: tuple[str, ...] = ("cross-attention", "basis", "mlp", "adain")
-QUERIES: tuple[str, ...] = ("per-prompt", "single")
-
-
-@dataclass(frozen=True)
-class PFedPGSettings:
-    """pFedPG's server hyperparameters (run-config keys ``pfedpg-*``)."""
-
-    generator: str = "cross-attention"
-    query: str = "per-prompt"
-    attention_dim: int = 0  # 0: the prompt width
-    hidden: int = 100
-    lr: float = 1e-3
-
-    @classmethod
-    def from_config(cls, config) -> PFedPGSettings:  # noqa: ANN001 - ExperimentConfig
-        """The settings of a validated ``ExperimentConfig``."""
-        return cls(
-            generator=config.pfedpg_generator,
-            query=config.pfedpg_query,
-            attention_dim=config.pfedpg_attention_dim,
-            hidden=config.pfedpg_hidden,
-            lr=config.pfedpg_lr,
-        )
-
 
 class PromptGenerator(nn.Module):
     """G(P_base, d_n) for every generator kind; ``forward(n)`` is client n's (K, l) prompts."""
 
     def __init__(self, settings: PFedPGSettings, initial: torch.Tensor, num_clients: int) -> None:
         super().__init__()
-        if settings.generator not in GENERATORS:
-            raise ValueError(f"generator {settings.generator!r} unknown; allowed: {GENERATORS}")
-        if settings.query not in QUERIES:
-            raise ValueError(f"query {settings.query!r} unknown; allowed: {QUERIES}")
-        self.settings = settings
+        self.settings = settings  # validated: generator in GENERATORS, query in QUERIES
         num_prompts, width = initial.shape
         self.base = nn.Parameter(initial.detach().clone().float())
         kind = settings.generator

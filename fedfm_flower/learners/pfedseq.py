@@ -51,12 +51,12 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from fedfm_flower.learners.layout import LayerRange, ParameterLayout
+from fedfm_flower.learners.pfedseq_settings import PFedSeqSettings
 from fedfm_flower.learners.sequence import LearnerSpec, SequenceLearner
 from fedfm_flower.learners.state import (
     check_client,
@@ -71,60 +71,6 @@ log = logging.getLogger(__name__)
 AUTO_CHUNK_ELEMENTS = 1 << 26  # activation elements kept per chunk when chunk-size = 0
 MIN_CHUNK_ROWS = 64
 SQUARE_SUM_BLOCK = 1 << 22  # elements per float64 block when summing squares
-INPUT_SCALES: tuple[str, ...] = ("none", "rms", "rms-rescale")
-LEARNER_UPDATES: tuple[str, ...] = ("full-batch", "mini-batch")
-
-
-@dataclass(frozen=True)
-class PFedSeqSettings:
-    """pFedSeq's server hyperparameters (run-config keys ``pfedseq-*``)."""
-
-    seq_len: int = 10
-    warmup_rounds: int = 10
-    lr: float = 1e-3
-    global_aggregation: bool = True
-    input_scale: str = "none"
-    learner_update: str = "full-batch"
-    batch_rows: int = 32
-    chunk_size: int = 0
-    learner: LearnerSpec = field(default_factory=LearnerSpec)
-
-    def __post_init__(self) -> None:
-        for name, value, allowed in (
-            ("input scale", self.input_scale, INPUT_SCALES),
-            ("learner update", self.learner_update, LEARNER_UPDATES),
-        ):
-            if value not in allowed:
-                raise ValueError(f"{name} {value!r} unknown; allowed: {', '.join(allowed)}")
-        if self.batch_rows < 1:
-            raise ValueError(f"batch rows must be >= 1, got {self.batch_rows}")
-
-    @classmethod
-    def from_config(cls, config) -> PFedSeqSettings:  # noqa: ANN001 - ExperimentConfig
-        """The settings of a validated ``ExperimentConfig``."""
-        spec = LearnerSpec(
-            kind=config.pfedseq_learner,
-            num_layers=config.pfedseq_num_layers,
-            state_dim=config.pfedseq_state_dim,
-            expand=config.pfedseq_expand,
-            conv_kernel=config.pfedseq_conv_kernel,
-            mlp_hidden=config.pfedseq_mlp_hidden,
-            seq_len=config.pfedseq_seq_len,
-            cross_client=config.pfedseq_cross_client,
-            backend=config.pfedseq_scan_backend,
-            output_init=config.pfedseq_output_init,
-        )
-        return cls(
-            seq_len=config.pfedseq_seq_len,
-            warmup_rounds=config.pfedseq_warmup_rounds,
-            lr=config.pfedseq_lr,
-            global_aggregation=config.pfedseq_global_aggregation,
-            input_scale=config.pfedseq_input_scale,
-            learner_update=config.pfedseq_learner_update,
-            batch_rows=config.pfedseq_batch_rows,
-            chunk_size=config.pfedseq_chunk_size,
-            learner=spec,
-        )
 
 
 class PFedSeqServer:
@@ -145,10 +91,11 @@ class PFedSeqServer:
         self.seed = seed
         self.device = torch.device(device)
         self.layout = ParameterLayout(initial_adapter)
+        spec = LearnerSpec.from_settings(settings)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             self.learners = nn.ModuleList(
-                SequenceLearner(settings.learner, num_clients) for _ in self.layout.layers
+                SequenceLearner(spec, num_clients) for _ in self.layout.layers
             ).to(self.device)
         self.optimizer = torch.optim.Adam(self.learners.parameters(), lr=settings.lr)
         start = self.layout.flatten(initial_adapter)
@@ -190,7 +137,7 @@ class PFedSeqServer:
         for update, mask in zip(history, masks, strict=True):
             squares += _column_square_sums(update[layer.start : layer.stop])
             counts += mask.double().cpu() * layer.size
-        if self.settings.learner.cross_client:
+        if self.settings.cross_client:
             squares, counts = squares.sum().expand(self.num_clients), counts.sum()
         rms = (squares / counts.clamp(min=1)).sqrt()
         rms = torch.where(rms > 0, rms, torch.ones_like(rms))

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-BACKENDS: tuple[str, ...] = ("auto", "torch", "cuda")
+from fedfm_flower.learners.pfedseq_settings import SCAN_BACKENDS as BACKENDS
 
 
 @functools.lru_cache(maxsize=1)

@@ -46,25 +46,41 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedfm_flower.learners.mamba import MambaMixer
+from fedfm_flower.learners.pfedseq_settings import LEARNERS, OUTPUT_INITS, PFedSeqSettings
 
-LEARNERS: tuple[str, ...] = ("mamba", "lstm", "mlp")
-OUTPUT_INITS: tuple[str, ...] = ("zero", "reference")
+DEFAULTS = PFedSeqSettings()
 
 
 @dataclass(frozen=True)
 class LearnerSpec:
-    """The architecture of one sequential learner."""
+    """The architecture of one sequential learner (defaults: ``PFedSeqSettings``'s)."""
 
-    kind: str = "mamba"
-    num_layers: int = 2
-    state_dim: int = 16
-    expand: int = 2
-    conv_kernel: int = 4
-    mlp_hidden: int = 100
-    seq_len: int = 10
-    cross_client: bool = True
-    backend: str = "auto"
-    output_init: str = "zero"
+    kind: str = DEFAULTS.learner
+    num_layers: int = DEFAULTS.num_layers
+    state_dim: int = DEFAULTS.state_dim
+    expand: int = DEFAULTS.expand
+    conv_kernel: int = DEFAULTS.conv_kernel
+    mlp_hidden: int = DEFAULTS.mlp_hidden
+    seq_len: int = DEFAULTS.seq_len
+    cross_client: bool = DEFAULTS.cross_client
+    backend: str = DEFAULTS.scan_backend
+    output_init: str = DEFAULTS.output_init
+
+    @classmethod
+    def from_settings(cls, settings: PFedSeqSettings) -> LearnerSpec:
+        """The learner that ``settings`` (run-config keys ``pfedseq-*``) describe."""
+        return cls(
+            kind=settings.learner,
+            num_layers=settings.num_layers,
+            state_dim=settings.state_dim,
+            expand=settings.expand,
+            conv_kernel=settings.conv_kernel,
+            mlp_hidden=settings.mlp_hidden,
+            seq_len=settings.seq_len,
+            cross_client=settings.cross_client,
+            backend=settings.scan_backend,
+            output_init=settings.output_init,
+        )
 
 
 def init_output_projection(linear: nn.Linear, how: str, num_layers: int) -> None:

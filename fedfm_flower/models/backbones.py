@@ -1,4 +1,4 @@
-"""Backbone registry: timm ViTs and the tiny CPU ViT, returned as feature extractors.
+"""Vision backbones: timm ViTs and the tiny CPU ViT, returned as feature extractors.
 
 Every backbone is a timm ``VisionTransformer`` built with ``num_classes=0`` so that its forward
 returns the pooled class-token feature of size ``num_features``; attention projections are
@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fedfm_flower.config import BACKBONES, ExperimentConfig
+from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.models.families import FAMILIES
 
 
 @dataclass(frozen=True)
@@ -65,28 +66,10 @@ def _timm_vit(name: str) -> Callable[[ExperimentConfig], nn.Module]:
     return build
 
 
-BACKBONE_BUILDERS: dict[str, Callable[[ExperimentConfig], nn.Module]] = {
+VISION_BACKBONES: dict[str, Callable[[ExperimentConfig], nn.Module]] = {
     "tiny-vit": tiny_vit,
-    **{name: _timm_vit(name) for name in BACKBONES if name != "tiny-vit"},
+    **{name: _timm_vit(name) for name in FAMILIES["vit"].backbones if name != "tiny-vit"},
 }
-
-
-def build_backbone(config: ExperimentConfig, *, load_weights: bool = True) -> nn.Module:
-    """The configured backbone with its pretrained weights (unless ``load_weights`` is False)."""
-    if config.backbone not in BACKBONE_BUILDERS:
-        raise ValueError(
-            f"backbone '{config.backbone}' unknown; allowed: {', '.join(BACKBONE_BUILDERS)}"
-        )
-    if not load_weights:
-        config = config.replace(pretrained=False, weights_file="")
-    if config.backbone == "tiny-vit":
-        backbone = tiny_vit(config)
-        if config.pretrained:
-            from fedfm_flower.models.foundation import load_foundation_weights
-
-            backbone.load_state_dict(load_foundation_weights(config))
-        return backbone
-    return BACKBONE_BUILDERS[config.backbone](config)
 
 
 def freeze(module: nn.Module) -> nn.Module:

@@ -96,6 +96,7 @@ def pretrain_foundation(config: ExperimentConfig) -> tuple[dict[str, torch.Tenso
 
     from fedfm_flower.data import load_public_split
     from fedfm_flower.models.backbones import pick_device, tiny_vit
+    from fedfm_flower.tasks.classification import ImageClassification
     from fedfm_flower.training import evaluate, train
 
     started = time.perf_counter()
@@ -112,7 +113,9 @@ def pretrain_foundation(config: ExperimentConfig) -> tuple[dict[str, torch.Tenso
         batch_size=PRETRAIN_BATCH,
         local_steps=0,
     )
+    task = ImageClassification()
     stats = train(
+        task,
         model,
         train_set,
         model.parameters(),
@@ -121,20 +124,20 @@ def pretrain_foundation(config: ExperimentConfig) -> tuple[dict[str, torch.Tenso
         epochs=max(config.pretrain_epochs, 1),
         device=device,
     )
-    result = evaluate(model, test_set, device=device)
+    result = evaluate(task, model, test_set, device=device)
     card = {
         "key": foundation_key(config),
         "dataset": config.dataset,
         "public_train_examples": len(train_set),
         "public_test_examples": len(test_set),
         "epochs": config.pretrain_epochs,
-        "train_accuracy": stats.accuracy,
-        "public_test_accuracy": result.accuracy,
+        "train_accuracy": stats.metrics["accuracy"],
+        "public_test_accuracy": result.metrics["accuracy"],
         "seconds": time.perf_counter() - started,
     }
     log.info(
         "pretrained offline foundation model: public test accuracy %.3f in %.1fs",
-        result.accuracy,
+        result.metrics["accuracy"],
         card["seconds"],
     )
     state = {k: v.detach().cpu().contiguous() for k, v in backbone.state_dict().items()}

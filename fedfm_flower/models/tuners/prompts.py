@@ -19,6 +19,10 @@ import math
 import torch
 from torch import nn
 
+from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.models.groups import GroupPattern
+from fedfm_flower.models.tuners import TunedParts
+
 PROMPT_PARAMETER = "embeddings"
 
 
@@ -56,3 +60,18 @@ class VisualPrompts(nn.Module):
         x = backbone.norm(x)
         x = torch.cat([x[:, :prefix], x[:, prefix + self.num_prompts :]], dim=1)
         return backbone.forward_head(x, pre_logits=True)
+
+
+PROMPT_PATTERNS = (GroupPattern("prompt", r"^prompts\."),)
+
+
+def vpt_shallow_tuner(backbone: nn.Module, config: ExperimentConfig) -> TunedParts:
+    """One set of ``vpt-num-prompts`` prompts at the input (group ``prompt``)."""
+    prompts = VisualPrompts(backbone, config.vpt_num_prompts, deep=False)
+    return TunedParts(backbone, {"prompts": prompts}, PROMPT_PATTERNS)
+
+
+def vpt_deep_tuner(backbone: nn.Module, config: ExperimentConfig) -> TunedParts:
+    """One set of ``vpt-num-prompts`` prompts per block (group ``prompt``)."""
+    prompts = VisualPrompts(backbone, config.vpt_num_prompts, deep=True)
+    return TunedParts(backbone, {"prompts": prompts}, PROMPT_PATTERNS)

@@ -1,0 +1,107 @@
+"""Deploy the Flower App on this machine over loopback: one SuperLink, N SuperNodes, one run.
+
+From the command line (``cli``; ``scripts/deploy_local.sh`` and ``scripts/deploy_local.py``
+run the same):
+
+    .venv/bin/python -m fedfm_flower.deploy --num-supernodes 2 \\
+        --run-config "method='fedavg' num-server-rounds=3"
+
+From Python (the deployment tests and ``bench.deployment_rounds`` do this):
+
+    from fedfm_flower.deploy import DeployOptions, LocalDeployment
+
+    with LocalDeployment(DeployOptions(num_supernodes=2)) as deployment:
+        deployment.start()
+        result = deployment.run({"method": "fedavg", "num-server-rounds": 2})
+
+Step by step (docs/deployment.md explains each one), and the module that does it:
+
+1. TLS certificates (CA + SuperLink certificate for 127.0.0.1/localhost) from
+   ``scripts/generate_certs.sh`` and one ECDSA P-384 key pair per SuperNode, created in the work
+   directory when missing (secure mode, the default; ``--insecure`` skips both):
+   ``certificates``.
+2. A ``flwr`` connection ``[superlink.fedfm-local]`` in ``<workdir>/flwr-home/config.toml``
+   (address, root certificate or ``insecure = true``); ``FLWR_HOME`` points there for every
+   process started here: ``connection`` (with the choice of free loopback ports).
+3. ``flower-superlink`` on 127.0.0.1:<base-port> (Fleet, Control and Runtime APIs share it) with
+   TLS, ``--enable-supernode-auth`` and a fresh ``--database`` in the work directory: ``local``.
+4. Each SuperNode's public key is registered with ``flwr supernode register``: ``local``.
+5. ``flower-supernode`` i = 0..N-1 with ``--superlink 127.0.0.1:<base-port>``,
+   ``--root-certificates``, ``--auth-supernode-private-key``, its own runtime ``--port``
+   (base-port + 1 + i) and ``--node-config "client-id=i partition-id=i num-partitions=N
+   state-dir=<workdir>/node_i"``; the launcher waits until all N are online: ``local``.
+6. ``flwr run <app> fedfm-local --stream --run-config <workdir>/run-config.toml`` (the merged
+   overrides, always with ``num-clients=N``), then ``flwr ls --run-id`` for the final status:
+   ``runs`` (run config, ``RunResult``) and ``LocalDeployment.run``.
+7. Every process started here is stopped by process group (SIGTERM, then SIGKILL), and every
+   process that carries this deployment's tag in its environment (SuperExec, ServerApp and
+   ClientApp subprocesses, which Flower starts in new sessions) is found and stopped too; this
+   runs on success, on error, on Ctrl-C and on SIGTERM/SIGHUP: ``processes`` and
+   ``LocalDeployment.stop``.
+
+``options`` holds ``DeployOptions``, the loopback address and ``DeploymentError``. Every process
+gets ``OMP_NUM_THREADS`` = usable CPUs / (N + 1) (``--threads``), since N + 1 torch processes
+share the cores. Logs (with wall-clock and elapsed-time stamps) go to ``<workdir>/logs/``. Only
+127.0.0.1 is ever used.
+
+Before anything starts, the merged run config is validated and checked
+(``fedfm_flower.preflight``: resume target, existing results, weights file, partition sizes);
+a problem is one line on stderr. The run's stream is shown with tracebacks folded (``--debug``
+shows them; the logs keep them). Exit status (``fedfm_flower.launch.ExitCode``): 0 run
+completed, 1 run failed or stopped, 2 bad arguments or run config, 3 the deployment could not
+start, 124 ``--run-timeout`` reached, 130 interrupted.
+
+Importing this package loads no torch and no Flower: ``tomli_w`` and ``cryptography`` are
+imported when first needed, and Flower runs in the processes the launcher starts.
+"""
+
+from fedfm_flower.deploy.certificates import (
+    CERT_FILES,
+    ensure_certificates,
+    ensure_supernode_keys,
+    generate_supernode_key,
+)
+from fedfm_flower.deploy.cli import build_parser, main
+from fedfm_flower.deploy.connection import choose_base_port, port_is_free, write_flwr_config
+from fedfm_flower.deploy.local import LocalDeployment
+from fedfm_flower.deploy.options import (
+    CONNECTION,
+    DEFAULT_BASE_PORT,
+    HOST,
+    DeploymentError,
+    DeployOptions,
+)
+from fedfm_flower.deploy.processes import ManagedProcess, become_subreaper, tagged_pids
+from fedfm_flower.deploy.runs import (
+    RunConfigError,
+    RunResult,
+    parse_run_config,
+    resolve_run_config,
+    write_toml,
+)
+
+__all__ = [
+    "CERT_FILES",
+    "CONNECTION",
+    "DEFAULT_BASE_PORT",
+    "HOST",
+    "DeployOptions",
+    "DeploymentError",
+    "LocalDeployment",
+    "ManagedProcess",
+    "RunConfigError",
+    "RunResult",
+    "become_subreaper",
+    "build_parser",
+    "choose_base_port",
+    "ensure_certificates",
+    "ensure_supernode_keys",
+    "generate_supernode_key",
+    "main",
+    "parse_run_config",
+    "port_is_free",
+    "resolve_run_config",
+    "tagged_pids",
+    "write_flwr_config",
+    "write_toml",
+]

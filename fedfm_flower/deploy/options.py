@@ -1,0 +1,63 @@
+"""What shapes one local deployment: its options, the loopback address, the user-facing error.
+
+Every other module of ``fedfm_flower.deploy`` builds on these.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]  # the repository: the default app, scripts/, deploy/
+HOST = "127.0.0.1"  # the only address the launcher ever binds to or dials
+DEFAULT_BASE_PORT = 19190
+CONNECTION = "fedfm-local"  # the flwr connection (in <workdir>/flwr-home/config.toml)
+
+
+class DeploymentError(RuntimeError):
+    """A failure with a message meant for the user (what happened, where to look)."""
+
+
+@dataclasses.dataclass
+class DeployOptions:
+    """Everything that shapes one local deployment."""
+
+    num_supernodes: int = 2
+    workdir: Path = ROOT / "deploy" / "work"
+    app_dir: Path = ROOT
+    base_port: int | None = None  # None: DEFAULT_BASE_PORT, or the next free block if busy
+    insecure: bool = False
+    certs_dir: Path | None = None  # None: <workdir>/certs, generated when missing
+    keys_dir: Path | None = None  # None: <workdir>/keys, generated when missing
+    startup_timeout: float = 60.0  # seconds for the SuperLink, then for all SuperNodes
+    run_timeout: float | None = None  # seconds for `flwr run`; None: no limit
+    threads: int | None = None  # OpenMP/torch threads per ServerApp/ClientApp; None: see below
+    echo: bool = True  # print `flwr run`'s stream
+    debug: bool = False  # print it unfolded (tracebacks in full)
+
+    def __post_init__(self) -> None:
+        self.workdir = Path(self.workdir).expanduser().resolve()
+        self.app_dir = Path(self.app_dir).expanduser().resolve()
+        if self.num_supernodes <= 0:
+            raise ValueError(f"--num-supernodes must be > 0, got {self.num_supernodes}")
+        if (
+            self.base_port is not None
+            and not 1024 <= self.base_port <= 65535 - 1 - self.num_supernodes
+        ):
+            raise ValueError(f"--base-port must leave room for {self.num_supernodes + 1} ports")
+
+    @property
+    def certs(self) -> Path:
+        """Directory with ca.crt, server.crt and server.key."""
+        return (
+            Path(self.certs_dir).expanduser().resolve()
+            if self.certs_dir
+            else self.workdir / "certs"
+        )
+
+    @property
+    def keys(self) -> Path:
+        """Directory with supernode_<i> / supernode_<i>.pub key pairs."""
+        return (
+            Path(self.keys_dir).expanduser().resolve() if self.keys_dir else self.workdir / "keys"
+        )

@@ -1,0 +1,31 @@
+"""pFedPG's run-config keys (``pfedpg-*``): names, defaults, allowed values and rules.
+
+Light (no torch): the config reads it through the method registry in every process, the
+ClientApp's included. The server half (``fedfm_flower.learners.pfedpg``) takes a
+``PFedPGSettings`` and imports its allowed values from here. ``vpt-num-prompts`` is not here:
+the other prompt methods read it too, so it is a common key. What each key means:
+``docs/configuration.md#visual-prompts-and-pfedpg``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from fedfm_flower.settings import MethodSettings, setting
+
+GENERATORS: tuple[str, ...] = ("cross-attention", "basis", "mlp", "adain")
+QUERIES: tuple[str, ...] = ("per-prompt", "single")
+
+
+@dataclass(frozen=True)
+class PFedPGSettings(MethodSettings):
+    """pFedPG's server hyperparameters: field ``lr`` is run-config key ``pfedpg-lr``."""
+
+    prefix: ClassVar[str] = "pfedpg"
+
+    lr: float = setting(0.001, positive=True)  # one Adam step per round
+    generator: str = setting("cross-attention", choices=GENERATORS)
+    query: str = setting("per-prompt", choices=QUERIES)
+    attention_dim: int = setting(0, non_negative=True)  # l_k = l_v; 0: the prompt width
+    hidden: int = setting(100, positive=True)  # the mlp generator's hidden width

@@ -1,0 +1,1 @@
+"""Evaluation metrics (ROUGE for generated text)."""

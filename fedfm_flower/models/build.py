@@ -1,0 +1,58 @@
+"""Building a method's model for a run, its seeded initial trainable tensors, and a per-process
+model cache."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.models.families import build_tuned_model
+from fedfm_flower.models.groups import TrainableTensors, TunedModel
+
+
+def build_model(
+    config: ExperimentConfig, tuner: str, num_outputs: int = 0, *, load_weights: bool = True
+) -> TunedModel:
+    """The configured family's model, tuned by ``tuner``, with seeded trainable tensors."""
+    return build_tuned_model(config, tuner, num_outputs, load_weights=load_weights)
+
+
+@functools.lru_cache(maxsize=2)
+def _initial_state(config: ExperimentConfig, tuner: str, num_outputs: int) -> TrainableTensors:
+    return build_model(config, tuner, num_outputs, load_weights=False).trainable()
+
+
+def initial_trainable(config: ExperimentConfig, tuner: str, num_outputs: int) -> TrainableTensors:
+    """The seeded initial trainable tensors and their groups, without loading pretrained weights."""
+    state = _initial_state(config, tuner, num_outputs)
+    return TrainableTensors({k: v.clone() for k, v in state.tensors.items()}, dict(state.groups))
+
+
+class ModelCache:
+    """Keeps one built model per process so repeated messages do not rebuild the backbone.
+
+    ``get`` resets every trainable tensor to its seeded initial value, so no state leaks from
+    one client or round to the next through the cache.
+    """
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._model: TunedModel | None = None
+        self._initial: dict[str, torch.Tensor] = {}
+
+    def get(
+        self, config: ExperimentConfig, tuner: str, num_outputs: int, device: torch.device
+    ) -> TunedModel:
+        """The model for ``config`` on ``device`` with trainable tensors at their initial value."""
+        key = (config, tuner, num_outputs, str(device))
+        if self._key != key or self._model is None:
+            self._model = build_model(config, tuner, num_outputs).to(device)
+            self._initial = dict(self._model.trainable().tensors)
+            self._key = key
+        self._model.load_tensors(self._initial)
+        return self._model
+
+
+MODEL_CACHE = ModelCache()

@@ -1,0 +1,65 @@
+"""The model-family registry: backbone name -> the family that builds it.
+
+A family builds a frozen backbone from the run config, lets the method's tuner add trainable
+parts, adds what the task needs (a classification head for images), and returns a
+``fedfm_flower.models.groups.TunedModel``. The registry is plain data (no torch import), so the
+config can list the allowed backbones from it; builders are imported on demand.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fedfm_flower.models.groups import TunedModel
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """Which backbones a family builds, for which input modality, and with which builder."""
+
+    name: str
+    modality: str  # must equal the task's modality
+    backbones: tuple[str, ...]
+    builder: str  # "module:function(config, tuner, num_outputs, load_weights) -> TunedModel"
+    summary: str
+
+
+FAMILIES: dict[str, ModelFamily] = {
+    "vit": ModelFamily(
+        "vit",
+        "image",
+        ("tiny-vit", "vit_tiny_patch16_224", "vit_small_patch16_224", "vit_base_patch16_224"),
+        "fedfm_flower.models.classifier:build_classifier",
+        "timm Vision Transformers with a linear head; tiny-vit is the offline foundation model",
+    ),
+    "causal-lm": ModelFamily(
+        "causal-lm",
+        "text",
+        ("tiny-llama", "hf-causal-lm"),
+        "fedfm_flower.models.causal_lm:build_causal_lm",
+        "Hugging Face causal LMs (LLaMA family); tiny-llama is the offline foundation model, "
+        "hf-causal-lm loads model-name-or-path",
+    ),
+}
+
+BACKBONES: tuple[str, ...] = tuple(b for family in FAMILIES.values() for b in family.backbones)
+
+
+def family_of(backbone: str) -> ModelFamily:
+    """The family that builds ``backbone``."""
+    for family in FAMILIES.values():
+        if backbone in family.backbones:
+            return family
+    raise ValueError(f"backbone '{backbone}' unknown; allowed: {', '.join(BACKBONES)}")
+
+
+def build_tuned_model(
+    config, tuner: str, num_outputs: int = 0, *, load_weights: bool = True
+) -> TunedModel:  # noqa: ANN001 - ExperimentConfig (kept out of this light module's imports)
+    """The configured backbone of its family, tuned by ``tuner``, with seeded trainable parts."""
+    module, _, name = family_of(config.backbone).builder.partition(":")
+    build = getattr(importlib.import_module(module), name)
+    return build(config, tuner, num_outputs, load_weights=load_weights)

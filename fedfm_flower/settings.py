@@ -1,0 +1,154 @@
+"""Typed settings of one method, declared next to its code and read from the run config.
+
+A method with keys of its own declares them as a frozen dataclass subclass of
+``MethodSettings`` with a ``prefix``: field ``seq_len`` of ``PFedSeqSettings`` (prefix
+``pfedseq``) is run-config key ``pfedseq-seq-len``. Every field has a scalar default (int,
+float, bool or str; the same default is under ``[tool.flwr.app.config]`` in ``pyproject.toml``)
+and, through ``setting(...)``, the rules its value must satisfy; ``check()`` holds rules across
+fields. Construction validates, so a settings object is always valid. The method registry
+names the class (``MethodSpec.settings``); ``ExperimentConfig`` carries every registered
+method's values and ``config.settings_of(PFedSeqSettings)`` returns the typed object.
+
+This module and the settings modules import neither torch nor flwr: the ClientApp parses the
+run config in a fresh process per message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Self
+
+if TYPE_CHECKING:
+    from fedfm_flower.config import ExperimentConfig
+
+SCALARS: tuple[type, ...] = (bool, int, float, str)
+
+
+class ConfigError(ValueError):
+    """A run-config value that is not allowed; the message names key, value and rule."""
+
+    def __init__(self, key: str, value: Any, allowed: str, source: str = "run config") -> None:
+        super().__init__(f"{source} '{key}' = {value!r} is invalid: {allowed}")
+        self.key = key
+        self.value = value
+
+
+def coerce(key: str, raw: Any, kind: type) -> Any:
+    """Convert a TOML/CLI value to the field's type, or fail naming the key."""
+    try:
+        if kind is bool:
+            if isinstance(raw, bool):
+                return raw
+            if isinstance(raw, str) and raw.lower() in ("true", "false"):
+                return raw.lower() == "true"
+            raise ValueError
+        if kind is int:
+            if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
+                raise ValueError
+            return int(raw)
+        if kind is float:
+            if isinstance(raw, bool):
+                raise ValueError
+            return float(raw)
+        if kind is str:
+            return str(raw)
+    except (TypeError, ValueError):
+        pass
+    raise ConfigError(key, raw, f"expected a value of type {kind.__name__}")
+
+
+def setting(
+    default: Any,
+    *,
+    choices: tuple[str, ...] | None = None,
+    positive: bool = False,
+    non_negative: bool = False,
+    within: tuple[float, float] | None = None,
+    note: str = "",
+) -> Any:
+    """A settings field: its default and the rules its value must satisfy.
+
+    ``choices``: the allowed values; ``positive``: > 0; ``non_negative``: >= 0; ``within``:
+    ``(lo, hi)``, both included. ``note`` is appended to the ``within`` error (why the range).
+    """
+    if not isinstance(default, SCALARS):
+        raise TypeError(f"a setting's default must be int, float, bool or str, got {default!r}")
+    rules = {"choices": choices, "positive": positive, "non_negative": non_negative}
+    return dataclasses.field(default=default, metadata={**rules, "within": within, "note": note})
+
+
+@dataclass(frozen=True)
+class MethodSettings:
+    """Base of a method's typed settings; subclasses set ``prefix`` and declare fields."""
+
+    prefix: ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ------------------------------------------------------------------ keys and defaults
+    @classmethod
+    def key_of(cls, name: str) -> str:
+        """Run-config key of field ``name``: ``<prefix>-<name in kebab case>``."""
+        return f"{cls.prefix}-{name.replace('_', '-')}"
+
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        """This method's run-config keys, in declaration order."""
+        return tuple(cls.key_of(f.name) for f in dataclasses.fields(cls))
+
+    @classmethod
+    def defaults(cls) -> dict[str, Any]:
+        """Run-config key -> default, in declaration order."""
+        return {cls.key_of(f.name): f.default for f in dataclasses.fields(cls)}
+
+    # ------------------------------------------------------------------ parsing
+    @classmethod
+    def from_run_config(cls, run_config: Mapping[str, Any]) -> Self:
+        """The settings from this method's keys of ``run_config`` (coerced, validated).
+
+        Keys of this method that are missing take their default; every other key is ignored
+        (``ExperimentConfig.from_run_config`` rejects unknown keys).
+        """
+        values = {}
+        for f in dataclasses.fields(cls):
+            key = cls.key_of(f.name)
+            if key in run_config:
+                values[f.name] = coerce(key, run_config[key], type(f.default))
+        return cls(**values)
+
+    @classmethod
+    def from_config(cls, config: ExperimentConfig) -> Self:
+        """The settings carried by ``config`` (``config.settings_of(cls)``)."""
+        return config.settings_of(cls)
+
+    def to_run_config(self) -> dict[str, Any]:
+        """Run-config key -> value."""
+        return {self.key_of(f.name): getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def replace(self, **changes: Any) -> Self:
+        """A validated copy with some fields changed (field names, without the prefix)."""
+        return dataclasses.replace(self, **changes)
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        """Raise ConfigError naming the first value that breaks its field's rules or check()."""
+        for f in dataclasses.fields(self):
+            key, value, rules = self.key_of(f.name), getattr(self, f.name), f.metadata
+            if rules.get("choices") is not None and value not in rules["choices"]:
+                raise ConfigError(key, value, f"allowed: {', '.join(rules['choices'])}")
+            if rules.get("positive") and not value > 0:
+                raise ConfigError(key, value, "must be > 0")
+            if rules.get("non_negative") and value < 0:
+                raise ConfigError(key, value, "must be >= 0")
+            if rules.get("within") is not None:
+                lo, hi = rules["within"]
+                if not lo <= value <= hi:
+                    note = f" ({rules['note']})" if rules.get("note") else ""
+                    raise ConfigError(key, value, f"must lie in [{lo}, {hi}]{note}")
+        self.check()
+
+    def check(self) -> None:
+        """Rules across fields (override; raise ConfigError). None by default."""

@@ -1,0 +1,94 @@
+"""What a task is: the part of a learning problem that the shared loops do not know.
+
+A ``Task`` owns a client's data (loading and batching), the training loss, the evaluation and
+its metrics (a dict, with one ``primary_metric`` that the progress line, the summary and the
+benchmarks report), and the example counts the run checks at start. The training and
+evaluation loops (``fedfm_flower.training``), the ClientApp, the strategies and the runner only
+see tensors, losses and metric dicts; nothing above this layer mentions labels, argmax,
+accuracy or ROUGE.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from fedfm_flower.config import ExperimentConfig
+    from fedfm_flower.data.sizes import ClientExamples
+
+Batch = tuple["torch.Tensor", ...]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One training batch: the loss to back-propagate, its size and summed batch statistics."""
+
+    loss: torch.Tensor
+    count: int
+    sums: dict[str, float] = field(default_factory=dict)  # e.g. {"accuracy": correct}
+
+
+@dataclass(frozen=True)
+class EvalStats:
+    """Mean loss and the task's metrics of a model on a dataset."""
+
+    loss: float
+    metrics: dict[str, float]
+    num_examples: int
+
+
+@dataclass(frozen=True)
+class TrainStats:
+    """What one local training call did; ``metrics`` are the task's training statistics."""
+
+    loss: float
+    metrics: dict[str, float]
+    num_examples: int
+    num_steps: int
+    seconds: float
+
+
+class Task(ABC):
+    """A kind of learning problem: its data, loss, evaluation and metrics."""
+
+    name: ClassVar[str]
+    primary_metric: ClassVar[str]  # a key of EvalStats.metrics; higher is better
+    modality: ClassVar[str]  # what the model's input is: "image", "text", ...
+
+    @abstractmethod
+    def client_data(self, config: ExperimentConfig, partition_id: int, num_partitions: int) -> Any:
+        """One client's splits (``.train``, ``.test``), in the form ``batches`` reads."""
+
+    @abstractmethod
+    def example_counts(self, config: ExperimentConfig, num_clients: int) -> list[ClientExamples]:
+        """Example counts of clients 0..num_clients-1, without preparing their data."""
+
+    def num_outputs(self, config: ExperimentConfig, data: Any | None = None) -> int:
+        """Width of the task head the model family adds (0: the backbone's own output)."""
+        return 0
+
+    @abstractmethod
+    def batches(
+        self, data: Any, batch_size: int, generator: torch.Generator | None
+    ) -> Iterator[Batch]:
+        """Batches of ``data`` in a seeded order (``generator``) or in order (None)."""
+
+    @abstractmethod
+    def step(self, model: nn.Module, batch: Batch) -> StepResult:
+        """The training loss of ``model`` on one batch (already on the model's device)."""
+
+    @abstractmethod
+    def evaluate(
+        self, model: nn.Module, data: Any, device: torch.device, batch_size: int
+    ) -> EvalStats:
+        """Loss and metrics of ``model`` on ``data`` (no gradients, model in eval mode)."""
+
+    def format_metric(self, name: str, value: float) -> str:
+        """How the progress line prints a metric of this task."""
+        return f"{value:.4f}"

@@ -1,0 +1,156 @@
+"""Instruction following: causal-LM loss on the response, ROUGE of greedy generations.
+
+A client's data are instruction examples (``fedfm_flower.data.instructions``, one task per
+client by default, as FedDPA's federated Flan sets), put in FedDPA's prompt template (its
+Table 7) and tokenized by the model's tokenizer. Training minimises the cross-entropy of the
+response tokens (and EOS) given the prompt; the prompt and the padding carry no loss
+(``fedfm_flower.models.language.encoding``). Evaluation generates a greedy response of at most
+``max-new-tokens`` tokens for every test prompt, in batches of ``batch-size`` with left
+padding, and scores it against the reference with ROUGE-1/2/L F-measures in [0, 1]
+(``fedfm_flower.metrics.rouge``); ROUGE-L is the primary metric. The test loss is the same
+response cross-entropy as in training, per response token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from fedfm_flower.tasks.base import Batch, EvalStats, StepResult, Task
+from fedfm_flower.tasks.classification import tensor_batches
+
+if TYPE_CHECKING:
+    from fedfm_flower.config import ExperimentConfig
+    from fedfm_flower.data.instructions import Example
+    from fedfm_flower.data.sizes import ClientExamples
+
+
+@dataclass(frozen=True)
+class InstructionData:
+    """One client's instruction data: encoded training rows and the test examples."""
+
+    train: TensorDataset  # (input_ids, attention_mask, labels), right-padded
+    test: InstructionTest
+    task: str  # the instruction task of this client
+
+
+@dataclass(frozen=True)
+class InstructionTest:
+    """Test examples, their encoded rows (for the loss) and the generation settings."""
+
+    examples: tuple[Example, ...]
+    encoded: TensorDataset
+    max_new_tokens: int
+    batch_size: int
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+
+def trimmed_batches(
+    data: TensorDataset, batch_size: int, generator: torch.Generator | None
+) -> Iterator[Batch]:
+    """(input_ids, attention_mask, labels) batches cut to their longest row (right padding)."""
+    for input_ids, attention_mask, labels in tensor_batches(data, batch_size, generator):
+        length = int(attention_mask.sum(1).max())
+        yield input_ids[:, :length], attention_mask[:, :length], labels[:, :length]
+
+
+class InstructionFollowing(Task):
+    """Follow instructions; metrics: ROUGE-1, ROUGE-2, ROUGE-L (primary)."""
+
+    name = "instruction-following"
+    primary_metric = "rouge-l"
+    modality = "text"
+
+    def _splits(
+        self, config: ExperimentConfig, partition_id: int, num_partitions: int
+    ) -> tuple[tuple[Example, ...], tuple[Example, ...]]:
+        from fedfm_flower.data.instructions import build_corpus, client_split
+
+        return client_split(
+            build_corpus(config.seed),
+            partition_id,
+            num_partitions,
+            config.public_fraction,
+            config.test_fraction,
+            config.seed,
+        )
+
+    def client_data(
+        self, config: ExperimentConfig, partition_id: int, num_partitions: int
+    ) -> InstructionData:
+        """The client's examples, encoded with the configured model's tokenizer."""
+        from fedfm_flower.data.instructions import client_task
+        from fedfm_flower.models.causal_lm import tokenizer_of
+        from fedfm_flower.models.language.encoding import encode_for_training
+
+        train, test = self._splits(config, partition_id, num_partitions)
+        tokenizer = tokenizer_of(config)
+        return InstructionData(
+            encode_for_training(tokenizer, train, config.max_length),
+            InstructionTest(
+                test,
+                encode_for_training(tokenizer, test, config.max_length),
+                config.max_new_tokens,
+                config.batch_size,
+            ),
+            client_task(partition_id),
+        )
+
+    def example_counts(self, config: ExperimentConfig, num_clients: int) -> list[ClientExamples]:
+        """Train/test sizes of every client's split (no tokenizer needed)."""
+        from fedfm_flower.data.sizes import ClientExamples
+
+        counts = []
+        for client in range(num_clients):
+            train, test = self._splits(config, client, num_clients)
+            counts.append(ClientExamples(len(train), len(test), 0))
+        return counts
+
+    def batches(
+        self, data: Any, batch_size: int, generator: torch.Generator | None
+    ) -> Iterator[Batch]:
+        """Training batches cut to their longest row."""
+        return trimmed_batches(data, batch_size, generator)
+
+    def step(self, model: nn.Module, batch: Batch) -> StepResult:
+        """Mean cross-entropy of the batch's response tokens."""
+        input_ids, attention_mask, labels = batch
+        loss = model(input_ids, attention_mask, labels).loss
+        return StepResult(loss, len(input_ids))
+
+    @torch.no_grad()
+    def evaluate(
+        self, model: nn.Module, data: Any, device: torch.device, batch_size: int
+    ) -> EvalStats:
+        """Response cross-entropy per token and ROUGE-1/2/L of greedy generations."""
+        from fedfm_flower.metrics.rouge import rouge_scores
+        from fedfm_flower.models.language.encoding import encode_prompts, references
+        from fedfm_flower.models.language.generate import generate
+
+        model.eval()
+        test: InstructionTest = data
+        total_loss, tokens = 0.0, 0
+        for batch in trimmed_batches(test.encoded, test.batch_size, None):
+            input_ids, attention_mask, labels = (t.to(device) for t in batch)
+            count = int((labels[:, 1:] != -100).sum())
+            if count:
+                loss = model(input_ids, attention_mask, labels).loss
+                total_loss += loss.item() * count
+                tokens += count
+        predictions = generate(
+            model,
+            model.tokenizer,
+            encode_prompts(None, test.examples),
+            test.max_new_tokens,
+            test.batch_size,
+            device,
+        )
+        scores = rouge_scores(predictions, references(test.examples))
+        return EvalStats(total_loss / max(tokens, 1), scores, len(test))

@@ -1,0 +1,192 @@
+"""The shape of the code: no import cycles among the app's own modules.
+
+Every module of the packages below is parsed with ``ast`` (nothing is imported). An edge
+``a -> b`` means that running ``a`` can import ``b``: an ``import`` or ``from ... import``
+anywhere in ``a``, at module level or inside a function, resolved against the module's package
+(``from . import x``, ``from .m import y``) and to the submodule when the imported name is one
+(``from fedfm_flower.data import splits`` is an edge to ``fedfm_flower.data.splits``). Imports
+under ``if TYPE_CHECKING:`` never run and are left out; so are the implicit imports of parent
+packages (``import a.b.c`` runs ``a/__init__`` first), which every submodule has, and imports of
+modules that do not exist.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("fedfm_flower", "strategies", "client_apps", "server_apps")
+
+
+def module_files(root: Path = ROOT, packages: tuple[str, ...] = PACKAGES) -> dict[str, Path]:
+    """Dotted module name -> source file, for every module of ``packages``."""
+    modules = {}
+    for package in packages:
+        for path in sorted((root / package).rglob("*.py")):
+            parts = path.relative_to(root).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            modules[".".join(parts)] = path
+    return modules
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _import_nodes(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement that can run (at any depth), skipping ``if TYPE_CHECKING:``."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            yield node
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            stack.extend(node.orelse)
+            continue
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def imports_of(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The modules of ``modules`` that ``module`` (source ``path``) imports."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: set[str] = set()
+    for node in _import_nodes(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        else:
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                origin = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                origin = node.module or ""
+            # `from pkg import name`: the submodule pkg.name if there is one, else pkg itself.
+            targets = [
+                f"{origin}.{alias.name}" if f"{origin}.{alias.name}" in modules else origin
+                for alias in node.names
+            ]
+        found.update(target for target in targets if target in modules and target != module)
+    return found
+
+
+def import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """Module -> the modules it imports (only those of ``modules``)."""
+    return {name: imports_of(name, path, modules) for name, path in modules.items()}
+
+
+def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module, each sorted (Tarjan's
+    algorithm, iterative): the modules that import each other, directly or not."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    on_stack: set[str] = set()
+    stack: list[str] = []
+    components: list[list[str]] = []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    components.append(sorted(component))
+    return components
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One shortest cycle (``[a, b, ..., a]``) per strongly connected component."""
+    return [_cycle_in(graph, set(component)) for component in strongly_connected(graph)]
+
+
+def _cycle_in(graph: dict[str, set[str]], component: set[str]) -> list[str]:
+    """A shortest cycle through the first module of a strongly connected ``component``."""
+    start = min(component)
+    parents: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        following = []
+        for node in frontier:
+            for child in sorted(graph[node] & component):
+                if child == start:
+                    path = [node]
+                    while path[-1] != start:
+                        path.append(parents[path[-1]])
+                    return [start, *reversed(path[:-1]), start] if node != start else [start] * 2
+                if child not in parents:
+                    parents[child] = node
+                    following.append(child)
+        frontier = following
+    raise AssertionError(f"{sorted(component)} is not strongly connected")
+
+
+def test_cycle_finder_reports_the_path():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"d"}}
+    assert find_cycles(graph) == [["a", "b", "c", "a"]]
+    assert find_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_imports_are_resolved(tmp_path: Path):
+    package = tmp_path / "pkg"
+    (package / "sub").mkdir(parents=True)
+    (package / "__init__.py").write_text("from pkg.sub import leaf\n")
+    (package / "sub" / "__init__.py").write_text("")
+    (package / "sub" / "leaf.py").write_text(  # pkg.gone: a module that does not exist
+        "from typing import TYPE_CHECKING\n"
+        "from .. import top\n"
+        "if TYPE_CHECKING:\n"
+        "    from pkg import hidden\n"
+        "def f():\n"
+        "    from . import other\n"
+        "    import pkg.gone\n"
+    )
+    for name in ("top", "hidden"):
+        (package / f"{name}.py").write_text("")
+    (package / "sub" / "other.py").write_text("from .leaf import f\nfrom pkg.sub import *\n")
+    modules = module_files(tmp_path, ("pkg",))
+    graph = import_graph(modules)
+    assert graph["pkg"] == {"pkg.sub.leaf"}
+    assert graph["pkg.sub.leaf"] == {"pkg.top", "pkg.sub.other"}
+    assert graph["pkg.sub.other"] == {"pkg.sub.leaf", "pkg.sub"}
+    assert find_cycles(graph) == [["pkg.sub.leaf", "pkg.sub.other", "pkg.sub.leaf"]]
+
+
+def test_no_import_cycles():
+    modules = module_files()
+    assert "fedfm_flower.data.source" in modules and "strategies.base" in modules
+    graph = import_graph(modules)
+    found = []
+    for component in strongly_connected(graph):
+        cycle = _cycle_in(graph, set(component))
+        others = sorted(set(component) - set(cycle))
+        also = f" (and with it: {', '.join(others)})" if others else ""
+        found.append(" -> ".join(cycle) + also)
+    assert not found, "import cycle(s):\n" + "\n".join(found)
