@@ -51,6 +51,16 @@ SMALL = 60  # examples per task for the foundation built in these tests
 EPOCHS = 2
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """One intra-op thread while this module runs, restored after: on a shared 2-core machine,
+    two threads per process that wait on each other made these tiny models ~5x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def key(example: Example) -> tuple[str, str]:
     return example.instruction, example.input
 
@@ -277,11 +287,14 @@ def test_generate_is_batch_equivalent_and_returns_new_text_only(pretrained, corp
     assert tokenizer.padding_side == "left" and not model.training
 
 
-def test_damaged_cached_weights_are_rebuilt(tmp_path):
-    args = (tmp_path, SEED, PUBLIC, 1)
-    path = foundation.ensure_language_foundation(*args, examples_per_task=20)
+def test_damaged_cached_weights_are_rebuilt(language_cache, tmp_path):
+    import shutil
+
+    shutil.copytree(language_cache / "foundation", tmp_path / "foundation")
+    args = (tmp_path, SEED, PUBLIC, EPOCHS)
+    path = foundation.language_foundation_path(*args, examples_per_task=SMALL)
     path.write_bytes(b"not safetensors")
-    model, _ = foundation.load_language_foundation(*args, examples_per_task=20)
+    model, _ = foundation.load_language_foundation(*args, examples_per_task=SMALL)
     assert path.stat().st_size > 1000 and not model.training
 
 

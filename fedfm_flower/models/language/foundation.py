@@ -10,8 +10,12 @@ on the public split of the instruction corpus, which no client holds
 (``train_on_inputs=False``, see ``encoding``); the loss on every token was measured worse here
 (public hold-out ROUGE-L 0.45 against 0.60 after 8 epochs): most prompt tokens are random names
 the model cannot predict, which drowns the signal of the responses. Like alpaca-LoRA, the result
-knows the prompt format and the tasks somewhat (public hold-out ROUGE-L about 0.72 after 16
-epochs, about 50 s on two CPU cores), and LoRA fine-tuning on a client's own task improves it.
+knows the prompt format and the tasks somewhat: with 16 epochs (seed 0, public fraction 0.3),
+public hold-out ROUGE-L 0.70, 42 s for corpus, tokenizer and pretraining on two idle CPU cores
+(the card records the seconds); LoRA (r = 8 on q/v) on one client's train split then lifts that
+client's test ROUGE-L clearly on the generation tasks (e.g. structure-to-text 0.73 -> 0.89),
+while most classification tasks start near their ceiling. 16 epochs is the recommended setting;
+the time is about linear in the epochs.
 
 Cache. The weights live under ``<cache-dir>/foundation/tiny-llama-<key>.safetensors`` with a
 JSON card beside them (key, architecture, ROUGE-1/2/L by greedy generation on a held-out part
