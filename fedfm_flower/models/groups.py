@@ -4,9 +4,9 @@ Every trainable part of a model declares the names of its parameters with a regu
 and the group they belong to: the LoRA tuner declares ``adapter`` for ``.lora_A.default.`` and
 ``.lora_B.default.`` weights, the classification head ``head`` for ``^head\\.``. Group names
 are open and dotted: ``adapter``, ``adapter.global``, ``adapter.local``, ``prompt``, ``head``,
-``encoder.image``, ``expert.3``. Asking for a group also selects its dotted children (``adapter`` selects
-``adapter.global`` and ``adapter.local``). A parameter no pattern claims is backbone: frozen and
-never sent anywhere.
+``encoder.image``, ``expert.3``. Asking for a group also selects its dotted children
+(``adapter`` selects ``adapter.global`` and ``adapter.local``). A parameter no pattern claims is
+backbone: frozen and never sent anywhere.
 """
 
 from __future__ import annotations
