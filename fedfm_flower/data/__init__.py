@@ -17,8 +17,7 @@ first prepared; the names below resolve on first use, so importing this package 
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from fedfm_flower.lazy import lazy_getattr
 
 _EXPORTS = {
     "DOMAINS": "fedfm_flower.data.domains",
@@ -43,8 +42,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

@@ -6,8 +6,7 @@ the config reads) does not import torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from fedfm_flower.lazy import lazy_getattr
 
 _EXPORTS = {
     "MODEL_CACHE": "fedfm_flower.models.build",
@@ -22,8 +21,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'fedfm_flower.models' has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

@@ -9,8 +9,7 @@ transformers and tokenizers load when a function that needs them is first called
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from fedfm_flower.lazy import lazy_getattr
 
 _EXPORTS = {
     "build_tokenizer": "fedfm_flower.models.language.tokenizer",
@@ -28,8 +27,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+__getattr__ = lazy_getattr(__name__, _EXPORTS)
