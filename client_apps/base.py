@@ -66,9 +66,16 @@ class ClientRuntime:
         return MODEL_CACHE.get(self.config, tuner, outputs, self.device)
 
     def train(
-        self, model: TunedModel, groups: tuple[str, ...], seed: int, **schedule
-    ) -> TrainStats:  # noqa: ANN003
-        """Train ``groups`` of ``model`` on this client's train split with the task's loss."""
+        self,
+        model: TunedModel,
+        groups: tuple[str, ...],
+        seed: int,
+        *,
+        epochs: int | None = None,
+        steps: int | None = None,
+    ) -> TrainStats:
+        """Train ``groups`` of ``model`` on this client's train split with the task's loss
+        (``epochs``/``steps`` default to the config's local schedule)."""
         from fedfm_flower.training import train
 
         params = model.group_parameters(groups).values()
@@ -79,8 +86,9 @@ class ClientRuntime:
             params,
             self.config,
             seed=seed,
+            epochs=epochs,
+            steps=steps,
             device=self.device,
-            **schedule,
         )
 
     def evaluate(self, model: TunedModel) -> EvalStats:

@@ -79,7 +79,11 @@ def prepare_foundation(config: ExperimentConfig) -> dict[str, Any]:
         from fedfm_flower.models.causal_lm import tiny_llama_card
 
         card = tiny_llama_card(config)
-        log.info("foundation model tiny-llama: %s", card.get("summary", card))
+        log.info(
+            "foundation model %s: public hold-out ROUGE-L %.3f",
+            card.get("key", "tiny-llama"),
+            card["public_holdout_rouge"]["rouge-l"],
+        )
         return card
     return {}
 
