@@ -99,3 +99,26 @@ def test_fedit_runs_end_to_end_and_only_the_adapter_travels(language_config) -> 
     assert {"rouge-l", "seconds"} <= set(saved["foundation"]) or saved["foundation"]
     fresh = build_model(_config(config), "lora")
     assert backbone_fingerprint(MODEL_CACHE._model.lm) == backbone_fingerprint(fresh.lm)
+
+
+def test_a_local_llama_checkpoint_loads_through_the_causal_lm_family(
+    language_config, tmp_path: Path
+) -> None:
+    from fedfm_flower.models import build_model, initial_trainable
+    from fedfm_flower.models.causal_lm import tokenizer_of
+    from fedfm_flower.models.language.foundation import tiny_llama
+
+    config = _config(language_config)
+    tokenizer = tokenizer_of(config)
+    saved = tiny_llama(tokenizer, seed=5)
+    saved.save_pretrained(tmp_path / "llama")
+    tokenizer.save_pretrained(tmp_path / "llama")
+    hf = config.replace(backbone="hf-causal-lm", model_name_or_path=str(tmp_path / "llama"))
+    model = build_model(hf, "lora")
+    assert torch.equal(model.lm.model.embed_tokens.weight, saved.model.embed_tokens.weight)
+    assert set(model.trainable().groups.values()) == {"adapter"}
+    # The server's initial adapter (no weights loaded) equals the clients' seeded one.
+    initial = initial_trainable(hf, "lora", 0).tensors
+    assert all(torch.equal(initial[n], t) for n, t in model.trainable().tensors.items())
+    with pytest.raises(ValueError, match="model-name-or-path"):
+        build_model(config.replace(backbone="hf-causal-lm"), "lora")
