@@ -13,6 +13,7 @@ response cross-entropy as in training, per response token.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -26,7 +27,7 @@ from fedfm_flower.tasks.classification import tensor_batches
 
 if TYPE_CHECKING:
     from fedfm_flower.config import ExperimentConfig
-    from fedfm_flower.data.instructions import Example
+    from fedfm_flower.data.instructions import Corpus, Example
     from fedfm_flower.data.sizes import ClientExamples
 
 
@@ -61,6 +62,14 @@ def trimmed_batches(
         yield input_ids[:, :length], attention_mask[:, :length], labels[:, :length]
 
 
+@functools.lru_cache(maxsize=2)
+def _corpus(seed: int) -> Corpus:
+    """The instruction corpus of ``seed``, built once per process (read-only by its users)."""
+    from fedfm_flower.data.instructions import build_corpus
+
+    return build_corpus(seed)
+
+
 class InstructionFollowing(Task):
     """Follow instructions; metrics: ROUGE-1, ROUGE-2, ROUGE-L (primary)."""
 
@@ -71,10 +80,10 @@ class InstructionFollowing(Task):
     def _splits(
         self, config: ExperimentConfig, partition_id: int, num_partitions: int
     ) -> tuple[tuple[Example, ...], tuple[Example, ...]]:
-        from fedfm_flower.data.instructions import build_corpus, client_split
+        from fedfm_flower.data.instructions import client_split
 
         return client_split(
-            build_corpus(config.seed),
+            _corpus(config.seed),
             partition_id,
             num_partitions,
             config.public_fraction,
