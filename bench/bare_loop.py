@@ -24,12 +24,12 @@ from typing import Any
 
 import torch
 
-from bench.overrides import parse_overrides
 from fedfm_flower.aggregation import weighted_average
 from fedfm_flower.config import ExperimentConfig
 from fedfm_flower.data import load_client_data
 from fedfm_flower.models import MODEL_CACHE, pick_device
 from fedfm_flower.models.foundation import foundation_card
+from fedfm_flower.overrides import parse_overrides
 from fedfm_flower.tasks.classification import ImageClassification
 from fedfm_flower.training import evaluate, round_seed, train
 

@@ -24,7 +24,7 @@ import statistics
 import sys
 from typing import Any
 
-from bench.overrides import parse_overrides
+from fedfm_flower.overrides import parse_overrides
 
 METHODS = ("fedavg", "fedrep", "pfedseq", "pfedpg", "fedvpt", "fedvpt-deep", "local")
 

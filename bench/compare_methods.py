@@ -18,22 +18,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from bench.overrides import parse_overrides, tomllib
+from fedfm_flower import sweep
+from fedfm_flower.overrides import parse_overrides
 from fedfm_flower.results import RunDirectory
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def run_name(method: str, setup: str, tag: str, seed: int) -> str:
-    """The run directory name of one (method, setup, tag, seed) cell of the grid."""
-    return f"{method.replace(':', '-')}-{setup}{tag}-s{seed}"
 
 
 def cell_config(
@@ -46,37 +41,18 @@ def cell_config(
     overrides: dict | None = None,
     tag: str = "",
 ) -> dict[str, Any]:
-    """The run config of one (method, setup, seed) cell of the grid."""
-    base, _, variant = method.partition(":")
-    config = tomllib.loads((ROOT / "configs" / base / f"{setup}.toml").read_text())
-    if variant:
-        config.update(tomllib.loads((ROOT / "configs" / base / f"{variant}.toml").read_text()))
-    config.update(overrides or {})
-    config.update(
-        {
-            "seed": seed,
-            "num-server-rounds": rounds,
-            "num-clients": clients,
-            "output-dir": str(out / "runs"),
-            "run-name": run_name(method, setup, tag, seed),
-        }
-    )
-    return config
+    """The run config of one (method, setup, seed) cell of the grid (``fedfm_flower.sweep``)."""
+    fixed = {"num-server-rounds": rounds, "num-clients": clients}
+    return sweep.cell_config(method, setup, seed, out, {**(overrides or {}), **fixed}, tag)
 
 
 def run_one(config: dict[str, Any], method: str, setup: str) -> dict:
-    """One in-process experiment of a ``cell_config``; returns its summary plus the method, the
-    setup (with its tag) and the bytes each client sends per round."""
-    from server_apps.inprocess import run_in_process
-
-    run_dir = Path(config["output-dir"]) / config["run-name"]
-    if (run_dir / "summary.json").is_file():  # finished earlier: reuse, so reruns are cheap
-        summary = json.loads((run_dir / "summary.json").read_text())
-    else:
-        if run_dir.exists():
-            shutil.rmtree(run_dir)  # an interrupted or failed run: start it over
-        summary, _ = run_in_process(config, config["num-clients"])
-    records = RunDirectory(run_dir).rounds()
+    """One in-process experiment of a ``cell_config`` (reused when finished, resumed when
+    interrupted); returns its summary plus the method, the setup (with its tag) and the bytes
+    each client sends per round."""
+    cell = sweep.Cell(method, setup, int(config["seed"]), config)
+    summary = sweep.run_cell(cell)
+    records = RunDirectory(cell.run_dir).rounds()
     up = statistics.fmean(r["bytes-up-train"] / max(r["clients-reported"], 1) for r in records)
     return {
         **summary,
@@ -85,18 +61,6 @@ def run_one(config: dict[str, Any], method: str, setup: str) -> dict:
         "bytes-up-per-client-round": up,
         "curve": [r.get("test-accuracy-mean") for r in records],
     }
-
-
-def check_cells(cells: list[dict[str, Any]]) -> None:
-    """Validate every cell's config; the ``ValueError`` names the cell and the bad value."""
-    from fedfm_flower.config import ConfigError, ExperimentConfig
-
-    defaults = ExperimentConfig().to_run_config()
-    for config in cells:
-        try:
-            ExperimentConfig.from_run_config({**defaults, **config})
-        except ConfigError as err:
-            raise ValueError(f"run {config['run-name']}: {err}") from err
 
 
 def table(results: list[dict], methods: list[str], setups: list[str]) -> str:
@@ -154,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             for method in args.methods
             for seed in args.seeds
         }
-        check_cells(list(grid.values()))
+        sweep.check_configs(list(grid.values()))
     except (ValueError, OSError) as err:  # ConfigError, a missing configs/<method>/<setup>.toml
         print(f"error: {err}", file=sys.stderr)
         return 2

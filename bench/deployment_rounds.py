@@ -18,9 +18,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench.overrides import parse_overrides
 from bench.simulation_overhead import run_flower_simulation, steady, usable_cpus
 from fedfm_flower.deploy import DeployOptions, LocalDeployment
+from fedfm_flower.overrides import parse_overrides
 from fedfm_flower.results import RunDirectory
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from bench.overrides import parse_overrides
+from fedfm_flower.overrides import parse_overrides
 
 METHODS = ("fedavg", "fedrep", "pfedseq", "pfedpg")
 PROMPT_METHODS = ("pfedpg", "fedvpt", "fedvpt-deep")

@@ -37,8 +37,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from bench.overrides import parse_overrides, to_set_args
 from bench.process_memory import TAG_VAR, PeakMemory
+from fedfm_flower.overrides import parse_overrides, to_set_args
 from fedfm_flower.processes import exit_on_sigterm, stop_tagged
 from fedfm_flower.results import RunDirectory
 

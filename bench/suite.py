@@ -37,8 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from bench import communication, deployment_rounds, server_cost, simulation_overhead
-from bench.overrides import parse_overrides
 from fedfm_flower.durable import atomic_write_text
+from fedfm_flower.overrides import parse_overrides
 from fedfm_flower.processes import exit_on_sigterm
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -33,6 +33,7 @@ METHODS: tuple[str, ...] = tuple(METHOD_REGISTRY)
 DATASETS: tuple[str, ...] = (
     "digits",
     "digits-domains",
+    "glyph-domains",
     "cifar100",
     "tiny-imagenet",
     "domainnet",
@@ -41,7 +42,14 @@ DATASETS: tuple[str, ...] = (
     "instructions",
 )
 BACKBONES: tuple[str, ...] = FAMILY_BACKBONES  # fedfm_flower.models.families
-PARTITIONERS: tuple[str, ...] = ("iid", "dirichlet", "pathological", "natural-id")
+PARTITIONERS: tuple[str, ...] = (
+    "iid",
+    "dirichlet",
+    "pathological",
+    "natural-id",
+    "domain-dirichlet",
+)
+NATURAL_ID_PARTITIONERS: tuple[str, ...] = ("natural-id", "domain-dirichlet")
 OPTIMIZERS: tuple[str, ...] = ("sgd", "adam", "adamw")
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
 # The methods' own allowed values (pfedseq-learner, pfedpg-generator, ...) are in their
@@ -115,6 +123,9 @@ class ExperimentConfig:
     # outputs and state
     output_dir: str = "runs"
     run_name: str = ""
+    label: str = ""  # the method's name in reports (e.g. pfedpg:basis-only); "" -> method
+    setup: str = ""  # the setup's name in reports (e.g. glyphs-feature-skew); "" -> dataset
+    tensorboard: bool = False  # also log each round's metrics to <run-dir>/tensorboard
     resume: bool = False
     keep_checkpoints: int = 2
     client_state_dir: str = ""
@@ -266,7 +277,7 @@ class ExperimentConfig:
             raise ConfigError("weights-file", self.weights_file, "no such file")
         if self.data_dir and not Path(self.data_dir).expanduser().is_dir():
             raise ConfigError("data-dir", self.data_dir, "no such directory")
-        if self.partitioner == "natural-id" and not self.natural_id_column:
+        if self.partitioner in NATURAL_ID_PARTITIONERS and not self.natural_id_column:
             from fedfm_flower.data.registry import dataset_spec
 
             if not dataset_spec(self.dataset).natural_id_column:

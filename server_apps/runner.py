@@ -28,7 +28,7 @@ import math
 import platform
 import time
 import traceback
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 from flwr.serverapp import Grid
@@ -36,10 +36,14 @@ from flwr.serverapp import Grid
 from fedfm_flower import __version__
 from fedfm_flower import protocol as P
 from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.models.families import OFFLINE_VIT_NAMES
 from fedfm_flower.records import record_dict_nbytes
 from fedfm_flower.results import RunDirectory, progress_line
 from fedfm_flower.tasks import task_of
 from strategies.base import PersonalizedStrategy
+
+if TYPE_CHECKING:
+    from fedfm_flower.tensorboard import TensorBoardLog
 
 log = logging.getLogger("fedfm_flower")
 
@@ -65,7 +69,7 @@ def prepare_foundation(config: ExperimentConfig) -> dict[str, Any]:
     """Build (or find) the cached offline foundation model so clients never race to build it."""
     if not config.pretrained or config.weights_file:
         return {}
-    if config.backbone == "tiny-vit":
+    if config.backbone in OFFLINE_VIT_NAMES:
         from fedfm_flower.models.foundation import foundation_card, foundation_path
 
         card = foundation_card(config)
@@ -115,8 +119,13 @@ def run_experiment(grid: Grid, config: ExperimentConfig) -> dict[str, Any]:
     Any exception is also recorded in the run directory's ``failure.json`` before it propagates.
     """
     run = RunDirectory.open(config)
+    board = None
+    if config.tensorboard:
+        from fedfm_flower.tensorboard import TensorBoardLog
+
+        board = TensorBoardLog(run.path)
     try:
-        return _run(grid, config, run)
+        return _run(grid, config, run, board)
     except Exception as err:
         run.write_failure(
             {
@@ -127,9 +136,14 @@ def run_experiment(grid: Grid, config: ExperimentConfig) -> dict[str, Any]:
         )
         log.error("run %s failed: %s", run.name, err)
         raise
+    finally:
+        if board is not None:
+            board.close()
 
 
-def _run(grid: Grid, config: ExperimentConfig, run: RunDirectory) -> dict[str, Any]:
+def _run(
+    grid: Grid, config: ExperimentConfig, run: RunDirectory, board: TensorBoardLog | None
+) -> dict[str, Any]:
     card = prepare_foundation(config)
     strategy = build_strategy(config)
     strategy.run_name = run.name
@@ -192,6 +206,8 @@ def _run(grid: Grid, config: ExperimentConfig, run: RunDirectory) -> dict[str, A
                 f"resume=true run-name='{run.name}'"
             )
         run.append_round(record)
+        if board is not None:
+            board.log_round(record)
         tensors, meta = strategy.state_dict()
         run.save_checkpoint(server_round, tensors, {"strategy": meta}, config.keep_checkpoints)
         remaining = total - server_round
@@ -330,8 +346,9 @@ def summarize(run: RunDirectory, config: ExperimentConfig, seconds: float) -> di
         "primary-metric": primary,
         f"final-test-{primary}-mean": final.get(key, math.nan),
         f"final-test-{primary}-std": final.get(f"{P.test_metric(primary)}-std", math.nan),
-        f"final-per-client-{primary}": {
-            c: m[P.test_metric(primary)] for c, m in final.get("evaluate", {}).items()
+        f"final-per-client-{primary}": {  # keyed by the stable client id, not the node id
+            str(int(m[P.CLIENT_ID])): m[P.test_metric(primary)]
+            for m in final.get("evaluate", {}).values()
         },
         f"best-test-{primary}-mean": best.get(key, math.nan),
         "best-round": best.get("round"),

@@ -11,8 +11,8 @@ from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 
 from bench.bare_loop import run_bare_fedavg
 from bench.communication import parameter_bytes, wire_bytes
-from bench.overrides import parse_overrides, to_set_args
 from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.overrides import parse_overrides, to_set_args
 from fedfm_flower.records import to_array_record
 from server_apps.inprocess import run_in_process
 

@@ -69,12 +69,15 @@ def _cached_source(
     spec = dataset_spec(name)
     if spec.embedded:
         from fedfm_flower.data.digits import digits_source
+        from fedfm_flower.data.glyphs import glyph_source
 
         if natural_id_column and natural_id_column != spec.natural_id_column:
             raise ValueError(
                 f"dataset '{name}' has no column '{natural_id_column}'; its natural-id column "
                 f"is {spec.natural_id_column or 'absent'!r}"
             )
+        if name == "glyph-domains":
+            return glyph_source(Path(cache_dir), image_size)
         return digits_source(name, image_size, with_domains=bool(spec.natural_id_column))
     return loaded_source(
         name, spec, data_dir, cache_dir, image_size, natural_id_column or spec.natural_id_column

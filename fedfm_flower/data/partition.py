@@ -2,8 +2,9 @@
 
 The order of operations is fixed and seeded by ``seed``:
 
-1. a stratified ``public-fraction`` of the whole dataset is held out (``splits.public_split``);
-   no client ever holds one of those samples;
+1. a stratified ``public-fraction`` of the whole dataset is held out (``splits.public_split``),
+   or the dataset's own fixed public split where it has one (``glyph-domains``); no client
+   ever holds one of those samples;
 2. the remaining (private) samples are shuffled, so that ``IidPartitioner``'s contiguous shards
    are random, and put into a small ``datasets.Dataset`` of ``sample_id``, ``label`` and, for
    ``natural-id``, the natural-id column; pixels stay out of it;
@@ -20,7 +21,11 @@ The order of operations is fixed and seeded by ``seed``:
      ``class_assignment_mode="first-deterministic"`` (client ``p`` surely has class
      ``p mod C``, the others are drawn with the seed), the setting of the original paper;
    * ``natural-id``: ``NaturalIdPartitioner`` on the natural-id column; there is one client
-     per distinct value (in sorted order), so ``num_partitions`` must equal that count.
+     per distinct value (in sorted order), so ``num_partitions`` must equal that count;
+   * ``domain-dirichlet``: clients are dealt round-robin to the sorted natural ids (domains),
+     client ``p`` to domain ``p mod D``, and each domain's samples are split over its clients
+     by ``DirichletPartitioner`` on the label (seeded ``seed + domain index``): feature skew
+     across domains, label skew within them (the many-client setups).
 
 For ``digits-domains`` the ``domain`` column is synthetic: the shuffled private samples are
 dealt round-robin to ``len(DOMAINS)`` domains (sample ``k`` of the shuffled order gets domain
@@ -36,6 +41,7 @@ recomputed and replaced.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -51,7 +57,13 @@ import numpy as np
 from fedfm_flower.data.loaders import load_source
 from fedfm_flower.data.settings import DataSettings
 from fedfm_flower.data.source import Source
-from fedfm_flower.data.splits import PRIVATE_ORDER_STREAM, entropy, public_split, rng_for
+from fedfm_flower.data.splits import (
+    PRIVATE_ORDER_STREAM,
+    complement,
+    entropy,
+    public_split,
+    rng_for,
+)
 from fedfm_flower.durable import atomic_path
 
 LABEL = "label"
@@ -75,7 +87,11 @@ class PartitionPlan:
 def public_and_private(settings: DataSettings) -> tuple[np.ndarray, np.ndarray]:
     """(public, private) sample ids; private ones in their seeded shuffled order."""
     source = load_source(settings)
-    public, private = public_split(source.labels, settings.public_fraction, settings.seed)
+    if source.public_ids is not None:  # fixed by the dataset; public-fraction does not apply
+        public = np.sort(source.public_ids)
+        private = complement(len(source), public)
+    else:
+        public, private = public_split(source.labels, settings.public_fraction, settings.seed)
     return public, rng_for(settings.seed, PRIVATE_ORDER_STREAM).permutation(private)
 
 
@@ -116,6 +132,8 @@ def plan_cache_path(settings: DataSettings, num_partitions: int) -> Path:
     digest.update(np.ascontiguousarray(source.labels, dtype=np.int64).tobytes())
     if source.natural_ids is not None:
         digest.update(json.dumps([str(v) for v in source.natural_ids]).encode())
+    if source.public_ids is not None:
+        digest.update(np.ascontiguousarray(source.public_ids, dtype=np.int64).tobytes())
     return Path(settings.cache_dir) / "partitions" / f"{digest.hexdigest()[:24]}.npz"
 
 
@@ -169,6 +187,9 @@ def _compute_plan(settings: DataSettings, num_partitions: int) -> PartitionPlan:
 
     source = load_source(settings)
     public, private = public_and_private(settings)
+    if settings.partitioner == "domain-dirichlet":
+        partitions, domains = _domain_dirichlet(settings, source, private, num_partitions)
+        return PartitionPlan(public, partitions, domains)
     columns: dict[str, Any] = {SAMPLE_ID: private, LABEL: source.labels[private]}
     natural_column = ""
     if settings.partitioner == "natural-id":
@@ -201,6 +222,43 @@ def _compute_plan(settings: DataSettings, num_partitions: int) -> PartitionPlan:
             _plain(partitioner.partition_id_to_natural_id[p]) for p in range(num_partitions)
         )
     return PartitionPlan(public, partitions, natural_ids)
+
+
+def _domain_dirichlet(
+    settings: DataSettings, source: Source, private: np.ndarray, num_partitions: int
+) -> tuple[tuple[np.ndarray, ...], tuple[Any, ...]]:
+    """Clients dealt round-robin to the sorted domains; Dirichlet label skew within each."""
+    from datasets import Dataset
+
+    natural = np.asarray(_natural_ids(settings, source, private))
+    domains = sorted(set(natural.tolist()))
+    if num_partitions < len(domains):
+        raise ValueError(
+            f"partitioner 'domain-dirichlet' needs at least one client per domain: dataset "
+            f"'{settings.dataset}' has {len(domains)} domains, num_partitions is {num_partitions}"
+        )
+    partitions: list[np.ndarray] = [np.empty(0, np.int64)] * num_partitions
+    for index, domain in enumerate(domains):
+        clients = list(range(index, num_partitions, len(domains)))
+        members = private[natural == domain]
+        if len(clients) == 1:
+            partitions[clients[0]] = members.astype(np.int64)
+            continue
+        within = dataclasses.replace(settings, partitioner="dirichlet", seed=settings.seed + index)
+        partitioner = make_partitioner(within, len(clients), "")  # one stream per domain
+        partitioner.dataset = Dataset.from_dict({SAMPLE_ID: members, LABEL: source.labels[members]})
+        try:
+            for k, client in enumerate(clients):
+                ids = partitioner.load_partition(k)[SAMPLE_ID]
+                partitions[client] = np.asarray(ids, dtype=np.int64)
+        except ValueError as err:
+            raise ValueError(
+                f"partitioner 'domain-dirichlet' could not split the {len(members)} samples of "
+                f"domain '{domain}' over {len(clients)} clients ({err}); use fewer clients or "
+                "a larger dirichlet-alpha"
+            ) from err
+    owners = tuple(_plain(domains[p % len(domains)]) for p in range(num_partitions))
+    return tuple(partitions), owners
 
 
 def make_partitioner(settings: DataSettings, num_partitions: int, natural_column: str) -> Any:

@@ -53,6 +53,16 @@ DATASETS: dict[str, DatasetSpec] = {
         embedded=True,
         summary="digits with one synthetic visual domain per client (feature skew)",
     ),
+    "glyph-domains": DatasetSpec(
+        hub_name="",
+        image_column="image",
+        label_column="label",
+        natural_id_column="domain",
+        num_classes=10,
+        embedded=True,
+        summary="digits in six DomainNet-like styles (print, handwriting, photo, sketch, "
+        "painting, noisy-blur), generated from installed packages; fixed public split",
+    ),
     "cifar100": DatasetSpec(
         hub_name="uoft-cs/cifar100",
         image_column="img",

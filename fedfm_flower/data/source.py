@@ -31,6 +31,7 @@ class Source:
     natural_ids: np.ndarray | None  # [N] values of that column; None when absent or synthetic
     synthetic_domains: int  # > 0: ids are synthetic, assigned when partitioning (digits-domains)
     pixels: Callable[[np.ndarray], torch.Tensor]  # sample ids -> [n, 3, H, W] in [0, 1]
+    public_ids: np.ndarray | None = None  # a public split fixed by the dataset (glyph-domains)
 
     def __len__(self) -> int:
         """Number of samples."""

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from fedfm_flower.config import ExperimentConfig
-from fedfm_flower.models.backbones import VISION_BACKBONES, freeze, tiny_vit
+from fedfm_flower.models.backbones import OFFLINE_VITS, VISION_BACKBONES, freeze, offline_vit
 from fedfm_flower.models.groups import GroupPattern, TunedModel
 from fedfm_flower.models.tuners import get_tuner
 
@@ -26,8 +26,8 @@ def vision_backbone(config: ExperimentConfig, *, load_weights: bool = True) -> n
     """The configured ViT with its pretrained weights (unless ``load_weights`` is False)."""
     if not load_weights:
         config = config.replace(pretrained=False, weights_file="")
-    if config.backbone == "tiny-vit":
-        backbone = tiny_vit(config)
+    if config.backbone in OFFLINE_VITS:
+        backbone = offline_vit(config)
         if config.pretrained:
             from fedfm_flower.models.foundation import load_foundation_weights
 

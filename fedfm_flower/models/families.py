@@ -31,9 +31,17 @@ FAMILIES: dict[str, ModelFamily] = {
     "vit": ModelFamily(
         "vit",
         "image",
-        ("tiny-vit", "vit_tiny_patch16_224", "vit_small_patch16_224", "vit_base_patch16_224"),
+        (
+            "tiny-vit",
+            "small-vit",
+            "offline-vit-s",
+            "vit_tiny_patch16_224",
+            "vit_small_patch16_224",
+            "vit_base_patch16_224",
+        ),
         "fedfm_flower.models.classifier:build_classifier",
-        "timm Vision Transformers with a linear head; tiny-vit is the offline foundation model",
+        "timm Vision Transformers with a linear head; tiny-vit, small-vit and offline-vit-s are "
+        "pretrained offline on the dataset's public split",
     ),
     "causal-lm": ModelFamily(
         "causal-lm",
@@ -44,6 +52,10 @@ FAMILIES: dict[str, ModelFamily] = {
         "hf-causal-lm loads model-name-or-path",
     ),
 }
+
+# Vision backbones this project pretrains itself on a dataset's public split (the offline
+# foundation models; architectures in fedfm_flower.models.backbones.OFFLINE_VITS).
+OFFLINE_VIT_NAMES: tuple[str, ...] = ("tiny-vit", "small-vit", "offline-vit-s")
 
 BACKBONES: tuple[str, ...] = tuple(b for family in FAMILIES.values() for b in family.backbones)
 

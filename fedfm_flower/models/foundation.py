@@ -1,4 +1,5 @@
-"""The offline foundation model: the tiny ViT pretrained on the public split of the offline data.
+"""The offline foundation models: a ViT (``tiny-vit``, ``small-vit``, ``offline-vit-s``)
+pretrained on the public split of the configured dataset.
 
 No client holds a sample of the public split (see ``fedfm_flower.data``), so the backbone is a
 stand-in for a model pretrained elsewhere. The weights are cached on disk under
@@ -34,12 +35,12 @@ PRETRAIN_BATCH = 64
 
 def foundation_key(config: ExperimentConfig) -> str:
     """Hash of every setting that changes the pretrained weights."""
-    from fedfm_flower.models.backbones import TINY_VIT
+    from fedfm_flower.models.backbones import OFFLINE_VITS
 
     base_dataset = "digits" if config.dataset.startswith("digits") else config.dataset
     fields = {
         "version": FOUNDATION_VERSION,
-        "arch": dataclasses.asdict(TINY_VIT),
+        "arch": dataclasses.asdict(OFFLINE_VITS[config.backbone]),
         "image_size": config.image_size,
         "dataset": base_dataset,
         "public_fraction": config.public_fraction,
@@ -51,11 +52,12 @@ def foundation_key(config: ExperimentConfig) -> str:
 
 def foundation_path(config: ExperimentConfig) -> Path:
     """Where the cached weights for ``config`` live."""
-    return config.cache_path / "foundation" / f"tiny-vit-{foundation_key(config)}.safetensors"
+    name = f"{config.backbone}-{foundation_key(config)}.safetensors"
+    return config.cache_path / "foundation" / name
 
 
 def load_foundation_weights(config: ExperimentConfig) -> dict[str, torch.Tensor]:
-    """The pretrained tiny-ViT state dict, from the cache or pretrained now and cached.
+    """The pretrained offline ViT's state dict, from the cache or pretrained now and cached.
 
     A damaged ``weights-file`` is an error naming the file; a damaged cache is pretrained again.
     """
@@ -91,18 +93,18 @@ def ensure_foundation(config: ExperimentConfig) -> Path:
 
 
 def pretrain_foundation(config: ExperimentConfig) -> tuple[dict[str, torch.Tensor], dict]:
-    """Pretrain the tiny ViT on the public split; returns its state dict and a card."""
+    """Pretrain the offline ViT on the public split; returns its state dict and a card."""
     import time
 
     from fedfm_flower.data import load_public_split
-    from fedfm_flower.models.backbones import pick_device, tiny_vit
+    from fedfm_flower.models.backbones import offline_vit, pick_device
     from fedfm_flower.tasks.classification import ImageClassification
     from fedfm_flower.training import evaluate, train
 
     started = time.perf_counter()
     train_set, test_set, num_classes = load_public_split(config)
     torch.manual_seed(config.seed)
-    backbone = tiny_vit(config)
+    backbone = offline_vit(config)
     model = nn.Sequential(backbone, nn.Linear(backbone.num_features, num_classes))
     device = pick_device(config.device)
     model.to(device)

@@ -1,14 +1,10 @@
-"""``--set KEY=VALUE`` run-config overrides of the benchmark commands (TOML values)."""
+"""``--set KEY=VALUE`` run-config overrides of the sweep and benchmark commands (TOML values)."""
 
 from __future__ import annotations
 
+import tomllib
 from collections.abc import Iterable
 from typing import Any
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib
 
 
 def parse_overrides(items: Iterable[str]) -> dict[str, Any]:

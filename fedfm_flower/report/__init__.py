@@ -1,0 +1,7 @@
+"""Reports over run directories: figures, tables with intervals and paired tests, JSON.
+
+    python -m fedfm_flower.report runs/glyphs --out reports/glyphs --reference local
+
+Modules: ``runs`` (reading finished run directories), ``tables`` (statistics, Markdown and
+LaTeX), ``figures`` (PNG plots), ``build`` (the whole report, and the command line).
+"""

@@ -1,0 +1,127 @@
+"""The whole report of a set of runs, and its command line.
+
+Writes to ``--out``: ``report.md`` (per setup: the table, the paired differences and the
+figures), ``table.md`` / ``table.tex`` (the personalization table over all setups),
+``differences.md``, one ``curves-``, ``gain-`` and ``bytes-<setup>.png`` per setup, and
+``report.json`` (every number in the tables, per-seed headline values and the runs read).
+Unfinished runs are listed, not used. Exit status 2 when no finished run is found or the
+reference method is missing from a setup.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from fedfm_flower.durable import atomic_write_text
+from fedfm_flower.report import figures, tables
+from fedfm_flower.report.runs import RunResult, load_runs
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", text)
+
+
+def write_report(
+    runs: list[RunResult], out: Path, reference: str, unfinished: list[Path] | None = None
+) -> dict[str, Any]:
+    """Render every table and figure of ``runs`` into ``out``; returns the report's numbers."""
+    setups = list(dict.fromkeys(run.setup for run in runs))
+    for setup in setups:
+        if not any(r.setup == setup and r.label == reference for r in runs):
+            present = sorted({r.label for r in runs if r.setup == setup})
+            raise ValueError(
+                f"reference method '{reference}' has no finished run in setup '{setup}'; "
+                f"methods there: {', '.join(present)}"
+            )
+    out.mkdir(parents=True, exist_ok=True)
+    cells = tables.build_cells(runs, reference)
+    metric = runs[0].metric
+    caption = f"Final mean client test {metric} (%)."
+    atomic_write_text(out / "table.md", tables.markdown_table(cells, reference) + "\n")
+    atomic_write_text(out / "table.tex", tables.latex_table(cells, reference, caption) + "\n")
+    atomic_write_text(out / "differences.md", tables.markdown_differences(cells, reference) + "\n")
+    sections = [
+        "# Report",
+        "",
+        f"{len(runs)} finished runs; {caption} Cells: mean over seeds ± 95% CI half-width "
+        f"(Student t over seeds). ↑/↓: a paired t-test over (seed, client) against "
+        f"**{reference}** finds the method better/worse at p < {tables.ALPHA}; no mark: no "
+        "significant difference.",
+        "",
+        tables.markdown_table(cells, reference),
+        "",
+    ]
+    numbers: dict[str, Any] = {"reference": reference, "metric": metric, "setups": {}}
+    for setup in setups:
+        slug = _slug(setup)
+        figures.learning_curves(runs, setup, out / f"curves-{slug}.png")
+        figures.gain_density(runs, setup, reference, out / f"gain-{slug}.png")
+        figures.bytes_chart(runs, setup, out / f"bytes-{slug}.png")
+        setup_cells = {k: v for k, v in cells.items() if k[0] == setup}
+        traffic = figures.bytes_per_round(runs, setup)
+        sections += [
+            f"## {setup}",
+            "",
+            tables.markdown_differences(setup_cells, reference),
+            "",
+            f"![learning curves](curves-{slug}.png) ![gain over {reference}](gain-{slug}.png) "
+            f"![bytes per round](bytes-{slug}.png)",
+            "",
+        ]
+        numbers["setups"][setup] = {
+            label: {
+                "seeds": list(cell.seeds),
+                "per-seed": [
+                    100 * r.final_mean
+                    for r in sorted(runs, key=lambda r: r.seed)
+                    if r.setup == setup and r.label == label
+                ],
+                "mean": cell.mean,
+                "ci95": cell.ci,
+                "bytes-down-per-client-round": traffic[label][0],
+                "bytes-up-per-client-round": traffic[label][1],
+                "versus-reference": None
+                if cell.versus is None
+                else {
+                    "mean-difference": cell.versus.mean_difference,
+                    "ci95": cell.versus.ci_half_width,
+                    "units": cell.versus.n,
+                    "p-value": cell.versus.p_value,
+                    "verdict": cell.mark or "n.s.",
+                },
+            }
+            for (_, label), cell in setup_cells.items()
+        }
+    if unfinished:
+        sections += ["## Not reported (unfinished)", ""] + [f"- `{p}`" for p in unfinished] + [""]
+    numbers["runs"] = [str(r.path) for r in runs]
+    numbers["unfinished"] = [str(p) for p in unfinished or []]
+    atomic_write_text(out / "report.md", "\n".join(sections))
+    atomic_write_text(out / "report.json", json.dumps(numbers, indent=2))
+    return numbers
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Build the report; exit status 0, or 2 when there is nothing (valid) to report."""
+    parser = argparse.ArgumentParser(
+        prog="python -m fedfm_flower.report", description="report over run directories"
+    )
+    parser.add_argument("runs", nargs="+", type=Path, help="run directories or folders of them")
+    parser.add_argument("--out", type=Path, required=True, help="where the report goes")
+    parser.add_argument("--reference", default="local", help="method every other is tested against")
+    args = parser.parse_args(argv)
+    try:
+        runs, unfinished = load_runs(args.runs)
+        if not runs:
+            raise ValueError(f"no finished run under {', '.join(map(str, args.runs))}")
+        write_report(runs, args.out, args.reference, unfinished)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"report of {len(runs)} runs written to {args.out}/report.md")
+    return 0

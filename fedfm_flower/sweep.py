@@ -1,0 +1,243 @@
+"""A sweep: methods x setups x seeds, run in process, resumable; it feeds ``fedfm_flower.report``.
+
+    python -m fedfm_flower.sweep --methods local fedavg fedrep pfedseq pfedpg:basis-only \\
+        --setups glyphs-feature-skew glyphs-label-skew --seeds 0 1 2 --out runs/glyphs
+    python -m fedfm_flower.report runs/glyphs --out reports/glyphs
+
+A cell's run config is layered, later layers winning: ``configs/setups/<setup>.toml`` (the
+data, model and training of the setup), ``configs/<method>/<setup>.toml`` (the method's own
+keys for that setup; either file may be missing, not both), ``configs/<method>/<variant>.toml``
+for ``method:variant`` (the papers' ablations), the ``--set`` overrides, and finally the
+cell's identity: ``method``, ``seed``, ``label`` (``method:variant``), ``setup``, the output
+directory and the run name ``<method>-<variant>-<setup><tag>-s<seed>``.
+
+Each run is the real ServerApp loop and ClientApp in this process (``server_apps.inprocess``),
+with client state on disk under ``<out>/client-state`` so that an interrupted run resumes
+exactly. Rerunning the same command skips finished runs (their ``summary.json`` exists),
+resumes interrupted ones from their newest checkpoint, and starts the rest. Every cell's config
+is validated before the first run (a bad one: exit status 2, nothing run); a run that fails is
+reported, the others still run, and the exit status is 1. ``<out>/sweep.json`` lists every cell
+run into ``<out>`` (this sweep's and earlier ones') with its state, time and error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fedfm_flower.durable import atomic_write_text
+from fedfm_flower.overrides import parse_overrides
+
+CONFIG_ROOT = Path(__file__).resolve().parent.parent / "configs"
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One run of the sweep: a method label, a setup, a seed and its full run config."""
+
+    label: str  # method or method:variant
+    setup: str
+    seed: int
+    config: dict[str, Any]
+
+    @property
+    def run_dir(self) -> Path:
+        """Where the run writes its results."""
+        return Path(self.config["output-dir"]) / self.config["run-name"]
+
+
+def run_name(label: str, setup: str, tag: str, seed: int) -> str:
+    """The run directory name of one (method label, setup, tag, seed) cell."""
+    return f"{label.replace(':', '-')}-{setup}{tag}-s{seed}"
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    return tomllib.loads(path.read_text()) if path.is_file() else {}
+
+
+def cell_config(
+    label: str,
+    setup: str,
+    seed: int,
+    out: Path,
+    overrides: dict[str, Any] | None = None,
+    tag: str = "",
+    configs: Path = CONFIG_ROOT,
+) -> dict[str, Any]:
+    """The run config of one cell (the layers of the module docstring)."""
+    method, _, variant = label.partition(":")
+    setup_file = configs / "setups" / f"{setup}.toml"
+    method_file = configs / method / f"{setup}.toml"
+    if not setup_file.is_file() and not method_file.is_file():
+        raise FileNotFoundError(f"setup '{setup}': neither {setup_file} nor {method_file} exists")
+    config = {**_read_toml(setup_file), **_read_toml(method_file)}
+    if variant:
+        variant_file = configs / method / f"{variant}.toml"
+        if not variant_file.is_file():
+            raise FileNotFoundError(f"variant '{label}': {variant_file} does not exist")
+        config.update(_read_toml(variant_file))
+    config.update(overrides or {})
+    config.update(
+        {
+            "method": method,
+            "seed": seed,
+            "label": label,
+            "setup": setup + tag,
+            "output-dir": str(out / "runs"),
+            "run-name": run_name(label, setup, tag, seed),
+            "client-state-dir": str(out / "client-state"),
+        }
+    )
+    return config
+
+
+def build_cells(
+    labels: list[str],
+    setups: list[str],
+    seeds: list[int],
+    out: Path,
+    overrides: dict[str, Any] | None = None,
+    tag: str = "",
+    configs: Path = CONFIG_ROOT,
+) -> list[Cell]:
+    """Every cell of the grid, setups outermost, validated (``ValueError`` names the bad one)."""
+    cells = [
+        Cell(
+            label, setup + tag, seed, cell_config(label, setup, seed, out, overrides, tag, configs)
+        )
+        for setup in setups
+        for label in labels
+        for seed in seeds
+    ]
+    check_configs([cell.config for cell in cells])
+    return cells
+
+
+def check_configs(configs: list[dict[str, Any]]) -> None:
+    """Validate every run config; the ``ValueError`` names the run and the bad value."""
+    from fedfm_flower.config import ConfigError, ExperimentConfig
+
+    defaults = ExperimentConfig().to_run_config()
+    for config in configs:
+        try:
+            ExperimentConfig.from_run_config({**defaults, **config})
+        except ConfigError as err:
+            raise ValueError(f"run {config['run-name']}: {err}") from err
+
+
+def cell_state(cell: Cell) -> str:
+    """'done' (summary written), 'interrupted' (a checkpoint to resume from) or 'new'."""
+    from fedfm_flower.results import RunDirectory
+
+    if (cell.run_dir / "summary.json").is_file():
+        return "done"
+    if RunDirectory(cell.run_dir).checkpoint_rounds():
+        return "interrupted"
+    return "new"
+
+
+def run_cell(cell: Cell) -> dict[str, Any]:
+    """Run (or resume, or reuse) one cell; returns its summary."""
+    state = cell_state(cell)
+    if state == "done":
+        return json.loads((cell.run_dir / "summary.json").read_text())
+    from server_apps.inprocess import run_in_process
+
+    config = dict(cell.config)
+    if state == "interrupted":
+        config["resume"] = True
+    elif cell.run_dir.exists():
+        shutil.rmtree(cell.run_dir)  # started but never checkpointed: start it over
+    clients = int(config.get("num-clients", 0))
+    if clients < 1:
+        raise ValueError(f"run {config['run-name']}: the sweep needs num-clients >= 1")
+    summary, _ = run_in_process(config, clients)
+    return summary
+
+
+def _earlier_records(out: Path) -> dict[str, dict[str, Any]]:
+    """Records of earlier sweeps into ``out`` (by run directory); none if unreadable."""
+    try:
+        return {r["run"]: r for r in json.loads((out / "sweep.json").read_text())["cells"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
+def run_sweep(cells: list[Cell], out: Path) -> list[dict[str, Any]]:
+    """Run every cell in order, recording each in ``<out>/sweep.json`` (kept with the records
+    of earlier sweeps into ``out``); returns this sweep's records."""
+    out.mkdir(parents=True, exist_ok=True)
+    everything = _earlier_records(out)
+    records: list[dict[str, Any]] = []
+    for index, cell in enumerate(cells, start=1):
+        record = {"label": cell.label, "setup": cell.setup, "seed": cell.seed}
+        record["run"] = str(cell.run_dir)
+        record["state-before"] = cell_state(cell)
+        started = time.perf_counter()
+        try:
+            summary = run_cell(cell)
+        except Exception as err:  # noqa: BLE001 - report it, run the other cells
+            record.update(state="failed", error=f"{type(err).__name__}: {err}"[:2000])
+            print(f"FAILED {cell.label} {cell.setup} seed {cell.seed}: {err}", file=sys.stderr)
+        else:
+            metric = summary.get("primary-metric", "accuracy")
+            value = summary.get(f"final-test-{metric}-mean", float("nan"))
+            record.update(state="done", metric=metric, final=value)
+            print(
+                f"[{index}/{len(cells)}] {cell.label} {cell.setup} seed {cell.seed}: "
+                f"{metric} {value:.4f} ({record['state-before']})",
+                flush=True,
+            )
+        record["seconds"] = time.perf_counter() - started
+        records.append(record)
+        everything[record["run"]] = record
+        cells_json = json.dumps({"cells": list(everything.values())}, indent=2)
+        atomic_write_text(out / "sweep.json", cells_json)
+    return records
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the sweep; exit status 0 (all done), 1 (a run failed) or 2 (bad arguments)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--methods", nargs="+", required=True, help="method or method:variant")
+    parser.add_argument("--setups", nargs="+", required=True, help="configs/setups/<name>.toml")
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--out", type=Path, required=True, help="sweep directory")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--tag", default="", help="suffix of the setup names of --set runs")
+    parser.add_argument("--configs", type=Path, default=CONFIG_ROOT, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    from fedfm_flower.logs import configure_logging
+
+    configure_logging()
+    try:
+        overrides = parse_overrides(args.set)
+        cells = build_cells(
+            args.methods, args.setups, args.seeds, args.out, overrides, args.tag, args.configs
+        )
+    except (ValueError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    records = run_sweep(cells, args.out)
+    failed = [r for r in records if r["state"] == "failed"]
+    if failed:
+        print(
+            f"error: {len(failed)} of {len(records)} runs failed (see sweep.json)", file=sys.stderr
+        )
+        return 1
+    print(
+        f"sweep done: {len(records)} runs in {args.out}; report: "
+        f"python -m fedfm_flower.report {args.out} --out <dir>"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

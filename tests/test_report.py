@@ -1,0 +1,129 @@
+"""The report: run directories -> tables with intervals and paired tests, figures, JSON."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from fedfm_flower.report import tables
+from fedfm_flower.report.build import main as report_main
+from fedfm_flower.report.figures import bytes_per_round, client_gains, curve_band
+from fedfm_flower.report.runs import load_runs
+
+# final per-client accuracy: method -> seed -> four clients (ids 0..3)
+FINAL = {
+    "local": {0: [0.60, 0.70, 0.80, 0.50], 1: [0.62, 0.66, 0.79, 0.55], 2: [0.58, 0.71, 0.83, 0.52]},
+    "fedrep": {0: [0.66, 0.75, 0.84, 0.57], 1: [0.67, 0.70, 0.85, 0.60], 2: [0.63, 0.78, 0.86, 0.59]},
+    "fedavg": {0: [0.61, 0.68, 0.81, 0.49], 1: [0.60, 0.69, 0.78, 0.56], 2: [0.59, 0.70, 0.82, 0.51]},
+}
+
+
+def write_run(root: Path, label: str, seed: int, finished: bool = True) -> Path:
+    """A run directory as the runner writes it: 3 rounds, evaluated at rounds 2 and 3."""
+    path = root / f"{label}-s{seed}"
+    path.mkdir(parents=True)
+    config = {"method": label, "label": label, "setup": "toy", "dataset": "digits", "seed": seed}
+    (path / "config.json").write_text(json.dumps({"run-config": config}))
+    final = FINAL[label][seed % 3]
+    records = []
+    for server_round in (1, 2, 3):
+        record = {
+            "round": server_round,
+            "bytes-down": 4000 * server_round,
+            "bytes-up": 2000,
+            "clients-reported": 4,
+        }
+        if server_round >= 2:
+            shift = 0.1 if server_round == 2 else 0.0
+            # node ids differ from client ids (as in Flower simulation): pairing uses client ids
+            record["evaluate"] = {
+                str(1000 + 7 * c): {"client-id": float(c), "test-accuracy": v - shift}
+                for c, v in enumerate(final)
+            }
+        records.append(record)
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    if finished:
+        (path / "summary.json").write_text(json.dumps({"primary-metric": "accuracy"}))
+    return path
+
+
+@pytest.fixture
+def runs_dir(tmp_path: Path) -> Path:
+    root = tmp_path / "runs"
+    for label in FINAL:
+        for seed in (0, 1, 2):
+            write_run(root, label, seed)
+    write_run(root / "extra", "fedrep", 3, finished=False)  # unfinished: listed, never used
+    return root
+
+
+def test_cells_match_an_independent_computation(runs_dir: Path) -> None:
+    runs, unfinished = load_runs([runs_dir])
+    assert len(runs) == 9 and [p.name for p in unfinished] == ["fedrep-s3"]
+    cells = tables.build_cells(runs, reference="local")
+    for label, by_seed in FINAL.items():
+        per_seed = [100 * np.mean(by_seed[s]) for s in (0, 1, 2)]
+        low, high = stats.t.interval(0.95, 2, loc=np.mean(per_seed), scale=stats.sem(per_seed))
+        cell = cells[("toy", label)]
+        assert cell.mean == pytest.approx(np.mean(per_seed))
+        assert cell.ci == pytest.approx((high - low) / 2)
+        if label == "local":
+            assert cell.versus is None and cell.mark == ""
+            continue
+        a = [100 * v for s in (0, 1, 2) for v in by_seed[s]]
+        b = [100 * v for s in (0, 1, 2) for v in FINAL["local"][s]]
+        expected = stats.ttest_rel(a, b)
+        assert cell.versus.n == 12
+        assert cell.versus.p_value == pytest.approx(expected.pvalue)
+        assert cell.versus.mean_difference == pytest.approx(np.mean(np.subtract(a, b)))
+        d = np.subtract(a, b)
+        half = stats.t.ppf(0.975, 11) * stats.sem(d)
+        assert cell.versus.ci_half_width == pytest.approx(half)
+    assert cells[("toy", "fedrep")].mark == "↑"  # better on all 12 units
+    assert cells[("toy", "fedavg")].mark == ""  # mixed: no significant difference
+
+
+def test_figures_data_pairs_clients_by_id(runs_dir: Path) -> None:
+    runs, _ = load_runs([runs_dir])
+    gains = client_gains(runs, "toy", "local")
+    expected = [
+        100 * (x - y) for s in (0, 1, 2) for x, y in zip(FINAL["fedrep"][s], FINAL["local"][s])
+    ]
+    assert sorted(gains["fedrep"]) == pytest.approx(sorted(expected))
+    rounds, means, widths = curve_band([r for r in runs if r.label == "fedrep"])
+    assert rounds == [2, 3]
+    final_means = [100 * np.mean(FINAL["fedrep"][s]) for s in (0, 1, 2)]
+    assert means[1] == pytest.approx(np.mean(final_means))
+    assert means[0] == pytest.approx(np.mean(final_means) - 10)
+    assert bytes_per_round(runs, "toy")["local"] == pytest.approx((2000.0, 500.0))
+
+
+def test_report_command_renders_every_output(runs_dir: Path, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "report"
+    assert report_main([str(runs_dir), "--out", str(out), "--reference", "local"]) == 0
+    for name in ("report.md", "table.md", "table.tex", "differences.md", "report.json"):
+        assert (out / name).stat().st_size > 0
+    for kind in ("curves", "gain", "bytes"):
+        assert (out / f"{kind}-toy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = (out / "table.md").read_text()
+    assert "| fedrep |" in table and "↑" in table and "local (reference)" in table
+    assert r"\begin{tabular}" in (out / "table.tex").read_text()
+    numbers = json.loads((out / "report.json").read_text())
+    assert numbers["setups"]["toy"]["fedrep"]["versus-reference"]["verdict"] == "↑"
+    assert numbers["unfinished"] and "fedrep-s3" in numbers["unfinished"][0]
+    assert "fedrep-s3" in (out / "report.md").read_text()
+
+
+def test_report_command_fails_clearly(runs_dir: Path, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "report"
+    assert report_main([str(runs_dir), "--out", str(out), "--reference", "pfedpg"]) == 2
+    assert "reference method 'pfedpg'" in capsys.readouterr().err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert report_main([str(empty), "--out", str(out)]) == 2
+    assert "no finished run" in capsys.readouterr().err
+    assert report_main([str(tmp_path / "missing"), "--out", str(out)]) == 2

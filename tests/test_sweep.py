@@ -1,0 +1,100 @@
+"""The sweep: layered configs, validation before any run, resume, TensorBoard, the report."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fedfm_flower import sweep
+from fedfm_flower.report.build import main as report_main
+
+
+def _configs(root: Path) -> Path:
+    (root / "setups").mkdir(parents=True)
+    (root / "fedrep").mkdir()
+    (root / "setups" / "toy.toml").write_text('dataset = "digits"\nnum-clients = 2\nlr = 0.05\n')
+    (root / "fedrep" / "toy.toml").write_text("lr = 0.02\nhead-epochs = 2\n")
+    (root / "fedrep" / "slow.toml").write_text("lr = 0.01\n")
+    return root
+
+
+def test_cell_config_layers_setup_method_variant_overrides(tmp_path: Path) -> None:
+    configs = _configs(tmp_path / "configs")
+    out = tmp_path / "out"
+    config = sweep.cell_config("fedrep:slow", "toy", 3, out, {"eval-every": 2}, "-x", configs)
+    assert config["dataset"] == "digits" and config["head-epochs"] == 2  # setup + method
+    assert config["lr"] == 0.01 and config["eval-every"] == 2  # variant, then overrides
+    assert config["method"] == "fedrep" and config["label"] == "fedrep:slow"
+    assert config["setup"] == "toy-x" and config["seed"] == 3
+    assert config["run-name"] == "fedrep-slow-toy-x-s3"
+    assert config["client-state-dir"] == str(out / "client-state")
+    assert sweep.cell_config("local", "toy", 0, out, configs=configs)["lr"] == 0.05
+    with pytest.raises(FileNotFoundError, match="setup 'nope'"):
+        sweep.cell_config("fedrep", "nope", 0, out, configs=configs)
+    with pytest.raises(FileNotFoundError, match="variant 'fedrep:missing'"):
+        sweep.cell_config("fedrep:missing", "toy", 0, out, configs=configs)
+
+
+def test_bad_cell_fails_before_any_run(tmp_path: Path, capsys) -> None:
+    configs = _configs(tmp_path / "configs")
+    argv = ["--methods", "fedrep", "--setups", "toy", "--seeds", "0", "--out", str(tmp_path / "o")]
+    status = sweep.main([*argv, "--set", "lr=-1", "--configs", str(configs)])
+    assert status == 2
+    assert "'lr'" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_sweep_runs_resumes_and_feeds_the_report(
+    tmp_path: Path, cache_dir: Path, capsys
+) -> None:
+    out = tmp_path / "sweep"
+    argv = [
+        "--methods",
+        "local",
+        "fedrep",
+        "--setups",
+        "digits-label-skew",
+        "--seeds",
+        "0",
+        "--out",
+        str(out),
+        "--set",
+        "num-server-rounds=2",
+        "num-clients=2",
+        f"cache-dir='{cache_dir}'",
+        "pretrain-epochs=30",
+        "tensorboard=true",
+    ]
+    assert sweep.main(argv) == 0
+    cells = json.loads((out / "sweep.json").read_text())["cells"]
+    assert [(c["label"], c["state"], c["state-before"]) for c in cells] == [
+        ("local", "done", "new"),
+        ("fedrep", "done", "new"),
+    ]
+    run = out / "runs" / "fedrep-digits-label-skew-s0"
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").open()]
+
+    # TensorBoard event files hold the rounds' scalars
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    logged = [(e.step, e.value) for e in events.Scalars("test-accuracy-mean")]
+    expected = [(r["round"], r["test-accuracy-mean"]) for r in metrics]
+    assert logged == [(s, pytest.approx(v)) for s, v in expected]
+
+    # an interrupted run (summary lost, checkpoints kept) resumes; finished runs are reused
+    summary = json.loads((run / "summary.json").read_text())
+    (run / "summary.json").unlink()
+    assert sweep.main(argv) == 0
+    cells = json.loads((out / "sweep.json").read_text())["cells"]
+    assert [c["state-before"] for c in cells] == ["done", "interrupted"]
+    resumed = json.loads((run / "summary.json").read_text())
+    assert resumed["final-per-client-accuracy"] == summary["final-per-client-accuracy"]
+
+    report = tmp_path / "report"
+    assert report_main([str(out), "--out", str(report)]) == 0
+    table = (report / "table.md").read_text()
+    assert "local (reference)" in table and "| fedrep |" in table
