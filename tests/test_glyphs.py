@@ -126,3 +126,22 @@ def test_domain_dirichlet_refuses_fewer_clients_than_domains(cache_dir: Path) ->
     config = _config(cache_dir, partitioner="domain-dirichlet")
     with pytest.raises(ValueError, match="at least one client per domain"):
         partition_plan(DataSettings.from_config(config), 4)
+
+
+def test_small_vit_has_a_conv_stem_and_its_own_foundation_key(tmp_path: Path) -> None:
+    import torch
+
+    from fedfm_flower.models.build import build_model
+    from fedfm_flower.models.foundation import foundation_key, foundation_path
+
+    config = _config(tmp_path, pretrained=False)
+    model = build_model(config, "lora", num_outputs=10)
+    embed = model.backbone.patch_embed.proj
+    strides = [m.stride[0] for m in embed if isinstance(m, torch.nn.Conv2d)]
+    assert strides == [2, 2, 2]  # 32 px -> 16 -> 8 -> a 4x4 grid of 8-pixel patches
+    assert not any("Norm2d" in type(m).__name__ for m in model.modules())  # no running stats
+    assert model(torch.zeros(2, 3, 32, 32)).shape == (2, 10)
+    assert any(".qkv.lora_A" in name for name, _ in model.named_parameters())
+    tiny = config.replace(backbone="tiny-vit")
+    assert foundation_key(tiny) != foundation_key(config)
+    assert foundation_path(config).name.startswith("small-vit-")

@@ -36,7 +36,6 @@ class OfflineViTSpec:
         return max(1, image_size // 4) if image_size < 64 else 16
 
 
-TinyViTSpec = OfflineViTSpec  # the name the digits-era code and tests use
 TINY_VIT = OfflineViTSpec()
 # The ViTs the project pretrains itself on a dataset's public split (fedfm_flower.models.
 # foundation): tiny-vit for the fast digits setups, small-vit (6 blocks, width 128) for the
