@@ -145,3 +145,12 @@ def test_small_vit_has_a_conv_stem_and_its_own_foundation_key(tmp_path: Path) ->
     tiny = config.replace(backbone="tiny-vit")
     assert foundation_key(tiny) != foundation_key(config)
     assert foundation_path(config).name.startswith("small-vit-")
+
+
+def test_domain_dirichlet_draws_each_seed_independently(cache_dir: Path) -> None:
+    sizes = []
+    for seed in (0, 1):
+        config = _config(cache_dir, partitioner="domain-dirichlet", dirichlet_alpha=0.5, seed=seed)
+        plan = partition_plan(DataSettings.from_config(config), 12)
+        sizes.append(sorted(len(p) for p in plan.partitions))
+    assert sizes[0] != sizes[1]  # not the same proportions dealt to other domains

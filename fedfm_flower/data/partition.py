@@ -24,7 +24,7 @@ The order of operations is fixed and seeded by ``seed``:
      per distinct value (in sorted order), so ``num_partitions`` must equal that count;
    * ``domain-dirichlet``: clients are dealt round-robin to the sorted natural ids (domains),
      client ``p`` to domain ``p mod D``, and each domain's samples are split over its clients
-     by ``DirichletPartitioner`` on the label (seeded ``seed + domain index``): feature skew
+     by ``DirichletPartitioner`` on the label (one seeded stream per domain): feature skew
      across domains, label skew within them (the many-client setups).
 
 For ``digits-domains`` the ``domain`` column is synthetic: the shuffled private samples are
@@ -58,6 +58,7 @@ from fedfm_flower.data.loaders import load_source
 from fedfm_flower.data.settings import DataSettings
 from fedfm_flower.data.source import Source
 from fedfm_flower.data.splits import (
+    DOMAIN_STREAM,
     PRIVATE_ORDER_STREAM,
     complement,
     entropy,
@@ -69,7 +70,7 @@ from fedfm_flower.durable import atomic_path
 LABEL = "label"
 SAMPLE_ID = "sample_id"
 MIN_PARTITION_SIZE = 2  # one training and one test sample
-PLAN_CACHE_VERSION = 1  # bump whenever the plan's computation changes (stale files then miss)
+PLAN_CACHE_VERSION = 2  # bump whenever the plan's computation changes (stale files then miss)
 
 log = logging.getLogger(__name__)
 
@@ -244,8 +245,10 @@ def _domain_dirichlet(
         if len(clients) == 1:
             partitions[clients[0]] = members.astype(np.int64)
             continue
-        within = dataclasses.replace(settings, partitioner="dirichlet", seed=settings.seed + index)
-        partitioner = make_partitioner(within, len(clients), "")  # one stream per domain
+        # an independent stream per (seed, domain): seed s + 1 must not replay domain i + 1 of s
+        stream = int(rng_for(settings.seed, DOMAIN_STREAM, index).integers(1 << 62))
+        within = dataclasses.replace(settings, partitioner="dirichlet", seed=stream)
+        partitioner = make_partitioner(within, len(clients), "")
         partitioner.dataset = Dataset.from_dict({SAMPLE_ID: members, LABEL: source.labels[members]})
         try:
             for k, client in enumerate(clients):

@@ -17,6 +17,7 @@ PUBLIC_STREAM = 1
 PRIVATE_ORDER_STREAM = 2
 PRETRAIN_STREAM = 3
 CLIENT_STREAM = 4
+DOMAIN_STREAM = 5  # domain-dirichlet partitions: one Dirichlet stream per (seed, domain)
 PRETRAIN_TEST_FRACTION = 0.2
 
 
