@@ -9,7 +9,7 @@ the parameters given are stepped: the frozen backbone is never touched.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -52,11 +52,13 @@ def train(
     epochs: int | None = None,
     steps: int | None = None,
     device: torch.device | None = None,
+    schedule: Callable[[int], float] | None = None,
 ) -> TrainStats:
     """Train ``params`` of ``model`` on ``data`` with the task's loss for epochs or steps.
 
     ``steps`` (when > 0) wins over ``epochs``; both default to the config's local-steps and
     local-epochs. Only ``params`` get gradients; everything else keeps ``requires_grad`` as is.
+    ``schedule`` maps the optimizer step (from 0) to a learning-rate multiplier (none: constant).
     """
     params = list(params)
     if epochs is None:
@@ -74,6 +76,7 @@ def train(
     for p in model.parameters():
         p.requires_grad_(id(p) in trainable)
     optimizer = make_optimizer(params, config)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule) if schedule else None
     model.train()
     total_loss, seen, done = 0.0, 0, 0
     sums: dict[str, float] = {}
@@ -85,6 +88,8 @@ def train(
                 result = task.step(model, batch)
                 result.loss.backward()
                 optimizer.step()
+                if scheduler is not None:
+                    scheduler.step()
                 total_loss += result.loss.item() * result.count
                 for name, value in result.sums.items():
                     sums[name] = sums.get(name, 0) + value

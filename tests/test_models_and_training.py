@@ -167,3 +167,33 @@ def test_timm_vit_loads_pretrained_weights_from_a_local_file(tmp_path) -> None:
         assert torch.equal(loaded[name], tensor), name
     model = build_model(config, num_classes=5)
     assert len(model.group_parameters(["adapter"])) == 2 * 12
+
+
+def test_warmup_cosine_schedule_and_its_use_in_train() -> None:
+    import math
+
+    from fedfm_flower.models.foundation import warmup_cosine
+
+    multiplier = warmup_cosine(4, 12)
+    assert [multiplier(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert multiplier(4) == 1.0
+    assert multiplier(8) == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert multiplier(12) == pytest.approx(0.0, abs=1e-12)
+
+    data = TensorDataset(torch.randn(16, 3), torch.randint(0, 2, (16,)))
+    config = ExperimentConfig(batch_size=4, lr=0.1)
+    for schedule, moves in ((None, True), (lambda step: 0.0, False)):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 2)
+        before = model.weight.detach().clone()
+        stats = train_task(
+            ImageClassification(),
+            model,
+            data,
+            model.parameters(),
+            config,
+            seed=0,
+            schedule=schedule,
+        )
+        assert stats.num_steps == 4
+        assert (not torch.equal(before, model.weight)) is moves

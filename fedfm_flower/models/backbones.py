@@ -30,6 +30,7 @@ class OfflineViTSpec:
     num_heads: int = 4
     mlp_ratio: float = 2.0
     conv_stem: bool = False  # a convolutional patch embedding (ConvStemPatchEmbed)
+    warmup_epochs: int = 0  # > 0: pretrain with linear warm-up, then cosine decay to 0
 
     def patch_size(self, image_size: int) -> int:
         """Patch size giving a 4x4 token grid on small images, 16 from 64 pixels up."""
@@ -42,9 +43,11 @@ TINY_VIT = OfflineViTSpec()
 # glyph-domains benchmark on CPU, offline-vit-s (ViT-S/16's shape) for the same code on a GPU.
 OFFLINE_VITS: dict[str, OfflineViTSpec] = {
     "tiny-vit": TINY_VIT,
-    "small-vit": OfflineViTSpec(embed_dim=128, depth=6, num_heads=4, mlp_ratio=2.0, conv_stem=True),
+    "small-vit": OfflineViTSpec(
+        embed_dim=128, depth=6, num_heads=4, mlp_ratio=2.0, conv_stem=True, warmup_epochs=2
+    ),
     "offline-vit-s": OfflineViTSpec(
-        embed_dim=384, depth=12, num_heads=6, mlp_ratio=4.0, conv_stem=True
+        embed_dim=384, depth=12, num_heads=6, mlp_ratio=4.0, conv_stem=True, warmup_epochs=2
     ),
 }
 

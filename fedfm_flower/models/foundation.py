@@ -17,6 +17,8 @@ import fcntl
 import hashlib
 import json
 import logging
+import math
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -97,7 +99,7 @@ def pretrain_foundation(config: ExperimentConfig) -> tuple[dict[str, torch.Tenso
     import time
 
     from fedfm_flower.data import load_public_split
-    from fedfm_flower.models.backbones import offline_vit, pick_device
+    from fedfm_flower.models.backbones import OFFLINE_VITS, offline_vit, pick_device
     from fedfm_flower.tasks.classification import ImageClassification
     from fedfm_flower.training import evaluate, train
 
@@ -116,6 +118,9 @@ def pretrain_foundation(config: ExperimentConfig) -> tuple[dict[str, torch.Tenso
         local_steps=0,
     )
     task = ImageClassification()
+    epochs = max(config.pretrain_epochs, 1)
+    steps_per_epoch = math.ceil(len(train_set) / PRETRAIN_BATCH)
+    warmup = OFFLINE_VITS[config.backbone].warmup_epochs * steps_per_epoch
     stats = train(
         task,
         model,
@@ -123,8 +128,9 @@ def pretrain_foundation(config: ExperimentConfig) -> tuple[dict[str, torch.Tenso
         model.parameters(),
         recipe,
         seed=config.seed,
-        epochs=max(config.pretrain_epochs, 1),
+        epochs=epochs,
         device=device,
+        schedule=warmup_cosine(warmup, epochs * steps_per_epoch) if warmup else None,
     )
     result = evaluate(task, model, test_set, device=device)
     card = {
@@ -142,8 +148,27 @@ def pretrain_foundation(config: ExperimentConfig) -> tuple[dict[str, torch.Tenso
         result.metrics["accuracy"],
         card["seconds"],
     )
+    if result.metrics["accuracy"] < 2.0 / num_classes:
+        log.warning(
+            "the offline foundation model %s stayed near chance (public test accuracy %.3f): "
+            "results on it mean little; try more pretrain-epochs or another seed",
+            config.backbone,
+            result.metrics["accuracy"],
+        )
     state = {k: v.detach().cpu().contiguous() for k, v in backbone.state_dict().items()}
     return state, card
+
+
+def warmup_cosine(warmup_steps: int, total_steps: int) -> Callable[[int], float]:
+    """Learning-rate multiplier: linear warm-up over ``warmup_steps``, then cosine decay to 0."""
+
+    def multiplier(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = (step - warmup_steps) / max(total_steps - warmup_steps, 1)
+        return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+
+    return multiplier
 
 
 def _atomic_save(path: Path, state: dict[str, torch.Tensor], card: dict) -> None:
