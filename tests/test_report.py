@@ -16,9 +16,21 @@ from fedfm_flower.report.runs import load_runs
 
 # final per-client accuracy: method -> seed -> four clients (ids 0..3)
 FINAL = {
-    "local": {0: [0.60, 0.70, 0.80, 0.50], 1: [0.62, 0.66, 0.79, 0.55], 2: [0.58, 0.71, 0.83, 0.52]},
-    "fedrep": {0: [0.66, 0.75, 0.84, 0.57], 1: [0.67, 0.70, 0.85, 0.60], 2: [0.63, 0.78, 0.86, 0.59]},
-    "fedavg": {0: [0.61, 0.68, 0.81, 0.49], 1: [0.60, 0.69, 0.78, 0.56], 2: [0.59, 0.70, 0.82, 0.51]},
+    "local": {
+        0: [0.60, 0.70, 0.80, 0.50],
+        1: [0.62, 0.66, 0.79, 0.55],
+        2: [0.58, 0.71, 0.83, 0.52],
+    },
+    "fedrep": {
+        0: [0.66, 0.75, 0.84, 0.57],
+        1: [0.67, 0.70, 0.85, 0.60],
+        2: [0.63, 0.78, 0.86, 0.59],
+    },
+    "fedavg": {
+        0: [0.61, 0.68, 0.81, 0.49],
+        1: [0.60, 0.69, 0.78, 0.56],
+        2: [0.59, 0.70, 0.82, 0.51],
+    },
 }
 
 
@@ -90,9 +102,8 @@ def test_cells_match_an_independent_computation(runs_dir: Path) -> None:
 def test_figures_data_pairs_clients_by_id(runs_dir: Path) -> None:
     runs, _ = load_runs([runs_dir])
     gains = client_gains(runs, "toy", "local")
-    expected = [
-        100 * (x - y) for s in (0, 1, 2) for x, y in zip(FINAL["fedrep"][s], FINAL["local"][s])
-    ]
+    pairs = [zip(FINAL["fedrep"][s], FINAL["local"][s], strict=True) for s in (0, 1, 2)]
+    expected = [100 * (x - y) for seed_pairs in pairs for x, y in seed_pairs]
     assert sorted(gains["fedrep"]) == pytest.approx(sorted(expected))
     rounds, means, widths = curve_band([r for r in runs if r.label == "fedrep"])
     assert rounds == [2, 3]
@@ -121,9 +132,23 @@ def test_report_command_renders_every_output(runs_dir: Path, tmp_path: Path, cap
 def test_report_command_fails_clearly(runs_dir: Path, tmp_path: Path, capsys) -> None:
     out = tmp_path / "report"
     assert report_main([str(runs_dir), "--out", str(out), "--reference", "pfedpg"]) == 2
-    assert "reference method 'pfedpg'" in capsys.readouterr().err
+    assert "reference method 'pfedpg' has no finished run" in capsys.readouterr().err
     empty = tmp_path / "empty"
     empty.mkdir()
     assert report_main([str(empty), "--out", str(out)]) == 2
     assert "no finished run" in capsys.readouterr().err
     assert report_main([str(tmp_path / "missing"), "--out", str(out)]) == 2
+
+
+def test_a_setup_without_the_reference_gets_no_tests(runs_dir: Path, tmp_path: Path) -> None:
+    other = runs_dir / "other"
+    path = write_run(other, "fedrep", 0)
+    config = json.loads((path / "config.json").read_text())
+    config["run-config"]["setup"] = "partial"
+    (path / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "report"
+    assert report_main([str(runs_dir), "--out", str(out)]) == 0
+    assert "No finished run of **local** here" in (out / "report.md").read_text()
+    assert not (out / "gain-partial.png").exists() and (out / "curves-partial.png").exists()
+    numbers = json.loads((out / "report.json").read_text())
+    assert numbers["setups"]["partial"]["fedrep"]["versus-reference"] is None

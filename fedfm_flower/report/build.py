@@ -4,8 +4,9 @@ Writes to ``--out``: ``report.md`` (per setup: the table, the paired differences
 figures), ``table.md`` / ``table.tex`` (the personalization table over all setups),
 ``differences.md``, one ``curves-``, ``gain-`` and ``bytes-<setup>.png`` per setup, and
 ``report.json`` (every number in the tables, per-seed headline values and the runs read).
-Unfinished runs are listed, not used. Exit status 2 when no finished run is found or the
-reference method is missing from a setup.
+Unfinished runs are listed, not used; a setup without a finished run of the reference method
+gets its table cells and figures but no paired tests. Exit status 2 when no finished run is
+found or no setup has the reference method.
 """
 
 from __future__ import annotations
@@ -31,13 +32,14 @@ def write_report(
 ) -> dict[str, Any]:
     """Render every table and figure of ``runs`` into ``out``; returns the report's numbers."""
     setups = list(dict.fromkeys(run.setup for run in runs))
-    for setup in setups:
-        if not any(r.setup == setup and r.label == reference for r in runs):
-            present = sorted({r.label for r in runs if r.setup == setup})
-            raise ValueError(
-                f"reference method '{reference}' has no finished run in setup '{setup}'; "
-                f"methods there: {', '.join(present)}"
-            )
+    unreferenced = [
+        s for s in setups if not any(r.setup == s and r.label == reference for r in runs)
+    ]
+    if len(unreferenced) == len(setups):
+        present = sorted({r.label for r in runs})
+        raise ValueError(
+            f"reference method '{reference}' has no finished run; methods: {', '.join(present)}"
+        )
     out.mkdir(parents=True, exist_ok=True)
     cells = tables.build_cells(runs, reference)
     metric = runs[0].metric
@@ -60,17 +62,19 @@ def write_report(
     for setup in setups:
         slug = _slug(setup)
         figures.learning_curves(runs, setup, out / f"curves-{slug}.png")
-        figures.gain_density(runs, setup, reference, out / f"gain-{slug}.png")
         figures.bytes_chart(runs, setup, out / f"bytes-{slug}.png")
         setup_cells = {k: v for k, v in cells.items() if k[0] == setup}
         traffic = figures.bytes_per_round(runs, setup)
+        sections += [f"## {setup}", ""]
+        if setup in unreferenced:
+            sections += [f"No finished run of **{reference}** here: no paired tests.", ""]
+            gain = ""
+        else:
+            figures.gain_density(runs, setup, reference, out / f"gain-{slug}.png")
+            sections += [tables.markdown_differences(setup_cells, reference), ""]
+            gain = f"![gain over {reference}](gain-{slug}.png) "
         sections += [
-            f"## {setup}",
-            "",
-            tables.markdown_differences(setup_cells, reference),
-            "",
-            f"![learning curves](curves-{slug}.png) ![gain over {reference}](gain-{slug}.png) "
-            f"![bytes per round](bytes-{slug}.png)",
+            f"![learning curves](curves-{slug}.png) {gain}![bytes per round](bytes-{slug}.png)",
             "",
         ]
         numbers["setups"][setup] = {
