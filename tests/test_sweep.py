@@ -46,9 +46,7 @@ def test_bad_cell_fails_before_any_run(tmp_path: Path, capsys) -> None:
     assert not (tmp_path / "o").exists()
 
 
-def test_sweep_runs_resumes_and_feeds_the_report(
-    tmp_path: Path, cache_dir: Path, capsys
-) -> None:
+def test_sweep_runs_resumes_and_feeds_the_report(tmp_path: Path, cache_dir: Path, capsys) -> None:
     out = tmp_path / "sweep"
     argv = [
         "--methods",
