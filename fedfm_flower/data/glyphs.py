@@ -154,11 +154,11 @@ def _printed_mask(label: int, rng: np.random.Generator) -> np.ndarray:
 
 
 def _handwritten_mask(scan: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    """A scikit-learn 8x8 scan (values 0-16) upscaled smoothly, as a [32, 32] ink mask."""
+    """A scikit-learn 8x8 scan (values in [0, 1]) upscaled smoothly, as a [32, 32] ink mask."""
     from PIL import Image
 
     big = NATIVE_SIZE * _SUPERSAMPLE
-    image = Image.fromarray((scan / 16.0 * 255).astype(np.uint8)).resize(
+    image = Image.fromarray((scan * 255).astype(np.uint8)).resize(
         (big, big), Image.Resampling.BICUBIC
     )
     mask = np.asarray(image, dtype=np.float32) / 255.0
@@ -263,10 +263,11 @@ def _photos() -> list[np.ndarray]:
 
 
 def _digit_scans() -> tuple[np.ndarray, np.ndarray]:
-    from fedfm_flower.data.digits import _digits_table
+    """scikit-learn's handwritten digits: [1797, 8, 8] scans in [0, 1] and their labels."""
+    from fedfm_flower.data.digits import digits_arrays
 
-    table = _digits_table()
-    return table[:, :-1].reshape(-1, 8, 8), table[:, -1].astype(np.int64)
+    images, labels = digits_arrays()
+    return images.numpy(), labels
 
 
 def _render_pool(domain: str, count: int, pool: int, photos, scans) -> tuple[np.ndarray, ...]:  # noqa: ANN001
