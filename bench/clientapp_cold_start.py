@@ -58,10 +58,11 @@ def child(method: str, cache_dir: str, spawned: float) -> None:
     data = load_client_data(config, 0, 10)
     loaded = time.perf_counter()
     from fedfm_flower.models import MODEL_CACHE, pick_device
-    from fedfm_flower.registry import method_spec
+    from fedfm_flower.registry import trains_backbone, tuner_of
 
-    tuner = method_spec(config.method).tuner
-    MODEL_CACHE.get(config, tuner, data.num_classes, pick_device(config.device))
+    device = pick_device(config.device)
+    whole = trains_backbone(config)
+    MODEL_CACHE.get(config, tuner_of(config), data.num_classes, device, train_backbone=whole)
     built = time.perf_counter()
     from server_apps.inprocess import InProcessGrid, simulation_node_configs
     from server_apps.runner import build_strategy

@@ -9,6 +9,7 @@ the ClientApp wraps them into Flower messages.
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -59,26 +60,31 @@ class ClientRuntime:
 
     def model(self) -> TunedModel:
         """The (cached) model with its trainable parts at their seeded initial values."""
-        from fedfm_flower.registry import method_spec
+        from fedfm_flower.registry import trains_backbone, tuner_of
 
-        tuner = method_spec(self.config.method).tuner
         outputs = self.task.num_outputs(self.config, self.data)
-        return MODEL_CACHE.get(self.config, tuner, outputs, self.device)
+        return MODEL_CACHE.get(
+            self.config,
+            tuner_of(self.config),
+            outputs,
+            self.device,
+            train_backbone=trains_backbone(self.config),
+        )
 
     def train(
         self,
         model: TunedModel,
-        groups: tuple[str, ...],
+        names: Iterable[str],
         seed: int,
         *,
         epochs: int | None = None,
         steps: int | None = None,
     ) -> TrainStats:
-        """Train ``groups`` of ``model`` on this client's train split with the task's loss
-        (``epochs``/``steps`` default to the config's local schedule)."""
+        """Train the parameters called ``names`` of ``model`` on this client's train split with
+        the task's loss (``epochs``/``steps`` default to the config's local schedule)."""
         from fedfm_flower.training import train
 
-        params = model.group_parameters(groups).values()
+        params = model.parameters_named(names).values()
         return train(
             self.task,
             model,

@@ -1,7 +1,10 @@
 """Client halves of the baselines every paper compares against.
 
 They differ only in which parameter groups are shared with the server and which stay on the
-client, and in the local schedule:
+client, and in the local schedule. ``shared``/``local`` are selections of groups (or name
+patterns, ``fedfm_flower.models.groups.select_names``); ``None`` on one side means every
+trainable parameter the other side does not select, so with a trainable backbone
+(``train-backbone``) FedAvg and FedRep share the ViT's own weights too:
 
 * ``local``: adapter and head local, nothing sent;
 * ``fedavg``: adapter and head shared;
@@ -20,21 +23,26 @@ import torch
 
 from client_apps.base import ClientLogic, ClientRuntime
 from fedfm_flower.models import TunedModel
+from fedfm_flower.models.groups import split_names
 from fedfm_flower.training import EvalStats, TrainStats
 
 
 class SplitClient(ClientLogic):
     """Shared groups come from the server and go back; local groups live in client state."""
 
-    shared: tuple[str, ...] = ("adapter", "head")
-    local: tuple[str, ...] = ()
+    shared: tuple[str, ...] | None = None
+    local: tuple[str, ...] | None = ()
+
+    def split(self, runtime: ClientRuntime, model: TunedModel) -> tuple[list[str], list[str]]:
+        """(shared, local) parameter names of ``model`` for this method."""
+        return split_names(model.parameter_groups(), self.shared, self.local)
 
     def prepare(
         self, runtime: ClientRuntime, received: dict[str, torch.Tensor], personal_round: dict
     ) -> TunedModel:
         """The model with local state (per ``personal_round`` lookup) and received tensors."""
         model = runtime.model()
-        if self.local:
+        if self.split(runtime, model)[1]:
             personal = runtime.store.load(**personal_round)
             if personal is not None:
                 model.load_tensors(personal)
@@ -45,7 +53,8 @@ class SplitClient(ClientLogic):
         self, runtime: ClientRuntime, model: TunedModel, server_round: int
     ) -> TrainStats:
         """Joint training of every shared and local group."""
-        return runtime.train(model, self.shared + self.local, runtime.seed(server_round))
+        shared, local = self.split(runtime, model)
+        return runtime.train(model, shared + local, runtime.seed(server_round))
 
     def train(
         self, runtime: ClientRuntime, received: dict[str, torch.Tensor], server_round: int
@@ -53,9 +62,10 @@ class SplitClient(ClientLogic):
         """Load, train, keep the local groups, send the shared ones."""
         model = self.prepare(runtime, received, {"before": server_round})
         stats = self.local_training(runtime, model, server_round)
-        if self.local:
-            runtime.store.save(server_round, model.group_tensors(self.local))
-        return model.group_tensors(self.shared), stats
+        shared, local = self.split(runtime, model)
+        if local:
+            runtime.store.save(server_round, model.tensors_named(local))
+        return model.tensors_named(shared), stats
 
     def evaluate(
         self, runtime: ClientRuntime, received: dict[str, torch.Tensor], server_round: int
@@ -69,34 +79,35 @@ class LocalClient(SplitClient):
     """Local adapter tuning: nothing leaves the client."""
 
     shared = ()
-    local = ("adapter", "head")
+    local = None
 
 
 class FedAvgClient(SplitClient):
-    """Adapter and head both averaged by the server."""
+    """Everything trainable (adapter and head) averaged by the server."""
 
-    shared = ("adapter", "head")
+    shared = None
     local = ()
 
 
 class FedRepClient(SplitClient):
     """Adapter shared, head local, trained head-first as in FedRep."""
 
-    shared = ("adapter",)
+    shared = None
     local = ("head",)
 
     def local_training(
         self, runtime: ClientRuntime, model: TunedModel, server_round: int
     ) -> TrainStats:
         """Head epochs with the adapter fixed, then adapter epochs with the head fixed."""
+        shared, local = self.split(runtime, model)
         head_stats = runtime.train(
             model,
-            self.local,
+            local,
             runtime.seed(server_round, salt=1),
             epochs=runtime.config.head_epochs,
             steps=0,
         )
-        body_stats = runtime.train(model, self.shared, runtime.seed(server_round))
+        body_stats = runtime.train(model, shared, runtime.seed(server_round))
         return TrainStats(
             body_stats.loss,
             body_stats.metrics,
@@ -116,7 +127,7 @@ class FedAvgFineTuneClient(FedAvgClient):
         model = self.prepare(runtime, received, {"at_most": server_round})
         runtime.train(
             model,
-            self.shared,
+            self.split(runtime, model)[0],
             runtime.seed(server_round, salt=2),
             epochs=runtime.config.finetune_epochs,
             steps=0,
@@ -127,5 +138,5 @@ class FedAvgFineTuneClient(FedAvgClient):
 class FedVPTClient(SplitClient):
     """Visual prompts shared (averaged by the server), head local, trained jointly."""
 
-    shared = ("prompt",)
+    shared = None
     local = ("head",)

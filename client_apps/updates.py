@@ -16,7 +16,7 @@ from fedfm_flower.training import TrainStats
 class UpdateClient(SplitClient):
     """Shared group from the server, head in client state; replies with the shared update."""
 
-    local = ("head",)
+    local: tuple[str, ...] | None = ("head",)
 
     def train(
         self, runtime: ClientRuntime, received: dict[str, torch.Tensor], server_round: int

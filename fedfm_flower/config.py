@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from fedfm_flower.models.families import BACKBONES as FAMILY_BACKBONES
+from fedfm_flower.models.families import family_of
+from fedfm_flower.models.tuners import TUNERS
 from fedfm_flower.registry import METHODS as METHOD_REGISTRY
 from fedfm_flower.registry import settings_class, settings_classes
 from fedfm_flower.settings import ConfigError, MethodSettings, coerce
@@ -51,6 +53,8 @@ PARTITIONERS: tuple[str, ...] = (
 )
 NATURAL_ID_PARTITIONERS: tuple[str, ...] = ("natural-id", "domain-dirichlet")
 OPTIMIZERS: tuple[str, ...] = ("sgd", "adam", "adamw")
+TUNER_CHOICES: tuple[str, ...] = ("auto", *TUNERS)
+PREFIX_FORMS: tuple[str, ...] = ("parallel", "concat")  # fedfm_flower.models.tuners.prefix
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
 # The methods' own allowed values (pfedseq-learner, pfedpg-generator, ...) are in their
 # settings classes: fedfm_flower/learners/pfedseq_settings.py, pfedpg_settings.py.
@@ -104,6 +108,12 @@ class ExperimentConfig:
     lora_alpha: float = 8.0
     lora_dropout: float = 0.0
     lora_target_modules: str = "qkv"
+    tuner: str = "auto"  # what is added to the backbone; auto: the method's own
+    train_backbone: bool = False  # the ViT's own weights train too (groups vit.*)
+    prefix_bottleneck: int = 256  # perfix: width of the prefix adapter
+    prefix_scale: float = 1.5  # perfix, prefix-*: s in eq. 5 of FedPerfix
+    prefix_form: str = "parallel"  # parallel (added to keys/values) or concat (appended)
+    mlp_adapter_bottleneck: int = 256  # mlp-adapter: width of the adapters
     # local training
     local_epochs: int = 1
     local_steps: int = 0  # >0 replaces epochs by a fixed number of optimizer steps
@@ -214,6 +224,11 @@ class ExperimentConfig:
         _one_of("partitioner", self.partitioner, PARTITIONERS)
         _one_of("optimizer", self.optimizer, OPTIMIZERS)
         _one_of("device", self.device, DEVICES)
+        _one_of("tuner", self.tuner, TUNER_CHOICES)
+        _one_of("prefix-form", self.prefix_form, PREFIX_FORMS)
+        _positive("prefix-bottleneck", self.prefix_bottleneck)
+        _positive("prefix-scale", self.prefix_scale)
+        _positive("mlp-adapter-bottleneck", self.mlp_adapter_bottleneck)
         # Every registered method's values, not only the active one's: a bad value in a
         # config file fails now, not when someone switches the method.
         for kind in settings_classes():
@@ -291,11 +306,18 @@ class ExperimentConfig:
 
     def _check_modality(self) -> None:
         from fedfm_flower.data.registry import dataset_spec
-        from fedfm_flower.models.families import family_of
+        from fedfm_flower.registry import trains_backbone
         from fedfm_flower.tasks import task_modality
 
         task = dataset_spec(self.dataset).task
         family = family_of(self.backbone)
+        if family.name != "vit" and trains_backbone(self):
+            raise ConfigError(
+                "train-backbone",
+                True,
+                f"backbone '{self.backbone}' (family '{family.name}') is tuned with adapters "
+                f"only; method '{self.method}' and train-backbone need a ViT",
+            )
         if task_modality(task) != family.modality:
             raise ConfigError(
                 "backbone",

@@ -22,7 +22,8 @@ class MethodSpec:
     client: str
     summary: str
     settings: str = ""  # its MethodSettings class (keys <prefix>-*); "" when it has no keys
-    tuner: str = "lora"  # what clients train on the frozen backbone: lora, vpt, vpt-deep
+    tuner: str = "lora"  # what it adds to the backbone (fedfm_flower.models.tuners.TUNERS)
+    trains_backbone: bool = False  # the whole ViT trains (else only when train-backbone = true)
 
 
 METHODS: dict[str, MethodSpec] = {
@@ -73,6 +74,15 @@ METHODS: dict[str, MethodSpec] = {
         "client_apps.baselines:FedAvgFineTuneClient",
         "FedAvg, then local fine-tuning of a copy before each evaluation",
     ),
+    "fedperfix": MethodSpec(
+        "strategies.partial:PartialStrategy",
+        "client_apps.partial:PartialClient",
+        "the whole ViT trains; FedAvg of all but the personal parts (default: prefix adapters "
+        "in every attention layer + head) (Sun et al. 2023)",
+        settings="fedfm_flower.personal:PartialSettings",
+        tuner="perfix",
+        trains_backbone=True,
+    ),
 }
 
 
@@ -96,6 +106,16 @@ def strategy_class(method: str) -> Any:
 def client_class(method: str) -> Any:
     """The client logic class of ``method`` (imported on demand)."""
     return _load(method_spec(method).client)
+
+
+def tuner_of(config: Any) -> str:
+    """The tuner of a run: the config's ``tuner`` unless 'auto', else the method's own."""
+    return config.tuner if config.tuner != "auto" else method_spec(config.method).tuner
+
+
+def trains_backbone(config: Any) -> bool:
+    """Whether the run trains the backbone's own weights (the method's or the config's say)."""
+    return method_spec(config.method).trains_backbone or config.train_backbone
 
 
 def settings_class(method: str) -> Any:

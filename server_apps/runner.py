@@ -58,10 +58,12 @@ class RunFailed(RuntimeError):
 def build_strategy(config: ExperimentConfig) -> PersonalizedStrategy:
     """The configured method's strategy, initialised from the seeded trainable tensors."""
     from fedfm_flower.models import initial_trainable
-    from fedfm_flower.registry import method_spec, strategy_class
+    from fedfm_flower.registry import strategy_class, trains_backbone, tuner_of
 
     outputs = task_of(config).num_outputs(config)
-    initial = initial_trainable(config, method_spec(config.method).tuner, outputs)
+    initial = initial_trainable(
+        config, tuner_of(config), outputs, train_backbone=trains_backbone(config)
+    )
     return strategy_class(config.method)(config, initial)
 
 

@@ -1,8 +1,10 @@
 """FedAvg over the shared parameter groups, each tensor averaged over the clients that sent it.
 
 The global tensors are averaged in float64 and cast back, so the result does not depend on the
-order replies arrive in. Subclasses choose which groups are shared (``shared_groups``) and how
-clients are weighted (``weighting``: example counts, or equal as FedDPA's eq. 2).
+order replies arrive in. Subclasses choose what is shared and what stays on the clients
+(``shared``/``local``: group selections as in ``fedfm_flower.models.groups.split_names``, None
+meaning everything the other side does not select) and how clients are weighted
+(``weighting``: example counts, or equal as FedDPA's eq. 2).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 from fedfm_flower.aggregation import average_over_owners, client_weights
 from fedfm_flower.config import ExperimentConfig
 from fedfm_flower.models import TrainableTensors
+from fedfm_flower.models.groups import split_names
 from fedfm_flower.records import tensor_spec
 from strategies.base import ClientReply, PersonalizedStrategy
 
@@ -21,12 +24,18 @@ from strategies.base import ClientReply, PersonalizedStrategy
 class FedAvgStrategy(PersonalizedStrategy):
     """One global copy of the shared groups, averaged over the reporting clients."""
 
-    shared_groups: ClassVar[tuple[str, ...]] = ("adapter", "head")
+    shared: ClassVar[tuple[str, ...] | None] = None
+    local: ClassVar[tuple[str, ...] | None] = ()
     weighting: ClassVar[str] = "examples"
 
     def __init__(self, config: ExperimentConfig, initial: TrainableTensors) -> None:
         super().__init__(config, initial)
-        self.global_tensors = initial.select(self.shared_groups)
+        shared, _ = self.split(initial)
+        self.global_tensors = {n: initial.tensors[n].clone() for n in shared}
+
+    def split(self, initial: TrainableTensors) -> tuple[list[str], list[str]]:
+        """(shared, local) parameter names; the clients' ``split`` must agree."""
+        return split_names(initial.groups, self.shared, self.local)
 
     def train_payload(self, client_id: int, server_round: int) -> dict[str, torch.Tensor]:
         """The global shared tensors (the same for every client)."""

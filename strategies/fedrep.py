@@ -4,6 +4,6 @@ from strategies.fedavg import FedAvgStrategy
 
 
 class FedRepStrategy(FedAvgStrategy):
-    """FedAvg restricted to the adapter; heads stay in client state."""
+    """FedAvg of everything but the heads, which stay in client state."""
 
-    shared_groups = ("adapter",)
+    local = ("head",)

@@ -4,6 +4,6 @@ from strategies.fedavg import FedAvgStrategy
 
 
 class FedVPTStrategy(FedAvgStrategy):
-    """FedAvg restricted to the prompts (VPT-shallow or VPT-deep, per the method's tuner)."""
+    """FedAvg of the prompts (VPT-shallow or VPT-deep, per the method's tuner); heads local."""
 
-    shared_groups = ("prompt",)
+    local = ("head",)

@@ -6,4 +6,5 @@ from strategies.fedavg import FedAvgStrategy
 class LocalStrategy(FedAvgStrategy):
     """No shared groups: messages carry only the round config; clients keep everything."""
 
-    shared_groups = ()
+    shared = ()
+    local = None

@@ -12,7 +12,8 @@ import torch
 from fedfm_flower import protocol as P
 from fedfm_flower.config import ExperimentConfig
 from fedfm_flower.models import MODEL_CACHE, backbone_fingerprint, build_model, initial_trainable
-from fedfm_flower.registry import METHODS
+from fedfm_flower import registry
+from fedfm_flower.registry import METHODS, tuner_of
 from server_apps.inprocess import ServerCrash, crash_in_round, run_in_process
 
 SHARED_KEYS = {
@@ -24,13 +25,17 @@ SHARED_KEYS = {
     "fedvpt": {"prompt"},
     "fedvpt-deep": {"prompt"},
     "pfedpg": {"prompt"},
+    "fedperfix": {f"vit.{p}" for p in ("patch-embed", "pos-embed", "cls-token", "norm", "attn")}
+    | {"vit.mlp"},
 }
 
 
-def _groups(keys) -> set[str]:
-    groups = {**initial_trainable(ExperimentConfig(), "lora", 10).groups}
-    groups.update(initial_trainable(ExperimentConfig(), "vpt", 10).groups)
-    return {groups.get(k, "backbone") for k in keys}
+def _groups(keys, config: dict) -> set[str]:
+    run = ExperimentConfig.from_run_config({**ExperimentConfig().to_run_config(), **config})
+    initial = initial_trainable(
+        run, tuner_of(run), 10, train_backbone=registry.trains_backbone(run)
+    )
+    return {initial.groups.get(k, "backbone") for k in keys}
 
 
 @pytest.mark.parametrize("method", sorted(METHODS))
@@ -44,9 +49,9 @@ def test_each_baseline_runs_two_rounds(method: str, small_run_config: dict) -> N
     for message in grid.sent:
         arrays = message.content.array_records.get(P.ARRAYS)
         keys = set(arrays.keys()) if arrays is not None else set()
-        assert _groups(keys) <= SHARED_KEYS[method]
+        assert _groups(keys, config) <= SHARED_KEYS[method]
         if message.metadata.message_type == "train":
-            assert _groups(keys) == SHARED_KEYS[method]
+            assert _groups(keys, config) == SHARED_KEYS[method]
     run_dir = Path(config["output-dir"]) / summary["run-name"]
     rounds = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rounds] == [1, 2]

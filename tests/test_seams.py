@@ -174,7 +174,7 @@ def _fedavg_with_heads(num_clients: int = 2):
     )
 
     class Components(FedAvgStrategy):
-        shared_groups = ("encoder", "decoder")
+        shared = ("encoder", "decoder")
 
         def required_reply_keys(self, client_id: int) -> set[str] | None:
             return set()  # each client sends the components it owns
@@ -232,11 +232,13 @@ def _post_training_method(monkeypatch: pytest.MonkeyPatch, rounds: int = 1) -> N
             return super().configure_train(server_round, arrays, config, grid)
 
     class PostTrainClient(baselines.FedAvgClient):
-        local = ("head",)  # the post-training head lives in client state
+        shared = ("adapter", "head")
+        local = ("head",)  # the post-training head lives in client state too
 
         def post_train(self, runtime, received, server_round):  # noqa: ANN001, ANN201
             model = self.prepare(runtime, received, {"before": server_round})
-            stats = runtime.train(model, ("head",), runtime.seed(server_round))
+            heads = model.group_parameters(["head"])
+            stats = runtime.train(model, heads, runtime.seed(server_round))
             runtime.store.save(server_round, model.group_tensors(["head"]))
             return {}, stats
 

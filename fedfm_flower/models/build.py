@@ -13,20 +13,37 @@ from fedfm_flower.models.groups import TrainableTensors, TunedModel
 
 
 def build_model(
-    config: ExperimentConfig, tuner: str, num_outputs: int = 0, *, load_weights: bool = True
+    config: ExperimentConfig,
+    tuner: str,
+    num_outputs: int = 0,
+    *,
+    load_weights: bool = True,
+    train_backbone: bool = False,
 ) -> TunedModel:
-    """The configured family's model, tuned by ``tuner``, with seeded trainable tensors."""
-    return build_tuned_model(config, tuner, num_outputs, load_weights=load_weights)
+    """The configured family's model, tuned by ``tuner``, with seeded trainable tensors
+    (the backbone's own weights among them when ``train_backbone``)."""
+    return build_tuned_model(
+        config, tuner, num_outputs, load_weights=load_weights, train_backbone=train_backbone
+    )
 
 
 @functools.lru_cache(maxsize=2)
-def _initial_state(config: ExperimentConfig, tuner: str, num_outputs: int) -> TrainableTensors:
-    return build_model(config, tuner, num_outputs, load_weights=False).trainable()
+def _initial_state(
+    config: ExperimentConfig, tuner: str, num_outputs: int, train_backbone: bool
+) -> TrainableTensors:
+    # A trainable backbone starts from its pretrained weights, which every node loads alike.
+    model = build_model(
+        config, tuner, num_outputs, load_weights=train_backbone, train_backbone=train_backbone
+    )
+    return model.trainable()
 
 
-def initial_trainable(config: ExperimentConfig, tuner: str, num_outputs: int) -> TrainableTensors:
-    """The seeded initial trainable tensors and their groups, without loading pretrained weights."""
-    state = _initial_state(config, tuner, num_outputs)
+def initial_trainable(
+    config: ExperimentConfig, tuner: str, num_outputs: int, *, train_backbone: bool = False
+) -> TrainableTensors:
+    """The seeded initial trainable tensors and their groups (pretrained weights are loaded
+    only when the backbone itself is trainable)."""
+    state = _initial_state(config, tuner, num_outputs, train_backbone)
     return TrainableTensors({k: v.clone() for k, v in state.tensors.items()}, dict(state.groups))
 
 
@@ -43,12 +60,19 @@ class ModelCache:
         self._initial: dict[str, torch.Tensor] = {}
 
     def get(
-        self, config: ExperimentConfig, tuner: str, num_outputs: int, device: torch.device
+        self,
+        config: ExperimentConfig,
+        tuner: str,
+        num_outputs: int,
+        device: torch.device,
+        *,
+        train_backbone: bool = False,
     ) -> TunedModel:
         """The model for ``config`` on ``device`` with trainable tensors at their initial value."""
-        key = (config, tuner, num_outputs, str(device))
+        key = (config, tuner, num_outputs, str(device), train_backbone)
         if self._key != key or self._model is None:
-            self._model = build_model(config, tuner, num_outputs).to(device)
+            model = build_model(config, tuner, num_outputs, train_backbone=train_backbone)
+            self._model = model.to(device)
             self._initial = dict(self._model.trainable().tensors)
             self._key = key
         self._model.load_tensors(self._initial)

@@ -103,9 +103,19 @@ def _model_source(config: ExperimentConfig) -> str:
 
 
 def build_causal_lm(
-    config: ExperimentConfig, tuner: str, num_outputs: int = 0, *, load_weights: bool = True
+    config: ExperimentConfig,
+    tuner: str,
+    num_outputs: int = 0,
+    *,
+    load_weights: bool = True,
+    train_backbone: bool = False,
 ) -> AdaptedCausalLM:
     """A fresh AdaptedCausalLM with the tuner's parts seeded from ``config.seed``."""
+    if train_backbone:
+        raise ValueError(
+            f"backbone '{config.backbone}' cannot be trained whole (train-backbone): causal "
+            "LMs are tuned with adapters only"
+        )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed + 2)
         lm, tokenizer = causal_lm_backbone(config, load_weights=load_weights)

@@ -2,8 +2,11 @@
 
 The tuner is the method's (``fedfm_flower.models.tuners``): ``lora`` injects LoRA adapters
 through peft (group ``adapter``); ``vpt`` / ``vpt-deep`` insert visual prompts (group
-``prompt``). The linear classifier ``head.weight``/``head.bias`` is the group ``head``.
-Everything else is the backbone, frozen (``requires_grad=False``) and never sent anywhere.
+``prompt``); ``perfix`` and ``prefix-*`` add prefixes (``prefix``); ``mlp-adapter``
+(``mlp-adapter``); ``none`` adds nothing. The linear classifier ``head.weight``/``head.bias`` is
+the group ``head``. Everything else is the backbone, frozen (``requires_grad=False``) and never
+sent anywhere, unless the backbone is trainable (``train_backbone``): then the ViT's own weights
+form the ``vit.*`` groups of ``fedfm_flower.models.vit_parts``.
 
 All trainable tensors are initialised from ``config.seed`` so the server and every client start
 from the same adapter and head, which FedAvg-style aggregation needs.
@@ -18,6 +21,7 @@ from fedfm_flower.config import ExperimentConfig
 from fedfm_flower.models.backbones import OFFLINE_VITS, VISION_BACKBONES, freeze, offline_vit
 from fedfm_flower.models.groups import GroupPattern, TunedModel
 from fedfm_flower.models.tuners import get_tuner
+from fedfm_flower.models.vit_parts import VIT_PART_PATTERNS
 
 HEAD_PATTERNS = (GroupPattern("head", r"^head\."),)
 
@@ -37,10 +41,15 @@ def vision_backbone(config: ExperimentConfig, *, load_weights: bool = True) -> n
 
 
 class AdaptedClassifier(TunedModel):
-    """Frozen backbone + the method's tuner (LoRA or visual prompts) + linear head."""
+    """Backbone (frozen unless ``train_backbone``) + the method's tuner + linear head."""
 
     def __init__(
-        self, backbone: nn.Module, num_classes: int, config: ExperimentConfig, tuner: str
+        self,
+        backbone: nn.Module,
+        num_classes: int,
+        config: ExperimentConfig,
+        tuner: str,
+        train_backbone: bool = False,
     ) -> None:
         super().__init__()
         freeze(backbone)
@@ -48,7 +57,9 @@ class AdaptedClassifier(TunedModel):
         self.backbone = parts.backbone
         self.prompts = parts.modules.get("prompts")
         self.head = nn.Linear(backbone.num_features, num_classes)
-        self.group_patterns = parts.patterns + HEAD_PATTERNS
+        # Tuner patterns first: a prefix inside ``attn`` is ``prefix``, not ``vit.attn``.
+        vit_parts = VIT_PART_PATTERNS if train_backbone else ()
+        self.group_patterns = parts.patterns + HEAD_PATTERNS + vit_parts
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         """Class logits."""
@@ -58,7 +69,12 @@ class AdaptedClassifier(TunedModel):
 
 
 def build_classifier(
-    config: ExperimentConfig, tuner: str, num_outputs: int, *, load_weights: bool = True
+    config: ExperimentConfig,
+    tuner: str,
+    num_outputs: int,
+    *,
+    load_weights: bool = True,
+    train_backbone: bool = False,
 ) -> AdaptedClassifier:
     """A fresh AdaptedClassifier with seeded tuner and head initialisation."""
     with torch.random.fork_rng(devices=[]):
@@ -66,7 +82,7 @@ def build_classifier(
         torch.manual_seed(config.seed + 2)
         backbone = vision_backbone(config, load_weights=load_weights)
         torch.manual_seed(config.seed)
-        model = AdaptedClassifier(backbone, num_outputs, config, tuner)
+        model = AdaptedClassifier(backbone, num_outputs, config, tuner, train_backbone)
         torch.manual_seed(config.seed + 1)
         model.head.reset_parameters()
     return model

@@ -23,7 +23,8 @@ class ModelFamily:
     name: str
     modality: str  # must equal the task's modality
     backbones: tuple[str, ...]
-    builder: str  # "module:function(config, tuner, num_outputs, load_weights) -> TunedModel"
+    builder: str  # "module:function(config, tuner, num_outputs, *, load_weights,
+    #                 train_backbone) -> TunedModel"
     summary: str
 
 
@@ -69,9 +70,16 @@ def family_of(backbone: str) -> ModelFamily:
 
 
 def build_tuned_model(
-    config, tuner: str, num_outputs: int = 0, *, load_weights: bool = True
+    config,
+    tuner: str,
+    num_outputs: int = 0,
+    *,
+    load_weights: bool = True,
+    train_backbone: bool = False,
 ) -> TunedModel:  # noqa: ANN001 - ExperimentConfig (kept out of this light module's imports)
     """The configured backbone of its family, tuned by ``tuner``, with seeded trainable parts."""
     module, _, name = family_of(config.backbone).builder.partition(":")
     build = getattr(importlib.import_module(module), name)
-    return build(config, tuner, num_outputs, load_weights=load_weights)
+    return build(
+        config, tuner, num_outputs, load_weights=load_weights, train_backbone=train_backbone
+    )

@@ -57,6 +57,59 @@ def group_of(name: str, patterns: Iterable[GroupPattern]) -> str:
     return BACKBONE
 
 
+def select_names(
+    entries: Iterable[str], groups: Mapping[str, str], *, strict: bool = False
+) -> list[str]:
+    """Parameter names (in ``groups`` order) that ``entries`` select.
+
+    An entry that is a group name selects that group and its dotted children; any other entry
+    is a regular expression searched in the parameter names (``blocks\\.11\\.``). With
+    ``strict``, an entry that selects nothing is a ValueError naming it and the groups present.
+    """
+    chosen: set[str] = set()
+    for entry in entries:
+        if _GROUP_NAME.match(entry):
+            found = {n for n, g in groups.items() if in_groups(g, (entry,))}
+        else:
+            try:
+                pattern = re.compile(entry)
+            except re.error as err:
+                raise ValueError(f"parameter pattern {entry!r} is not a regular expression: {err}")
+            found = {n for n in groups if pattern.search(n)}
+        if strict and not found:
+            present = ", ".join(dict.fromkeys(groups.values()))
+            raise ValueError(
+                f"{entry!r} selects no trainable parameter; groups present: {present} "
+                "(or give a regular expression over parameter names)"
+            )
+        chosen |= found
+    return [n for n in groups if n in chosen]
+
+
+def split_names(
+    groups: Mapping[str, str],
+    shared: Iterable[str] | None,
+    local: Iterable[str] | None,
+    *,
+    strict: bool = False,
+) -> tuple[list[str], list[str]]:
+    """(shared names, local names) of the parameters in ``groups``.
+
+    ``shared``/``local`` are selections as in ``select_names``; ``None`` means every parameter
+    the other side does not select (FedAvg: ``local=()``, ``shared=None``). A name both sides
+    select is received from the server and also kept in client state.
+    """
+    if shared is None and local is None:
+        raise ValueError("at most one of shared and local may be 'the rest'")
+    local_names = select_names(local, groups, strict=strict) if local is not None else None
+    shared_names = select_names(shared, groups, strict=strict) if shared is not None else None
+    if local_names is None:
+        local_names = [n for n in groups if n not in set(shared_names)]
+    if shared_names is None:
+        shared_names = [n for n in groups if n not in set(local_names)]
+    return shared_names, local_names
+
+
 @dataclass(frozen=True)
 class TrainableTensors:
     """A model's trainable tensors in model order, with the group of each."""
@@ -106,6 +159,18 @@ class TunedModel(nn.Module):
     def group_tensors(self, groups: Iterable[str]) -> dict[str, torch.Tensor]:
         """Detached CPU copies of the given groups' parameters."""
         return {n: p.detach().cpu().clone() for n, p in self.group_parameters(groups).items()}
+
+    def parameters_named(self, names: Iterable[str]) -> dict[str, nn.Parameter]:
+        """The grouped parameters called ``names``, in model order; unknown names are an error."""
+        wanted = set(names)
+        found = {n: p for n, p, g in self._group_index() if g != BACKBONE and n in wanted}
+        if len(found) != len(wanted):
+            raise KeyError(f"no trainable parameter named {sorted(wanted - set(found))[:3]}")
+        return found
+
+    def tensors_named(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        """Detached CPU copies of the parameters called ``names``."""
+        return {n: p.detach().cpu().clone() for n, p in self.parameters_named(names).items()}
 
     def trainable(self) -> TrainableTensors:
         """Every grouped tensor (detached CPU copies) with its group."""

@@ -34,7 +34,17 @@ TUNERS: dict[str, str] = {
     "lora": "fedfm_flower.models.tuners.lora:lora_tuner",
     "vpt": "fedfm_flower.models.tuners.prompts:vpt_shallow_tuner",
     "vpt-deep": "fedfm_flower.models.tuners.prompts:vpt_deep_tuner",
+    "perfix": "fedfm_flower.models.tuners.prefix:perfix_tuner",
+    "prefix-zero": "fedfm_flower.models.tuners.prefix:prefix_zero_tuner",
+    "prefix-random": "fedfm_flower.models.tuners.prefix:prefix_random_tuner",
+    "mlp-adapter": "fedfm_flower.models.tuners.mlp_adapter:mlp_adapter_tuner",
+    "none": "fedfm_flower.models.tuners:no_tuner",
 }
+
+
+def no_tuner(backbone: nn.Module, config: ExperimentConfig) -> TunedParts:
+    """Nothing added: the head alone, or the whole ViT with a trainable backbone."""
+    return TunedParts(backbone)
 
 
 def get_tuner(name: str) -> Tuner:
