@@ -38,4 +38,5 @@ class PartialSettings(MethodSettings):
             try:
                 re.compile(entry)
             except re.error as err:
-                raise ConfigError(self.key_of("personal"), self.personal, f"{entry!r}: {err}")
+                key = self.key_of("personal")
+                raise ConfigError(key, self.personal, f"{entry!r}: {err}") from err

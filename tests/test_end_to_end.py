@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from fedfm_flower import protocol as P
+from fedfm_flower import registry
 from fedfm_flower.config import ExperimentConfig
 from fedfm_flower.models import MODEL_CACHE, backbone_fingerprint, build_model, initial_trainable
-from fedfm_flower import registry
 from fedfm_flower.registry import METHODS, tuner_of
 from server_apps.inprocess import ServerCrash, crash_in_round, run_in_process
 

@@ -74,7 +74,8 @@ def select_names(
             try:
                 pattern = re.compile(entry)
             except re.error as err:
-                raise ValueError(f"parameter pattern {entry!r} is not a regular expression: {err}")
+                msg = f"parameter pattern {entry!r} is not a regular expression: {err}"
+                raise ValueError(msg) from err
             found = {n for n in groups if pattern.search(n)}
         if strict and not found:
             present = ", ".join(dict.fromkeys(groups.values()))
