@@ -17,6 +17,7 @@ from fedfm_flower.models.groups import TrainableTensors, select_names, split_nam
 from fedfm_flower.models.tuners.mlp_adapter import BottleneckAdapter
 from fedfm_flower.models.tuners.prefix import LinearPrefix, PrefixAdapter, PrefixedAttention
 from fedfm_flower.models.vit_parts import VIT_PARTS
+from fedfm_flower.registry import tuner_of
 from fedfm_flower.settings import ConfigError
 
 WIDTH, HEADS, TOKENS = 8, 2, 5
@@ -268,3 +269,22 @@ def test_baselines_by_personal_parts(personal: str, local_groups: set[str]) -> N
     strategy = PartialStrategy(config, initial)
     shared_groups = {initial.groups[n] for n in strategy.global_tensors}
     assert shared_groups == set(initial.groups.values()) - local_groups
+
+
+@pytest.mark.parametrize("variant", ["prompts", "adapters", "prefix-zero", "concat", "fedbn"])
+def test_table6_designs_and_baselines_run_end_to_end(variant: str, fedperfix_config: dict) -> None:
+    import tomllib
+
+    from server_apps.inprocess import run_in_process
+
+    overlay = tomllib.loads(Path(f"configs/fedperfix/{variant}.toml").read_text())
+    config = {**fedperfix_config, **overlay, "num-server-rounds": 1, "num-clients": 2}
+    summary, grid = run_in_process(config, 2)
+    assert summary["final-test-accuracy-mean"] > 0.2
+    personal = overlay.get("fedperfix-personal", "prefix,head").split(",")
+    for message in grid.sent:
+        arrays = message.content.array_records.get(P.ARRAYS)
+        names = set(arrays.keys()) if arrays is not None else set()
+        run = ExperimentConfig.from_run_config({**ExperimentConfig().to_run_config(), **config})
+        groups = initial_trainable(run, tuner_of(run), 10, train_backbone=True).groups
+        assert not set(select_names(personal, groups)) & names
