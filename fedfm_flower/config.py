@@ -41,6 +41,8 @@ DATASETS: tuple[str, ...] = (
     "domainnet",
     "office-caltech10",
     "omniglot",
+    "office-home",
+    "organamnist",
     "instructions",
 )
 BACKBONES: tuple[str, ...] = FAMILY_BACKBONES  # fedfm_flower.models.families
@@ -291,7 +293,12 @@ class ExperimentConfig:
         if self.weights_file and not Path(self.weights_file).expanduser().is_file():
             raise ConfigError("weights-file", self.weights_file, "no such file")
         if self.data_dir and not Path(self.data_dir).expanduser().is_dir():
-            raise ConfigError("data-dir", self.data_dir, "no such directory")
+            from fedfm_flower.data.registry import dataset_spec
+
+            reads_a_file = bool(dataset_spec(self.dataset).medmnist_flag)  # data-dir: the .npz
+            if not (reads_a_file and Path(self.data_dir).expanduser().is_file()):
+                what = "no such directory or file" if reads_a_file else "no such directory"
+                raise ConfigError("data-dir", self.data_dir, what)
         if self.partitioner in NATURAL_ID_PARTITIONERS and not self.natural_id_column:
             from fedfm_flower.data.registry import dataset_spec
 

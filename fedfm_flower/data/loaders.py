@@ -3,8 +3,9 @@ datasets a local copy under ``data-dir``, else the Hugging Face Hub.
 
 ``load_source`` picks the loader by the registry's spec and caches one source per (dataset,
 data-dir, image size, natural-id column) in the process, so a ClientApp that loads its data on
-every message pays the preparation once. The embedded digits are ``fedfm_flower.data.digits``;
-the rest of this module loads the other datasets.
+every message pays the preparation once. The embedded digits are ``fedfm_flower.data.digits``,
+MedMNIST's ``.npz`` files (OrganAMNIST) ``fedfm_flower.data.medmnist``; the rest of this module
+loads the other datasets.
 
 Local copies come in two layouts, told apart by their files:
 
@@ -12,10 +13,11 @@ Local copies come in two layouts, told apart by their files:
   holds ``state.json`` or ``dataset_dict.json``), read with ``datasets.load_from_disk``;
 * an image folder, read with ``datasets.load_dataset("imagefolder", data_dir=...)``. The class
   is the name of the folder holding the image. For datasets with natural client ids
-  (DomainNet, Office-Caltech10, Omniglot) the id is the folder above the class folder:
-  ``<data-dir>/<domain>/<class>/<image>`` (Omniglot: ``<data-dir>/<drawer>/<alphabet>/<image>``),
-  unless a ``metadata.csv`` beside the images supplies the natural-id column itself. Top-level
-  ``train``/``test`` folders are taken as splits by ``datasets``; they are merged.
+  (DomainNet, Office-Caltech10, Office-Home, Omniglot) the id is the folder above the class
+  folder: ``<data-dir>/<domain>/<class>/<image>`` (Omniglot:
+  ``<data-dir>/<drawer>/<alphabet>/<image>``), unless a ``metadata.csv`` beside the images
+  supplies the natural-id column itself. Top-level ``train``/``test`` folders are taken as
+  splits by ``datasets``; they are merged.
 
 Without ``data-dir`` the registry's Hub name is loaded (this needs internet, and is cached by
 ``datasets`` as usual); a failure becomes ``DataUnavailableError`` saying to set ``data-dir``.
@@ -79,6 +81,14 @@ def _cached_source(
         if name == "glyph-domains":
             return glyph_source(Path(cache_dir), image_size)
         return digits_source(name, image_size, with_domains=bool(spec.natural_id_column))
+    if spec.medmnist_flag:
+        from fedfm_flower.data.medmnist import medmnist_source
+
+        if natural_id_column:
+            raise ValueError(
+                f"dataset '{name}' has no column '{natural_id_column}': it has no natural ids"
+            )
+        return medmnist_source(name, spec.medmnist_flag, data_dir, cache_dir, image_size)
     return loaded_source(
         name, spec, data_dir, cache_dir, image_size, natural_id_column or spec.natural_id_column
     )

@@ -8,10 +8,12 @@ and offline (scikit-learn's digits, as label-skew ``digits`` and feature-skew
 Hub copies: ``uoft-cs/cifar100`` and ``zh-plus/tiny-imagenet`` are the common ones.
 ``wltjr1007/DomainNet`` is a public copy whose card lists ``image``/``label``; if a copy lacks
 the ``domain`` column, name the right one with ``natural-id-column``. We know of no Hub copy of
-Office-Caltech10 or of Omniglot with drawer ids, so those two need ``data-dir`` (layouts in
-``fedfm_flower.data.loaders``). Following the papers, DomainNet keeps only its ten most
-frequent classes (pFedPG and pFedSeq follow FedBN's sub-dataset), and Omniglot predicts the
-alphabet (50 classes) with one client per drawer (pFedSeq's real-world setting).
+Office-Caltech10, Office-Home or of Omniglot with drawer ids, so those need ``data-dir``
+(layouts in ``fedfm_flower.data.loaders``); OrganAMNIST is read from MedMNIST's own
+``organamnist.npz`` under ``data-dir`` (``fedfm_flower.data.medmnist``). Following the papers,
+DomainNet keeps only its ten most frequent classes (pFedPG and pFedSeq follow FedBN's
+sub-dataset), and Omniglot predicts the alphabet (50 classes) with one client per drawer
+(pFedSeq's real-world setting).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class DatasetSpec:
     embedded: bool = False  # prepared in-process, never downloaded
     summary: str = ""
     task: str = "image-classification"  # fedfm_flower.tasks
+    medmnist_flag: str = ""  # a MedMNIST subset, read from <flag>.npz (fedfm_flower.data.medmnist)
 
 
 DATASETS: dict[str, DatasetSpec] = {
@@ -103,6 +106,28 @@ DATASETS: dict[str, DatasetSpec] = {
         natural_id_column="drawer",
         num_classes=50,
         summary="Omniglot, predict the alphabet, one client per drawer (pFedSeq); needs data-dir",
+    ),
+    "office-home": DatasetSpec(
+        hub_name="",
+        image_column="image",
+        label_column="label",
+        natural_id_column="domain",
+        num_classes=65,
+        summary="Office-Home, 15,500 images of 65 classes in four domains (Art, Clipart, "
+        "Product, Real World); FedPerfix's setting is partitioner domain-dirichlet with "
+        "num-clients 16 and dirichlet-alpha 1.0 (client p gets domain p mod 4, each domain "
+        "split over its 4 clients by Dirichlet over labels); needs data-dir",
+    ),
+    "organamnist": DatasetSpec(
+        hub_name="",
+        image_column="image",
+        label_column="label",
+        natural_id_column="",
+        num_classes=11,
+        medmnist_flag="organamnist",
+        summary="MedMNIST OrganAMNIST, 58,850 gray 28x28 (or 224x224) abdominal CT slices, 11 "
+        "organs, all splits pooled; label skew (FedPerfix: Dirichlet 0.5, 64 clients); needs "
+        "data-dir holding organamnist.npz",
     ),
     "instructions": DatasetSpec(
         hub_name="",
