@@ -1,0 +1,512 @@
+"""Per-client resources of each method: storage, computation, communication (FedPerfix's Table 2).
+
+    python -m fedfm_flower.resources --setup cifar100-dir0.1-vit-s16 --methods fedavg local \\
+        apfl per-fedavg fedperfix:fedbn fedbabu fedrep fedperfix:vanilla-attention fedperfix
+    python -m fedfm_flower.resources --methods fedperfix --set tuner=none \\
+        fedperfix-personal=vit.norm --label fedbn --format csv
+
+Every number is counted on the model the run would build (``build_model(...,
+load_weights=False)`` on PyTorch's meta device: shapes only, no weights, no download):
+
+* **storage**: the parameters a client holds: every parameter of its model (a frozen backbone
+  included) plus, for a method that keeps more than one copy of the trainable tensors (APFL: a
+  personal and a global model), the extra copies, plus the method's own scalars (APFL's alpha);
+* **computation**: multiply-accumulates (MACs) of one training step per sample: the MACs of one
+  sample's forward pass times the forward-backward passes per step (APFL and Per-FedAvg: 2).
+  A forward's MACs are those of every matrix product: linear layers (tokens x in x out),
+  convolutions (outputs x in/groups x kernel), the attention products ``QK^T`` and ``AV``
+  (heads x queries x keys x head width each) and any other matmul; element-wise work (norms,
+  activations, softmax, biases) is not counted. The backward pass is not counted separately
+  (about twice the forward when the whole model trains, the same factor for every such method,
+  so the ratios hold);
+* **communication**: the parameters a client uploads per round, the tensors its method shares
+  (the split of ``client_apps``: ``SplitClient.shared``/``local``, FedPerfix's
+  ``fedperfix-personal``). The server sends as many back (download = upload) for every method
+  here (pFedSeq and pFedPG send updates of the shared tensors, of the same size).
+
+Each is also given as a fraction of FedAvg's on the same backbone: FedAvg training the whole
+ViT with no plugin (``tuner = none``, ``train-backbone = true``), the paper's 1x. FedPerfix's
+numbers for ViT-S/16 (21.03M, 20.66M, 13.89M, 24.42M) are parameters in units of 2^20 with
+timm's 1000-class head: ``--num-classes 1000 --units binary`` reproduces them. Its FLOPs
+(65.65M for ViT-S) come from a counting tool and are not reproduced; its percentages are.
+
+Run configs are layered as in ``fedfm_flower.sweep``: with ``--setup``, the setup's file and the
+method's file for it, then ``configs/<method>/<variant>.toml`` for ``method:variant``, then the
+``--set`` overrides (for every row); ``--label`` renames the rows. Methods being added
+(``fedbabu``, ``apfl``, ``per-fedavg``) are counted from their profile below even before the
+method registry knows them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import sys
+import tomllib
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.nn import functional as F
+from torch.overrides import TorchFunctionMode
+
+from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.models.families import family_of
+from fedfm_flower.models.groups import split_names
+from fedfm_flower.overrides import parse_overrides
+from fedfm_flower.personal import PartialSettings
+from fedfm_flower.registry import METHODS as REGISTERED
+from fedfm_flower.registry import trains_backbone, tuner_of
+
+CONFIG_ROOT = Path(__file__).resolve().parent.parent / "configs"
+
+
+@dataclass(frozen=True)
+class MethodProfile:
+    """What a method's client keeps, sends and computes, beyond the model itself.
+
+    ``shared``/``local`` are selections as in ``split_names`` (``None``: the rest), the same as
+    the method's client class declares; ``personal`` takes ``local`` from
+    ``fedperfix-personal`` instead. ``tuner``/``trains_backbone`` are used only while the method
+    is not in the method registry (else the registry's say).
+    """
+
+    shared: tuple[str, ...] | None = None
+    local: tuple[str, ...] | None = ()
+    personal: bool = False
+    copies: int = 1  # copies of the trainable tensors a client stores
+    passes: int = 1  # forward-backward passes per training step
+    extra: int = 0  # further parameters a client stores (APFL's mixing weight alpha)
+    tuner: str = "none"
+    trains_backbone: bool = True
+
+
+# The clients' splits: client_apps/baselines.py, updates.py, partial.py (tests check they agree).
+PROFILES: dict[str, MethodProfile] = {
+    "local": MethodProfile(shared=(), local=None),
+    "fedavg": MethodProfile(),
+    "fedavg-ft": MethodProfile(),  # + fine-tuning before each evaluation (not counted)
+    "fedrep": MethodProfile(local=("head",)),
+    "fedvpt": MethodProfile(local=("head",)),
+    "fedvpt-deep": MethodProfile(local=("head",)),
+    "pfedseq": MethodProfile(shared=("adapter",), local=("head",)),
+    "pfedpg": MethodProfile(shared=("prompt",), local=("head",)),
+    "fedperfix": MethodProfile(personal=True, tuner="perfix"),
+    # Whole-ViT baselines of FedPerfix's Table 2 (their modules come separately):
+    "fedbabu": MethodProfile(local=("head",)),  # head frozen and never sent, body shared
+    "apfl": MethodProfile(copies=2, passes=2, extra=1),  # personal + global model, alpha
+    "per-fedavg": MethodProfile(passes=2),  # two forward/backward passes per step
+}
+
+
+def method_profile(method: str) -> MethodProfile:
+    """The resource profile of ``method``, or a ValueError naming the profiled methods."""
+    if method not in PROFILES:
+        raise ValueError(f"method '{method}' has no resource profile; known: {', '.join(PROFILES)}")
+    return PROFILES[method]
+
+
+@dataclass(frozen=True)
+class Resources:
+    """One method's per-client resources on one model, and FedAvg's on the same backbone."""
+
+    label: str
+    method: str
+    backbone: str
+    image_size: int
+    num_outputs: int
+    storage_params: int  # parameters a client holds
+    local_params: int  # of which never sent (personal, or FedBABU's frozen head; APFL's v, alpha)
+    upload_params: int  # parameters sent to the server per round
+    download_params: int  # parameters received from the server per round
+    forward_macs: int  # MACs of one sample's forward pass
+    passes: int  # forward-backward passes per training step
+    fedavg_storage_params: int
+    fedavg_upload_params: int
+    fedavg_train_macs: int
+
+    @property
+    def train_macs(self) -> int:
+        """Training MACs per sample and step: forward MACs x passes."""
+        return self.forward_macs * self.passes
+
+    @property
+    def storage_ratio(self) -> float:
+        """Storage as a fraction of FedAvg's."""
+        return self.storage_params / self.fedavg_storage_params
+
+    @property
+    def computation_ratio(self) -> float:
+        """Training MACs as a fraction of FedAvg's."""
+        return self.train_macs / self.fedavg_train_macs
+
+    @property
+    def communication_ratio(self) -> float:
+        """Upload per round as a fraction of FedAvg's."""
+        return self.upload_params / self.fedavg_upload_params
+
+    @property
+    def download_equals_upload(self) -> bool:
+        """Whether the server sends as many parameters as the client uploads."""
+        return self.download_params == self.upload_params
+
+
+# ---------------------------------------------------------------------------------------------
+# Counting multiply-accumulates
+
+
+def _out_times_inner(out: torch.Tensor, a: torch.Tensor, *_: Any, **__: Any) -> int:
+    return out.numel() * (a.shape[-1] if a.dim() else 1)
+
+
+def _linear(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, *_: Any, **__: Any) -> int:
+    return out.numel() * weight.shape[-1]
+
+
+def _conv(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, *_: Any, **__: Any) -> int:
+    return out.numel() * weight[0].numel()  # outputs x in/groups x kernel
+
+
+def _addmm(out: torch.Tensor, _input: torch.Tensor, a: torch.Tensor, *_: Any, **__: Any) -> int:
+    return out.numel() * a.shape[-1]
+
+
+def _attention(
+    out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *_: Any, **__: Any
+) -> int:
+    rows = out.numel() // v.shape[-1]  # batch x heads x queries
+    return rows * k.shape[-2] * (q.shape[-1] + v.shape[-1])  # QK^T and AV
+
+
+_MAC_RULES = {
+    F.linear: _linear,
+    F.conv1d: _conv,
+    F.conv2d: _conv,
+    F.conv3d: _conv,
+    F.scaled_dot_product_attention: _attention,
+    torch.matmul: _out_times_inner,
+    torch.Tensor.matmul: _out_times_inner,
+    torch.Tensor.__matmul__: _out_times_inner,
+    torch.mm: _out_times_inner,
+    torch.Tensor.mm: _out_times_inner,
+    torch.bmm: _out_times_inner,
+    torch.Tensor.bmm: _out_times_inner,
+    torch.addmm: _addmm,
+    torch.Tensor.addmm: _addmm,
+    torch.baddbmm: _addmm,
+    torch.Tensor.baddbmm: _addmm,
+}
+
+
+class _MacCounter(TorchFunctionMode):
+    """Adds up the MACs of the matrix products (``_MAC_RULES``) run inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.macs = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        rule = _MAC_RULES.get(func)
+        if rule is not None:
+            self.macs += int(rule(out, *args, **kwargs))
+        return out
+
+
+def forward_macs(module: Callable[..., Any], *inputs: torch.Tensor) -> int:
+    """MACs of ``module(*inputs)``: linear, convolution, attention and other matrix products."""
+    with torch.no_grad(), _MacCounter() as counter:
+        module(*inputs)
+    return counter.macs
+
+
+# ---------------------------------------------------------------------------------------------
+# Counting on a method's model
+
+
+@dataclass(frozen=True)
+class _ModelCounts:
+    total_params: int
+    numel: Mapping[str, int]  # trainable (grouped) parameter -> elements, in model order
+    groups: Mapping[str, str]  # trainable parameter -> group
+    forward_macs: int
+
+
+def _model_key(config: ExperimentConfig) -> ExperimentConfig:
+    # Only the model's shape matters (the tuner and whether the backbone trains are passed on
+    # their own; weights are never loaded): rows differing in the rest share one count.
+    return dataclasses.replace(
+        config,
+        method="fedavg",
+        label="",
+        setup="",
+        run_name="",
+        method_values=(),
+        seed=0,
+        tuner="auto",
+        train_backbone=False,
+        pretrained=False,
+        weights_file="",
+    )
+
+
+@functools.lru_cache(maxsize=16)
+def _model_counts(
+    key: ExperimentConfig, tuner: str, num_outputs: int, train_backbone: bool
+) -> _ModelCounts:
+    from fedfm_flower.models.build import build_model
+
+    def count(device: str) -> _ModelCounts:
+        with torch.device(device):
+            model = build_model(
+                key, tuner, num_outputs, load_weights=False, train_backbone=train_backbone
+            ).eval()
+            size = key.image_size
+            macs = forward_macs(model, torch.zeros(1, 3, size, size))
+        groups = model.parameter_groups()
+        params = dict(model.named_parameters())
+        return _ModelCounts(
+            sum(p.numel() for p in params.values()),
+            {n: params[n].numel() for n in groups},
+            groups,
+            macs,
+        )
+
+    try:  # shapes only: fast, and no memory for ViT-B's weights
+        return count("meta")
+    except (NotImplementedError, RuntimeError):  # an op without a meta kernel
+        return count("cpu")
+
+
+def _model_choice(config: ExperimentConfig, profile: MethodProfile) -> tuple[str, bool]:
+    """(tuner, whether the backbone trains) of a run, for registered methods and profiled ones."""
+    if config.method in REGISTERED:
+        return tuner_of(config), trains_backbone(config)
+    tuner = config.tuner if config.tuner != "auto" else profile.tuner
+    return tuner, profile.trains_backbone or config.train_backbone
+
+
+def _num_outputs(config: ExperimentConfig, num_outputs: int | None) -> int:
+    if num_outputs is not None:
+        return num_outputs
+    from fedfm_flower.data.registry import dataset_spec
+
+    return dataset_spec(config.dataset).num_classes  # no data is read
+
+
+def _split(
+    config: ExperimentConfig, profile: MethodProfile, counts: _ModelCounts
+) -> tuple[list[str], list[str]]:
+    if not profile.personal:
+        return split_names(counts.groups, profile.shared, profile.local)
+    personal = config.settings_of(PartialSettings).personal_parts
+    try:
+        return split_names(counts.groups, None, personal, strict=True)
+    except ValueError as err:
+        raise ValueError(f"run config 'fedperfix-personal': {err}") from err
+
+
+def method_resources(config: ExperimentConfig, num_outputs: int | None = None) -> Resources:
+    """Storage, computation and communication per client of ``config``'s method and model."""
+    if family_of(config.backbone).modality != "image":
+        raise ValueError(f"backbone '{config.backbone}': resources are counted for ViTs only")
+    profile = method_profile(config.method)
+    outputs = _num_outputs(config, num_outputs)
+    tuner, train_backbone = _model_choice(config, profile)
+    counts = _model_counts(_model_key(config), tuner, outputs, train_backbone)
+    shared, local = _split(config, profile, counts)
+    trainable = sum(counts.numel.values())
+    storage = counts.total_params + (profile.copies - 1) * trainable + profile.extra
+    upload = sum(counts.numel[n] for n in shared)
+    reference = _model_counts(_model_key(config), "none", outputs, True)
+    return Resources(
+        label=config.label or config.method,
+        method=config.method,
+        backbone=config.backbone,
+        image_size=config.image_size,
+        num_outputs=outputs,
+        storage_params=storage,
+        local_params=sum(counts.numel[n] for n in local) + storage - counts.total_params,
+        upload_params=upload,
+        download_params=upload,
+        forward_macs=counts.forward_macs,
+        passes=profile.passes,
+        fedavg_storage_params=reference.total_params,
+        fedavg_upload_params=sum(reference.numel.values()),
+        fedavg_train_macs=reference.forward_macs * PROFILES["fedavg"].passes,
+    )
+
+
+def resources_table(
+    configs: Iterable[ExperimentConfig], num_outputs: int | None = None
+) -> list[Resources]:
+    """``method_resources`` of every config, in order (models of equal shape are counted once)."""
+    return [method_resources(config, num_outputs) for config in configs]
+
+
+# ---------------------------------------------------------------------------------------------
+# The command
+
+
+def run_config_of(
+    label: str,
+    overrides: Mapping[str, Any] | None = None,
+    setup: str = "",
+    configs: Path = CONFIG_ROOT,
+) -> dict[str, Any]:
+    """The run config of one row ``method[:variant]``, layered as in ``fedfm_flower.sweep``."""
+    if setup:
+        from fedfm_flower.sweep import cell_config
+
+        return cell_config(label, setup, 0, Path("runs"), dict(overrides or {}), configs=configs)
+    method, _, variant = label.partition(":")
+    config: dict[str, Any] = {}
+    if variant:
+        variant_file = configs / method / f"{variant}.toml"
+        if not variant_file.is_file():
+            raise FileNotFoundError(f"variant '{label}': {variant_file} does not exist")
+        config.update(tomllib.loads(variant_file.read_text()))
+    return {**config, **(overrides or {}), "method": method, "label": label}
+
+
+def config_of(run_config: Mapping[str, Any]) -> ExperimentConfig:
+    """The validated config of a run config; a profiled method the registry does not know yet
+    is validated as FedAvg, then named."""
+    method = run_config.get("method", ExperimentConfig.method)
+    if method in REGISTERED:
+        return ExperimentConfig.from_run_config(run_config)
+    method_profile(method)
+    config = ExperimentConfig.from_run_config({**run_config, "method": "fedavg"})
+    return dataclasses.replace(config, method=method)
+
+
+def _amount(value: float, units: str) -> str:
+    base, names = (1024, ("Ki", "Mi", "Gi")) if units == "binary" else (1000, ("k", "M", "G"))
+    for power, name in zip((3, 2, 1), reversed(names), strict=True):
+        if value >= base**power:
+            return f"{value / base**power:.2f}{name}"
+    return f"{value:.0f}"
+
+
+def _percent(ratio: float) -> str:
+    percent = 100 * ratio
+    return f"{percent:.2g}%" if 0 < percent < 1 else f"{percent:.1f}%"
+
+
+def format_markdown(rows: list[Resources], units: str = "si") -> str:
+    """The table in Markdown, percentages of FedAvg's in brackets, with its definitions."""
+    lines = [
+        "| Method | Storage (params) | Computation (MACs / sample / step) "
+        "| Communication (params / round) |",
+        "|---|---:|---:|---:|",
+    ]
+    for r in rows:
+        cells = (
+            (r.storage_params, r.storage_ratio),
+            (r.train_macs, r.computation_ratio),
+            (r.upload_params, r.communication_ratio),
+        )
+        text = " | ".join(f"{_amount(v, units)} ({_percent(ratio)})" for v, ratio in cells)
+        lines.append(f"| {r.label} | {text} |")
+    models = dict.fromkeys((r.backbone, r.image_size, r.num_outputs) for r in rows)
+    on = "; ".join(f"`{b}` at {s} px, {n} outputs" for b, s, n in models)
+    same = all(r.download_equals_upload for r in rows)
+    lines += [
+        "",
+        f"Model: {on}. Percentages: of FedAvg training the whole ViT with no plugin. "
+        "Storage: parameters a client holds (its model, extra copies of the trainable tensors, "
+        "method scalars). Computation: MACs of one sample's forward pass (linear, convolution "
+        "and attention products) x forward-backward passes per step. Communication: parameters "
+        f"uploaded per round{'; the download is the same size' if same else ''}."
+        + (" Ki, Mi, Gi: 2^10, 2^20, 2^30." if units == "binary" else ""),
+    ]
+    return "\n".join(lines)
+
+
+def format_csv(rows: list[Resources]) -> str:
+    """The table as CSV: raw counts and ratios to FedAvg's."""
+    import csv
+    import io
+
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(
+        (
+            "label",
+            "method",
+            "backbone",
+            "image_size",
+            "num_outputs",
+            "storage_params",
+            "storage_vs_fedavg",
+            "forward_macs_per_sample",
+            "passes",
+            "train_macs_per_sample",
+            "computation_vs_fedavg",
+            "upload_params",
+            "download_params",
+            "communication_vs_fedavg",
+            "local_params",
+        )
+    )
+    for r in rows:
+        writer.writerow(
+            (
+                r.label,
+                r.method,
+                r.backbone,
+                r.image_size,
+                r.num_outputs,
+                r.storage_params,
+                f"{r.storage_ratio:.6f}",
+                r.forward_macs,
+                r.passes,
+                r.train_macs,
+                f"{r.computation_ratio:.6f}",
+                r.upload_params,
+                r.download_params,
+                f"{r.communication_ratio:.6f}",
+                r.local_params,
+            )
+        )
+    return out.getvalue()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the resources table; exit status 0, or 2 for a bad argument or config."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--methods", nargs="+", required=True, help="method or method:variant")
+    parser.add_argument("--setup", default="", help="configs/setups/<name>.toml (optional)")
+    parser.add_argument("--set", nargs="*", action="extend", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--label", nargs="+", default=[], help="row names, one per method")
+    parser.add_argument("--num-classes", type=int, default=None, help="default: the dataset's")
+    parser.add_argument("--format", choices=("md", "csv"), default="md")
+    parser.add_argument("--units", choices=("si", "binary"), default="si", help="M = 10^6 or 2^20")
+    parser.add_argument("--configs", type=Path, default=CONFIG_ROOT, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.label and len(args.label) != len(args.methods):
+        parser.error(f"--label: {len(args.label)} names for {len(args.methods)} methods")
+    try:
+        overrides = parse_overrides(args.set)
+        configs = []
+        for i, label in enumerate(args.methods):
+            run_config = run_config_of(label, overrides, args.setup, args.configs)
+            if args.label:
+                run_config["label"] = args.label[i]
+            configs.append(config_of(run_config))
+        rows = resources_table(configs, args.num_classes)
+    except (ValueError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(format_markdown(rows, args.units) if args.format == "md" else format_csv(rows), end="")
+    if args.format == "md":
+        print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
