@@ -83,6 +83,14 @@ METHODS: dict[str, MethodSpec] = {
         tuner="perfix",
         trains_backbone=True,
     ),
+    "fedbabu": MethodSpec(
+        "strategies.fedbabu:FedBABUStrategy",
+        "client_apps.fedbabu:FedBABUClient",
+        "the whole ViT trains with the head frozen at its init; FedAvg of the body, head "
+        "fine-tuned before evaluation (Oh et al. 2022; FedPerfix Table 2)",
+        tuner="none",
+        trains_backbone=True,
+    ),
 }
 
 

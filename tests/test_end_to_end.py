@@ -16,6 +16,7 @@ from fedfm_flower.models import MODEL_CACHE, backbone_fingerprint, build_model, 
 from fedfm_flower.registry import METHODS, tuner_of
 from server_apps.inprocess import ServerCrash, crash_in_round, run_in_process
 
+VIT_GROUPS = {f"vit.{p}" for p in ("patch-embed", "pos-embed", "cls-token", "norm", "attn", "mlp")}
 SHARED_KEYS = {
     "local": set(),
     "fedavg": {"adapter", "head"},
@@ -25,8 +26,8 @@ SHARED_KEYS = {
     "fedvpt": {"prompt"},
     "fedvpt-deep": {"prompt"},
     "pfedpg": {"prompt"},
-    "fedperfix": {f"vit.{p}" for p in ("patch-embed", "pos-embed", "cls-token", "norm", "attn")}
-    | {"vit.mlp"},
+    "fedperfix": VIT_GROUPS,
+    "fedbabu": VIT_GROUPS,
 }
 
 
