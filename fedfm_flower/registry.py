@@ -91,6 +91,15 @@ METHODS: dict[str, MethodSpec] = {
         tuner="none",
         trains_backbone=True,
     ),
+    "apfl": MethodSpec(
+        "strategies.apfl:APFLStrategy",
+        "client_apps.apfl:APFLClient",
+        "the whole ViT trains; FedAvg of w, personal v and adaptive alpha per client, "
+        "evaluates alpha v + (1 - alpha) w (Deng et al. 2020; FedPerfix Table 2)",
+        settings="fedfm_flower.apfl_settings:APFLSettings",
+        tuner="none",
+        trains_backbone=True,
+    ),
 }
 
 

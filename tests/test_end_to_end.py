@@ -28,6 +28,7 @@ SHARED_KEYS = {
     "pfedpg": {"prompt"},
     "fedperfix": VIT_GROUPS,
     "fedbabu": VIT_GROUPS,
+    "apfl": VIT_GROUPS | {"head"},
 }
 
 

@@ -1,0 +1,31 @@
+"""APFL's run-config keys (``apfl-*``): the initial mixing weight and its step size.
+
+Light (no torch): the config reads it through the method registry in every process, the
+ClientApp's included. The client half is ``client_apps.apfl``. Defaults follow the FedPerfix
+authors' code (github.com/imguangyu/FedPerfix, ``system/``), the code of the paper's Table 2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from fedfm_flower.settings import MethodSettings, setting
+
+
+@dataclass(frozen=True)
+class APFLSettings(MethodSettings):
+    """APFL's keys: field ``alpha_lr`` is run-config key ``apfl-alpha-lr``."""
+
+    prefix: ClassVar[str] = "apfl"
+
+    # Initial alpha of every client: FedPerfix's saved APFL setting (system/main.py, line 69,
+    # ``args.alpha = 0.25``; the argparse default, line 334, is 1.0).
+    alpha: float = setting(0.25, within=(0.0, 1.0), note="alpha mixes v and w")
+    # Step size of alpha; 0: the run's lr, as the authors' clientapfl.py (line 93:
+    # ``alpha - learning_rate * grad_alpha``).
+    alpha_lr: float = setting(0.0, non_negative=True)
+
+    def alpha_step(self, lr: float) -> float:
+        """The step size of alpha: ``alpha-lr``, or the run's ``lr`` when it is 0."""
+        return self.alpha_lr or lr
