@@ -100,6 +100,15 @@ METHODS: dict[str, MethodSpec] = {
         tuner="none",
         trains_backbone=True,
     ),
+    "per-fedavg": MethodSpec(
+        "strategies.perfedavg:PerFedAvgStrategy",
+        "client_apps.perfedavg:PerFedAvgClient",
+        "the whole ViT trains; first-order MAML steps, FedAvg of the meta-model, one "
+        "adaptation step before evaluation (Fallah et al. 2020; FedPerfix Table 2)",
+        settings="fedfm_flower.perfedavg_settings:PerFedAvgSettings",
+        tuner="none",
+        trains_backbone=True,
+    ),
 }
 
 

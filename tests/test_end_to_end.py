@@ -29,6 +29,7 @@ SHARED_KEYS = {
     "fedperfix": VIT_GROUPS,
     "fedbabu": VIT_GROUPS,
     "apfl": VIT_GROUPS | {"head"},
+    "per-fedavg": VIT_GROUPS | {"head"},
 }
 
 

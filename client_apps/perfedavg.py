@@ -1,0 +1,112 @@
+"""The client half of Per-FedAvg (Fallah et al. 2020), first-order version (FO-MAML).
+
+Every trainable tensor (the meta-model w) comes from the server and goes back. A local step
+takes two batches D and D' (the two halves of a batch of twice ``batch-size``, as the FedPerfix
+authors' code loads them) and does
+
+    temp = w - alpha * grad f(w; D)
+    w   <- w - beta * grad f(temp; D')      (the gradient at temp, applied to w)
+
+with plain SGD (the optimizer, momentum and weight-decay keys do not apply). ``temp`` is
+evaluated through ``torch.func.functional_call`` on the one cached model. Before each
+evaluation a copy adapts with one step, w - alpha * grad f(w; D) on one batch (``batch-size``)
+of the client's train split, and is evaluated; nothing of it is kept. ``perfedavg-alpha`` and
+``perfedavg-beta`` default to the run's ``lr`` (``fedfm_flower.perfedavg_settings``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from client_apps.base import ClientLogic, ClientRuntime
+from client_apps.stepwise import WithTensors, batch_stream, halves, run_loop, sgd_, trainable_only
+from fedfm_flower.models import TunedModel
+from fedfm_flower.perfedavg_settings import PerFedAvgSettings
+from fedfm_flower.tasks.base import Batch, StepResult, Task
+from fedfm_flower.training import EvalStats, TrainStats
+
+
+def adapt_step(
+    task: Task, model: TunedModel, w: dict[str, torch.nn.Parameter], batch: Batch, alpha: float
+) -> StepResult:
+    """w <- w - alpha * grad f(w; batch), in place; the step's result at w."""
+    result = task.step(model, batch)
+    sgd_(w.values(), torch.autograd.grad(result.loss, list(w.values())), alpha)
+    return result
+
+
+def perfedavg_step(
+    task: Task,
+    model: TunedModel,
+    w: dict[str, torch.nn.Parameter],
+    first: Batch,
+    second: Batch,
+    alpha: float,
+    beta: float,
+) -> tuple[StepResult, StepResult]:
+    """One first-order Per-FedAvg step on w (in place); the results at w on D and at temp on D'."""
+    inner = task.step(model, first)
+    grads = torch.autograd.grad(inner.loss, list(w.values()))
+    with torch.no_grad():
+        pairs = zip(w.items(), grads, strict=True)
+        temp = {n: (p - alpha * g).requires_grad_() for (n, p), g in pairs}
+    outer = task.step(WithTensors(model, temp), second)
+    sgd_(w.values(), torch.autograd.grad(outer.loss, list(temp.values())), beta)
+    return inner, outer
+
+
+def _names(model: TunedModel) -> list[str]:
+    return list(model.parameter_groups())
+
+
+class PerFedAvgClient(ClientLogic):
+    """The meta-model from the server and back; one adaptation step before evaluating."""
+
+    def train(
+        self, runtime: ClientRuntime, received: dict[str, torch.Tensor], server_round: int
+    ) -> tuple[dict[str, torch.Tensor], TrainStats]:
+        """First-order Per-FedAvg steps over the local schedule; send w."""
+        model = runtime.model()
+        model.load_tensors(received)
+        w = model.parameters_named(_names(model))
+        config = runtime.config
+        alpha, beta = config.settings_of(PerFedAvgSettings).steps(config.lr)
+
+        def step(batch: Batch) -> tuple[StepResult, StepResult]:
+            first, second = halves(batch)
+            return perfedavg_step(runtime.task, model, w, first, second, alpha, beta)
+
+        seed = runtime.seed(server_round)
+        batches = batch_stream(
+            runtime.task,
+            runtime.data.train,
+            2 * config.batch_size,
+            seed,
+            epochs=config.local_epochs,
+            steps=config.local_steps,
+        )
+        with trainable_only(model, w.values()):
+            stats = run_loop(batches, step, runtime.device, seed)
+        return model.tensors_named(w), stats
+
+    def evaluate(
+        self, runtime: ClientRuntime, received: dict[str, torch.Tensor], server_round: int
+    ) -> EvalStats:
+        """One adaptation step on a train batch (on the cached model, reset by the next
+        message), then evaluate."""
+        model = runtime.model()
+        model.load_tensors(received)
+        w = model.parameters_named(_names(model))
+        config = runtime.config
+        alpha, _ = config.settings_of(PerFedAvgSettings).steps(config.lr)
+        seed = runtime.seed(server_round, salt=2)
+        batches = batch_stream(
+            runtime.task, runtime.data.train, config.batch_size, seed, epochs=1, steps=1
+        )
+
+        def step(batch: Batch) -> list[StepResult]:
+            return [adapt_step(runtime.task, model, w, batch, alpha)]
+
+        with trainable_only(model, w.values()):
+            run_loop(batches, step, runtime.device, seed)
+        return runtime.evaluate(model)

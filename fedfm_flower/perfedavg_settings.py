@@ -1,0 +1,32 @@
+"""Per-FedAvg's run-config keys (``perfedavg-*``): the inner and outer step sizes.
+
+Light (no torch): the config reads it through the method registry in every process, the
+ClientApp's included. The client half is ``client_apps.perfedavg``. Defaults follow the FedPerfix
+authors' code (github.com/imguangyu/FedPerfix, ``system/``), which uses the run's learning rate
+for both steps (its saved Per-FedAvg setting sets that rate to 0.001, ``system/main.py`` line 76).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from fedfm_flower.settings import MethodSettings, setting
+
+
+@dataclass(frozen=True)
+class PerFedAvgSettings(MethodSettings):
+    """Per-FedAvg's keys: field ``beta`` is run-config key ``perfedavg-beta``."""
+
+    prefix: ClassVar[str] = "perfedavg"
+
+    # Inner (adaptation) step; 0: the run's lr, as clientperavg.py (line 18: the optimizer of
+    # the first step and of the step before evaluation has ``lr=self.learning_rate``).
+    alpha: float = setting(0.0, non_negative=True)
+    # Outer (meta) step; 0: the run's lr, as clientperavg.py (line 15: ``self.beta =
+    # self.learning_rate``; ``args.beta`` is commented out on line 14).
+    beta: float = setting(0.0, non_negative=True)
+
+    def steps(self, lr: float) -> tuple[float, float]:
+        """(alpha, beta), each the run's ``lr`` where it is 0."""
+        return self.alpha or lr, self.beta or lr
