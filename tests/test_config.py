@@ -15,6 +15,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
+from fedfm_flower.apfl_settings import APFLSettings
 from fedfm_flower.config import (
     DATASETS,
     METHODS,
@@ -24,6 +25,8 @@ from fedfm_flower.config import (
 )
 from fedfm_flower.learners.pfedpg_settings import PFedPGSettings
 from fedfm_flower.learners.pfedseq_settings import PFedSeqSettings
+from fedfm_flower.perfedavg_settings import PerFedAvgSettings
+from fedfm_flower.personal import PartialSettings
 from fedfm_flower.registry import METHODS as REGISTRY
 from fedfm_flower.registry import settings_class, settings_classes
 from fedfm_flower.settings import MethodSettings
@@ -61,7 +64,13 @@ def test_pyproject_declares_every_key_with_the_dataclass_default() -> None:
 
 
 def test_method_settings_are_registered_under_their_own_prefix() -> None:
-    assert settings_classes() == (PFedSeqSettings, PFedPGSettings)
+    assert settings_classes() == (
+        PFedSeqSettings,
+        PFedPGSettings,
+        PartialSettings,
+        APFLSettings,
+        PerFedAvgSettings,
+    )
     common = {f.name.replace("_", "-") for f in dataclasses.fields(ExperimentConfig)}
     seen: set[str] = set()
     for kind in settings_classes():
@@ -105,6 +114,11 @@ NON_DEFAULT = {
     "pfedpg-query": "single",
     "pfedpg-attention-dim": 4,
     "pfedpg-hidden": 9,
+    "fedperfix-personal": "head",
+    "apfl-alpha": 0.5,
+    "apfl-alpha-lr": 0.1,
+    "perfedavg-alpha": 0.02,
+    "perfedavg-beta": 0.003,
 }
 
 
@@ -118,7 +132,11 @@ def test_typed_settings_hold_the_run_config_values() -> None:
     for run_config in (NON_DEFAULT, as_cli):  # typed (TOML) or strings (CLI overrides)
         config = ExperimentConfig.from_run_config({"method": "fedavg", **run_config})
         seq, pg = config.settings_of(PFedSeqSettings), config.settings_of(PFedPGSettings)
-        assert {**seq.to_run_config(), **pg.to_run_config()} == NON_DEFAULT
+        others = (PartialSettings, APFLSettings, PerFedAvgSettings)
+        typed = {
+            k: v for kind in others for k, v in config.settings_of(kind).to_run_config().items()
+        }
+        assert {**seq.to_run_config(), **pg.to_run_config(), **typed} == NON_DEFAULT
         assert seq == PFedSeqSettings.from_run_config(NON_DEFAULT)
         assert (seq.seq_len, seq.learner, seq.cross_client, seq.lr) == (3, "lstm", False, 0.05)
         assert (pg.generator, pg.attention_dim, pg.lr) == ("mlp", 4, 0.5)

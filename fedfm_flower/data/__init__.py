@@ -30,7 +30,7 @@ _EXPORTS = {
     "load_public_split": "fedfm_flower.data.federated",
     "num_classes_of": "fedfm_flower.data.federated",
     "public_sample_ids": "fedfm_flower.data.federated",
-    "DataUnavailableError": "fedfm_flower.data.loaders",
+    "DataUnavailableError": "fedfm_flower.data.source",
     "DATASETS": "fedfm_flower.data.registry",
     "DatasetSpec": "fedfm_flower.data.registry",
     "dataset_spec": "fedfm_flower.data.registry",

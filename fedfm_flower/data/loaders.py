@@ -41,16 +41,12 @@ import torch
 from fedfm_flower.data.images import pil_to_tensor
 from fedfm_flower.data.registry import DatasetSpec, dataset_spec
 from fedfm_flower.data.settings import DataSettings
-from fedfm_flower.data.source import Source
+from fedfm_flower.data.source import DataUnavailableError, Source
 
 log = logging.getLogger(__name__)
 
 IMAGE_COLUMNS = ("image", "img")
 LABEL_COLUMNS = ("label",)
-
-
-class DataUnavailableError(RuntimeError):
-    """The dataset could not be loaded; the message says how to provide it (``data-dir``)."""
 
 
 def load_source(settings: DataSettings) -> Source:

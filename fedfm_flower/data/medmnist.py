@@ -30,8 +30,7 @@ import numpy as np
 import torch
 
 from fedfm_flower.data.images import pil_to_tensor
-from fedfm_flower.data.loaders import DataUnavailableError
-from fedfm_flower.data.source import Source
+from fedfm_flower.data.source import DataUnavailableError, Source
 from fedfm_flower.durable import atomic_path
 
 SPLITS = ("train", "val", "test")

@@ -20,6 +20,10 @@ import numpy as np
 import torch
 
 
+class DataUnavailableError(RuntimeError):
+    """The dataset could not be loaded; the message says how to provide it (``data-dir``)."""
+
+
 @dataclass(frozen=True, eq=False)
 class Source:
     """Labels, optional natural ids and on-demand pixels of one labelled image dataset."""
