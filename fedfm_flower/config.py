@@ -120,7 +120,7 @@ class ExperimentConfig:
     local_epochs: int = 1
     local_steps: int = 0  # >0 replaces epochs by a fixed number of optimizer steps
     head_epochs: int = 1  # fedrep: head epochs before the adapter epochs
-    finetune_epochs: int = 1  # fedavg-ft: local fine-tuning epochs before evaluation
+    finetune_epochs: int = 1  # fedavg-ft, fedbabu: fine-tuning epochs before evaluation
     batch_size: int = 32
     optimizer: str = "sgd"
     lr: float = 0.02
