@@ -10,7 +10,6 @@ seeded batch stream of the local schedule, and the tally of the training statist
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -19,7 +18,7 @@ import torch
 from torch import nn
 
 from fedfm_flower.tasks.base import Batch, StepResult, Task
-from fedfm_flower.training import TrainStats
+from fedfm_flower.training import StepTally, TrainStats
 
 
 class WithTensors:
@@ -91,21 +90,10 @@ def run_loop(
     seed: int,
 ) -> TrainStats:
     """Call ``step`` on every batch (moved to ``device``); tally the step results it returns."""
-    started = time.perf_counter()
+    tally = StepTally()
     torch.manual_seed(seed)  # dropout and other in-model randomness
-    total_loss, seen, done = 0.0, 0, 0
-    sums: dict[str, float] = {}
     for batch in batches:
         for result in step(tuple(t.to(device) for t in batch)):
-            total_loss += result.loss.item() * result.count
-            for name, value in result.sums.items():
-                sums[name] = sums.get(name, 0) + value
-            seen += result.count
-        done += 1
-    return TrainStats(
-        total_loss / max(seen, 1),
-        {name: value / max(seen, 1) for name, value in sums.items()},
-        seen,
-        done,
-        time.perf_counter() - started,
-    )
+            tally.add(result)
+        tally.steps += 1
+    return tally.stats()

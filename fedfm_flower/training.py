@@ -16,9 +16,46 @@ import torch
 from torch import nn
 
 from fedfm_flower.config import ExperimentConfig
-from fedfm_flower.tasks.base import EvalStats, Task, TrainStats
+from fedfm_flower.tasks.base import EvalStats, StepResult, Task, TrainStats
 
-__all__ = ["EvalStats", "TrainStats", "evaluate", "make_optimizer", "round_seed", "train"]
+__all__ = [
+    "EvalStats",
+    "StepTally",
+    "TrainStats",
+    "evaluate",
+    "make_optimizer",
+    "round_seed",
+    "train",
+]
+
+
+class StepTally:
+    """Running totals of a local loop: per-example mean loss and metrics, steps, seconds."""
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+        self.total_loss = 0.0
+        self.seen = 0
+        self.steps = 0
+        self.sums: dict[str, float] = {}
+
+    def add(self, result: StepResult) -> None:
+        """Count one batch result (its loss, statistic sums and examples)."""
+        self.total_loss += result.loss.item() * result.count
+        for name, value in result.sums.items():
+            self.sums[name] = self.sums.get(name, 0) + value
+        self.seen += result.count
+
+    def stats(self) -> TrainStats:
+        """The loop's statistics so far."""
+        seen = max(self.seen, 1)
+        return TrainStats(
+            self.total_loss / seen,
+            {name: value / seen for name, value in self.sums.items()},
+            self.seen,
+            self.steps,
+            time.perf_counter() - self.started,
+        )
 
 
 def round_seed(seed: int, client_id: int, server_round: int, salt: int = 0) -> int:
@@ -66,7 +103,7 @@ def train(
     if steps is None:
         steps = config.local_steps
     device = device or next(model.parameters()).device
-    started = time.perf_counter()
+    tally = StepTally()
     if not params or len(data) == 0 or (epochs <= 0 and steps <= 0):
         return TrainStats(0.0, {}, 0, 0, 0.0)
     generator = torch.Generator().manual_seed(seed)
@@ -78,8 +115,6 @@ def train(
     optimizer = make_optimizer(params, config)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule) if schedule else None
     model.train()
-    total_loss, seen, done = 0.0, 0, 0
-    sums: dict[str, float] = {}
     try:
         while True:
             for batch in task.batches(data, config.batch_size, generator):
@@ -90,26 +125,17 @@ def train(
                 optimizer.step()
                 if scheduler is not None:
                     scheduler.step()
-                total_loss += result.loss.item() * result.count
-                for name, value in result.sums.items():
-                    sums[name] = sums.get(name, 0) + value
-                seen += result.count
-                done += 1
-                if steps > 0 and done >= steps:
+                tally.add(result)
+                tally.steps += 1
+                if steps > 0 and tally.steps >= steps:
                     break
             epochs -= 1
-            if (steps > 0 and done >= steps) or (steps <= 0 and epochs <= 0):
+            if (steps > 0 and tally.steps >= steps) or (steps <= 0 and epochs <= 0):
                 break
     finally:
         for name, p in model.named_parameters():
             p.requires_grad_(saved_flags[name])
-    return TrainStats(
-        total_loss / max(seen, 1),
-        {name: value / max(seen, 1) for name, value in sums.items()},
-        seen,
-        done,
-        time.perf_counter() - started,
-    )
+    return tally.stats()
 
 
 def evaluate(

@@ -213,7 +213,7 @@ def test_pfedseq_sends_each_client_its_own_personalized_adapter(small_run_config
     for message in round3:
         client = int(message.content[P.CONFIG][P.CLIENT_ID])
         sent = {k: torch.from_numpy(v.numpy()) for k, v in message.content[P.ARRAYS].items()}
-        assert _groups(sent) == {"adapter"}
+        assert _groups(sent, config) == {"adapter"}
         layout = ParameterLayout(sent)
         torch.testing.assert_close(layout.flatten(sent), personal[client], rtol=0, atol=0)
     run = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -262,7 +262,7 @@ def test_pfedpg_sends_each_client_its_own_generated_prompts(small_run_config: di
     for message in round3:
         client = int(message.content[P.CONFIG][P.CLIENT_ID])
         arrays = {k: torch.from_numpy(v.numpy()) for k, v in message.content[P.ARRAYS].items()}
-        assert _groups(arrays) == {"prompt"}
+        assert _groups(arrays, config) == {"prompt"}
         sent[client] = arrays["prompts.embeddings"]
         torch.testing.assert_close(
             sent[client], strategy.train_payload(client, 3)["prompts.embeddings"]
