@@ -32,9 +32,7 @@ timm's 1000-class head: ``--num-classes 1000 --units binary`` reproduces them. I
 
 Run configs are layered as in ``fedfm_flower.sweep``: with ``--setup``, the setup's file and the
 method's file for it, then ``configs/<method>/<variant>.toml`` for ``method:variant``, then the
-``--set`` overrides (for every row); ``--label`` renames the rows. Methods being added
-(``fedbabu``, ``apfl``, ``per-fedavg``) are counted from their profile below even before the
-method registry knows them.
+``--set`` overrides (for every row); ``--label`` renames the rows.
 """
 
 from __future__ import annotations
@@ -95,7 +93,7 @@ PROFILES: dict[str, MethodProfile] = {
     "pfedseq": MethodProfile(shared=("adapter",), local=("head",)),
     "pfedpg": MethodProfile(shared=("prompt",), local=("head",)),
     "fedperfix": MethodProfile(personal=True, tuner="perfix"),
-    # Whole-ViT baselines of FedPerfix's Table 2 (their modules come separately):
+    # Whole-ViT baselines of FedPerfix's Table 2:
     "fedbabu": MethodProfile(local=("head",)),  # head frozen and never sent, body shared
     "apfl": MethodProfile(copies=2, passes=2, extra=1),  # personal + global model, alpha
     "per-fedavg": MethodProfile(passes=2),  # two forward/backward passes per step
