@@ -26,7 +26,7 @@ from fedfm_flower.models.families import BACKBONES as FAMILY_BACKBONES
 from fedfm_flower.models.families import family_of
 from fedfm_flower.models.tuners import TUNERS
 from fedfm_flower.registry import METHODS as METHOD_REGISTRY
-from fedfm_flower.registry import settings_class, settings_classes
+from fedfm_flower.registry import settings_class, settings_classes, trains_backbone
 from fedfm_flower.settings import ConfigError, MethodSettings, coerce
 
 # Names the config accepts. Registries elsewhere (methods, datasets, backbones) must agree
@@ -313,7 +313,6 @@ class ExperimentConfig:
 
     def _check_modality(self) -> None:
         from fedfm_flower.data.registry import dataset_spec
-        from fedfm_flower.registry import trains_backbone
         from fedfm_flower.tasks import task_modality
 
         task = dataset_spec(self.dataset).task

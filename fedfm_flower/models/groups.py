@@ -105,9 +105,11 @@ def split_names(
     local_names = select_names(local, groups, strict=strict) if local is not None else None
     shared_names = select_names(shared, groups, strict=strict) if shared is not None else None
     if local_names is None:
-        local_names = [n for n in groups if n not in set(shared_names)]
+        taken = set(shared_names)
+        local_names = [n for n in groups if n not in taken]
     if shared_names is None:
-        shared_names = [n for n in groups if n not in set(local_names)]
+        taken = set(local_names)
+        shared_names = [n for n in groups if n not in taken]
     return shared_names, local_names
 
 
