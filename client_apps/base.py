@@ -9,8 +9,9 @@ the ClientApp wraps them into Flower messages.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from flwr.app import Context
@@ -58,6 +59,11 @@ class ClientRuntime:
             self.config, self.identity.partition_id, self.identity.num_partitions
         )
 
+    @functools.cached_property
+    def pooled_train(self):  # noqa: ANN201 - the task's data, imported lazily
+        """Every client's training data in one place (the Centralized reference only)."""
+        return self.task.pooled_train(self.config, self.identity.num_partitions)
+
     def model(self) -> TunedModel:
         """The (cached) model with its trainable parts at their seeded initial values."""
         from fedfm_flower.registry import trains_backbone, tuner_of
@@ -79,22 +85,26 @@ class ClientRuntime:
         *,
         epochs: int | None = None,
         steps: int | None = None,
+        penalty: Callable[[], torch.Tensor] | None = None,
+        data: Any = None,
     ) -> TrainStats:
-        """Train the parameters called ``names`` of ``model`` on this client's train split with
-        the task's loss (``epochs``/``steps`` default to the config's local schedule)."""
+        """Train the parameters called ``names`` of ``model`` on this client's train split (or
+        ``data``) with the task's loss (``epochs``/``steps`` default to the config's local
+        schedule; ``penalty`` is added to every batch's loss)."""
         from fedfm_flower.training import train
 
         params = model.parameters_named(names).values()
         return train(
             self.task,
             model,
-            self.data.train,
+            self.data.train if data is None else data,
             params,
             self.config,
             seed=seed,
             epochs=epochs,
             steps=steps,
             device=self.device,
+            penalty=penalty,
         )
 
     def evaluate(self, model: TunedModel) -> EvalStats:

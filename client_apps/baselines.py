@@ -11,7 +11,10 @@ trainable parameter the other side does not select, so with a trainable backbone
 * ``fedrep``: adapter shared, head local; ``head-epochs`` epochs on the head with the adapter
   fixed, then ``local-epochs`` on the adapter with the head fixed (Collins et al. 2021);
 * ``fedavg-ft``: FedAvg, and before each evaluation a copy is fine-tuned for
-  ``finetune-epochs`` on the client's train split (the papers' "+post-train" baseline).
+  ``finetune-epochs`` on the client's train split (the papers' "+post-train" baseline);
+* ``centralized``: one client trains the shared groups on every client's training data
+  pooled, every client evaluates them (FedDPA's Centralized upper reference; a simulation
+  device, since in a deployment no node holds the others' data).
 
 Groups a model does not have select nothing: on a causal LM (no task head) ``fedavg`` shares
 the adapter only.
@@ -107,14 +110,7 @@ class FedRepClient(SplitClient):
             epochs=runtime.config.head_epochs,
             steps=0,
         )
-        body_stats = runtime.train(model, shared, runtime.seed(server_round))
-        return TrainStats(
-            body_stats.loss,
-            body_stats.metrics,
-            body_stats.num_examples,
-            head_stats.num_steps + body_stats.num_steps,
-            head_stats.seconds + body_stats.seconds,
-        )
+        return head_stats.then(runtime.train(model, shared, runtime.seed(server_round)))
 
 
 class FedAvgFineTuneClient(FedAvgClient):
@@ -133,6 +129,19 @@ class FedAvgFineTuneClient(FedAvgClient):
             steps=0,
         )
         return runtime.evaluate(model)
+
+
+class CentralizedClient(FedAvgClient):
+    """The Centralized reference: the client the server picks trains on every client's data."""
+
+    def local_training(
+        self, runtime: ClientRuntime, model: TunedModel, server_round: int
+    ) -> TrainStats:
+        """Joint training of every trainable group on the pooled training data."""
+        shared, local = self.split(runtime, model)
+        return runtime.train(
+            model, shared + local, runtime.seed(server_round), data=runtime.pooled_train
+        )
 
 
 class FedVPTClient(SplitClient):

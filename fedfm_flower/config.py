@@ -44,6 +44,7 @@ DATASETS: tuple[str, ...] = (
     "office-home",
     "organamnist",
     "instructions",
+    "flan",
 )
 BACKBONES: tuple[str, ...] = FAMILY_BACKBONES  # fedfm_flower.models.families
 PARTITIONERS: tuple[str, ...] = (
@@ -58,6 +59,8 @@ OPTIMIZERS: tuple[str, ...] = ("sgd", "adam", "adamw")
 TUNER_CHOICES: tuple[str, ...] = ("auto", *TUNERS)
 PREFIX_FORMS: tuple[str, ...] = ("parallel", "concat")  # fedfm_flower.models.tuners.prefix
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
+MODEL_DTYPES: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16")  # hf-causal-lm only
+DEVICE_MAPS: tuple[str, ...] = ("", "auto")  # hf-causal-lm only; "" loads on one device
 # The methods' own allowed values (pfedseq-learner, pfedpg-generator, ...) are in their
 # settings classes: fedfm_flower/learners/pfedseq_settings.py, pfedpg_settings.py.
 
@@ -99,12 +102,16 @@ class ExperimentConfig:
     image_size: int = 16
     max_length: int = 96  # text tasks: tokens per training example (prompt + response)
     max_new_tokens: int = 16  # text tasks: tokens generated per evaluation prompt
+    test_time_evaluation: bool = False  # text tasks: also score every other client's task
     # model
     backbone: str = "tiny-vit"
     pretrained: bool = True
     weights_file: str = ""
     cache_dir: str = ""
     model_name_or_path: str = ""  # backbone hf-causal-lm: a Hugging Face name or local path
+    model_dtype: str = "auto"  # hf-causal-lm: auto is float32 on CPU, the checkpoint's on CUDA
+    device_map: str = ""  # hf-causal-lm: "auto" lets transformers/accelerate place the model
+    load_in_4bit: bool = False  # hf-causal-lm: 4-bit NF4 weights (bitsandbytes, CUDA)
     pretrain_epochs: int = 40
     lora_rank: int = 4
     lora_alpha: float = 8.0
@@ -226,6 +233,9 @@ class ExperimentConfig:
         _one_of("partitioner", self.partitioner, PARTITIONERS)
         _one_of("optimizer", self.optimizer, OPTIMIZERS)
         _one_of("device", self.device, DEVICES)
+        _one_of("model-dtype", self.model_dtype, MODEL_DTYPES)
+        _one_of("device-map", self.device_map, DEVICE_MAPS)
+        self._check_model_loading()
         _one_of("tuner", self.tuner, TUNER_CHOICES)
         _one_of("prefix-form", self.prefix_form, PREFIX_FORMS)
         _positive("prefix-bottleneck", self.prefix_bottleneck)
@@ -292,7 +302,10 @@ class ExperimentConfig:
             )
         if self.weights_file and not Path(self.weights_file).expanduser().is_file():
             raise ConfigError("weights-file", self.weights_file, "no such file")
-        if self.data_dir and not Path(self.data_dir).expanduser().is_dir():
+        from fedfm_flower.data.flan import looks_like_hub_name
+
+        hub_id = self.dataset == "flan" and looks_like_hub_name(self.data_dir)  # flan by Hub id
+        if self.data_dir and not hub_id and not Path(self.data_dir).expanduser().is_dir():
             from fedfm_flower.data.registry import dataset_spec
 
             reads_a_file = bool(dataset_spec(self.dataset).medmnist_flag)  # data-dir: the .npz
@@ -311,6 +324,50 @@ class ExperimentConfig:
         if self.resume and not self.run_name:
             raise ConfigError("resume", True, "needs 'run-name' naming the run to resume")
 
+    def _check_model_loading(self) -> None:
+        """model-dtype, device-map, load-in-4bit: hf-causal-lm only, their packages installed.
+
+        Packages are looked up with ``find_spec`` (nothing is imported); that CUDA is there is
+        checked when the model loads (``fedfm_flower.models.language.foundation``).
+        """
+        from importlib.util import find_spec
+
+        if self.backbone != "hf-causal-lm":
+            for key, value, default in (
+                ("model-dtype", self.model_dtype, "auto"),
+                ("device-map", self.device_map, ""),
+                ("load-in-4bit", self.load_in_4bit, False),
+            ):
+                if value != default:
+                    raise ConfigError(
+                        key,
+                        value,
+                        f"applies to backbone 'hf-causal-lm' only, not '{self.backbone}'",
+                    )
+        if self.device_map == "auto":
+            if self.device == "cpu":
+                raise ConfigError(
+                    "device-map",
+                    "auto",
+                    "places the model on the GPUs itself; with device 'cpu' leave it empty",
+                )
+            if find_spec("accelerate") is None:
+                raise ConfigError(
+                    "device-map",
+                    "auto",
+                    "needs the accelerate package, which is not installed (pip install accelerate)",
+                )
+        if self.load_in_4bit:
+            if self.device == "cpu":
+                raise ConfigError("load-in-4bit", True, "needs a CUDA GPU; device is 'cpu'")
+            if find_spec("bitsandbytes") is None:
+                raise ConfigError(
+                    "load-in-4bit",
+                    True,
+                    "needs the bitsandbytes package and a CUDA GPU; "
+                    "bitsandbytes is not installed (pip install bitsandbytes)",
+                )
+
     def _check_modality(self) -> None:
         from fedfm_flower.data.registry import dataset_spec
         from fedfm_flower.tasks import task_modality
@@ -323,6 +380,14 @@ class ExperimentConfig:
                 True,
                 f"backbone '{self.backbone}' (family '{family.name}') is tuned with adapters "
                 f"only; method '{self.method}' and train-backbone need a ViT",
+            )
+        served = METHOD_REGISTRY[self.method].modalities
+        if served and family.modality not in served:
+            raise ConfigError(
+                "method",
+                self.method,
+                f"it serves {' or '.join(served)} models; backbone '{self.backbone}' is a "
+                f"{family.modality} model (family '{family.name}')",
             )
         if task_modality(task) != family.modality:
             raise ConfigError(

@@ -24,6 +24,7 @@ class MethodSpec:
     settings: str = ""  # its MethodSettings class (keys <prefix>-*); "" when it has no keys
     tuner: str = "lora"  # what it adds to the backbone (fedfm_flower.models.tuners.TUNERS)
     trains_backbone: bool = False  # the whole ViT trains (else only when train-backbone = true)
+    modalities: tuple[str, ...] = ()  # input modalities it serves (); () means every one
 
 
 METHODS: dict[str, MethodSpec] = {
@@ -74,6 +75,12 @@ METHODS: dict[str, MethodSpec] = {
         "client_apps.baselines:FedAvgFineTuneClient",
         "FedAvg, then local fine-tuning of a copy before each evaluation",
     ),
+    "centralized": MethodSpec(
+        "strategies.centralized:CentralizedStrategy",
+        "client_apps.baselines:CentralizedClient",
+        "one client trains on every client's training data pooled; all evaluate the result "
+        "(FedDPA's Centralized reference; simulation only)",
+    ),
     "fedperfix": MethodSpec(
         "strategies.partial:PartialStrategy",
         "client_apps.partial:PartialClient",
@@ -108,6 +115,24 @@ METHODS: dict[str, MethodSpec] = {
         settings="fedfm_flower.perfedavg_settings:PerFedAvgSettings",
         tuner="none",
         trains_backbone=True,
+    ),
+    "feddpa-t": MethodSpec(
+        "strategies.feddpa:FedDPAStrategy",
+        "client_apps.feddpa:FedDPAClient",
+        "global LoRA federated (equal client weights), local LoRA trained alongside it every "
+        "round and kept; adapters mixed per test instance (Yang et al. 2024, Algorithm 2)",
+        settings="fedfm_flower.feddpa_settings:FedDPASettings",
+        tuner="dual-lora",
+        modalities=("text",),
+    ),
+    "feddpa-f": MethodSpec(
+        "strategies.feddpa:FedDPAFineTuneStrategy",
+        "client_apps.feddpa:FedDPAFineTuneClient",
+        "global LoRA federated (equal client weights), then a local LoRA fine-tuned from it "
+        "after the last round; adapters mixed per test instance (Yang et al. 2024, Algorithm 1)",
+        settings="fedfm_flower.feddpa_settings:FedDPASettings",
+        tuner="dual-lora",
+        modalities=("text",),
     ),
 }
 

@@ -9,7 +9,7 @@ the parameters given are stepped: the frozen backbone is never touched.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -90,12 +90,15 @@ def train(
     steps: int | None = None,
     device: torch.device | None = None,
     schedule: Callable[[int], float] | None = None,
+    penalty: Callable[[], torch.Tensor] | None = None,
 ) -> TrainStats:
     """Train ``params`` of ``model`` on ``data`` with the task's loss for epochs or steps.
 
     ``steps`` (when > 0) wins over ``epochs``; both default to the config's local-steps and
     local-epochs. Only ``params`` get gradients; everything else keeps ``requires_grad`` as is.
     ``schedule`` maps the optimizer step (from 0) to a learning-rate multiplier (none: constant).
+    ``penalty`` is added to every batch's loss (FedProx's proximal term); the reported loss is
+    the task's alone.
     """
     params = list(params)
     if epochs is None:
@@ -121,7 +124,8 @@ def train(
                 batch = tuple(t.to(device) for t in batch)
                 optimizer.zero_grad(set_to_none=True)
                 result = task.step(model, batch)
-                result.loss.backward()
+                loss = result.loss if penalty is None else result.loss + penalty()
+                loss.backward()
                 optimizer.step()
                 if scheduler is not None:
                     scheduler.step()
@@ -136,6 +140,18 @@ def train(
         for name, p in model.named_parameters():
             p.requires_grad_(saved_flags[name])
     return tally.stats()
+
+
+def proximal_term(
+    params: Mapping[str, nn.Parameter], anchor: Mapping[str, torch.Tensor], mu: float
+) -> Callable[[], torch.Tensor]:
+    """FedProx's (mu / 2) * sum ||w - w_anchor||^2 over ``params`` (Li et al. 2020)."""
+    pairs = [(p, anchor[n].to(p.device, p.dtype)) for n, p in params.items()]
+
+    def term() -> torch.Tensor:
+        return 0.5 * mu * sum(((p - a) ** 2).sum() for p, a in pairs)
+
+    return term
 
 
 def evaluate(

@@ -20,8 +20,11 @@ the clients' *stable* ids (never Flower node ids, which change across runs and r
   strategy can give a component only to the clients that have its modality or task.
 * **Post-training phase.** ``post_training_rounds()`` > 0 adds rounds after the last federated
   round (FedDPA-F's local fine-tuning, TAP's distillation). The runner runs and checkpoints them
-  like any round; their messages say ``phase = post-training`` and the ClientApp calls the
-  method's ``post_train``. ``phase(round)`` tells which phase a round belongs to.
+  like any round; their messages go to every identified client (whatever ``fraction-train``
+  is: FedDPA-F fine-tunes every client's local adapter, TAP distils on every client), say
+  ``phase = post-training``, and the ClientApp calls the method's ``post_train``.
+  ``phase(round)`` tells which phase a round belongs to; ``current_round`` is the round
+  being configured.
 """
 
 from __future__ import annotations
@@ -95,6 +98,7 @@ class PersonalizedStrategy(Strategy):
         self.num_partitions = 0  # largest num-partitions a node reported (0: none yet)
         self.refused_nodes: set[int] = set()  # answered with a client id this strategy refuses
         self.server_metrics: dict[str, float] = {}  # the strategy's own numbers of the round
+        self.current_round = 0  # the round configure_train was last called for
 
     # ----------------------------------------------------------------- to implement
     def train_payload(self, client_id: int, server_round: int) -> dict[str, torch.Tensor]:
@@ -219,8 +223,10 @@ class PersonalizedStrategy(Strategy):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """One training message per sampled node, holding that client's payload only."""
+        self.current_round = server_round
         self.learn_node_mapping(grid, server_round)
-        chosen = self.sample(server_round, self.config.fraction_train)
+        post_training = self.phase(server_round) == "post-training"
+        chosen = self.sample(server_round, 1.0 if post_training else self.config.fraction_train)
         self.train_report = RoundReport(sent=chosen)
         return self._messages(chosen, server_round, MessageType.TRAIN, self.train_payload, config)
 

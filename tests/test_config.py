@@ -23,6 +23,7 @@ from fedfm_flower.config import (
     ExperimentConfig,
     NodeIdentity,
 )
+from fedfm_flower.feddpa_settings import FedDPASettings
 from fedfm_flower.learners.pfedpg_settings import PFedPGSettings
 from fedfm_flower.learners.pfedseq_settings import PFedSeqSettings
 from fedfm_flower.perfedavg_settings import PerFedAvgSettings
@@ -70,6 +71,7 @@ def test_method_settings_are_registered_under_their_own_prefix() -> None:
         PartialSettings,
         APFLSettings,
         PerFedAvgSettings,
+        FedDPASettings,
     )
     common = {f.name.replace("_", "-") for f in dataclasses.fields(ExperimentConfig)}
     seen: set[str] = set()
@@ -81,7 +83,7 @@ def test_method_settings_are_registered_under_their_own_prefix() -> None:
         kind()  # the defaults are valid
     assert set(ExperimentConfig.method_keys()) == seen
     for method in REGISTRY:
-        config = ExperimentConfig.from_run_config({"method": method})
+        config = ExperimentConfig.from_run_config({"method": method, **_model_for(method)})
         kind = settings_class(method)
         if kind is None:
             assert config.method_settings is None
@@ -119,6 +121,13 @@ NON_DEFAULT = {
     "apfl-alpha-lr": 0.1,
     "perfedavg-alpha": 0.02,
     "perfedavg-beta": 0.003,
+    "feddpa-alpha": 0.3,
+    "feddpa-weighting": "fixed",
+    "feddpa-scale": "0.7",
+    "feddpa-instances": 3,
+    "feddpa-similarity": "pearson",
+    "feddpa-representation": "avg",
+    "feddpa-prox-mu": 0.01,
 }
 
 
@@ -132,7 +141,7 @@ def test_typed_settings_hold_the_run_config_values() -> None:
     for run_config in (NON_DEFAULT, as_cli):  # typed (TOML) or strings (CLI overrides)
         config = ExperimentConfig.from_run_config({"method": "fedavg", **run_config})
         seq, pg = config.settings_of(PFedSeqSettings), config.settings_of(PFedPGSettings)
-        others = (PartialSettings, APFLSettings, PerFedAvgSettings)
+        others = (PartialSettings, APFLSettings, PerFedAvgSettings, FedDPASettings)
         typed = {
             k: v for kind in others for k, v in config.settings_of(kind).to_run_config().items()
         }
@@ -280,9 +289,17 @@ def test_values_are_coerced_from_cli_strings() -> None:
     assert config.fraction_train == 1.0
 
 
+def _model_for(method: str) -> dict[str, str]:
+    """A dataset and backbone of a modality ``method`` serves (the defaults when it serves all)."""
+    if "image" in (REGISTRY[method].modalities or ("image",)):
+        return {}
+    return {"dataset": "instructions", "backbone": "tiny-llama"}
+
+
 def test_registry_names_are_all_accepted() -> None:
     for method in METHODS:
-        assert ExperimentConfig.from_run_config({"method": method}).method == method
+        config = ExperimentConfig.from_run_config({"method": method, **_model_for(method)})
+        assert config.method == method
     from fedfm_flower.data.registry import dataset_spec
     from fedfm_flower.models.families import FAMILIES
     from fedfm_flower.tasks import task_modality

@@ -13,7 +13,8 @@ Office-Caltech10, Office-Home or of Omniglot with drawer ids, so those need ``da
 ``organamnist.npz`` under ``data-dir`` (``fedfm_flower.data.medmnist``). Following the papers,
 DomainNet keeps only its ten most frequent classes (pFedPG and pFedSeq follow FedBN's
 sub-dataset), and Omniglot predicts the alphabet (50 classes) with one client per drawer
-(pFedSeq's real-world setting).
+(pFedSeq's real-world setting). ``flan`` is FedDPA's federated Flan data, read from the
+authors' per-client JSON files under ``data-dir`` or from a Hub id (``fedfm_flower.data.flan``).
 """
 
 from __future__ import annotations
@@ -138,6 +139,17 @@ DATASETS: dict[str, DatasetSpec] = {
         embedded=True,
         summary="offline instruction-following tasks, one task per client "
         "(fedfm_flower.data.instructions); generation and classification in generative form",
+        task="instruction-following",
+    ),
+    "flan": DatasetSpec(
+        hub_name="",
+        image_column="",
+        label_column="",
+        natural_id_column="",
+        num_classes=0,
+        summary="FedDPA's federated Flan datasets (8 Flan tasks, one per client): data-dir is "
+        "the directory of the authors' local_training_{i}.json / local_test_{i}.json files, or "
+        "a Hub dataset id with a task or category column (fedfm_flower.data.flan)",
         task="instruction-following",
     ),
 }

@@ -72,7 +72,10 @@ class ModelCache:
         key = (config, tuner, num_outputs, str(device), train_backbone)
         if self._key != key or self._model is None:
             model = build_model(config, tuner, num_outputs, train_backbone=train_backbone)
-            self._model = model.to(device)
+            # An hf-causal-lm loaded with device-map or load-in-4bit is already where its loader
+            # put it (``placed``): moving it would undo accelerate's placement, and transformers
+            # refuses .to() on 4-bit models. Its adapters sit beside their layers (peft).
+            self._model = model if getattr(model, "placed", False) else model.to(device)
             self._initial = dict(self._model.trainable().tensors)
             self._key = key
         self._model.load_tensors(self._initial)

@@ -7,6 +7,14 @@ family first: LoRA targets ``q_proj``/``v_proj`` by name). The tokenizer travels
 (``model.tokenizer``). The backbone is frozen; the tuner's parts are the only trainable tensors
 (no task head: the LM head is the backbone's). Tuner parts are seeded from ``config.seed``, so
 the server and every client start from the same adapter.
+
+``hf-causal-lm`` loads in ``model-dtype`` (``auto``: float32 when the model runs on the CPU, the
+checkpoint's own dtype, e.g. LLaMA-7B's float16, when CUDA runs it), optionally placed by
+accelerate (``device-map = "auto"``) or with 4-bit weights (``load-in-4bit``); a placed model
+is not moved afterwards (``AdaptedCausalLM.placed``). The tuner's parts are kept in float32
+whatever the backbone's dtype, as peft's ``autocast_adapter_dtype`` does: the exchanged tensors
+then have one dtype on every node and the optimizer steps in full precision (peft casts the
+activations to the adapter's dtype and back).
 """
 
 from __future__ import annotations
@@ -18,14 +26,21 @@ from torch import nn
 
 from fedfm_flower.config import ExperimentConfig
 from fedfm_flower.models.backbones import freeze
-from fedfm_flower.models.groups import TunedModel
+from fedfm_flower.models.groups import BACKBONE, TunedModel
 from fedfm_flower.models.tuners import get_tuner
 
 
 class AdaptedCausalLM(TunedModel):
     """Frozen causal LM + the method's tuner; ``tokenizer`` encodes and decodes its text."""
 
-    def __init__(self, lm: nn.Module, tokenizer: Any, config: ExperimentConfig, tuner: str):
+    def __init__(
+        self,
+        lm: nn.Module,
+        tokenizer: Any,
+        config: ExperimentConfig,
+        tuner: str,
+        placed: bool = False,
+    ):
         super().__init__()
         freeze(lm)
         parts = get_tuner(tuner)(lm, config)
@@ -34,6 +49,11 @@ class AdaptedCausalLM(TunedModel):
             self.add_module(name, module)
         self.tokenizer = tokenizer
         self.group_patterns = parts.patterns
+        self.placed = placed  # the loader put it on its device(s): ModelCache does not move it
+        with torch.no_grad():  # a half-precision backbone gave peft's adapters its dtype
+            for _, parameter, group in self._group_index():
+                if group != BACKBONE and parameter.dtype in (torch.float16, torch.bfloat16):
+                    parameter.data = parameter.data.float()
 
     def forward(
         self,
@@ -86,11 +106,45 @@ def causal_lm_backbone(config: ExperimentConfig, *, load_weights: bool = True) -
         tokenizer = tokenizer_of(config)
         return foundation.tiny_llama(tokenizer), tokenizer
     if load_weights:
-        return foundation.load_pretrained_causal_lm(_model_source(config))
+        return foundation.load_pretrained_causal_lm(
+            _model_source(config),
+            dtype=load_dtype(config),
+            device_map=config.device_map,
+            load_in_4bit=config.load_in_4bit,
+        )
     from transformers import AutoConfig, AutoModelForCausalLM
 
     architecture = AutoConfig.from_pretrained(_model_source(config))
-    return AutoModelForCausalLM.from_config(architecture), tokenizer_of(config)
+    # The same dtype as the loaded weights, so the seeded adapter gets the same rounding; peft
+    # keeps adapters on 4-bit layers in float32, hence float32 for load-in-4bit.
+    dtype = load_dtype(config)
+    if config.load_in_4bit or dtype == "float32":
+        skeleton = torch.float32
+    elif dtype == "auto":
+        skeleton = _checkpoint_dtype(architecture)
+    else:
+        skeleton = getattr(torch, dtype)
+    options = {foundation.dtype_keyword(): skeleton}
+    return AutoModelForCausalLM.from_config(architecture, **options), tokenizer_of(config)
+
+
+def load_dtype(config: ExperimentConfig) -> str:
+    """``model-dtype`` with ``auto`` resolved for this node: ``float32`` unless CUDA will run
+    the model (device not ``cpu`` and CUDA available), then ``auto``, the checkpoint's own."""
+    if config.model_dtype != "auto":
+        return config.model_dtype
+    runs_on_cuda = config.device != "cpu" and torch.cuda.is_available()
+    return "auto" if runs_on_cuda else "float32"
+
+
+def _checkpoint_dtype(architecture: Any) -> torch.dtype:
+    """The dtype a checkpoint's config names (float32 when it names none)."""
+    from fedfm_flower.models.language.foundation import dtype_keyword
+
+    named = getattr(architecture, dtype_keyword(), None)
+    if isinstance(named, str):
+        named = getattr(torch, named, None)
+    return named if isinstance(named, torch.dtype) else torch.float32
 
 
 def _model_source(config: ExperimentConfig) -> str:
@@ -120,7 +174,8 @@ def build_causal_lm(
         torch.manual_seed(config.seed + 2)
         lm, tokenizer = causal_lm_backbone(config, load_weights=load_weights)
         torch.manual_seed(config.seed)
-        return AdaptedCausalLM(lm, tokenizer, config, tuner)
+        placed = load_weights and bool(config.device_map or config.load_in_4bit)
+        return AdaptedCausalLM(lm, tokenizer, config, tuner, placed=placed)
 
 
 def tiny_llama_card(config: ExperimentConfig) -> dict[str, Any]:

@@ -53,6 +53,17 @@ class TrainStats:
     num_steps: int
     seconds: float
 
+    def then(self, later: TrainStats) -> TrainStats:
+        """Two training calls in a row: ``later``'s loss, metrics and examples, summed steps
+        and seconds."""
+        return TrainStats(
+            later.loss,
+            later.metrics,
+            later.num_examples,
+            self.num_steps + later.num_steps,
+            self.seconds + later.seconds,
+        )
+
 
 class Task(ABC):
     """A kind of learning problem: its data, loss, evaluation and metrics."""
@@ -88,6 +99,17 @@ class Task(ABC):
         self, model: nn.Module, data: Any, device: torch.device, batch_size: int
     ) -> EvalStats:
         """Loss and metrics of ``model`` on ``data`` (no gradients, model in eval mode)."""
+
+    def pooled_train(self, config: ExperimentConfig, num_partitions: int) -> Any:
+        """Every client's training rows in one dataset (the Centralized reference): the
+        clients' ``.train`` TensorDatasets concatenated row-wise, in client order."""
+        import torch
+        from torch.utils.data import TensorDataset
+
+        parts = [self.client_data(config, p, num_partitions).train for p in range(num_partitions)]
+        return TensorDataset(
+            *(torch.cat(ts) for ts in zip(*(d.tensors for d in parts), strict=True))
+        )
 
     def format_metric(self, name: str, value: float) -> str:
         """How the progress line prints a metric of this task."""

@@ -7,8 +7,14 @@ response tokens (and EOS) given the prompt; the prompt and the padding carry no 
 (``fedfm_flower.models.language.encoding``). Evaluation generates a greedy response of at most
 ``max-new-tokens`` tokens for every test prompt, in batches of ``batch-size`` with left
 padding, and scores it against the reference with ROUGE-1/2/L F-measures in [0, 1]
-(``fedfm_flower.metrics.rouge``); ROUGE-L is the primary metric. The test loss is the same
-response cross-entropy as in training, per response token.
+(``fedfm_flower.metrics.rouge``); ROUGE-1 is the primary metric, FedDPA's headline (its Tables
+1-2). The test loss is the same response cross-entropy as in training, per response token.
+
+With ``test-time-evaluation`` a client also answers the test examples of every other task in
+the federation (all clients' test splits of that task) with its own model: FedDPA's test-time
+personalization. ``ttp-rouge-1`` (and ``-2``, ``-l``) is the mean over all tasks, the client's
+own included, each task weighing the same, as the paper averages "all tasks including
+test-time tasks" (sec. 5.2).
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ class InstructionTest:
     encoded: TensorDataset
     max_new_tokens: int
     batch_size: int
+    others: tuple[tuple[Example, ...], ...] = ()  # other tasks' test examples, one per task
 
     def __len__(self) -> int:
         return len(self.examples)
@@ -74,12 +81,16 @@ class InstructionFollowing(Task):
     """Follow instructions; metrics: ROUGE-1, ROUGE-2, ROUGE-L (primary)."""
 
     name = "instruction-following"
-    primary_metric = "rouge-l"
+    primary_metric = "rouge-1"
     modality = "text"
 
     def _splits(
         self, config: ExperimentConfig, partition_id: int, num_partitions: int
     ) -> tuple[tuple[Example, ...], tuple[Example, ...]]:
+        if config.dataset == "flan":  # FedDPA's Flan files under data-dir (or a Hub id)
+            from fedfm_flower.data.flan import flan_client_split
+
+            return flan_client_split(config.data_dir, partition_id, num_partitions)
         from fedfm_flower.data.instructions import client_split
 
         return client_split(
@@ -95,6 +106,7 @@ class InstructionFollowing(Task):
         self, config: ExperimentConfig, partition_id: int, num_partitions: int
     ) -> InstructionData:
         """The client's examples, encoded with the configured model's tokenizer."""
+        from fedfm_flower.data.flan import flan_client_task
         from fedfm_flower.data.instructions import client_task
         from fedfm_flower.models.causal_lm import tokenizer_of
         from fedfm_flower.models.language.encoding import encode_for_training
@@ -108,9 +120,27 @@ class InstructionFollowing(Task):
                 encode_for_training(tokenizer, test, config.max_length),
                 config.max_new_tokens,
                 config.batch_size,
+                self._other_tasks_tests(config, partition_id, num_partitions),
             ),
-            client_task(partition_id),
+            flan_client_task(config.data_dir, partition_id)
+            if config.dataset == "flan"
+            else client_task(partition_id),
         )
+
+    def _other_tasks_tests(
+        self, config: ExperimentConfig, partition_id: int, num_partitions: int
+    ) -> tuple[tuple[Example, ...], ...]:
+        """Every other task's test examples (all its clients'), when test-time evaluation is on."""
+        if not config.test_time_evaluation:
+            return ()
+        tests = [self._splits(config, p, num_partitions)[1] for p in range(num_partitions)]
+        own = {e.task for e in tests[partition_id]}
+        by_task: dict[str, list[Example]] = {}
+        for test in tests:
+            for example in test:
+                if example.task not in own:
+                    by_task.setdefault(example.task, []).append(example)
+        return tuple(tuple(by_task[task]) for task in sorted(by_task))
 
     def example_counts(self, config: ExperimentConfig, num_clients: int) -> list[ClientExamples]:
         """Train/test sizes of every client's split (no tokenizer needed)."""
@@ -153,13 +183,17 @@ class InstructionFollowing(Task):
                 loss = model(input_ids, attention_mask, labels).loss
                 total_loss += loss.item() * count
                 tokens += count
-        predictions = generate(
-            model,
-            model.tokenizer,
-            encode_prompts(None, test.examples),
-            test.max_new_tokens,
-            test.batch_size,
-            device,
-        )
-        scores = rouge_scores(predictions, references(test.examples))
+
+        def scores_on(examples: tuple[Example, ...]) -> dict[str, float]:
+            prompts = encode_prompts(None, examples)
+            answers = generate(
+                model, model.tokenizer, prompts, test.max_new_tokens, test.batch_size, device
+            )
+            return rouge_scores(answers, references(examples))
+
+        scores = scores_on(test.examples)
+        if test.others:
+            every_task = [scores, *(scores_on(examples) for examples in test.others)]
+            for name in list(scores):
+                scores[f"ttp-{name}"] = sum(s[name] for s in every_task) / len(every_task)
         return EvalStats(total_loss / max(tokens, 1), scores, len(test))

@@ -28,7 +28,9 @@ says the rest is there. The tokenizer and the model are built on the CPU by defa
 cached weights do not depend on the machine.
 
 ``load_pretrained_causal_lm`` is the real loader for users with weights: a Hub name or a local
-directory, read with ``AutoModelForCausalLM`` / ``AutoTokenizer``.
+directory, read with ``AutoModelForCausalLM`` / ``AutoTokenizer``, in a chosen dtype, optionally
+placed by accelerate (``device_map="auto"``) or quantized to 4 bits by bitsandbytes (run-config
+keys ``model-dtype``, ``device-map``, ``load-in-4bit``; ``pretrained_loading_options``).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fedfm_flower.data.instructions import CORPUS_VERSION, DEFAULT_EXAMPLES_PER_TASK
 from fedfm_flower.durable import DamagedFileError, atomic_write_text, load_tensors, save_tensors
@@ -344,12 +346,28 @@ def causal_lm_pretrain(
     return epoch_loss
 
 
+PRETRAINED_DTYPES = ("auto", "float32", "float16", "bfloat16")  # auto: the checkpoint's own
+
+
 def load_pretrained_causal_lm(
     name_or_path: str,
+    *,
+    dtype: str = "float32",
+    device_map: str = "",
+    load_in_4bit: bool = False,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """A causal LM and its tokenizer from a Hub name or a local directory (eval mode, left
-    padding, a pad token set to EOS when the tokenizer has none)."""
+    padding, a pad token set to EOS when the tokenizer has none).
+
+    ``dtype``: the weights' dtype, one of ``PRETRAINED_DTYPES`` (``auto``: the checkpoint's own,
+    transformers' ``dtype="auto"``). ``device_map="auto"``: accelerate places the model (over
+    the GPUs, then the CPU); ``""``: it loads on the CPU. ``load_in_4bit``: NF4 weights with
+    double quantization (QLoRA's) via bitsandbytes on the GPU, computing in ``dtype`` (``auto``:
+    bfloat16 where the GPU supports it, else float16). Placed or 4-bit models must not be moved.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    options = pretrained_loading_options(dtype, device_map, load_in_4bit)
 
     local = Path(name_or_path).expanduser()
     looks_local = local.is_absolute() or name_or_path.startswith((".", "~")) or local.exists()
@@ -361,7 +379,7 @@ def load_pretrained_causal_lm(
     source = str(local) if looks_local else name_or_path
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
-        model = AutoModelForCausalLM.from_pretrained(source)
+        model = AutoModelForCausalLM.from_pretrained(source, **options)
     except OSError as err:
         raise FileNotFoundError(
             f"cannot load causal language model {name_or_path!r}: {err} (offline, a Hub name "
@@ -371,6 +389,63 @@ def load_pretrained_causal_lm(
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
     return model.eval(), tokenizer
+
+
+def pretrained_loading_options(dtype: str, device_map: str, load_in_4bit: bool) -> dict[str, Any]:
+    """``from_pretrained`` keyword arguments for run-config keys ``model-dtype`` (resolved),
+    ``device-map`` and ``load-in-4bit``; an error naming the key when a need is missing."""
+    from importlib.util import find_spec
+
+    import torch
+
+    from fedfm_flower.settings import ConfigError
+
+    if dtype not in PRETRAINED_DTYPES:
+        raise ConfigError("model-dtype", dtype, f"allowed: {', '.join(PRETRAINED_DTYPES)}")
+    if device_map not in ("", "auto"):
+        raise ConfigError("device-map", device_map, "allowed: '' (one device), auto")
+    options: dict[str, Any] = {}
+    if device_map == "auto":
+        if find_spec("accelerate") is None:
+            raise ConfigError(
+                "device-map",
+                "auto",
+                "needs the accelerate package, which is not installed (pip install accelerate)",
+            )
+        options["device_map"] = "auto"
+    weights: str | torch.dtype = dtype if dtype == "auto" else getattr(torch, dtype)
+    if load_in_4bit:
+        if find_spec("bitsandbytes") is None:
+            raise ConfigError(
+                "load-in-4bit",
+                True,
+                "needs the bitsandbytes package and a CUDA GPU; "
+                "bitsandbytes is not installed (pip install bitsandbytes)",
+            )
+        if not torch.cuda.is_available():
+            raise ConfigError("load-in-4bit", True, "needs a CUDA GPU; torch sees none")
+        from transformers import BitsAndBytesConfig
+
+        if weights == "auto":
+            weights = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        options["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=weights,
+        )
+        options.setdefault("device_map", {"": torch.cuda.current_device()})
+    options[dtype_keyword()] = weights
+    return options
+
+
+def dtype_keyword() -> str:
+    """The name of transformers' dtype argument and config attribute: ``dtype``, or
+    ``torch_dtype`` before transformers 4.56 (the old name warns in 5.x)."""
+    import transformers
+    from packaging.version import Version
+
+    return "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
 
 
 def _build_once(path: Path, build: Callable[[], None]) -> None:

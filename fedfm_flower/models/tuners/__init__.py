@@ -32,6 +32,7 @@ Tuner = Callable[["nn.Module", "ExperimentConfig"], TunedParts]
 
 TUNERS: dict[str, str] = {
     "lora": "fedfm_flower.models.tuners.lora:lora_tuner",
+    "dual-lora": "fedfm_flower.models.tuners.dual_lora:dual_lora_tuner",
     "vpt": "fedfm_flower.models.tuners.prompts:vpt_shallow_tuner",
     "vpt-deep": "fedfm_flower.models.tuners.prompts:vpt_deep_tuner",
     "perfix": "fedfm_flower.models.tuners.prefix:perfix_tuner",

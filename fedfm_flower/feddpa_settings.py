@@ -1,0 +1,57 @@
+"""FedDPA's run-config keys (``feddpa-*``): the mixing weight, the dynamic weighting, FedProx.
+
+Light (no torch): the config reads it through the method registry in every process, the
+ClientApp's included. The methods are ``feddpa-f`` and ``feddpa-t`` (``client_apps.feddpa``,
+``strategies.feddpa``); their defaults are the paper's (sec. 5.1, A.2, B.1-B.2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from fedfm_flower.settings import ConfigError, MethodSettings, setting
+
+WEIGHTINGS: tuple[str, ...] = ("dynamic", "fixed")
+SIMILARITIES: tuple[str, ...] = ("cosine", "neg-l2", "pearson")  # Table 9
+REPRESENTATIONS: tuple[str, ...] = ("last", "avg")  # Table 10
+
+
+@dataclass(frozen=True)
+class FedDPASettings(MethodSettings):
+    """FedDPA's keys: field ``instances`` is run-config key ``feddpa-instances``."""
+
+    prefix: ClassVar[str] = "feddpa"
+
+    # FedDPA-T's training mixture (1 - alpha) Delta_g + alpha Delta_l: 0.5 on federated dataset 1,
+    # 0.3 on dataset 2 (sec. 5.1). Also the fixed inference weight of the local adapter when
+    # feddpa-weighting = fixed (Table 3's "w/o Auto"), for FedDPA-F as for FedDPA-T.
+    alpha: float = setting(0.5, within=(0.0, 1.0), note="alpha weights the local adapter")
+    # "dynamic": alpha_t = lambda * mean similarity per test instance (sec. 4.3); "fixed": alpha.
+    weighting: str = setting("dynamic", choices=WEIGHTINGS)
+    # lambda of sec. 4.3: "auto" is the paper's, 1 for FedDPA-F and alpha for FedDPA-T (A.2);
+    # or a number in (0, 1].
+    scale: str = setting("auto")
+    # S, the local training instances each test instance is compared with (sec. 5.1: 5).
+    instances: int = setting(5, positive=True)
+    similarity: str = setting("cosine", choices=SIMILARITIES)
+    representation: str = setting("last", choices=REPRESENTATIONS)
+    # FedProx's mu for the global adapter's local training (B.1); 0 is FedAvg's local step.
+    prox_mu: float = setting(0.0, non_negative=True)
+
+    def check(self) -> None:
+        """``scale`` is 'auto' or a number in (0, 1]."""
+        if self.scale == "auto":
+            return
+        try:
+            value = float(self.scale)
+        except ValueError:
+            value = float("nan")
+        if not 0.0 < value <= 1.0:
+            raise ConfigError(self.key_of("scale"), self.scale, "'auto' or a number in (0, 1]")
+
+    def lambda_for(self, trains_local_each_round: bool) -> float:
+        """lambda of sec. 4.3: ``scale``, or for 'auto' alpha (FedDPA-T) or 1 (FedDPA-F)."""
+        if self.scale != "auto":
+            return float(self.scale)
+        return self.alpha if trains_local_each_round else 1.0
