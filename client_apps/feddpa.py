@@ -101,6 +101,7 @@ class FedDPAClient(SplitClient):
             scale=settings.lambda_for(self.trains_local_each_round),
             seed=runtime.seed(server_round, salt=3),
             batch_size=runtime.config.batch_size,
+            direction=settings.direction,
         )
         stats = runtime.evaluate(weighted)
         alpha = statistics.fmean(weighted.alphas) if weighted.alphas else 0.0

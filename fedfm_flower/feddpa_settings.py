@@ -15,6 +15,7 @@ from fedfm_flower.settings import ConfigError, MethodSettings, setting
 WEIGHTINGS: tuple[str, ...] = ("dynamic", "fixed")
 SIMILARITIES: tuple[str, ...] = ("cosine", "neg-l2", "pearson")  # Table 9
 REPRESENTATIONS: tuple[str, ...] = ("last", "avg")  # Table 10
+DIRECTIONS: tuple[str, ...] = ("local", "global")  # which adapter alpha_t weighs
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,9 @@ class FedDPASettings(MethodSettings):
     instances: int = setting(5, positive=True)
     similarity: str = setting("cosine", choices=SIMILARITIES)
     representation: str = setting("last", choices=REPRESENTATIONS)
+    # The adapter alpha_t weighs: "local" (the paper's text; fedfm_flower.models.dynamic_mix
+    # says why) or "global" (how the authors' released code is reported to apply it).
+    direction: str = setting("local", choices=DIRECTIONS)
     # FedProx's mu for the global adapter's local training (B.1); 0 is FedAvg's local step.
     prox_mu: float = setting(0.0, non_negative=True)
 

@@ -194,3 +194,22 @@ def test_simulation_benchmark_fails_when_the_launcher_fails(tmp_path: Path) -> N
 
     with pytest.raises(RuntimeError, match=r"failed \(2\)"):
         run_flower_simulation(2, 1, 1, {"method": "fedprox"}, tmp_path, "bad")
+
+
+def test_feddpa_inference_benchmark_writes_all_three_rows(cache_dir: Path, tmp_path: Path) -> None:
+    """Tiny sizes on the CPU: both files, a row per variant, equal decoding work (no timings)."""
+    from bench import feddpa_inference
+
+    argv = ["--cache-dir", str(cache_dir), "--set", "pretrain-epochs=2", "--out", str(tmp_path)]
+    argv += ["--prompts", "3", "--batch-size", "2", "--max-new-tokens", "3", "--repeats", "2"]
+    assert feddpa_inference.main(argv) == 0
+    results = json.loads((tmp_path / "results-cpu.json").read_text())
+    rows = results["rows"]
+    assert list(rows) == ["FedLoRA", "FedDPA (w/o auto)", "FedDPA"]
+    for row in rows.values():
+        assert len(row["per-repeat"]) == 2 and row["same-answers-as-fedlora"]
+    assert 0.0 <= rows["FedDPA"]["mean-alpha"] <= 1.0
+    assert results["settings"]["prompts"] == 3 and results["settings"]["instances"] == 5
+    table = (tmp_path / "table-cpu.md").read_text()
+    for name in ("| FedLoRA |", "| FedDPA (w/o auto) | ✗ |", "| FedDPA | ✓ |"):
+        assert name in table

@@ -127,6 +127,7 @@ NON_DEFAULT = {
     "feddpa-instances": 3,
     "feddpa-similarity": "pearson",
     "feddpa-representation": "avg",
+    "feddpa-direction": "global",
     "feddpa-prox-mu": 0.01,
 }
 
@@ -345,3 +346,18 @@ def test_num_clients_must_match_the_node_partitions() -> None:
     config = ExperimentConfig(num_clients=10)
     with pytest.raises(ConfigError, match="num-partitions=4"):
         NodeIdentity.from_node_config({"partition-id": 0, "num-partitions": 4}, config)
+
+
+def test_every_config_file_in_the_repository_parses() -> None:
+    import tomllib
+
+    files = sorted((ROOT / "configs").rglob("*.toml"))
+    assert len(files) > 50
+    for path in files:
+        values = tomllib.loads(path.read_text())
+        # A method's overlay is checked with a setup of its modality underneath.
+        base = {} if path.parent.name == "setups" else _model_for(path.parent.name)
+        try:
+            ExperimentConfig.from_run_config({**base, **values})
+        except ConfigError as err:
+            raise AssertionError(f"{path.relative_to(ROOT)}: {err}") from err

@@ -19,8 +19,8 @@ Choices the paper leaves open, and ours:
   in, (1 - alpha, alpha) for T and the fine-tuned local adapter alone for F. The authors'
   released code is reported to weight the global adapter with alpha_t instead; with lambda =
   alpha = 0.3 that would give a perfectly local instance 0.3 of the global and 0.7 of the local
-  adapter, a mixture it was never trained in. ``direction="global"`` gives that reading, for
-  comparison; tests check both.
+  adapter, a mixture it was never trained in. ``feddpa-direction = "global"`` gives that
+  reading, for comparison; tests check both.
 * **Representation.** The final layer's hidden states (``hidden_states[-1]``) of the prompt
   (the instruction template without the response), with the global adapter alone: the last
   prompt token (``last``, the paper's) or the mean over prompt tokens (``avg``, Table 10).

@@ -2,8 +2,9 @@
 
 Writes to ``--out``: ``report.md`` (per setup: the table, the paired differences and the
 figures), ``table.md`` / ``table.tex`` (the personalization table over all setups),
-``differences.md``, one ``curves-``, ``gain-`` and ``bytes-<setup>.png`` per setup, and
-``report.json`` (every number in the tables, per-seed headline values and the runs read).
+``differences.md``, one ``curves-``, ``gain-`` and ``bytes-<setup>.png`` per setup, for a setup
+with per-client ROUGE-1 ``feddpa-table-<setup>.md`` (``task_table``: FedDPA's Table 1 layout),
+and ``report.json`` (every number in the tables, per-seed headline values and the runs read).
 Unfinished runs are listed, not used; a setup without a finished run of the reference method
 gets its table cells and figures but no paired tests. Exit status 2 when no finished run is
 found or no setup has the reference method.
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from fedfm_flower.durable import atomic_write_text
-from fedfm_flower.report import figures, tables
+from fedfm_flower.report import figures, tables, task_table
 from fedfm_flower.report.runs import RunResult, load_runs
 
 
@@ -77,6 +78,12 @@ def write_report(
             f"![learning curves](curves-{slug}.png) {gain}![bytes per round](bytes-{slug}.png)",
             "",
         ]
+        by_task = task_table.build_task_table(runs, setup)
+        if by_task is not None:
+            markdown = task_table.markdown_task_table(by_task)
+            atomic_write_text(out / f"feddpa-table-{slug}.md", markdown + "\n")
+            sections += [markdown, ""]
+            numbers.setdefault("feddpa-tables", {})[setup] = task_table.task_table_numbers(by_task)
         numbers["setups"][setup] = {
             label: {
                 "seeds": list(cell.seeds),

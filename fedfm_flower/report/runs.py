@@ -35,6 +35,7 @@ class RunResult:
     bytes_down: tuple[int, ...]  # per round, all clients
     bytes_up: tuple[int, ...]
     clients_reported: tuple[int, ...]  # per round
+    final_metrics: dict[int, dict[str, float]]  # client id -> every reply metric, last evaluation
 
     @property
     def final_mean(self) -> float:
@@ -67,9 +68,13 @@ def read_run(path: Path) -> RunResult | None:
     metric = summary.get("primary-metric", "accuracy")
     key = P.test_metric(metric)
     evaluated = [r for r in records if r.get("evaluate")]
-    final = {}
+    final, final_metrics = {}, {}
     if evaluated:
         final = {int(m[P.CLIENT_ID]): float(m[key]) for m in evaluated[-1]["evaluate"].values()}
+        final_metrics = {
+            int(m[P.CLIENT_ID]): {k: float(v) for k, v in m.items() if isinstance(v, int | float)}
+            for m in evaluated[-1]["evaluate"].values()
+        }
     return RunResult(
         path=path,
         label=config.get("label") or config["method"],
@@ -82,6 +87,7 @@ def read_run(path: Path) -> RunResult | None:
         bytes_down=tuple(int(r["bytes-down"]) for r in records),
         bytes_up=tuple(int(r["bytes-up"]) for r in records),
         clients_reported=tuple(int(r["clients-reported"]) for r in records),
+        final_metrics=final_metrics,
     )
 
 

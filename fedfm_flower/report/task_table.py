@@ -1,0 +1,166 @@
+"""FedDPA's Table 1 layout: ROUGE-1 per client task, personalization and test-time blocks.
+
+For the runs of a setup whose final evaluation reports every client's ``test-rouge-1`` (a text
+task, ``fedfm_flower.tasks.instructions``), the table has one column per client task plus
+``Average`` and two blocks of rows, one row per method:
+
+* *Personalization*: each client's ROUGE-1 on its own task's test split (``rouge-1``);
+* *Test-time personalization*: each client's ``ttp-rouge-1``, its model's mean ROUGE-1 over
+  every task of the federation, its own included (only runs with ``test-time-evaluation``).
+
+A column is a client's task. Its task name comes from the run's ``config.json``: a
+``client-tasks`` map (client id -> task) when the runner stored one, else from the run config:
+``fedfm_flower.data.instructions.client_task`` for dataset ``instructions``, ``client <id>``
+for any other. The client id is taken as the partition id (the default node config). When
+several clients share a task (FedDPA's 40-client setting), a seed's value of the column is the
+mean over that task's clients. ``Average`` is a seed's mean over the task columns (each task
+weighs the same, as in the paper's Average), only for seeds whose run has every task. A cell
+is the mean over seeds, in percent, with the half-width of its Student-t 95% interval
+(``fedfm_flower.statistics.mean_ci``), as in the main table; a seed whose run has no client of
+that task does not count in the cell.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fedfm_flower import protocol as P
+from fedfm_flower.report.runs import RunResult
+from fedfm_flower.report.tables import Cell
+from fedfm_flower.statistics import mean_ci
+
+PERSONALIZATION = "rouge-1"
+TEST_TIME = "ttp-rouge-1"
+BLOCKS: tuple[tuple[str, str], ...] = (
+    ("Personalization", PERSONALIZATION),
+    ("Test-time personalization", TEST_TIME),
+)
+AVERAGE = "Average"
+STORED_TASKS = "client-tasks"  # optional config.json key: {client id: task name}
+
+
+@dataclass(frozen=True)
+class TaskTable:
+    """One setup's table: task columns (then ``Average``) and per block {label: {column: Cell}}."""
+
+    setup: str
+    columns: tuple[str, ...]
+    blocks: dict[str, dict[str, dict[str, Cell]]]  # block title -> label -> column -> Cell
+
+
+def has_rouge(run: RunResult) -> bool:
+    """Whether the run's final evaluation has ``test-rouge-1`` for every client."""
+    key = P.test_metric(PERSONALIZATION)
+    return bool(run.final_metrics) and all(key in m for m in run.final_metrics.values())
+
+
+def client_tasks(path: Path, clients: Sequence[int]) -> dict[int, str]:
+    """{client id: task name} of the run at ``path`` (stored, else derived from its config)."""
+    payload = json.loads((path / "config.json").read_text())
+    stored = {str(k): str(v) for k, v in (payload.get(STORED_TASKS) or {}).items()}
+    dataset = payload["run-config"].get("dataset")
+    tasks = {}
+    for client in clients:
+        if str(client) in stored:
+            tasks[client] = stored[str(client)]
+        elif dataset == "instructions":
+            from fedfm_flower.data.instructions import client_task
+
+            tasks[client] = client_task(client)
+        else:
+            tasks[client] = f"client {client}"
+    return tasks
+
+
+def task_values(run: RunResult, tasks: dict[int, str], metric: str) -> dict[str, float]:
+    """{task: mean over the run's clients of that task of ``metric``} (tasks that have it)."""
+    key = P.test_metric(metric)
+    by_task: dict[str, list[float]] = {}
+    for client in sorted(run.final_metrics):
+        if key in run.final_metrics[client]:
+            by_task.setdefault(tasks[client], []).append(run.final_metrics[client][key])
+    return {task: statistics.fmean(v) for task, v in by_task.items()}
+
+
+def build_task_table(
+    runs: Sequence[RunResult], setup: str, scale: float = 100.0
+) -> TaskTable | None:
+    """The table of ``setup`` over its runs with per-client ROUGE-1; None when it has none."""
+    chosen = [r for r in runs if r.setup == setup and has_rouge(r)]
+    if not chosen:
+        return None
+    tasks = {run.path: client_tasks(run.path, sorted(run.final_metrics)) for run in chosen}
+    first_client: dict[str, int] = {}
+    for run in chosen:
+        for client, task in tasks[run.path].items():
+            first_client[task] = min(client, first_client.get(task, client))
+    columns = (*sorted(first_client, key=first_client.__getitem__), AVERAGE)
+    grouped: dict[str, dict[int, RunResult]] = {}
+    for run in chosen:
+        grouped.setdefault(run.label, {})[run.seed] = run
+    blocks: dict[str, dict[str, dict[str, Cell]]] = {}
+    for title, metric in BLOCKS:
+        rows: dict[str, dict[str, Cell]] = {}
+        for label, by_seed in grouped.items():
+            per_seed = {s: task_values(r, tasks[r.path], metric) for s, r in by_seed.items()}
+            for values in per_seed.values():  # only over every task of the table
+                if values and all(c in values for c in columns[:-1]):
+                    values[AVERAGE] = statistics.fmean(values[c] for c in columns[:-1])
+            row = {}
+            for column in columns:
+                seeds = tuple(s for s in sorted(per_seed) if column in per_seed[s])
+                if seeds:
+                    mean, ci = mean_ci([scale * per_seed[s][column] for s in seeds])
+                    row[column] = Cell(setup, label, seeds, mean, ci, None)
+            if row:
+                rows[label] = row
+        if rows:
+            blocks[title] = rows
+    return TaskTable(setup, columns, blocks)
+
+
+def markdown_task_table(table: TaskTable) -> str:
+    """The table in Markdown: a heading, a caption, block rows then method rows."""
+    width = len(table.columns)
+    lines = [
+        f"### {table.setup}: ROUGE-1 per client task (FedDPA's Table 1 layout)",
+        "",
+        "Final ROUGE-1 x 100; cells: mean over seeds ± 95% CI half-width (Student t over "
+        "seeds). *Personalization*: each client on its own task; *Test-time personalization*: "
+        "each client's mean over every task, its own included (`ttp-rouge-1`). A column: the "
+        "clients of that task; Average: the mean over the task columns (seeds with every task).",
+        "",
+        "| method | " + " | ".join(table.columns) + " |",
+        "|---|" + "---:|" * width,
+    ]
+    for title, rows in table.blocks.items():
+        lines.append(f"| *{title}* |" + " |" * width)
+        for label, row in rows.items():
+            cells = [
+                "—" if (cell := row.get(c)) is None else f"{cell.mean:.2f} ± {cell.ci:.2f}"
+                for c in table.columns
+            ]
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def task_table_numbers(table: TaskTable) -> dict[str, Any]:
+    """The table's numbers for ``report.json``: per block, label and column mean, ci95, seeds."""
+    return {
+        "columns": list(table.columns),
+        "blocks": {
+            title: {
+                label: {
+                    column: {"mean": cell.mean, "ci95": cell.ci, "seeds": list(cell.seeds)}
+                    for column, cell in row.items()
+                }
+                for label, row in rows.items()
+            }
+            for title, rows in table.blocks.items()
+        },
+    }
