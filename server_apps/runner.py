@@ -86,9 +86,9 @@ def prepare_foundation(config: ExperimentConfig) -> dict[str, Any]:
 
         card = tiny_llama_card(config)
         log.info(
-            "foundation model %s: public hold-out ROUGE-L %.3f",
+            "foundation model %s: public hold-out ROUGE-1 %.3f",
             card.get("key", "tiny-llama"),
-            card["public_holdout_rouge"]["rouge-l"],
+            card["public_holdout_rouge"]["rouge-1"],
         )
         return card
     return {}
