@@ -168,6 +168,7 @@ def _run(
         {
             "foundation": card,
             "client-examples": client_examples,
+            "client-tasks": task_of(config).client_labels(config, len(client_examples)),
             "fedfm-flower": __version__,
             "python": platform.python_version(),
         },

@@ -327,6 +327,8 @@ def test_feddpa_f_fine_tunes_the_local_adapter_once_after_the_last_round(
     assert [r["clients-sampled"] for r in records] == [1, 1, 2]  # every client fine-tunes
     assert records[2]["bytes-up-train"] == 0  # the local adapters stay home
     assert (run_dir / "checkpoints" / "round_00003.safetensors").is_file()
+    saved = json.loads((run_dir / "config.json").read_text())
+    assert saved["client-tasks"] == {"0": "paraphrase", "1": "entailment"}  # Table 1's columns
     state = Path(base["client-state-dir"]) / "f"
     for client in sorted(state.iterdir()):
         assert [p.name for p in sorted(client.glob("round_*.safetensors"))] == [

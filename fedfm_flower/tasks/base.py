@@ -100,6 +100,11 @@ class Task(ABC):
     ) -> EvalStats:
         """Loss and metrics of ``model`` on ``data`` (no gradients, model in eval mode)."""
 
+    def client_labels(self, config: ExperimentConfig, num_clients: int) -> dict[str, str]:
+        """{client id: what the client's data is} for reports (the run's ``client-tasks``);
+        empty when the task has no such names."""
+        return {}
+
     def pooled_train(self, config: ExperimentConfig, num_partitions: int) -> Any:
         """Every client's training rows in one dataset (the Centralized reference): the
         clients' ``.train`` TensorDatasets concatenated row-wise, in client order."""

@@ -106,8 +106,6 @@ class InstructionFollowing(Task):
         self, config: ExperimentConfig, partition_id: int, num_partitions: int
     ) -> InstructionData:
         """The client's examples, encoded with the configured model's tokenizer."""
-        from fedfm_flower.data.flan import flan_client_task
-        from fedfm_flower.data.instructions import client_task
         from fedfm_flower.models.causal_lm import tokenizer_of
         from fedfm_flower.models.language.encoding import encode_for_training
 
@@ -122,10 +120,21 @@ class InstructionFollowing(Task):
                 config.batch_size,
                 self._other_tasks_tests(config, partition_id, num_partitions),
             ),
-            flan_client_task(config.data_dir, partition_id)
-            if config.dataset == "flan"
-            else client_task(partition_id),
+            self._client_task(config, partition_id),
         )
+
+    def _client_task(self, config: ExperimentConfig, partition_id: int) -> str:
+        if config.dataset == "flan":  # the category of the client's file
+            from fedfm_flower.data.flan import flan_client_task
+
+            return flan_client_task(config.data_dir, partition_id)
+        from fedfm_flower.data.instructions import client_task
+
+        return client_task(partition_id)
+
+    def client_labels(self, config: ExperimentConfig, num_clients: int) -> dict[str, str]:
+        """{client id: its instruction task} (the columns of FedDPA's Table 1)."""
+        return {str(p): self._client_task(config, p) for p in range(num_clients)}
 
     def _other_tasks_tests(
         self, config: ExperimentConfig, partition_id: int, num_partitions: int
