@@ -83,6 +83,7 @@ class ExperimentConfig:
     fraction_train: float = 1.0
     fraction_evaluate: float = 1.0
     min_train_clients: int = 1
+    sample_per_task: bool = False  # sample fraction-train of each client task's clients
     eval_every: int = 1
     round_timeout: float = 600.0
     max_failed_rounds: int = 0  # consecutive rounds with no usable reply tolerated (0: none)

@@ -163,12 +163,14 @@ def _run(
         run.truncate_rounds(start_round - 1)
     nodes = wait_for_nodes(grid, config)
     client_examples = check_partitions(config, config.num_clients or len(nodes))
+    client_tasks = task_of(config).client_labels(config, len(client_examples))
+    strategy.client_tasks = {int(c): task for c, task in client_tasks.items()}
     run.write_config(
         config,
         {
             "foundation": card,
             "client-examples": client_examples,
-            "client-tasks": task_of(config).client_labels(config, len(client_examples)),
+            "client-tasks": client_tasks,
             "fedfm-flower": __version__,
             "python": platform.python_version(),
         },

@@ -99,6 +99,7 @@ class PersonalizedStrategy(Strategy):
         self.refused_nodes: set[int] = set()  # answered with a client id this strategy refuses
         self.server_metrics: dict[str, float] = {}  # the strategy's own numbers of the round
         self.current_round = 0  # the round configure_train was last called for
+        self.client_tasks: dict[int, str] = {}  # client id -> its task, when the task names them
 
     # ----------------------------------------------------------------- to implement
     def train_payload(self, client_id: int, server_round: int) -> dict[str, torch.Tensor]:
@@ -208,14 +209,27 @@ class PersonalizedStrategy(Strategy):
         return sorted(self.node_to_client.values())
 
     def sample(self, server_round: int, fraction: float, salt: int = 0) -> list[int]:
-        """A seeded sample of clients for ``server_round`` (same seed, same sample)."""
+        """A seeded sample of clients for ``server_round`` (same seed, same sample).
+
+        With ``sample-per-task`` and known ``client_tasks``, ``fraction`` of each task's
+        connected clients (at least one each; FedDPA's 40-client setting), else of all.
+        """
         clients = self.clients()
         if not clients:
             return []
+        rng = random.Random(round_seed(self.config.seed, -1, server_round, salt))
+        if self.config.sample_per_task and self.client_tasks:
+            groups: dict[str, list[int]] = {}
+            for client in clients:
+                groups.setdefault(self.client_tasks.get(client, ""), []).append(client)
+            chosen = []
+            for task in sorted(groups):
+                members = groups[task]
+                chosen += rng.sample(members, min(len(members), math.ceil(fraction * len(members))))
+            return sorted(chosen)
         count = min(
             len(clients), max(self.config.min_train_clients, math.ceil(fraction * len(clients)))
         )
-        rng = random.Random(round_seed(self.config.seed, -1, server_round, salt))
         return sorted(rng.sample(clients, count))
 
     # ----------------------------------------------------------------- Flower Strategy API

@@ -392,3 +392,26 @@ def test_feddpa_settings_and_modalities_fail_early() -> None:
 
     settings = config.settings_of(FedDPASettings)
     assert settings.lambda_for(True) == 0.3 and settings.lambda_for(False) == 1.0
+
+
+def test_sample_per_task_takes_the_fraction_of_every_tasks_clients() -> None:
+    from fedfm_flower.models import TrainableTensors
+    from strategies.feddpa import FedDPAStrategy
+
+    names = {"m.q.lora_A.global.weight": "adapter.global"}
+    initial = TrainableTensors({n: torch.zeros(2, 3) for n in names}, names)
+    config = ExperimentConfig(fraction_train=0.4, sample_per_task=True, num_clients=40)
+    strategy = FedDPAStrategy(config, initial)
+    strategy.node_to_client = {100 + c: c for c in range(40)}
+    strategy.client_tasks = {c: f"task-{c % 8}" for c in range(40)}
+    seen = set()
+    for server_round in range(1, 6):
+        chosen = strategy.sample(server_round, config.fraction_train)
+        per_task = [sum(1 for c in chosen if c % 8 == t) for t in range(8)]
+        assert per_task == [2] * 8  # ceil(0.4 * 5) of each task's 5 clients
+        assert chosen == strategy.sample(server_round, config.fraction_train)  # seeded
+        seen |= set(chosen)
+    assert len(seen) > 16  # different clients in different rounds
+    uniform = FedDPAStrategy(config.replace(sample_per_task=False), initial)
+    uniform.node_to_client = strategy.node_to_client
+    assert len(uniform.sample(1, 0.4)) == 16
