@@ -52,6 +52,14 @@ FAMILIES: dict[str, ModelFamily] = {
         "Hugging Face causal LMs (LLaMA family); tiny-llama is the offline foundation model, "
         "hf-causal-lm loads model-name-or-path",
     ),
+    "multimodal": ModelFamily(
+        "multimodal",
+        "multimodal",
+        ("mm-offline",),
+        "fedfm_flower.models.multimodal:build_multimodal",
+        "TAP's multi-modal multi-task model: encoders, a MoME/MoTE backbone and task decoders; "
+        "mm-offline is built from the offline small-vit and tiny-llama",
+    ),
 }
 
 # Vision backbones this project pretrains itself on a dataset's public split (the offline

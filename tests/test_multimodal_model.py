@@ -1,0 +1,169 @@
+"""TAP's multi-modal multi-task model: components and ownership, experts initialised from the
+pretrained FFN, the frozen parts unchanged by training, decoders' shapes, greedy generation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fedfm_flower.config import ExperimentConfig
+
+
+@pytest.fixture(scope="module")
+def parts(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    """A random small-vit, a random tiny LLaMA and its tokenizer (no pretraining needed)."""
+    import os
+
+    from fedfm_flower.models.backbones import offline_vit
+    from fedfm_flower.models.causal_lm import tokenizer_of
+    from fedfm_flower.models.language.foundation import tiny_llama
+
+    cache = os.environ.get("FEDFM_TEST_CACHE_DIR") or str(tmp_path_factory.mktemp("cache"))
+    config = ExperimentConfig(
+        dataset="glyph-domains",
+        backbone="small-vit",
+        image_size=32,
+        pretrained=False,
+        cache_dir=cache,
+        pretrain_epochs=2,
+    )
+    torch.manual_seed(0)
+    vit = offline_vit(config).eval()
+    tokenizer = tokenizer_of(config.replace(dataset="instructions", backbone="tiny-llama"))
+    return vit, tiny_llama(tokenizer, seed=0).eval(), tokenizer
+
+
+PAIRS = {
+    "image-cls": ("classification", ("image",), 10),
+    "image-gen": ("image-generation", ("image",), 0),
+    "vqa": ("text-generation", ("image", "text"), 0),
+    "text-cls": ("classification", ("text",), 5),
+    "text-gen": ("text-generation", ("text",), 0),
+}
+
+
+def _model(parts):  # noqa: ANN001, ANN202
+    from fedfm_flower.models.multimodal import (
+        ImageEncoder,
+        MultiModalMultiTask,
+        PairSpec,
+        TextEncoder,
+    )
+
+    vit, lm, tokenizer = parts
+    pairs = {name: PairSpec(*spec) for name, spec in PAIRS.items()}
+    torch.manual_seed(1)
+    model = MultiModalMultiTask(
+        ImageEncoder(vit, 4, 8.0, 0.0),
+        TextEncoder(lm, 4, 8.0, 0.0),
+        lm.config.hidden_size,
+        [vit.blocks[1], vit.blocks[2]],
+        vit.norm,
+        pairs,
+        tokenizer,
+        rank=4,
+        alpha=8.0,
+        dropout=0.0,
+        image_size=32,
+    )
+    return model.eval()
+
+
+def _inputs(batch: int = 3):  # noqa: ANN202
+    torch.manual_seed(2)
+    images = torch.rand(batch, 3, 32, 32)
+    ids = torch.randint(3, 200, (batch, 7))
+    mask = torch.ones(batch, 7, dtype=torch.long)
+    mask[0, 5:] = 0
+    return images, ids, mask
+
+
+def test_every_component_is_a_named_group_and_owners_get_theirs(parts) -> None:
+    model = _model(parts)
+    groups = set(model.parameter_groups().values())
+    assert {"encoder.image", "encoder.text", "mome.shared", "mote.shared"} <= groups
+    assert {"mome.image.expert.vqa", "mome.text.expert.vqa", "mote.vqa.expert.image"} <= groups
+    assert {"decoder.image-cls", "decoder.text-generation", "decoder.image-generation"} <= groups
+    assert model.components_for(["image-cls", "image-gen"]) == (
+        "encoder.image",
+        "mome.image.attn",
+        "mome.image.expert.image-cls",
+        "mome.image.expert.image-gen",
+        "mome.shared",
+        "mote.image-cls.attn",
+        "mote.image-cls.expert.image",
+        "mote.image-gen.attn",
+        "mote.image-gen.expert.image",
+        "mote.shared",
+        "decoder.image-cls",
+        "decoder.image-generation",
+    )
+    text_only = set(model.components_for(["text-cls"]))
+    assert not any("image" in g for g in text_only)
+    with pytest.raises(ValueError, match="not in this model"):
+        model.components_for(["audio-cls"])
+
+
+def test_a_task_trains_exactly_its_components_and_the_frozen_weights_stay(parts) -> None:
+    model = _model(parts)
+    images, ids, mask = _inputs()
+    groups = model.parameter_groups()
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if n not in groups}
+    assert frozen and not any(p.requires_grad for n, p in model.named_parameters() if n in frozen)
+    for task in PAIRS:
+        model.zero_grad(set_to_none=True)
+        target = torch.randint(3, 200, (3, 5))
+        out = model(task, images, ids, mask, target)
+        out.float().square().mean().backward()
+        touched = {groups[n] for n, p in model.named_parameters() if p.grad is not None}
+        assert touched == set(model.components_for([task])), task
+    optimizer = torch.optim.SGD([p for n, p in model.named_parameters() if n in groups], lr=0.1)
+    optimizer.step()
+    for name, value in frozen.items():
+        assert torch.equal(dict(model.named_parameters())[name], value), name
+
+
+def test_experts_start_as_the_pretrained_block(parts) -> None:
+    from fedfm_flower.models.multimodal import ExpertBlock
+
+    vit = parts[0]
+    block = vit.blocks[1]
+    expert_block = ExpertBlock(block, ["a", "b"], rank=4, alpha=8.0, dropout=0.0).eval()
+    x = torch.randn(2, 9, block.norm1.normalized_shape[0])
+    mask = torch.ones(2, 9)
+    with torch.no_grad():
+        expected = block(x)
+        torch.testing.assert_close(expert_block(x, mask, "a"), expected)
+        torch.testing.assert_close(expert_block(x, mask, ["a"] * 4 + ["b"] * 5), expected)
+        expert_block.experts["b"].fc2.lora_b.normal_()
+        mixed = expert_block(x, mask, ["a"] * 4 + ["b"] * 5)
+    # Token routing: tokens routed to 'a' are untouched by b's update; the others change.
+    assert not torch.allclose(mixed[:, 4:], expected[:, 4:])
+
+
+def test_decoders_shapes_and_greedy_generation(parts) -> None:
+    model = _model(parts)
+    images, ids, mask = _inputs()
+    with torch.no_grad():
+        assert model("image-cls", images, None, None).shape == (3, 10)
+        assert model("text-cls", None, ids, mask).shape == (3, 5)
+        generated = model("image-gen", images, None, None)
+        assert generated.shape == (3, 3, 32, 32)
+        assert 0.0 <= generated.min() and generated.max() <= 1.0
+        vocab = len(model.tokenizer)
+        assert model("vqa", images, ids, mask, torch.randint(3, 200, (3, 4))).shape == (3, 4, vocab)
+        new = model.generate("text-gen", None, ids, mask, max_new_tokens=6)
+    assert new.shape[0] == 3 and new.shape[1] <= 6
+    with pytest.raises(ValueError, match="needs images"):
+        model("vqa", None, ids, mask, torch.randint(3, 200, (3, 4)))
+    with pytest.raises(ValueError, match="does not generate"):
+        model.generate("image-cls", images, None, None, 3)
+
+
+def test_padding_does_not_change_a_rows_output(parts) -> None:
+    model = _model(parts)
+    images, ids, mask = _inputs()
+    with torch.no_grad():
+        short = model("text-cls", None, ids[:1, :5], mask[:1, :5])
+        padded = model("text-cls", None, ids[:1], mask[:1])  # row 0 is masked from token 5 on
+    torch.testing.assert_close(short, padded, atol=1e-5, rtol=1e-5)
