@@ -45,6 +45,7 @@ DATASETS: tuple[str, ...] = (
     "organamnist",
     "instructions",
     "flan",
+    "multitask",
 )
 BACKBONES: tuple[str, ...] = FAMILY_BACKBONES  # fedfm_flower.models.families
 PARTITIONERS: tuple[str, ...] = (

@@ -310,7 +310,7 @@ def test_registry_names_are_all_accepted() -> None:
         backbone = backbone_for[task_modality(dataset_spec(name).task)]
         config = {"dataset": name, "partitioner": "iid", "backbone": backbone}
         assert ExperimentConfig.from_run_config(config)
-    dataset_for = {"image": "digits", "text": "instructions"}
+    dataset_for = {"image": "digits", "text": "instructions", "multimodal": "multitask"}
     for family in FAMILIES.values():
         for name in family.backbones:
             config = {"backbone": name, "dataset": dataset_for[family.modality]}

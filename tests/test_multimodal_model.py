@@ -43,12 +43,8 @@ PAIRS = {
 
 
 def _model(parts):  # noqa: ANN001, ANN202
-    from fedfm_flower.models.multimodal import (
-        ImageEncoder,
-        MultiModalMultiTask,
-        PairSpec,
-        TextEncoder,
-    )
+    from fedfm_flower.data.multitask import PairSpec
+    from fedfm_flower.models.multimodal import ImageEncoder, MultiModalMultiTask, TextEncoder
 
     vit, lm, tokenizer = parts
     pairs = {name: PairSpec(*spec) for name, spec in PAIRS.items()}

@@ -15,6 +15,8 @@ DomainNet keeps only its ten most frequent classes (pFedPG and pFedSeq follow Fe
 sub-dataset), and Omniglot predicts the alphabet (50 classes) with one client per drawer
 (pFedSeq's real-world setting). ``flan`` is FedDPA's federated Flan data, read from the
 authors' per-client JSON files under ``data-dir`` or from a Hub id (``fedfm_flower.data.flan``).
+``multitask`` is TAP's multi-modal multi-task setting, built offline from glyph-domains and the
+instruction corpus (``fedfm_flower.data.multitask``; task ``multimodal-multitask``).
 """
 
 from __future__ import annotations
@@ -151,6 +153,18 @@ DATASETS: dict[str, DatasetSpec] = {
         "the directory of the authors' local_training_{i}.json / local_test_{i}.json files, or "
         "a Hub dataset id with a task or category column (fedfm_flower.data.flan)",
         task="instruction-following",
+    ),
+    "multitask": DatasetSpec(
+        hub_name="",
+        image_column="",
+        label_column="",
+        natural_id_column="",
+        num_classes=0,
+        embedded=True,
+        summary="TAP's multi-modal multi-task federation (fedfm_flower.data.multitask): image "
+        "classification and reconstruction and VQA on glyph-domains images, text classification "
+        "and generation from the instruction corpus; 3 client groups with different pairs",
+        task="multimodal-multitask",
     ),
 }
 

@@ -35,36 +35,19 @@ import copy
 import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedfm_flower.data.multitask import (
+    CLASSIFICATION,
+    IMAGE_GENERATION,
+    TEXT_GENERATION,
+    PairSpec,
+)
 from fedfm_flower.models.groups import GroupPattern, TunedModel
-
-CLASSIFICATION = "classification"
-IMAGE_GENERATION = "image-generation"
-TEXT_GENERATION = "text-generation"
-KINDS: tuple[str, ...] = (CLASSIFICATION, IMAGE_GENERATION, TEXT_GENERATION)
-MODALITIES: tuple[str, ...] = ("image", "text")
-
-
-@dataclass(frozen=True)
-class PairSpec:
-    """One modality-task pair: its kind, the modalities its inputs have, its classes."""
-
-    kind: str
-    modalities: tuple[str, ...]
-    num_classes: int = 0
-
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"task kind '{self.kind}' unknown; known: {', '.join(KINDS)}")
-        unknown = set(self.modalities) - set(MODALITIES)
-        if not self.modalities or unknown:
-            raise ValueError(f"modalities {self.modalities} invalid; known: {MODALITIES}")
 
 
 class LoRALinear(nn.Module):

@@ -31,6 +31,9 @@ TASKS: dict[str, TaskEntry] = {
     "instruction-following": TaskEntry(
         "fedfm_flower.tasks.instructions:InstructionFollowing", "text"
     ),
+    "multimodal-multitask": TaskEntry(
+        "fedfm_flower.tasks.multitask:MultimodalMultitask", "multimodal"
+    ),
 }
 
 
