@@ -27,7 +27,7 @@ from fedfm_flower.models.families import family_of
 from fedfm_flower.models.tuners import TUNERS
 from fedfm_flower.registry import METHODS as METHOD_REGISTRY
 from fedfm_flower.registry import settings_class, settings_classes, trains_backbone
-from fedfm_flower.settings import ConfigError, MethodSettings, coerce
+from fedfm_flower.settings import ConfigError, MethodSettings, coerce, require_package
 
 # Names the config accepts. Registries elsewhere (methods, datasets, backbones) must agree
 # with these tuples; tests check that they do.
@@ -332,7 +332,6 @@ class ExperimentConfig:
         Packages are looked up with ``find_spec`` (nothing is imported); that CUDA is there is
         checked when the model loads (``fedfm_flower.models.language.foundation``).
         """
-        from importlib.util import find_spec
 
         if self.backbone != "hf-causal-lm":
             for key, value, default in (
@@ -353,22 +352,11 @@ class ExperimentConfig:
                     "auto",
                     "places the model on the GPUs itself; with device 'cpu' leave it empty",
                 )
-            if find_spec("accelerate") is None:
-                raise ConfigError(
-                    "device-map",
-                    "auto",
-                    "needs the accelerate package, which is not installed (pip install accelerate)",
-                )
+            require_package("device-map", "auto", "accelerate")
         if self.load_in_4bit:
             if self.device == "cpu":
                 raise ConfigError("load-in-4bit", True, "needs a CUDA GPU; device is 'cpu'")
-            if find_spec("bitsandbytes") is None:
-                raise ConfigError(
-                    "load-in-4bit",
-                    True,
-                    "needs the bitsandbytes package and a CUDA GPU; "
-                    "bitsandbytes is not installed (pip install bitsandbytes)",
-                )
+            require_package("load-in-4bit", True, "bitsandbytes", " and a CUDA GPU")
 
     def _check_modality(self) -> None:
         from fedfm_flower.data.registry import dataset_spec

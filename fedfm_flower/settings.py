@@ -35,6 +35,15 @@ class ConfigError(ValueError):
         self.value = value
 
 
+def require_package(key: str, value: Any, package: str, needs: str = "") -> None:
+    """A ConfigError naming ``key`` when ``package`` cannot be imported (nothing is imported)."""
+    from importlib.util import find_spec
+
+    if find_spec(package) is None:
+        what = f"needs the {package} package{needs}"
+        raise ConfigError(key, value, f"{what}; {package} is not installed (pip install {package})")
+
+
 def coerce(key: str, raw: Any, kind: type) -> Any:
     """Convert a TOML/CLI value to the field's type, or fail naming the key."""
     try:

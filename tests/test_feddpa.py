@@ -10,24 +10,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from test_language_task import LANGUAGE as BASE_LANGUAGE
 from torch import nn
 
 from fedfm_flower import protocol as P
 from fedfm_flower.config import ExperimentConfig
 from fedfm_flower.settings import ConfigError
 
-LANGUAGE = {
-    "dataset": "instructions",
-    "backbone": "tiny-llama",
-    "lora-target-modules": "q_proj,v_proj",
-    "lora-rank": 4,
-    "lora-alpha": 8.0,
-    "optimizer": "adamw",
-    "lr": 0.003,
-    "batch-size": 16,
-    "pretrain-epochs": 2,
-    "max-new-tokens": 4,
-}
+# The tiny-LLaMA run config of the language task's tests, with fewer generated tokens.
+LANGUAGE = {**BASE_LANGUAGE, "max-new-tokens": 4}
 
 
 def _config(run_config: dict) -> ExperimentConfig:

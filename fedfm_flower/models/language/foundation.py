@@ -394,11 +394,9 @@ def load_pretrained_causal_lm(
 def pretrained_loading_options(dtype: str, device_map: str, load_in_4bit: bool) -> dict[str, Any]:
     """``from_pretrained`` keyword arguments for run-config keys ``model-dtype`` (resolved),
     ``device-map`` and ``load-in-4bit``; an error naming the key when a need is missing."""
-    from importlib.util import find_spec
-
     import torch
 
-    from fedfm_flower.settings import ConfigError
+    from fedfm_flower.settings import ConfigError, require_package
 
     if dtype not in PRETRAINED_DTYPES:
         raise ConfigError("model-dtype", dtype, f"allowed: {', '.join(PRETRAINED_DTYPES)}")
@@ -406,22 +404,11 @@ def pretrained_loading_options(dtype: str, device_map: str, load_in_4bit: bool) 
         raise ConfigError("device-map", device_map, "allowed: '' (one device), auto")
     options: dict[str, Any] = {}
     if device_map == "auto":
-        if find_spec("accelerate") is None:
-            raise ConfigError(
-                "device-map",
-                "auto",
-                "needs the accelerate package, which is not installed (pip install accelerate)",
-            )
+        require_package("device-map", "auto", "accelerate")
         options["device_map"] = "auto"
     weights: str | torch.dtype = dtype if dtype == "auto" else getattr(torch, dtype)
     if load_in_4bit:
-        if find_spec("bitsandbytes") is None:
-            raise ConfigError(
-                "load-in-4bit",
-                True,
-                "needs the bitsandbytes package and a CUDA GPU; "
-                "bitsandbytes is not installed (pip install bitsandbytes)",
-            )
+        require_package("load-in-4bit", True, "bitsandbytes", " and a CUDA GPU")
         if not torch.cuda.is_available():
             raise ConfigError("load-in-4bit", True, "needs a CUDA GPU; torch sees none")
         from transformers import BitsAndBytesConfig
