@@ -37,8 +37,11 @@ class SplitClient(ClientLogic):
     local: tuple[str, ...] | None = ()
 
     def split(self, runtime: ClientRuntime, model: TunedModel) -> tuple[list[str], list[str]]:
-        """(shared, local) parameter names of ``model`` for this method."""
-        return split_names(model.parameter_groups(), self.shared, self.local)
+        """(shared, local) parameter names of ``model`` for this method, among the parts this
+        client owns (all of them, unless the model's components serve only some holdings)."""
+        owned = set(model.names_for(runtime.task.holdings(runtime.data)))
+        groups = {n: g for n, g in model.parameter_groups().items() if n in owned}
+        return split_names(groups, self.shared, self.local)
 
     def prepare(
         self, runtime: ClientRuntime, received: dict[str, torch.Tensor], personal_round: dict

@@ -163,8 +163,11 @@ def _run(
         run.truncate_rounds(start_round - 1)
     nodes = wait_for_nodes(grid, config)
     client_examples = check_partitions(config, config.num_clients or len(nodes))
-    client_tasks = task_of(config).client_labels(config, len(client_examples))
-    strategy.client_tasks = {int(c): task for c, task in client_tasks.items()}
+    task = task_of(config)
+    client_tasks = task.client_labels(config, len(client_examples))
+    strategy.client_tasks = {int(c): label for c, label in client_tasks.items()}
+    holdings = task.client_holdings(config, len(client_examples))
+    strategy.client_holdings = {int(c): tuple(held) for c, held in holdings.items()}
     run.write_config(
         config,
         {

@@ -100,6 +100,7 @@ class PersonalizedStrategy(Strategy):
         self.server_metrics: dict[str, float] = {}  # the strategy's own numbers of the round
         self.current_round = 0  # the round configure_train was last called for
         self.client_tasks: dict[int, str] = {}  # client id -> its task, when the task names them
+        self.client_holdings: dict[int, tuple[str, ...]] = {}  # client id -> what it holds
 
     # ----------------------------------------------------------------- to implement
     def train_payload(self, client_id: int, server_round: int) -> dict[str, torch.Tensor]:
@@ -203,6 +204,14 @@ class PersonalizedStrategy(Strategy):
         ]
         if missing:
             log.warning("nodes without a known client id this round: %s", missing)
+
+    def holdings_of(self, client_id: int) -> tuple[str, ...]:
+        """What ``client_id`` holds (its node config's ``capabilities``, else what the task's
+        data gives it); empty: every component is its."""
+        declared = self.capabilities.get(client_id)
+        if declared:
+            return tuple(sorted(declared))
+        return self.client_holdings.get(client_id, ())
 
     def clients(self) -> list[int]:
         """Client ids of the nodes currently connected and identified."""

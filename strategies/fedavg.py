@@ -1,5 +1,10 @@
 """FedAvg over the shared parameter groups, each tensor averaged over the clients that sent it.
 
+A client gets and sends the shared tensors of the components it owns: all of them for most
+models; for a model whose components serve only some holdings (TAP's modality-task pairs,
+``TunedModel.group_users``), those of its holdings, so a component is averaged over the clients
+that own it (TAP's component-wise FedAvg, eq. 1).
+
 The global tensors are averaged in float64 and cast back, so the result does not depend on the
 order replies arrive in. Subclasses choose what is shared and what stays on the clients
 (``shared``/``local``: group selections as in ``fedfm_flower.models.groups.split_names``, None
@@ -32,18 +37,24 @@ class FedAvgStrategy(PersonalizedStrategy):
         super().__init__(config, initial)
         shared, _ = self.split(initial)
         self.global_tensors = {n: initial.tensors[n].clone() for n in shared}
+        self.layout = initial  # which tensors serve which holdings (TAP's components)
+
+    def owned(self, client_id: int) -> dict[str, torch.Tensor]:
+        """The global tensors of the components ``client_id`` owns (all, for most models)."""
+        names = self.layout.names_for(self.holdings_of(client_id))
+        return {n: self.global_tensors[n] for n in names if n in self.global_tensors}
 
     def split(self, initial: TrainableTensors) -> tuple[list[str], list[str]]:
         """(shared, local) parameter names; the clients' ``split`` must agree."""
         return split_names(initial.groups, self.shared, self.local)
 
     def train_payload(self, client_id: int, server_round: int) -> dict[str, torch.Tensor]:
-        """The global shared tensors (the same for every client)."""
-        return self.global_tensors
+        """The global shared tensors of the client's components (for most models: all)."""
+        return self.owned(client_id)
 
     def reply_spec(self, client_id: int) -> dict[str, tuple[tuple[int, ...], str]]:
-        """Replies carry the shared tensors, shaped like the global ones."""
-        return tensor_spec(self.global_tensors)
+        """Replies carry the client's shared tensors, shaped like the global ones."""
+        return tensor_spec(self.owned(client_id))
 
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> None:
         """Average of the replies per tensor over its senders (eq. 1 of pFedSeq, FedAvg)."""

@@ -163,3 +163,92 @@ def test_padding_does_not_change_a_rows_output(parts) -> None:
         short = model("text-cls", None, ids[:1, :5], mask[:1, :5])
         padded = model("text-cls", None, ids[:1], mask[:1])  # row 0 is masked from token 5 on
     torch.testing.assert_close(short, padded, atol=1e-5, rtol=1e-5)
+
+
+def test_component_wise_fedavg_averages_each_tensor_over_its_owners() -> None:
+    from fedfm_flower.models import TrainableTensors
+    from strategies.base import ClientReply
+    from strategies.fedavg import FedAvgStrategy
+
+    groups = {"enc.image": "encoder.image", "enc.text": "encoder.text", "shared": "mome.shared"}
+    users = {
+        "encoder.image": frozenset({"image-cls"}),
+        "encoder.text": frozenset({"text-cls"}),
+        "mome.shared": frozenset({"image-cls", "text-cls"}),
+    }
+    initial = TrainableTensors({n: torch.zeros(2) for n in groups}, groups, users)
+    strategy = FedAvgStrategy(ExperimentConfig(), initial)
+    strategy.client_holdings = {0: ("image-cls",), 1: ("image-cls",), 2: ("text-cls",)}
+    assert set(strategy.train_payload(0, 1)) == {"enc.image", "shared"}
+    assert set(strategy.train_payload(2, 1)) == {"enc.text", "shared"}
+    assert set(strategy.reply_spec(2)) == {"enc.text", "shared"}
+    # Round 1: clients 0 and 1 report (text encoder: no reporting owner, so it stays).
+    replies = [
+        ClientReply(
+            0, 10, {"enc.image": torch.tensor([1.0, 2.0]), "shared": torch.ones(2)}, 30, {}
+        ),
+        ClientReply(
+            1, 11, {"enc.image": torch.tensor([3.0, 6.0]), "shared": torch.zeros(2)}, 10, {}
+        ),
+    ]
+    strategy.aggregate(1, replies)
+    torch.testing.assert_close(strategy.global_tensors["enc.image"], torch.tensor([1.5, 3.0]))
+    torch.testing.assert_close(strategy.global_tensors["shared"], torch.full((2,), 0.75))
+    torch.testing.assert_close(strategy.global_tensors["enc.text"], torch.zeros(2))
+    # Round 2: the text client alone owns its encoder (one owner: its values); the shared
+    # layer is averaged over the two that sent it, weighted by examples (eq. 1).
+    replies = [
+        ClientReply(2, 12, {"enc.text": torch.tensor([4.0, 4.0]), "shared": torch.ones(2)}, 20, {}),
+        ClientReply(0, 10, {"enc.image": torch.zeros(2), "shared": torch.zeros(2)}, 60, {}),
+    ]
+    strategy.aggregate(2, replies)
+    torch.testing.assert_close(strategy.global_tensors["enc.text"], torch.tensor([4.0, 4.0]))
+    torch.testing.assert_close(strategy.global_tensors["shared"], torch.full((2,), 0.25))
+    torch.testing.assert_close(strategy.global_tensors["enc.image"], torch.zeros(2))
+
+
+def test_only_owned_components_travel_on_the_multitask_federation(
+    small_run_config: dict,
+) -> None:
+    from fedfm_flower import protocol as P
+    from fedfm_flower.data.multitask import client_tasks
+    from fedfm_flower.models import build_model
+    from server_apps.inprocess import run_in_process
+
+    config = {
+        **small_run_config,
+        "method": "fedavg",
+        "dataset": "multitask",
+        "backbone": "mm-offline",
+        "image-size": 32,
+        "pretrain-epochs": 2,
+        "lora-rank": 4,
+        "optimizer": "adamw",
+        "lr": 0.001,
+        "batch-size": 16,
+        "max-new-tokens": 4,
+        "local-steps": 2,
+        "num-server-rounds": 1,
+    }
+    replies = []
+
+    def keep(client_id, reply):  # noqa: ANN001, ANN202
+        replies.append((client_id, reply))
+        return reply
+
+    summary, grid = run_in_process(config, 4, keep)
+    assert set(summary["final-per-client-task-score"]) == {"0", "1", "2", "3"}
+    run = ExperimentConfig.from_run_config({**ExperimentConfig().to_run_config(), **config})
+    model = build_model(run, "lora", load_weights=False)
+    for message in grid.sent:
+        if message.metadata.message_type != "train":
+            continue
+        client = int(message.content["config"][P.CLIENT_ID])
+        owned = set(model.names_for(client_tasks(client, 4)))
+        assert set(message.content.array_records[P.ARRAYS].keys()) == owned
+    trained = [(c, r.content.array_records.get(P.ARRAYS)) for c, r in replies]
+    trained = [(c, arrays) for c, arrays in trained if arrays is not None]  # not evaluations
+    assert len(trained) == 4
+    for client, arrays in trained:
+        assert set(arrays.keys()) == set(model.names_for(client_tasks(client, 4)))
+    assert set(model.names_for(client_tasks(0, 4))) != set(model.names_for(client_tasks(2, 4)))

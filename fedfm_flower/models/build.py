@@ -44,7 +44,8 @@ def initial_trainable(
     """The seeded initial trainable tensors and their groups (pretrained weights are loaded
     only when the backbone itself is trainable)."""
     state = _initial_state(config, tuner, num_outputs, train_backbone)
-    return TrainableTensors({k: v.clone() for k, v in state.tensors.items()}, dict(state.groups))
+    tensors = {k: v.clone() for k, v in state.tensors.items()}
+    return TrainableTensors(tensors, dict(state.groups), dict(state.users))
 
 
 class ModelCache:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -113,12 +113,30 @@ def split_names(
     return shared_names, local_names
 
 
+def serving(
+    groups: Mapping[str, str], users: Mapping[str, frozenset[str]], holds: Iterable[str]
+) -> list[str]:
+    """Names whose group serves a holder of ``holds`` (a group ``users`` does not list serves
+    everyone; empty ``holds``: every name)."""
+    held = set(holds)
+    if not held:
+        return list(groups)
+    return [n for n, g in groups.items() if g not in users or users[g] & held]
+
+
 @dataclass(frozen=True)
 class TrainableTensors:
-    """A model's trainable tensors in model order, with the group of each."""
+    """A model's trainable tensors in model order, with the group of each and, for models whose
+    components serve only some holdings (TAP's modality-task pairs), the users of each group."""
 
     tensors: Mapping[str, torch.Tensor]
     groups: Mapping[str, str]
+    users: Mapping[str, frozenset[str]] = field(default_factory=dict)
+
+    def names_for(self, holds: Iterable[str]) -> list[str]:
+        """The tensor names a client holding ``holds`` owns (all of them when ``holds`` is
+        empty)."""
+        return serving(self.groups, self.users, holds)
 
     def select(self, groups: Iterable[str]) -> dict[str, torch.Tensor]:
         """Clones of the tensors of ``groups`` (and their dotted children), in model order."""
@@ -175,11 +193,20 @@ class TunedModel(nn.Module):
         """Detached CPU copies of the parameters called ``names``."""
         return {n: p.detach().cpu().clone() for n, p in self.parameters_named(names).items()}
 
+    def group_users(self) -> dict[str, frozenset[str]]:
+        """Group -> the holdings (e.g. modality-task pairs) it serves; a group left out serves
+        every holder. None here: every part serves everyone."""
+        return {}
+
+    def names_for(self, holds: Iterable[str]) -> list[str]:
+        """The grouped parameter names a holder of ``holds`` owns (empty ``holds``: all)."""
+        return serving(self.parameter_groups(), self.group_users(), holds)
+
     def trainable(self) -> TrainableTensors:
-        """Every grouped tensor (detached CPU copies) with its group."""
+        """Every grouped tensor (detached CPU copies) with its group and the groups' users."""
         index = [(n, p, g) for n, p, g in self._group_index() if g != BACKBONE]
         tensors = {n: p.detach().cpu().clone() for n, p, _ in index}
-        return TrainableTensors(tensors, {n: g for n, _, g in index})
+        return TrainableTensors(tensors, {n: g for n, _, g in index}, self.group_users())
 
     def load_tensors(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Copy named tensors into grouped parameters; unknown names are an error."""

@@ -299,26 +299,30 @@ class MultiModalMultiTask(TunedModel):
             patterns.append(GroupPattern(f"decoder.{name}", rf"^decoders\.{re.escape(name)}\."))
         return tuple(patterns)
 
+    def group_users(self) -> dict[str, frozenset[str]]:
+        """Component -> the modality-task pairs that use it (the shared layers: all of them)."""
+        every = frozenset(self.pairs)
+        users: dict[str, set[str]] = {"mome.shared": set(every), "mote.shared": set(every)}
+        for task, spec in self.pairs.items():
+            for m in spec.modalities:
+                for group in (f"encoder.{m}", f"mome.{m}.attn", f"mome.{m}.expert.{task}"):
+                    users.setdefault(group, set()).add(task)
+                users.setdefault(f"mote.{task}.expert.{m}", set()).add(task)
+            users.setdefault(f"mote.{task}.attn", set()).add(task)
+            users.setdefault(f"decoder.{self.decoder_of(task)}", set()).add(task)
+        present = set(self.parameter_groups().values())
+        return {g: frozenset(u) for g, u in users.items() if g in present}
+
     def components_for(self, tasks: Iterable[str]) -> tuple[str, ...]:
-        """The parameter groups a holder of ``tasks`` owns (its encoders, layers, experts and
-        decoders, plus the shared layers), in a fixed order."""
-        tasks = sorted(set(tasks))
-        unknown = [t for t in tasks if t not in self.pairs]
+        """The components a holder of ``tasks`` owns (its encoders, layers, experts, decoders
+        and the shared layers), in model order."""
+        tasks = set(tasks)
+        unknown = sorted(tasks - set(self.pairs))
         if unknown:
             raise ValueError(f"tasks {unknown} are not in this model: {sorted(self.pairs)}")
-        modalities = sorted({m for t in tasks for m in self.pairs[t].modalities})
-        owned = [f"encoder.{m}" for m in modalities]
-        for m in modalities:
-            owned.append(f"mome.{m}.attn")
-            owned += [f"mome.{m}.expert.{t}" for t in tasks if m in self.pairs[t].modalities]
-        owned.append("mome.shared")
-        for t in tasks:
-            owned.append(f"mote.{t}.attn")
-            owned += [f"mote.{t}.expert.{m}" for m in self.pairs[t].modalities]
-        owned.append("mote.shared")
-        owned += sorted({f"decoder.{self.decoder_of(t)}" for t in tasks})
-        present = set(self.parameter_groups().values())
-        return tuple(g for g in dict.fromkeys(owned) if g in present)
+        users = self.group_users()
+        groups = dict.fromkeys(self.parameter_groups().values())
+        return tuple(g for g in groups if users[g] & tasks)
 
     def decoder_of(self, task: str) -> str:
         """The decoder a task uses: its own head, or the head shared by its kind."""

@@ -100,6 +100,17 @@ class Task(ABC):
     ) -> EvalStats:
         """Loss and metrics of ``model`` on ``data`` (no gradients, model in eval mode)."""
 
+    def holdings(self, data: Any) -> tuple[str, ...]:
+        """What a client's ``data`` holds that decides which model components it owns (TAP's
+        modality-task pairs); empty: it owns every trainable part."""
+        return ()
+
+    def client_holdings(
+        self, config: ExperimentConfig, num_clients: int
+    ) -> dict[str, tuple[str, ...]]:
+        """{client id: its holdings} as the server derives them (empty: every part for all)."""
+        return {}
+
     def client_labels(self, config: ExperimentConfig, num_clients: int) -> dict[str, str]:
         """{client id: what the client's data is} for reports (the run's ``client-tasks``);
         empty when the task has no such names."""

@@ -391,7 +391,17 @@ class MultimodalMultitask(Task):
 
     def client_labels(self, config: ExperimentConfig, num_clients: int) -> dict[str, str]:
         """{client id: its pairs joined by "+"}."""
-        return {str(p): "+".join(client_tasks(p, num_clients)) for p in range(num_clients)}
+        return {c: "+".join(held) for c, held in self.client_holdings(config, num_clients).items()}
+
+    def holdings(self, data: Any) -> tuple[str, ...]:
+        """The client's modality-task pairs: its model components are theirs."""
+        return tuple(data.tasks)
+
+    def client_holdings(
+        self, config: ExperimentConfig, num_clients: int
+    ) -> dict[str, tuple[str, ...]]:
+        """{client id: its modality-task pairs}."""
+        return {str(p): client_tasks(p, num_clients) for p in range(num_clients)}
 
     def batches(
         self, data: Any, batch_size: int, generator: torch.Generator | None
