@@ -87,15 +87,16 @@ class ClientRuntime:
         steps: int | None = None,
         penalty: Callable[[], torch.Tensor] | None = None,
         data: Any = None,
+        task: Task | None = None,
     ) -> TrainStats:
         """Train the parameters called ``names`` of ``model`` on this client's train split (or
-        ``data``) with the task's loss (``epochs``/``steps`` default to the config's local
-        schedule; ``penalty`` is added to every batch's loss)."""
+        ``data``) with the task's loss, or ``task``'s (``epochs``/``steps`` default to the
+        config's local schedule; ``penalty`` is added to every batch's loss)."""
         from fedfm_flower.training import train
 
         params = model.parameters_named(names).values()
         return train(
-            self.task,
+            task or self.task,
             model,
             self.data.train if data is None else data,
             params,

@@ -134,6 +134,15 @@ METHODS: dict[str, MethodSpec] = {
         tuner="dual-lora",
         modalities=("text",),
     ),
+    "tap": MethodSpec(
+        "strategies.tap:TAPStrategy",
+        "client_apps.tap:TAPClient",
+        "component-wise FedAvg of each client's modality-task components; a personal copy X "
+        "refreshed by margin-based replacement, then distilled from the federated one after FL "
+        "(TAP)",
+        settings="fedfm_flower.tap_settings:TAPSettings",
+        modalities=("multimodal",),
+    ),
 }
 
 

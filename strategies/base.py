@@ -133,8 +133,8 @@ class PersonalizedStrategy(Strategy):
 
     def required_reply_keys(self, client_id: int) -> set[str] | None:
         """Keys of ``reply_spec`` a reply must hold (None: all); the others may be left out,
-        as by clients that own only some components."""
-        return None
+        as by clients that own only some components. Post-training replies need none."""
+        return set() if self.phase(self.current_round) == "post-training" else None
 
     def post_training_rounds(self) -> int:
         """Rounds of the post-training phase after the last federated round (0: none)."""

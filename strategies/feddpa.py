@@ -21,10 +21,6 @@ class FedDPAStrategy(FedAvgStrategy):
     local = ("adapter.local",)
     weighting = "uniform"
 
-    def required_reply_keys(self, client_id: int) -> set[str] | None:
-        """Post-training replies carry no tensors; federated replies carry every global one."""
-        return set() if self.phase(self.current_round) == "post-training" else None
-
 
 class FedDPAFineTuneStrategy(FedDPAStrategy):
     """FedDPA-F: the same federated rounds, then one round of local fine-tuning."""

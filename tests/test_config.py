@@ -31,6 +31,7 @@ from fedfm_flower.personal import PartialSettings
 from fedfm_flower.registry import METHODS as REGISTRY
 from fedfm_flower.registry import settings_class, settings_classes
 from fedfm_flower.settings import MethodSettings
+from fedfm_flower.tap_settings import TAPSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -72,6 +73,7 @@ def test_method_settings_are_registered_under_their_own_prefix() -> None:
         APFLSettings,
         PerFedAvgSettings,
         FedDPASettings,
+        TAPSettings,
     )
     common = {f.name.replace("_", "-") for f in dataclasses.fields(ExperimentConfig)}
     seen: set[str] = set()
@@ -129,6 +131,16 @@ NON_DEFAULT = {
     "feddpa-representation": "avg",
     "feddpa-direction": "global",
     "feddpa-prox-mu": 0.01,
+    "tap-margin-image-classification": 0.02,
+    "tap-margin-text-classification": 0.01,
+    "tap-margin-image-generation": 0.01,
+    "tap-margin-text-generation": 0.02,
+    "tap-distill-image-classification": 0.1,
+    "tap-distill-text-classification": 0.1,
+    "tap-distill-image-generation": 0.1,
+    "tap-distill-text-generation": 0.5,
+    "tap-temperature": 2.0,
+    "tap-distill-steps": 7,
 }
 
 
@@ -142,7 +154,7 @@ def test_typed_settings_hold_the_run_config_values() -> None:
     for run_config in (NON_DEFAULT, as_cli):  # typed (TOML) or strings (CLI overrides)
         config = ExperimentConfig.from_run_config({"method": "fedavg", **run_config})
         seq, pg = config.settings_of(PFedSeqSettings), config.settings_of(PFedPGSettings)
-        others = (PartialSettings, APFLSettings, PerFedAvgSettings, FedDPASettings)
+        others = (PartialSettings, APFLSettings, PerFedAvgSettings, FedDPASettings, TAPSettings)
         typed = {
             k: v for kind in others for k, v in config.settings_of(kind).to_run_config().items()
         }
@@ -292,8 +304,11 @@ def test_values_are_coerced_from_cli_strings() -> None:
 
 def _model_for(method: str) -> dict[str, str]:
     """A dataset and backbone of a modality ``method`` serves (the defaults when it serves all)."""
-    if "image" in (REGISTRY[method].modalities or ("image",)):
+    served = REGISTRY[method].modalities or ("image",)
+    if "image" in served:
         return {}
+    if "multimodal" in served:
+        return {"dataset": "multitask", "backbone": "mm-offline"}
     return {"dataset": "instructions", "backbone": "tiny-llama"}
 
 

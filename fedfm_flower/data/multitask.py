@@ -109,6 +109,14 @@ class PairSpec:
         if (self.kind == CLASSIFICATION) != (self.num_classes > 0):
             raise ValueError("num_classes is positive exactly for classification pairs")
 
+    @property
+    def type(self) -> str:
+        """TAP's task type (its Table 22): ``<modality>-classification`` by the input's
+        modality, ``image-generation``, or ``text-generation`` (VQA's answers are text)."""
+        if self.kind == CLASSIFICATION:
+            return f"{self.modalities[0]}-classification"
+        return self.kind
+
 
 PAIRS: dict[str, PairSpec] = {
     "image-cls": PairSpec(CLASSIFICATION, ("image",), NUM_CLASSES),

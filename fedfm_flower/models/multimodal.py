@@ -484,11 +484,12 @@ def build_multimodal(
             f"backbone '{config.backbone}' carries its own LoRA; tuner '{tuner}' "
             "cannot be added to it"
         )
-    image_config = config.replace(dataset="glyph-domains", backbone="small-vit")
+    # The foundations' own configs (any method: the foundations do not depend on it).
+    image_config = config.replace(method="fedavg", dataset="glyph-domains", backbone="small-vit")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed + 2)
         vit = vision_backbone(image_config, load_weights=load_weights)
-        text_config = config.replace(dataset="instructions", backbone="tiny-llama")
+        text_config = config.replace(method="fedavg", dataset="instructions", backbone="tiny-llama")
         if load_weights and config.pretrained:
             lm, tokenizer = foundation.load_language_foundation(**foundation_args(text_config))
         else:

@@ -1,0 +1,169 @@
+"""TAP: the replacement rule (eq. 3-4) on hand-made losses, the KD loss (eq. 5) against a hand
+computation, and the method end to end on the multi-task federation (X never travels and
+survives a restart; the post-FL round runs once, after the last round)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fedfm_flower import protocol as P
+
+
+def test_eq3_replaces_where_the_federated_loss_beats_the_personal_by_the_margin() -> None:
+    from client_apps.tap import replacement
+
+    margins = {"image-cls": 0.01, "text-gen": 0.01, "vqa": 0.01}
+    trained = {"image-cls": 0.50, "text-gen": 0.50, "vqa": 0.40}
+    personal = {"image-cls": 0.515, "text-gen": 0.505}  # vqa: X has not trained on it yet
+    assert replacement(trained, personal, margins) == {
+        "image-cls": True,  # 0.50 + 0.01 < 0.515
+        "text-gen": False,  # 0.50 + 0.01 >= 0.505: within the margin, X is kept
+        "vqa": True,  # no h^(p) yet: +inf
+    }
+    assert replacement({}, personal, margins) == {}  # pairs not seen this round: no decision
+
+
+def test_eq4_moves_a_component_only_when_all_of_its_users_here_ask() -> None:
+    from client_apps.tap import replaced_components
+
+    users = {
+        "mote.vqa.attn": frozenset({"vqa"}),
+        "mote.text-gen.attn": frozenset({"text-gen"}),
+        "decoder.text-generation": frozenset({"vqa", "text-gen"}),
+        "encoder.image": frozenset({"vqa", "image-cls", "image-gen"}),
+        "mome.shared": frozenset({"vqa", "image-cls", "image-gen", "text-cls", "text-gen"}),
+    }
+    holds = ("vqa", "text-gen")
+    only_vqa = replaced_components(users, holds, {"vqa": True, "text-gen": False})
+    assert only_vqa == {
+        "mote.vqa.attn",
+        "encoder.image",
+    }  # image encoder: vqa is its only user here
+    both = replaced_components(users, holds, {"vqa": True, "text-gen": True})
+    assert both == set(users)
+    assert replaced_components(users, holds, {"vqa": True}) == only_vqa  # text-gen unseen
+
+
+def test_eq5_kd_is_the_softened_kl_for_classes_tokens_and_mse_for_images() -> None:
+    from fedfm_flower.distillation import distillation_loss, softened_kl
+    from fedfm_flower.tasks.multitask import TaskOutput
+
+    rng = np.random.default_rng(0)
+    teacher, student = rng.normal(size=(4, 5)), rng.normal(size=(4, 5))
+    tau = 2.0
+
+    def softmax(z: np.ndarray) -> np.ndarray:
+        e = np.exp(z / tau - (z / tau).max(-1, keepdims=True))
+        return e / e.sum(-1, keepdims=True)
+
+    p, q = softmax(teacher), softmax(student)
+    expected = np.mean(np.sum(p * (np.log(p) - np.log(q)), axis=-1))
+    got = softened_kl(torch.tensor(teacher), torch.tensor(student), tau)
+    assert got.item() == pytest.approx(expected, rel=1e-9)
+    rows = torch.arange(4)
+    cls = distillation_loss(
+        TaskOutput("image-cls", rows, torch.tensor(student), rows, torch.tensor(0.0)),
+        TaskOutput("image-cls", rows, torch.tensor(teacher), rows, torch.tensor(0.0)),
+        tau,
+    )
+    assert cls.item() == pytest.approx(expected, rel=1e-9)
+    # Text: only the scored positions count, each a distribution over the vocabulary.
+    t_tok, s_tok = rng.normal(size=(2, 3, 6)), rng.normal(size=(2, 3, 6))
+    scored = torch.tensor([[True, True, False], [True, False, False]])
+    pick = scored.numpy()
+    p, q = softmax(t_tok[pick]), softmax(s_tok[pick])
+    expected = np.mean(np.sum(p * (np.log(p) - np.log(q)), axis=-1))
+    rows = torch.arange(2)
+    text = distillation_loss(
+        TaskOutput("text-gen", rows, torch.tensor(s_tok), rows, torch.tensor(0.0), scored),
+        TaskOutput("text-gen", rows, torch.tensor(t_tok), rows, torch.tensor(0.0), scored),
+        tau,
+    )
+    assert text.item() == pytest.approx(expected, rel=1e-9)
+    a, b = torch.rand(2, 3, 8, 8), torch.rand(2, 3, 8, 8)
+    image = distillation_loss(
+        TaskOutput("image-gen", rows, a, a, torch.tensor(0.0)),
+        TaskOutput("image-gen", rows, b, b, torch.tensor(0.0)),
+        tau,
+    )
+    assert image.item() == pytest.approx(((a - b) ** 2).mean().item(), rel=1e-6)
+    assert not math.isnan(image.item())
+
+
+@pytest.fixture
+def tap_config(small_run_config: dict, tmp_path: Path) -> dict:
+    """TAP on the multi-task federation: 4 clients (groups {0,1}, {2}, {3}), 2 rounds."""
+    return {
+        **small_run_config,
+        "method": "tap",
+        "dataset": "multitask",
+        "backbone": "mm-offline",
+        "image-size": 32,
+        "pretrain-epochs": 2,
+        "lora-rank": 4,
+        "optimizer": "adamw",
+        "lr": 0.001,
+        "batch-size": 16,
+        "max-new-tokens": 4,
+        "local-steps": 2,
+        "tap-distill-steps": 2,
+        "eval-every": 5,  # the last round evaluates anyway
+        "client-state-dir": str(tmp_path / "state"),
+    }
+
+
+def _records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_tap_end_to_end_x_stays_home_and_survives_a_restart(tap_config: dict) -> None:
+    from safetensors.torch import load_file
+
+    from fedfm_flower.records import from_array_record
+    from server_apps.inprocess import ServerCrash, crash_in_round, run_in_process
+
+    replies = []
+
+    def keep(client_id, reply):  # noqa: ANN001, ANN202
+        replies.append((client_id, reply))
+        return reply
+
+    full, grid = run_in_process({**tap_config, "run-name": "whole"}, 4, keep)
+    run_dir = Path(tap_config["output-dir"]) / "whole"
+    records = _records(run_dir)
+    assert [(r["round"], r["phase"]) for r in records] == [
+        (1, "train"),
+        (2, "train"),
+        (3, "post-training"),
+    ]
+    assert records[2]["bytes-up-train"] == 0 and records[2]["clients-sampled"] == 4
+    assert (run_dir / "checkpoints" / "round_00003.safetensors").is_file()
+    # Round 1: X has no history, so every pair a client trained is replaced (eq. 3, +inf).
+    for client, metrics in records[0]["train"].items():
+        flags = {k: v for k, v in metrics.items() if k.startswith("train-replaced-")}
+        assert flags and all(v == 1.0 for v in flags.values()), client
+    # What a client sent is its W~, never its X: compare with the X it kept after round 2.
+    state = Path(tap_config["client-state-dir"]) / "whole"
+    sent = {}  # the last non-empty training reply of each client: round 2's W~
+    for client, reply in replies:
+        arrays = reply.content.array_records.get(P.ARRAYS)
+        if arrays is not None and len(arrays.keys()):
+            sent[client] = from_array_record(arrays)
+    assert set(sent) == {0, 1, 2, 3}
+    for client, w in sent.items():
+        kept = load_file(state / f"client_{client}" / "round_00002.safetensors")
+        x = {k: v for k, v in kept.items() if not k.startswith("tap.history.")}
+        assert set(x) == set(w)  # the same components, but X's values are not W~'s
+        assert any(not torch.equal(x[n], w[n]) for n in x)
+        assert any(k.startswith("tap.history.") for k in kept)
+    # A restart (fresh contexts) reloads X and the histories from disk: same final metrics.
+    with pytest.raises(ServerCrash):
+        run_in_process({**tap_config, "run-name": "crashed"}, 4, crash_in_round(3))
+    resumed, _ = run_in_process({**tap_config, "run-name": "crashed", "resume": True}, 4)
+    assert resumed["final-per-client-task-score"] == full["final-per-client-task-score"]
