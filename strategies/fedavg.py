@@ -37,7 +37,8 @@ class FedAvgStrategy(PersonalizedStrategy):
         super().__init__(config, initial)
         shared, _ = self.split(initial)
         self.global_tensors = {n: initial.tensors[n].clone() for n in shared}
-        self.layout = initial  # which tensors serve which holdings (TAP's components)
+        # Which tensors serve which holdings (TAP's components); the values are not kept.
+        self.layout = TrainableTensors({}, initial.groups, initial.users)
 
     def owned(self, client_id: int) -> dict[str, torch.Tensor]:
         """The global tensors of the components ``client_id`` owns (all, for most models)."""
