@@ -4,7 +4,10 @@ Writes to ``--out``: ``report.md`` (per setup: the table, the paired differences
 figures), ``table.md`` / ``table.tex`` (the personalization table over all setups),
 ``differences.md``, one ``curves-``, ``gain-`` and ``bytes-<setup>.png`` per setup, for a setup
 with per-client ROUGE-1 ``feddpa-table-<setup>.md`` (``task_table``: FedDPA's Table 1 layout),
-and ``report.json`` (every number in the tables, per-seed headline values and the runs read).
+for a setup with per-pair metrics ``pairs-<setup>.md`` (``pair_table``: TAP's per-pair table,
+Welch's t-test), for a setup with TAP's replacement flags ``replacements-<setup>.png``
+(``replacements``: TAP's Fig. 3-4), and ``report.json`` (every number in the tables and
+figures, per-seed headline values and the runs read).
 Unfinished runs are listed, not used; a setup without a finished run of the reference method
 gets its table cells and figures but no paired tests. Exit status 2 when no finished run is
 found or no setup has the reference method.
@@ -20,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from fedfm_flower.durable import atomic_write_text
-from fedfm_flower.report import figures, tables, task_table
+from fedfm_flower.report import figures, pair_table, replacements, tables, task_table
 from fedfm_flower.report.runs import RunResult, load_runs
 
 
@@ -84,6 +87,17 @@ def write_report(
             atomic_write_text(out / f"feddpa-table-{slug}.md", markdown + "\n")
             sections += [markdown, ""]
             numbers.setdefault("feddpa-tables", {})[setup] = task_table.task_table_numbers(by_task)
+        by_pair = pair_table.build_pair_table(runs, setup, reference)
+        if by_pair is not None:
+            markdown = pair_table.markdown_pair_table(by_pair)
+            atomic_write_text(out / f"pairs-{slug}.md", markdown + "\n")
+            sections += [markdown, ""]
+            numbers.setdefault("pair-tables", {})[setup] = pair_table.pair_table_numbers(by_pair)
+        counts = replacements.replacement_counts(runs, setup)
+        if counts:
+            replacements.replacement_figure(counts, setup, out / f"replacements-{slug}.png")
+            sections += [f"![replacements per round](replacements-{slug}.png)", ""]
+            numbers.setdefault("replacements", {})[setup] = counts
         numbers["setups"][setup] = {
             label: {
                 "seeds": list(cell.seeds),
