@@ -69,9 +69,16 @@ def replaced_components(
 class TAPClient(ClientLogic):
     """W~ trained and sent; X kept, refreshed from W~ by eq. 3-4, distilled after FL."""
 
-    def owned(self, runtime: ClientRuntime, model: TunedModel) -> list[str]:
-        """The parameter names of this client's components."""
-        return model.names_for(runtime.task.holdings(runtime.data))
+    def start(
+        self, runtime: ClientRuntime, received: dict[str, torch.Tensor]
+    ) -> tuple[TAPSettings, TunedModel, list[str], dict[str, torch.Tensor]]:
+        """(settings, the model holding W~ := ``received``, the client's component names, their
+        seeded initial values: X's start before X exists)."""
+        model = runtime.model()
+        names = model.names_for(runtime.task.holdings(runtime.data))
+        initial = model.tensors_named(names)
+        model.load_tensors(received)
+        return runtime.config.settings_of(TAPSettings), model, names, initial
 
     def personal(
         self, runtime: ClientRuntime, **lookup: int
@@ -100,11 +107,7 @@ class TAPClient(ClientLogic):
         """Stage 1: train W~ and send it; replace parts of X (eq. 3-4); train X and keep it."""
         from fedfm_flower.tasks.multitask import task_losses
 
-        settings = runtime.config.settings_of(TAPSettings)
-        model = runtime.model()
-        names = self.owned(runtime, model)
-        initial = model.tensors_named(names)
-        model.load_tensors(received)
+        settings, model, names, initial = self.start(runtime, received)
         w_stats = runtime.train(model, names, runtime.seed(server_round))
         sent = model.tensors_named(names)
         x, history = self.personal(runtime, before=server_round)
@@ -147,12 +150,8 @@ class TAPClient(ClientLogic):
         """Stage 2: W~ trained P iterations becomes the teacher; X trains P on eq. 6."""
         from fedfm_flower.distillation import DistillationTask
 
-        settings = runtime.config.settings_of(TAPSettings)
-        model = runtime.model()
-        names = self.owned(runtime, model)
-        initial = model.tensors_named(names)
+        settings, model, names, initial = self.start(runtime, received)
         steps = settings.distill_steps
-        model.load_tensors(received)
         w_stats = runtime.train(model, names, runtime.seed(server_round), steps=steps)
         teacher = copy.deepcopy(model).requires_grad_(False)
         x, history = self.personal(runtime, before=server_round)

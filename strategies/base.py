@@ -241,6 +241,12 @@ class PersonalizedStrategy(Strategy):
         )
         return sorted(rng.sample(clients, count))
 
+    def train_clients(self, server_round: int) -> list[int]:
+        """Who trains in ``server_round``: a ``fraction-train`` sample, everyone in the
+        post-training phase."""
+        post_training = self.phase(server_round) == "post-training"
+        return self.sample(server_round, 1.0 if post_training else self.config.fraction_train)
+
     # ----------------------------------------------------------------- Flower Strategy API
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -248,8 +254,7 @@ class PersonalizedStrategy(Strategy):
         """One training message per sampled node, holding that client's payload only."""
         self.current_round = server_round
         self.learn_node_mapping(grid, server_round)
-        post_training = self.phase(server_round) == "post-training"
-        chosen = self.sample(server_round, 1.0 if post_training else self.config.fraction_train)
+        chosen = self.train_clients(server_round)
         self.train_report = RoundReport(sent=chosen)
         return self._messages(chosen, server_round, MessageType.TRAIN, self.train_payload, config)
 

@@ -14,8 +14,6 @@ from strategies.fedavg import FedAvgStrategy
 class CentralizedStrategy(FedAvgStrategy):
     """FedAvg's state and messages, trained by one client on the pooled data."""
 
-    def sample(self, server_round: int, fraction: float, salt: int = 0) -> list[int]:
-        """Training goes to the center (the lowest client id); evaluation samples as usual."""
-        if salt == 0 and self.phase(server_round) == "train":
-            return self.clients()[:1]
-        return super().sample(server_round, fraction, salt)
+    def train_clients(self, server_round: int) -> list[int]:
+        """The center (the lowest client id) trains; evaluation samples as usual."""
+        return self.clients()[:1]

@@ -462,6 +462,17 @@ class TextEncoder(nn.Module):
         return self.body(input_ids=ids, attention_mask=mask).last_hidden_state
 
 
+def text_foundation_config(config: Any) -> Any:
+    """The run config of the tiny LLaMA this model's text parts come from (any method: the
+    foundation does not depend on it)."""
+    return config.replace(method="fedavg", dataset="instructions", backbone="tiny-llama")
+
+
+def image_foundation_config(config: Any) -> Any:
+    """The run config of the small-vit this model's image parts come from."""
+    return config.replace(method="fedavg", dataset="glyph-domains", backbone="small-vit")
+
+
 def build_multimodal(
     config: Any,
     tuner: str,
@@ -484,12 +495,11 @@ def build_multimodal(
             f"backbone '{config.backbone}' carries its own LoRA; tuner '{tuner}' "
             "cannot be added to it"
         )
-    # The foundations' own configs (any method: the foundations do not depend on it).
-    image_config = config.replace(method="fedavg", dataset="glyph-domains", backbone="small-vit")
+    image_config = image_foundation_config(config)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed + 2)
         vit = vision_backbone(image_config, load_weights=load_weights)
-        text_config = config.replace(method="fedavg", dataset="instructions", backbone="tiny-llama")
+        text_config = text_foundation_config(config)
         if load_weights and config.pretrained:
             lm, tokenizer = foundation.load_language_foundation(**foundation_args(text_config))
         else:

@@ -131,28 +131,24 @@ class TaskOutput:
 
 
 @functools.lru_cache(maxsize=2)
-def _foundation_tokenizer(cache_dir: str, seed: int, public_fraction: float, epochs: int) -> Any:
-    from pathlib import Path
+def _foundation_tokenizer(text_config: ExperimentConfig) -> Any:
+    from fedfm_flower.models.causal_lm import tokenizer_of
 
-    from fedfm_flower.models.language import foundation
-    from fedfm_flower.models.language.tokenizer import load_tokenizer
-
-    path = foundation.ensure_language_foundation(Path(cache_dir), seed, public_fraction, epochs)
-    return load_tokenizer(foundation.tokenizer_dir(path))
+    return tokenizer_of(text_config)
 
 
 def text_tokenizer(config: ExperimentConfig) -> PreTrainedTokenizerBase:
-    """The tokenizer of the model's text: the configured causal LM's, else the tiny LLaMA's."""
+    """The tokenizer of the model's text: the configured causal LM's, else that of the tiny
+    LLaMA the multi-modal model's text parts come from (once per process)."""
     from fedfm_flower.models.families import family_of
 
     if family_of(config.backbone).name == "causal-lm":
         from fedfm_flower.models.causal_lm import tokenizer_of
 
         return tokenizer_of(config)
-    # as tokenizer_of does for tiny-llama (foundation_args), keyed for the process cache
-    return _foundation_tokenizer(
-        str(config.cache_path), config.seed, config.public_fraction, config.pretrain_epochs
-    )
+    from fedfm_flower.models.multimodal import text_foundation_config
+
+    return _foundation_tokenizer(text_foundation_config(config))
 
 
 def _padded(rows: Sequence[Sequence[int]], width: int, pad_id: int) -> tuple[torch.Tensor, ...]:
