@@ -108,6 +108,18 @@ class ClientRuntime:
             penalty=penalty,
         )
 
+    def fine_tune(self, model: TunedModel, names: Iterable[str], server_round: int) -> TrainStats:
+        """Train ``names`` for the fine-tuning schedule (``finetune-steps`` steps when > 0, else
+        ``finetune-epochs`` epochs) before an evaluation: the papers' "+ post-train"."""
+        config = self.config
+        return self.train(
+            model,
+            names,
+            self.seed(server_round, salt=2),
+            epochs=config.finetune_epochs,
+            steps=config.finetune_steps,
+        )
+
     def evaluate(self, model: TunedModel) -> EvalStats:
         """The task's loss and metrics of ``model`` on this client's test split."""
         from fedfm_flower.training import evaluate

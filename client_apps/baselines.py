@@ -11,7 +11,8 @@ trainable parameter the other side does not select, so with a trainable backbone
 * ``fedrep``: adapter shared, head local; ``head-epochs`` epochs on the head with the adapter
   fixed, then ``local-epochs`` on the adapter with the head fixed (Collins et al. 2021);
 * ``fedavg-ft``: FedAvg, and before each evaluation a copy is fine-tuned for
-  ``finetune-epochs`` on the client's train split (the papers' "+post-train" baseline);
+  ``finetune-steps`` steps or ``finetune-epochs`` epochs on the client's train split (the
+  papers' "+ post-train" baseline: at the last round it is FedAvg, then local training);
 * ``centralized``: one client trains the shared groups on every client's training data
   pooled, every client evaluates them (FedDPA's Centralized upper reference; a simulation
   device, since in a deployment no node holds the others' data).
@@ -122,15 +123,10 @@ class FedAvgFineTuneClient(FedAvgClient):
     def evaluate(
         self, runtime: ClientRuntime, received: dict[str, torch.Tensor], server_round: int
     ) -> EvalStats:
-        """Fine-tune the shared groups for finetune-epochs, then evaluate (nothing is kept)."""
+        """Fine-tune the shared groups (``ClientRuntime.fine_tune``), then evaluate (nothing is
+        kept)."""
         model = self.prepare(runtime, received, {"at_most": server_round})
-        runtime.train(
-            model,
-            self.split(runtime, model)[0],
-            runtime.seed(server_round, salt=2),
-            epochs=runtime.config.finetune_epochs,
-            steps=0,
-        )
+        runtime.fine_tune(model, self.split(runtime, model)[0], server_round)
         return runtime.evaluate(model)
 
 

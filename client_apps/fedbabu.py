@@ -7,8 +7,9 @@ client's train split with the body fixed, then the copy is evaluated; nothing of
 fine-tuning is kept (the cached model is reset to its initial values by the next message).
 
 FedPerfix's Sec. 4.1 fine-tunes the head "for one step before the evaluation"; we read "step"
-as ``finetune-epochs`` epochs (default 1) of the configured optimizer. (The authors' code,
-``clientbabu.py``, takes ``fine_tuning_steps`` = 1 batch and lets the body train too there.)
+as ``finetune-epochs`` epochs (default 1; ``finetune-steps`` > 0 counts batches instead) of the
+configured optimizer. (The authors' code, ``clientbabu.py``, takes ``fine_tuning_steps`` = 1
+batch and lets the body train too there.)
 """
 
 from __future__ import annotations
@@ -47,14 +48,8 @@ class FedBABUClient(SplitClient):
     def evaluate(
         self, runtime: ClientRuntime, received: dict[str, torch.Tensor], server_round: int
     ) -> EvalStats:
-        """Fine-tune the head for finetune-epochs with the body fixed, then evaluate."""
+        """Fine-tune the head (the fine-tuning schedule) with the body fixed, then evaluate."""
         model = self.prepare(runtime, received, {})
         _, head = self.split(runtime, model)
-        runtime.train(
-            model,
-            head,
-            runtime.seed(server_round, salt=2),
-            epochs=runtime.config.finetune_epochs,
-            steps=0,
-        )
+        runtime.fine_tune(model, head, server_round)
         return runtime.evaluate(model)

@@ -1,6 +1,8 @@
 """The client half of Per-FedAvg (Fallah et al. 2020), first-order version (FO-MAML).
 
-Every trainable tensor (the meta-model w) comes from the server and goes back. A local step
+Every trainable tensor the client owns (the meta-model w: the whole ViT, or on TAP's
+multi-task model the components of the client's modality-task pairs) comes from the server and
+goes back. A local step
 takes two batches D and D' (the two halves of a batch of twice ``batch-size``, as the FedPerfix
 authors' code loads them) and does
 
@@ -12,6 +14,11 @@ evaluated through ``torch.func.functional_call`` on the one cached model. Before
 evaluation a copy adapts with one step, w - alpha * grad f(w; D) on one batch (``batch-size``)
 of the client's train split, and is evaluated; nothing of it is kept. ``perfedavg-alpha`` and
 ``perfedavg-beta`` default to the run's ``lr`` (``fedfm_flower.perfedavg_settings``).
+
+``per-fedavg-ft`` (TAP's "Per-FedAvg + Post-train") trains the same way and, before each
+evaluation, trains a copy of w for the fine-tuning schedule (``finetune-steps``, TAP's P) with
+the configured optimizer instead of the one adaptation step. A batch that misses some of the
+client's pairs leaves their components' gradients at zero.
 """
 
 from __future__ import annotations
@@ -26,12 +33,18 @@ from fedfm_flower.tasks.base import Batch, StepResult, Task
 from fedfm_flower.training import EvalStats, TrainStats
 
 
+def gradients(loss: torch.Tensor, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """d loss / d tensors, zeros for tensors the loss does not reach (a component whose pair
+    is not in the batch)."""
+    return torch.autograd.grad(loss, tensors, allow_unused=True, materialize_grads=True)
+
+
 def adapt_step(
     task: Task, model: TunedModel, w: dict[str, torch.nn.Parameter], batch: Batch, alpha: float
 ) -> StepResult:
     """w <- w - alpha * grad f(w; batch), in place; the step's result at w."""
     result = task.step(model, batch)
-    sgd_(w.values(), torch.autograd.grad(result.loss, list(w.values())), alpha)
+    sgd_(w.values(), gradients(result.loss, list(w.values())), alpha)
     return result
 
 
@@ -46,17 +59,17 @@ def perfedavg_step(
 ) -> tuple[StepResult, StepResult]:
     """One first-order Per-FedAvg step on w (in place); the results at w on D and at temp on D'."""
     inner = task.step(model, first)
-    grads = torch.autograd.grad(inner.loss, list(w.values()))
+    grads = gradients(inner.loss, list(w.values()))
     with torch.no_grad():
         pairs = zip(w.items(), grads, strict=True)
         temp = {n: (p - alpha * g).requires_grad_() for (n, p), g in pairs}
     outer = task.step(WithTensors(model, temp), second)
-    sgd_(w.values(), torch.autograd.grad(outer.loss, list(temp.values())), beta)
+    sgd_(w.values(), gradients(outer.loss, list(temp.values())), beta)
     return inner, outer
 
 
-def _names(model: TunedModel) -> list[str]:
-    return list(model.parameter_groups())
+def _names(runtime: ClientRuntime, model: TunedModel) -> list[str]:
+    return model.names_for(runtime.task.holdings(runtime.data))
 
 
 class PerFedAvgClient(ClientLogic):
@@ -68,7 +81,7 @@ class PerFedAvgClient(ClientLogic):
         """First-order Per-FedAvg steps over the local schedule; send w."""
         model = runtime.model()
         model.load_tensors(received)
-        w = model.parameters_named(_names(model))
+        w = model.parameters_named(_names(runtime, model))
         config = runtime.config
         alpha, beta = config.settings_of(PerFedAvgSettings).steps(config.lr)
 
@@ -96,7 +109,7 @@ class PerFedAvgClient(ClientLogic):
         message), then evaluate."""
         model = runtime.model()
         model.load_tensors(received)
-        w = model.parameters_named(_names(model))
+        w = model.parameters_named(_names(runtime, model))
         config = runtime.config
         alpha, _ = config.settings_of(PerFedAvgSettings).steps(config.lr)
         seed = runtime.seed(server_round, salt=2)
@@ -109,4 +122,18 @@ class PerFedAvgClient(ClientLogic):
 
         with trainable_only(model, w.values()):
             run_loop(batches, step, runtime.device, seed)
+        return runtime.evaluate(model)
+
+
+class PerFedAvgFineTuneClient(PerFedAvgClient):
+    """Per-FedAvg; evaluation fine-tunes a copy of w for the fine-tuning schedule first."""
+
+    def evaluate(
+        self, runtime: ClientRuntime, received: dict[str, torch.Tensor], server_round: int
+    ) -> EvalStats:
+        """Train w for ``finetune-steps`` (or ``finetune-epochs``), then evaluate (the cached
+        model is reset by the next message)."""
+        model = runtime.model()
+        model.load_tensors(received)
+        runtime.fine_tune(model, _names(runtime, model), server_round)
         return runtime.evaluate(model)

@@ -129,7 +129,8 @@ class ExperimentConfig:
     local_epochs: int = 1
     local_steps: int = 0  # >0 replaces epochs by a fixed number of optimizer steps
     head_epochs: int = 1  # fedrep: head epochs before the adapter epochs
-    finetune_epochs: int = 1  # fedavg-ft, fedbabu: fine-tuning epochs before evaluation
+    finetune_epochs: int = 1  # *-ft, fedbabu: fine-tuning epochs before each evaluation
+    finetune_steps: int = 0  # >0 replaces finetune-epochs by a fixed number of optimizer steps
     batch_size: int = 32
     optimizer: str = "sgd"
     lr: float = 0.02
@@ -272,6 +273,7 @@ class ExperimentConfig:
             ("local-steps", self.local_steps),
             ("head-epochs", self.head_epochs),
             ("finetune-epochs", self.finetune_epochs),
+            ("finetune-steps", self.finetune_steps),
             ("pretrain-epochs", self.pretrain_epochs),
             ("momentum", self.momentum),
             ("weight-decay", self.weight_decay),
@@ -369,7 +371,7 @@ class ExperimentConfig:
                 "train-backbone",
                 True,
                 f"backbone '{self.backbone}' (family '{family.name}') is tuned with adapters "
-                f"only; method '{self.method}' and train-backbone need a ViT",
+                f"only; train-backbone needs a ViT",
             )
         served = METHOD_REGISTRY[self.method].modalities
         if served and family.modality not in served:

@@ -23,7 +23,9 @@ class MethodSpec:
     summary: str
     settings: str = ""  # its MethodSettings class (keys <prefix>-*); "" when it has no keys
     tuner: str = "lora"  # what it adds to the backbone (fedfm_flower.models.tuners.TUNERS)
-    trains_backbone: bool = False  # the whole ViT trains (else only when train-backbone = true)
+    # The whole ViT trains (else only when train-backbone = true). On a backbone of another
+    # family, which is adapter-tuned only, such a method trains the family's LoRA instead.
+    trains_backbone: bool = False
     modalities: tuple[str, ...] = ()  # input modalities it serves (); () means every one
 
 
@@ -116,6 +118,15 @@ METHODS: dict[str, MethodSpec] = {
         tuner="none",
         trains_backbone=True,
     ),
+    "per-fedavg-ft": MethodSpec(
+        "strategies.perfedavg:PerFedAvgStrategy",
+        "client_apps.perfedavg:PerFedAvgFineTuneClient",
+        "Per-FedAvg, then local fine-tuning of a copy before each evaluation (TAP's "
+        "Per-FedAvg + Post-train)",
+        settings="fedfm_flower.perfedavg_settings:PerFedAvgSettings",
+        tuner="none",
+        trains_backbone=True,
+    ),
     "feddpa-t": MethodSpec(
         "strategies.feddpa:FedDPAStrategy",
         "client_apps.feddpa:FedDPAClient",
@@ -143,6 +154,14 @@ METHODS: dict[str, MethodSpec] = {
         settings="fedfm_flower.tap_settings:TAPSettings",
         modalities=("multimodal",),
     ),
+    "feddat": MethodSpec(
+        "strategies.feddat:FedDATStrategy",
+        "client_apps.feddat:FedDATClient",
+        "shared LoRA averaged component-wise (equal client weights); a Dual-Adapter Teacher "
+        "(frozen received global + client-specific LoRA) and mutual KD (Chen et al. 2024)",
+        settings="fedfm_flower.feddat_settings:FedDATSettings",
+        modalities=("multimodal",),
+    ),
 }
 
 
@@ -168,14 +187,26 @@ def client_class(method: str) -> Any:
     return _load(method_spec(method).client)
 
 
+def _whole_vit(config: Any) -> bool:
+    """Whether the run's method trains the whole ViT and its backbone is one."""
+    from fedfm_flower.models.families import family_of
+
+    return method_spec(config.method).trains_backbone and family_of(config.backbone).name == "vit"
+
+
 def tuner_of(config: Any) -> str:
-    """The tuner of a run: the config's ``tuner`` unless 'auto', else the method's own."""
-    return config.tuner if config.tuner != "auto" else method_spec(config.method).tuner
+    """The tuner of a run: the config's ``tuner`` unless 'auto', else the method's own (LoRA
+    for a whole-ViT method on a backbone of another family)."""
+    if config.tuner != "auto":
+        return config.tuner
+    spec = method_spec(config.method)
+    return "lora" if spec.trains_backbone and not _whole_vit(config) else spec.tuner
 
 
 def trains_backbone(config: Any) -> bool:
-    """Whether the run trains the backbone's own weights (the method's or the config's say)."""
-    return method_spec(config.method).trains_backbone or config.train_backbone
+    """Whether the run trains the backbone's own weights: the config says so, or the method
+    trains the whole ViT and the backbone is a ViT."""
+    return _whole_vit(config) or config.train_backbone
 
 
 def settings_class(method: str) -> Any:

@@ -30,6 +30,7 @@ SHARED_KEYS = {
     "fedbabu": VIT_GROUPS,
     "apfl": VIT_GROUPS | {"head"},
     "per-fedavg": VIT_GROUPS | {"head"},
+    "per-fedavg-ft": VIT_GROUPS | {"head"},
     "centralized": {"adapter", "head"},
 }
 # Methods that serve image models (FedDPA's are for causal LMs: tests/test_feddpa.py).

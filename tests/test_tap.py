@@ -167,3 +167,37 @@ def test_tap_end_to_end_x_stays_home_and_survives_a_restart(tap_config: dict) ->
         run_in_process({**tap_config, "run-name": "crashed"}, 4, crash_in_round(3))
     resumed, _ = run_in_process({**tap_config, "run-name": "crashed", "resume": True}, 4)
     assert resumed["final-per-client-task-score"] == full["final-per-client-task-score"]
+
+
+@pytest.mark.parametrize("method", ["local", "fedavg", "fedavg-ft", "per-fedavg", "per-fedavg-ft"])
+def test_each_tap_baseline_runs_and_sends_only_its_clients_components(
+    method: str, tap_config: dict
+) -> None:
+    from fedfm_flower.config import ExperimentConfig
+    from fedfm_flower.data.multitask import client_tasks
+    from fedfm_flower.models.build import initial_trainable
+    from fedfm_flower.records import from_array_record
+    from fedfm_flower.registry import trains_backbone, tuner_of
+    from server_apps.inprocess import run_in_process
+
+    replies = []
+
+    def keep(client_id, reply):  # noqa: ANN001, ANN202
+        replies.append((client_id, reply))
+        return reply
+
+    config = {**tap_config, "method": method, "num-server-rounds": 1, "finetune-steps": 1}
+    summary, _ = run_in_process(config, 4, keep)
+    assert summary["rounds"] == 1
+    scores = summary["final-per-client-task-score"]
+    assert set(scores) == {"0", "1", "2", "3"} and all(not math.isnan(s) for s in scores.values())
+    run = ExperimentConfig.from_run_config({**ExperimentConfig().to_run_config(), **config})
+    assert tuner_of(run) == "lora" and not trains_backbone(run)  # Per-FedAvg: the components
+    initial = initial_trainable(run, "lora", 0, train_backbone=False)
+    for client, reply in replies:
+        arrays = reply.content.array_records.get(P.ARRAYS)
+        keys = set(from_array_record(arrays)) if arrays is not None else set()
+        if method == "local" or reply.metadata.message_type != "train":
+            assert not keys
+        else:
+            assert keys == set(initial.names_for(client_tasks(client, 4)))
