@@ -99,6 +99,7 @@ METHODS: dict[str, MethodSpec] = {
         "fine-tuned before evaluation (Oh et al. 2022; FedPerfix Table 2)",
         tuner="none",
         trains_backbone=True,
+        modalities=("image",),  # it needs a classification head
     ),
     "apfl": MethodSpec(
         "strategies.apfl:APFLStrategy",
