@@ -110,7 +110,7 @@ class ExperimentConfig:
     pretrained: bool = True
     weights_file: str = ""
     cache_dir: str = ""
-    model_name_or_path: str = ""  # backbone hf-causal-lm: a Hugging Face name or local path
+    model_name_or_path: str = ""  # hf-causal-lm, mm-flava, mm-vilt: a Hub name or local path
     model_dtype: str = "auto"  # hf-causal-lm: auto is float32 on CPU, the checkpoint's on CUDA
     device_map: str = ""  # hf-causal-lm: "auto" lets transformers/accelerate place the model
     load_in_4bit: bool = False  # hf-causal-lm: 4-bit NF4 weights (bitsandbytes, CUDA)

@@ -89,7 +89,7 @@ def tokenizer_of(config: ExperimentConfig) -> Any:
         return load_tokenizer(foundation.tokenizer_dir(path))
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(_model_source(config))
+    tokenizer = AutoTokenizer.from_pretrained(model_source(config))
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -107,14 +107,14 @@ def causal_lm_backbone(config: ExperimentConfig, *, load_weights: bool = True) -
         return foundation.tiny_llama(tokenizer), tokenizer
     if load_weights:
         return foundation.load_pretrained_causal_lm(
-            _model_source(config),
+            model_source(config),
             dtype=load_dtype(config),
             device_map=config.device_map,
             load_in_4bit=config.load_in_4bit,
         )
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    architecture = AutoConfig.from_pretrained(_model_source(config))
+    architecture = AutoConfig.from_pretrained(model_source(config))
     # The same dtype as the loaded weights, so the seeded adapter gets the same rounding; peft
     # keeps adapters on 4-bit layers in float32, hence float32 for load-in-4bit.
     dtype = load_dtype(config)
@@ -147,11 +147,13 @@ def _checkpoint_dtype(architecture: Any) -> torch.dtype:
     return named if isinstance(named, torch.dtype) else torch.float32
 
 
-def _model_source(config: ExperimentConfig) -> str:
+def model_source(config: ExperimentConfig, what: str = "causal LM") -> str:
+    """``model-name-or-path``, which a backbone that loads a Hugging Face ``what`` needs (a
+    ValueError naming the key and the backbone when it is empty)."""
     if not config.model_name_or_path:
         raise ValueError(
-            "run config 'model-name-or-path' = '' is invalid for backbone 'hf-causal-lm': "
-            "name a Hugging Face causal LM or a local directory holding one"
+            f"run config 'model-name-or-path' = '' is invalid for backbone '{config.backbone}': "
+            f"name a Hugging Face {what} or a local directory holding one"
         )
     return config.model_name_or_path
 

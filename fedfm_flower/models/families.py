@@ -55,10 +55,11 @@ FAMILIES: dict[str, ModelFamily] = {
     "multimodal": ModelFamily(
         "multimodal",
         "multimodal",
-        ("mm-offline",),
+        ("mm-offline", "mm-flava", "mm-vilt"),
         "fedfm_flower.models.multimodal:build_multimodal",
         "TAP's multi-modal multi-task model: encoders, a MoME/MoTE backbone and task decoders; "
-        "mm-offline is built from the offline small-vit and tiny-llama",
+        "mm-offline is built from the offline small-vit and tiny-llama, mm-flava and mm-vilt "
+        "from the FLAVA or ViLT checkpoint at model-name-or-path",
     ),
 }
 

@@ -1,6 +1,9 @@
 """TAP's multi-modal multi-task model (sec. 3.1, A.2, D.1), built from the offline foundations.
 
-Layout (the server model; a client uses the components its modality-task pairs need):
+Backbones: ``mm-offline`` (below) and ``mm-flava`` / ``mm-vilt``, the paper's own, built from
+a FLAVA or ViLT checkpoint (``fedfm_flower.models.multimodal_hf``: same components, groups and
+decoders). Layout of ``mm-offline`` (the server model; a client uses the components its
+modality-task pairs need):
 
 * **Encoders** (frozen, LoRA-tuned): ``image`` = the offline ViT's patch embedding, class token,
   position embedding and first block; ``text`` = the offline tiny LLaMA's token embedding and
@@ -12,7 +15,10 @@ Layout (the server model; a client uses the components its modality-task pairs n
   modality experts (each token goes to the expert of its modality). Every expert is a copy of
   the pretrained FFN (Wu et al. 2022), frozen, with LoRA on ``fc1``/``fc2``; attention is
   frozen with LoRA on ``qkv``. A token's output of a stack is the mean of its specific layer's
-  and the shared layer's outputs (A.2 says both are active; how they combine is ours).
+  and the shared layer's outputs (A.2 says both are active; how they combine is ours). With
+  more than two pretrained blocks (ViLT's eight), the first half makes every layer of the
+  modality stack and the second half every layer of the task stack (``ExpertStack``; a token
+  keeps its expert through the blocks).
 * **Decoders** (trained fully, D.1): per classification task an MLP head (FLAVA's Table 18:
   2 layers, ReLU, hidden d/2, dropout 0.3); one transposed-convolution image head shared by the
   image-generation tasks (Table 19, scaled to the image size: a linear map to 64 x S/8 x S/8,
@@ -50,8 +56,23 @@ from fedfm_flower.data.multitask import (
 from fedfm_flower.models.groups import GroupPattern, TunedModel
 
 
+class LoRABranch(nn.Module):
+    """A second low-rank update of a ``LoRALinear`` (FedDAT's client-specific adapter) and the
+    weights that mix it with the layer's own: ``main_weight * B A x + weight * B' A' x``."""
+
+    def __init__(self, like: nn.Module, weight: float, main_weight: float) -> None:
+        super().__init__()
+        self.lora_a = nn.Parameter(like.lora_a.detach().clone())
+        self.lora_b = nn.Parameter(like.lora_b.detach().clone())
+        self.weight = weight
+        self.main_weight = main_weight
+
+
 class LoRALinear(nn.Module):
-    """A frozen linear layer plus a trainable low-rank update: W x + (alpha / r) B A x."""
+    """A frozen linear layer plus a trainable low-rank update: W x + (alpha / r) B A x.
+
+    With a ``branch`` (``add_branch``; none by default, and then the forward is the plain one)
+    the update is ``(alpha / r) (w_main B A + w B' A') x`` on the same dropped-out input."""
 
     def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float = 0.0) -> None:
         super().__init__()
@@ -63,6 +84,13 @@ class LoRALinear(nn.Module):
         nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))  # peft's default for A
         self.scale = alpha / rank
         self.dropout = nn.Dropout(dropout)
+        self.branch: LoRABranch | None = None
+
+    def add_branch(self, weight: float, main_weight: float) -> LoRABranch:
+        """Give the layer a second low-rank update, a copy of its own factors, mixed as
+        ``main_weight * B A + weight * B' A'``; returns it."""
+        self.branch = LoRABranch(self, weight, main_weight)
+        return self.branch
 
     @property
     def in_features(self) -> int:
@@ -75,9 +103,16 @@ class LoRALinear(nn.Module):
         return self.base.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """W x + b + scale * B A dropout(x)."""
-        return self.base(x) + self.scale * F.linear(
-            F.linear(self.dropout(x), self.lora_a), self.lora_b
+        """W x + b + scale * B A dropout(x) (with a branch: the mixture of the two updates)."""
+        if self.branch is None:
+            return self.base(x) + self.scale * F.linear(
+                F.linear(self.dropout(x), self.lora_a), self.lora_b
+            )
+        h = self.dropout(x)
+        own = F.linear(F.linear(h, self.lora_a), self.lora_b)
+        other = F.linear(F.linear(h, self.branch.lora_a), self.branch.lora_b)
+        return self.base(x) + self.scale * (
+            self.branch.main_weight * own + self.branch.weight * other
         )
 
 
@@ -86,7 +121,12 @@ def _with_lora(module: nn.Linear, rank: int, alpha: float, dropout: float) -> Lo
 
 
 class ExpertBlock(nn.Module):
-    """A pretrained ViT block whose FFN is a mixture of named experts (copies of the FFN)."""
+    """A pretrained ViT block whose FFN is a mixture of named experts (copies of the FFN).
+
+    ``block`` is a timm ViT block, or anything with its attributes (``norm1``, ``attn``,
+    ``norm2``, ``mlp`` with ``fc1``/``fc2``, ``ls1``, ``ls2``; ``multimodal_hf.HFBlock`` adapts
+    a FLAVA or ViLT layer). LoRA goes on the attention's ``lora_targets`` (timm's: ``qkv``).
+    """
 
     def __init__(
         self, block: nn.Module, experts: Sequence[str], rank: int, alpha: float, dropout: float
@@ -96,7 +136,9 @@ class ExpertBlock(nn.Module):
         for p in block.parameters():
             p.requires_grad_(False)
         self.norm1, self.attn, self.norm2 = block.norm1, block.attn, block.norm2
-        self.attn.qkv = _with_lora(self.attn.qkv, rank, alpha, dropout)
+        for target in getattr(self.attn, "lora_targets", ("qkv",)):
+            tuned = _with_lora(getattr(self.attn, target), rank, alpha, dropout)
+            setattr(self.attn, target, tuned)
         self.ls1, self.ls2 = block.ls1, block.ls2
         self.experts = nn.ModuleDict()
         for name in experts:
@@ -119,6 +161,24 @@ class ExpertBlock(nn.Module):
             rows = torch.tensor([r == name for r in route], device=h.device)
             out[:, rows] = self.experts[name](h[:, rows])
         return x + self.ls2(out)
+
+
+class ExpertStack(nn.ModuleList):
+    """Consecutive ExpertBlocks with the same experts: one layer of a backbone stack built from
+    several pretrained blocks (ViLT's four per stack); a token keeps its expert throughout."""
+
+    @property
+    def experts(self) -> nn.ModuleDict:
+        """The first block's experts (every block has the same names)."""
+        return self[0].experts
+
+    def forward(
+        self, x: torch.Tensor, mask: torch.Tensor, route: Sequence[str] | str
+    ) -> torch.Tensor:
+        """The blocks' output, one after the other, with the same ``route``."""
+        for block in self:
+            x = block(x, mask, route)
+        return x
 
 
 class ClassificationHead(nn.Module):
@@ -230,8 +290,17 @@ class MultiModalMultiTask(TunedModel):
         max_target_length: int = 128,
     ) -> None:
         super().__init__()
-        if len(blocks) != 2:
-            raise ValueError(f"the backbone takes 2 pretrained blocks, got {len(blocks)}")
+        if not blocks or len(blocks) % 2:
+            raise ValueError(
+                "the backbone takes an even number of pretrained blocks (the first half for the "
+                f"modality stack, the second for the task stack), got {len(blocks)}"
+            )
+        depth = len(blocks) // 2
+
+        def layer(pretrained: Sequence[nn.Module], experts: Sequence[str]) -> nn.Module:
+            made = [ExpertBlock(b, experts, rank, alpha, dropout) for b in pretrained]
+            return made[0] if depth == 1 else ExpertStack(made)
+
         self.pairs = dict(pairs)
         self.tokenizer = tokenizer
         width = blocks[0].norm1.normalized_shape[0]
@@ -240,26 +309,18 @@ class MultiModalMultiTask(TunedModel):
         self.text_encoder = text_encoder
         self.text_projection = nn.Linear(text_width, width) if text_width != width else None
         modalities = sorted({m for spec in self.pairs.values() for m in spec.modalities})
+        modality_blocks, task_blocks = blocks[:depth], blocks[depth:]
         self.mome = nn.ModuleDict(
             {
-                m: ExpertBlock(
-                    blocks[0],
-                    [t for t, s in self.pairs.items() if m in s.modalities],
-                    rank,
-                    alpha,
-                    dropout,
-                )
+                m: layer(modality_blocks, [t for t, s in self.pairs.items() if m in s.modalities])
                 for m in modalities
             }
         )
-        self.mome_shared = ExpertBlock(blocks[0], ["shared"], rank, alpha, dropout)
+        self.mome_shared = layer(modality_blocks, ["shared"])
         self.mote = nn.ModuleDict(
-            {
-                t: ExpertBlock(blocks[1], list(s.modalities), rank, alpha, dropout)
-                for t, s in self.pairs.items()
-            }
+            {t: layer(task_blocks, list(s.modalities)) for t, s in self.pairs.items()}
         )
-        self.mote_shared = ExpertBlock(blocks[1], ["shared"], rank, alpha, dropout)
+        self.mote_shared = layer(task_blocks, ["shared"])
         self.final_norm = copy.deepcopy(final_norm).requires_grad_(False)
         self.decoders = nn.ModuleDict()
         for task, spec in self.pairs.items():
@@ -277,6 +338,7 @@ class MultiModalMultiTask(TunedModel):
     # ----------------------------------------------------------------- components
     def _patterns(self) -> tuple[GroupPattern, ...]:
         lora = r"\.lora_[ab]$"
+        block = r"(?:\d+\.)?"  # an ExpertStack's block index (none for one block per stack)
         patterns = [
             GroupPattern("encoder.image", r"^image_encoder\..*" + lora),
             GroupPattern("encoder.text", r"^text_encoder\..*" + lora),
@@ -285,12 +347,13 @@ class MultiModalMultiTask(TunedModel):
             GroupPattern("mote.shared", r"^mote_shared\..*" + lora),
         ]
         for m, layer in self.mome.items():
-            patterns.append(GroupPattern(f"mome.{m}.attn", rf"^mome\.{m}\.attn\..*" + lora))
+            prefix = rf"^mome\.{m}\.{block}"
+            patterns.append(GroupPattern(f"mome.{m}.attn", prefix + r"attn\..*" + lora))
             for task in layer.experts:
-                prefix = rf"^mome\.{m}\.experts\.{re.escape(task)}\."
-                patterns.append(GroupPattern(f"mome.{m}.expert.{task}", prefix + ".*" + lora))
+                expert = prefix + rf"experts\.{re.escape(task)}\."
+                patterns.append(GroupPattern(f"mome.{m}.expert.{task}", expert + ".*" + lora))
         for task, layer in self.mote.items():
-            prefix = rf"^mote\.{re.escape(task)}\."
+            prefix = rf"^mote\.{re.escape(task)}\.{block}"
             patterns.append(GroupPattern(f"mote.{task}.attn", prefix + r"attn\..*" + lora))
             for m in layer.experts:
                 group = f"mote.{task}.expert.{m}"
@@ -481,12 +544,14 @@ def build_multimodal(
     load_weights: bool = True,
     train_backbone: bool = False,
 ) -> MultiModalMultiTask:
-    """TAP's model from the offline ViT (glyph-domains public split) and tiny LLaMA (the
-    instruction corpus' public split), with every modality-task pair of the dataset."""
+    """TAP's model, with every modality-task pair of the dataset: for ``mm-offline`` from the
+    offline ViT (glyph-domains public split) and tiny LLaMA (the instruction corpus' public
+    split); for ``mm-flava``/``mm-vilt`` from ``model-name-or-path`` (``multimodal_hf``)."""
     from fedfm_flower.data.multitask import PAIRS
     from fedfm_flower.models.causal_lm import foundation_args
     from fedfm_flower.models.classifier import vision_backbone
     from fedfm_flower.models.language import foundation
+    from fedfm_flower.models.multimodal_hf import HF_MULTIMODAL, build_hf_multimodal
 
     if train_backbone:
         raise ValueError("TAP's backbone is frozen and LoRA-tuned; train-backbone must be false")
@@ -495,6 +560,8 @@ def build_multimodal(
             f"backbone '{config.backbone}' carries its own LoRA; tuner '{tuner}' "
             "cannot be added to it"
         )
+    if config.backbone in HF_MULTIMODAL:
+        return build_hf_multimodal(config, load_weights=load_weights)
     image_config = image_foundation_config(config)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed + 2)

@@ -16,7 +16,8 @@ Batch (a tuple of tensors, row ``i`` of every tensor is one example)::
     target_mask    long  (B, U)        1 on target tokens; all-zero where there is none
 
 Text is tokenized with the text foundation model's tokenizer (``text_tokenizer``: the tiny
-LLaMA's for the multi-modal backbones, the configured causal LM's otherwise); inputs and targets
+LLaMA's for ``mm-offline``, the checkpoint's for ``mm-flava``/``mm-vilt``, with BERT's ``[CLS]``
+and ``[SEP]`` as ``<s>`` and ``</s>``, the configured causal LM's otherwise); inputs and targets
 are padded on the *right*: the model encodes the input with an attention mask and decodes the
 target causally from ``<s>``, so no left padding is needed. Rows are stored padded to
 ``max-length`` (cut at the right beyond it, like FedDPA's cutoff; the prompt keeps its ``<s>``);
@@ -137,15 +138,31 @@ def _foundation_tokenizer(text_config: ExperimentConfig) -> Any:
     return tokenizer_of(text_config)
 
 
+@functools.lru_cache(maxsize=2)
+def _checkpoint_tokenizer(backbone: str, model_name_or_path: str) -> Any:
+    from fedfm_flower.config import ExperimentConfig
+    from fedfm_flower.models.multimodal_hf import load_tokenizer
+
+    where = ExperimentConfig(
+        dataset="multitask", backbone=backbone, model_name_or_path=model_name_or_path
+    )
+    return load_tokenizer(where)
+
+
 def text_tokenizer(config: ExperimentConfig) -> PreTrainedTokenizerBase:
-    """The tokenizer of the model's text: the configured causal LM's, else that of the tiny
-    LLaMA the multi-modal model's text parts come from (once per process)."""
+    """The tokenizer of the model's text: the configured causal LM's, the FLAVA/ViLT
+    checkpoint's for ``mm-flava``/``mm-vilt``, else that of the tiny LLaMA the multi-modal
+    model's text parts come from (once per process)."""
     from fedfm_flower.models.families import family_of
 
     if family_of(config.backbone).name == "causal-lm":
         from fedfm_flower.models.causal_lm import tokenizer_of
 
         return tokenizer_of(config)
+    from fedfm_flower.models.multimodal_hf import HF_MULTIMODAL
+
+    if config.backbone in HF_MULTIMODAL:
+        return _checkpoint_tokenizer(config.backbone, config.model_name_or_path)
     from fedfm_flower.models.multimodal import text_foundation_config
 
     return _foundation_tokenizer(text_foundation_config(config))

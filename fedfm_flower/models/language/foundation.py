@@ -349,6 +349,20 @@ def causal_lm_pretrain(
 PRETRAINED_DTYPES = ("auto", "float32", "float16", "bfloat16")  # auto: the checkpoint's own
 
 
+def pretrained_source(name_or_path: str, what: str) -> str:
+    """What ``from_pretrained`` should read for ``name_or_path``: a local directory (absolute,
+    starting with ``.`` or ``~``, or existing), checked to hold a ``save_pretrained`` model (a
+    FileNotFoundError naming it and ``what`` otherwise), else the Hub name as given."""
+    local = Path(name_or_path).expanduser()
+    looks_local = local.is_absolute() or name_or_path.startswith((".", "~")) or local.exists()
+    if looks_local and not (local / "config.json").is_file():
+        raise FileNotFoundError(
+            f"no {what} at {local}: expected a directory written by "
+            "save_pretrained (config.json, weights and tokenizer files)"
+        )
+    return str(local) if looks_local else name_or_path
+
+
 def load_pretrained_causal_lm(
     name_or_path: str,
     *,
@@ -368,15 +382,7 @@ def load_pretrained_causal_lm(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     options = pretrained_loading_options(dtype, device_map, load_in_4bit)
-
-    local = Path(name_or_path).expanduser()
-    looks_local = local.is_absolute() or name_or_path.startswith((".", "~")) or local.exists()
-    if looks_local and not (local / "config.json").is_file():
-        raise FileNotFoundError(
-            f"no causal language model at {local}: expected a directory written by "
-            "save_pretrained (config.json, weights and tokenizer files)"
-        )
-    source = str(local) if looks_local else name_or_path
+    source = pretrained_source(name_or_path, "causal language model")
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
         model = AutoModelForCausalLM.from_pretrained(source, **options)
