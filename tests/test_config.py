@@ -23,6 +23,7 @@ from fedfm_flower.config import (
     ExperimentConfig,
     NodeIdentity,
 )
+from fedfm_flower.feddat_settings import FedDATSettings
 from fedfm_flower.feddpa_settings import FedDPASettings
 from fedfm_flower.learners.pfedpg_settings import PFedPGSettings
 from fedfm_flower.learners.pfedseq_settings import PFedSeqSettings
@@ -74,6 +75,7 @@ def test_method_settings_are_registered_under_their_own_prefix() -> None:
         PerFedAvgSettings,
         FedDPASettings,
         TAPSettings,
+        FedDATSettings,
     )
     common = {f.name.replace("_", "-") for f in dataclasses.fields(ExperimentConfig)}
     seen: set[str] = set()
@@ -141,6 +143,9 @@ NON_DEFAULT = {
     "tap-distill-text-generation": 0.5,
     "tap-temperature": 2.0,
     "tap-distill-steps": 7,
+    "feddat-local-weight": 0.25,
+    "feddat-temperature": 2.0,
+    "feddat-distill-weight": 0.5,
 }
 
 
@@ -154,7 +159,14 @@ def test_typed_settings_hold_the_run_config_values() -> None:
     for run_config in (NON_DEFAULT, as_cli):  # typed (TOML) or strings (CLI overrides)
         config = ExperimentConfig.from_run_config({"method": "fedavg", **run_config})
         seq, pg = config.settings_of(PFedSeqSettings), config.settings_of(PFedPGSettings)
-        others = (PartialSettings, APFLSettings, PerFedAvgSettings, FedDPASettings, TAPSettings)
+        others = (
+            PartialSettings,
+            APFLSettings,
+            PerFedAvgSettings,
+            FedDPASettings,
+            TAPSettings,
+            FedDATSettings,
+        )
         typed = {
             k: v for kind in others for k, v in config.settings_of(kind).to_run_config().items()
         }

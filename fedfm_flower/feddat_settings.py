@@ -1,0 +1,33 @@
+"""FedDAT's run-config keys (``feddat-*``): the Dual-Adapter Teacher's mixture and the mutual KD.
+
+Light (no torch): the config reads it through the method registry in every process, the
+ClientApp's included. Defaults are those of the authors' released code
+(github.com/HaokunChen245/FedDAT, ``src/``); the method is ``client_apps.feddat``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from fedfm_flower.settings import MethodSettings, setting
+
+
+@dataclass(frozen=True)
+class FedDATSettings(MethodSettings):
+    """FedDAT's keys: field ``local_weight`` is run-config key ``feddat-local-weight``."""
+
+    prefix: ClassVar[str] = "feddat"
+
+    # The client-specific adapter's weight in the DAT; the frozen global one gets 1 - it. The
+    # official ``Adapter.forward`` (src/modeling/models/adapter.py) averages the two adapters'
+    # outputs with fixed weights 0.5 (its learned gating is commented out).
+    local_weight: float = setting(
+        0.5, within=(0.0, 1.0), note="the DAT mixes its two adapters with weights w and 1 - w"
+    )
+    # The KD temperature T; the KL term is scaled by T^2 (``kl_loss`` in
+    # src/train/visionlanguage_tasks/task_trainer.py: temp=3, ``l_kl * temp**2``).
+    temperature: float = setting(3.0, positive=True)
+    # The KD term's weight beside the task loss in each half of MKD: the official
+    # ``TaskTrainer.train_step`` uses (task loss + KL) / 2, i.e. weight 1.
+    distill_weight: float = setting(1.0, non_negative=True)
