@@ -66,7 +66,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -75,7 +75,7 @@ from torch import nn
 from client_apps.base import ClientLogic, ClientRuntime
 from fedfm_flower.feddat_settings import FedDATSettings
 from fedfm_flower.models import TunedModel
-from fedfm_flower.tasks.base import Batch, StepResult, Task
+from fedfm_flower.tasks.base import Batch, StepResult, Task, TrainingObjective
 from fedfm_flower.training import EvalStats, TrainStats
 
 if TYPE_CHECKING:
@@ -184,30 +184,13 @@ def mutual_distillation(
     return loss_s, loss_c, sums
 
 
-class MutualDistillationTask(Task):
+class MutualDistillationTask(TrainingObjective):
     """The multi-task task whose training step is MKD on a ``MutualPair`` (L_s + L_c)."""
 
     def __init__(self, task: Task, temperature: float, weight: float) -> None:
-        self.task = task
+        super().__init__(task)
         self.temperature = temperature
         self.weight = weight
-        self.name = task.name
-        self.primary_metric = task.primary_metric
-        self.modality = task.modality
-
-    def client_data(self, config: Any, partition_id: int, num_partitions: int) -> Any:
-        """The wrapped task's client data."""
-        return self.task.client_data(config, partition_id, num_partitions)
-
-    def example_counts(self, config: Any, num_clients: int) -> list:
-        """The wrapped task's counts."""
-        return self.task.example_counts(config, num_clients)
-
-    def batches(
-        self, data: Any, batch_size: int, generator: torch.Generator | None
-    ) -> Iterator[Batch]:
-        """The wrapped task's batches."""
-        return self.task.batches(data, batch_size, generator)
 
     def step(self, model: nn.Module, batch: Batch) -> StepResult:
         """L_s + L_c of ``model`` (a ``MutualPair``) on one batch: one forward of each side."""
@@ -218,12 +201,6 @@ class MutualDistillationTask(Task):
         dat = task_outputs(model.dat, batch)
         loss_s, loss_c, sums = mutual_distillation(shared, dat, size, self.temperature, self.weight)
         return StepResult(loss_s + loss_c, size, sums)
-
-    def evaluate(
-        self, model: nn.Module, data: Any, device: torch.device, batch_size: int
-    ) -> EvalStats:
-        """The wrapped task's evaluation."""
-        return self.task.evaluate(model, data, device, batch_size)
 
 
 class FedDATClient(ClientLogic):

@@ -17,15 +17,14 @@ W~ frozen.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from fedfm_flower.data.multitask import CLASSIFICATION, IMAGE_GENERATION, PAIRS
-from fedfm_flower.tasks.base import Batch, EvalStats, StepResult, Task
+from fedfm_flower.tasks.base import Batch, StepResult, Task, TrainingObjective
 from fedfm_flower.tasks.multitask import TaskOutput, task_outputs, weighted_loss
 
 
@@ -49,33 +48,16 @@ def distillation_loss(student: TaskOutput, teacher: TaskOutput, temperature: flo
     return softened_kl(teacher.outputs[scored], student.outputs[scored], temperature)
 
 
-class DistillationTask(Task):
+class DistillationTask(TrainingObjective):
     """The multi-task task whose training loss is eq. 6 against a frozen teacher."""
 
     def __init__(
         self, task: Task, teacher: nn.Module, weights: Mapping[str, float], temperature: float
     ) -> None:
-        self.task = task
+        super().__init__(task)
         self.teacher = teacher.eval()
         self.weights = dict(weights)  # beta_o by pair
         self.temperature = temperature
-        self.name = task.name
-        self.primary_metric = task.primary_metric
-        self.modality = task.modality
-
-    def client_data(self, config: Any, partition_id: int, num_partitions: int) -> Any:
-        """The wrapped task's client data."""
-        return self.task.client_data(config, partition_id, num_partitions)
-
-    def example_counts(self, config: Any, num_clients: int) -> list:
-        """The wrapped task's counts."""
-        return self.task.example_counts(config, num_clients)
-
-    def batches(
-        self, data: Any, batch_size: int, generator: torch.Generator | None
-    ) -> Iterator[Batch]:
-        """The wrapped task's batches."""
-        return self.task.batches(data, batch_size, generator)
 
     def step(self, model: nn.Module, batch: Batch) -> StepResult:
         """eq. 6: the lambda-weighted task losses plus beta_o times each pair's KD term."""
@@ -91,9 +73,3 @@ class DistillationTask(Task):
             sums[f"count-{task}"] = float(out.count)
             sums[f"distill-{task}"] = kd.item() * out.count
         return StepResult(loss, len(batch[0]), sums)
-
-    def evaluate(
-        self, model: nn.Module, data: Any, device: torch.device, batch_size: int
-    ) -> EvalStats:
-        """The wrapped task's evaluation."""
-        return self.task.evaluate(model, data, device, batch_size)

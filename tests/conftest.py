@@ -35,3 +35,24 @@ def small_run_config(cache_dir: Path, tmp_path: Path) -> dict:
         "pretrain-epochs": 30,
         "seed": 0,
     }
+
+
+@pytest.fixture
+def multitask_run_config(small_run_config: dict, tmp_path: Path) -> dict:
+    """TAP's multi-task federation in small: 4 clients (pair groups {0,1}, {2}, {3}), 2 rounds,
+    mm-offline at 32 px; add the method."""
+    return {
+        **small_run_config,
+        "dataset": "multitask",
+        "backbone": "mm-offline",
+        "image-size": 32,
+        "pretrain-epochs": 2,
+        "lora-rank": 4,
+        "optimizer": "adamw",
+        "lr": 0.001,
+        "batch-size": 16,
+        "max-new-tokens": 4,
+        "local-steps": 2,
+        "eval-every": 5,  # the last round evaluates anyway
+        "client-state-dir": str(tmp_path / "state"),
+    }

@@ -190,24 +190,9 @@ def test_mutual_kd_matches_the_official_two_losses_by_hand() -> None:
 
 
 @pytest.fixture
-def feddat_config(small_run_config: dict, tmp_path: Path) -> dict:
-    """FedDAT on the multi-task federation: 4 clients (groups {0,1}, {2}, {3}), 2 rounds."""
-    return {
-        **small_run_config,
-        "method": "feddat",
-        "dataset": "multitask",
-        "backbone": "mm-offline",
-        "image-size": 32,
-        "pretrain-epochs": 2,
-        "lora-rank": 4,
-        "optimizer": "adamw",
-        "lr": 0.001,
-        "batch-size": 16,
-        "max-new-tokens": 4,
-        "local-steps": 2,
-        "eval-every": 5,  # the last round evaluates anyway
-        "client-state-dir": str(tmp_path / "state"),
-    }
+def feddat_config(multitask_run_config: dict) -> dict:
+    """FedDAT on the small multi-task federation."""
+    return {**multitask_run_config, "method": "feddat"}
 
 
 def test_feddat_end_to_end_the_client_adapter_stays_home_and_survives_a_restart(

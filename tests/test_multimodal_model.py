@@ -208,28 +208,14 @@ def test_component_wise_fedavg_averages_each_tensor_over_its_owners() -> None:
 
 
 def test_only_owned_components_travel_on_the_multitask_federation(
-    small_run_config: dict,
+    multitask_run_config: dict,
 ) -> None:
     from fedfm_flower import protocol as P
     from fedfm_flower.data.multitask import client_tasks
     from fedfm_flower.models import build_model
     from server_apps.inprocess import run_in_process
 
-    config = {
-        **small_run_config,
-        "method": "fedavg",
-        "dataset": "multitask",
-        "backbone": "mm-offline",
-        "image-size": 32,
-        "pretrain-epochs": 2,
-        "lora-rank": 4,
-        "optimizer": "adamw",
-        "lr": 0.001,
-        "batch-size": 16,
-        "max-new-tokens": 4,
-        "local-steps": 2,
-        "num-server-rounds": 1,
-    }
+    config = {**multitask_run_config, "method": "fedavg", "num-server-rounds": 1}
     replies = []
 
     def keep(client_id, reply):  # noqa: ANN001, ANN202

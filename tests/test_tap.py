@@ -97,25 +97,9 @@ def test_eq5_kd_is_the_softened_kl_for_classes_tokens_and_mse_for_images() -> No
 
 
 @pytest.fixture
-def tap_config(small_run_config: dict, tmp_path: Path) -> dict:
-    """TAP on the multi-task federation: 4 clients (groups {0,1}, {2}, {3}), 2 rounds."""
-    return {
-        **small_run_config,
-        "method": "tap",
-        "dataset": "multitask",
-        "backbone": "mm-offline",
-        "image-size": 32,
-        "pretrain-epochs": 2,
-        "lora-rank": 4,
-        "optimizer": "adamw",
-        "lr": 0.001,
-        "batch-size": 16,
-        "max-new-tokens": 4,
-        "local-steps": 2,
-        "tap-distill-steps": 2,
-        "eval-every": 5,  # the last round evaluates anyway
-        "client-state-dir": str(tmp_path / "state"),
-    }
+def tap_config(multitask_run_config: dict) -> dict:
+    """TAP on the small multi-task federation, P = 2."""
+    return {**multitask_run_config, "method": "tap", "tap-distill-steps": 2}
 
 
 def _records(run_dir: Path) -> list[dict]:
@@ -169,7 +153,8 @@ def test_tap_end_to_end_x_stays_home_and_survives_a_restart(tap_config: dict) ->
     assert resumed["final-per-client-task-score"] == full["final-per-client-task-score"]
 
 
-@pytest.mark.parametrize("method", ["local", "fedavg", "fedavg-ft", "per-fedavg", "per-fedavg-ft"])
+# fedavg: tests/test_multimodal_model.py
+@pytest.mark.parametrize("method", ["local", "fedavg-ft", "per-fedavg", "per-fedavg-ft"])
 def test_each_tap_baseline_runs_and_sends_only_its_clients_components(
     method: str, tap_config: dict
 ) -> None:

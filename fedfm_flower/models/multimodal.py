@@ -336,6 +336,35 @@ class MultiModalMultiTask(TunedModel):
         self.group_patterns = self._patterns()
 
     # ----------------------------------------------------------------- components
+    @classmethod
+    def for_run(
+        cls,
+        config: Any,
+        image_encoder: nn.Module,
+        text_encoder: nn.Module,
+        text_width: int,
+        blocks: Sequence[nn.Module],
+        final_norm: nn.Module,
+        tokenizer: Any,
+    ) -> MultiModalMultiTask:
+        """The model with every pair of the multi-task data, LoRA and sizes from the run config."""
+        from fedfm_flower.data.multitask import PAIRS
+
+        return cls(
+            image_encoder,
+            text_encoder,
+            text_width,
+            blocks,
+            final_norm,
+            PAIRS,
+            tokenizer,
+            rank=config.lora_rank,
+            alpha=config.lora_alpha,
+            dropout=config.lora_dropout,
+            image_size=config.image_size,
+            max_target_length=config.max_length,
+        )
+
     def _patterns(self) -> tuple[GroupPattern, ...]:
         lora = r"\.lora_[ab]$"
         block = r"(?:\d+\.)?"  # an ExpertStack's block index (none for one block per stack)
@@ -547,7 +576,6 @@ def build_multimodal(
     """TAP's model, with every modality-task pair of the dataset: for ``mm-offline`` from the
     offline ViT (glyph-domains public split) and tiny LLaMA (the instruction corpus' public
     split); for ``mm-flava``/``mm-vilt`` from ``model-name-or-path`` (``multimodal_hf``)."""
-    from fedfm_flower.data.multitask import PAIRS
     from fedfm_flower.models.causal_lm import foundation_args
     from fedfm_flower.models.classifier import vision_backbone
     from fedfm_flower.models.language import foundation
@@ -576,17 +604,12 @@ def build_multimodal(
             lm = foundation.tiny_llama(tokenizer)
         torch.manual_seed(config.seed)
         rank, alpha, dropout = config.lora_rank, config.lora_alpha, config.lora_dropout
-        return MultiModalMultiTask(
+        return MultiModalMultiTask.for_run(
+            config,
             ImageEncoder(vit, rank, alpha, dropout),
             TextEncoder(lm, rank, alpha, dropout),
             lm.config.hidden_size,
             [vit.blocks[1], vit.blocks[2]],
             vit.norm,
-            PAIRS,
             tokenizer,
-            rank=rank,
-            alpha=alpha,
-            dropout=dropout,
-            image_size=config.image_size,
-            max_target_length=config.max_length,
         )

@@ -465,7 +465,6 @@ def build_hf_multimodal(
 ) -> MultiModalMultiTask:
     """TAP's model from the configured FLAVA or ViLT checkpoint, with every modality-task pair
     of the dataset; LoRA and decoders seeded from ``config.seed`` whatever the weights."""
-    from fedfm_flower.data.multitask import PAIRS
 
     architecture = foundation_config(config)  # checks before any weight is read
     if config.backbone == "mm-flava":
@@ -496,17 +495,12 @@ def build_hf_multimodal(
             text = ViltTextEncoder(foundation, rank, alpha)
             layers = foundation.encoder.layer[:VILT_BACKBONE_LAYERS]
             final_norm, text_width = foundation.layernorm, foundation.config.hidden_size
-        return MultiModalMultiTask(
+        return MultiModalMultiTask.for_run(
+            config,
             image,
             text,
             text_width,
             [HFBlock(layer) for layer in layers],
             final_norm,
-            PAIRS,
             tokenizer,
-            rank=rank,
-            alpha=alpha,
-            dropout=dropout,
-            image_size=config.image_size,
-            max_target_length=config.max_length,
         )

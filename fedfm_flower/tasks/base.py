@@ -130,3 +130,34 @@ class Task(ABC):
     def format_metric(self, name: str, value: float) -> str:
         """How the progress line prints a metric of this task."""
         return f"{value:.4f}"
+
+
+class TrainingObjective(Task):
+    """``task`` with another training loss: data, batches and evaluation are ``task``'s; a
+    subclass defines ``step`` (TAP's distillation, FedDAT's mutual distillation)."""
+
+    def __init__(self, task: Task) -> None:
+        self.task = task
+        self.name = task.name
+        self.primary_metric = task.primary_metric
+        self.modality = task.modality
+
+    def client_data(self, config: ExperimentConfig, partition_id: int, num_partitions: int) -> Any:
+        """The wrapped task's client data."""
+        return self.task.client_data(config, partition_id, num_partitions)
+
+    def example_counts(self, config: ExperimentConfig, num_clients: int) -> list[ClientExamples]:
+        """The wrapped task's counts."""
+        return self.task.example_counts(config, num_clients)
+
+    def batches(
+        self, data: Any, batch_size: int, generator: torch.Generator | None
+    ) -> Iterator[Batch]:
+        """The wrapped task's batches."""
+        return self.task.batches(data, batch_size, generator)
+
+    def evaluate(
+        self, model: nn.Module, data: Any, device: torch.device, batch_size: int
+    ) -> EvalStats:
+        """The wrapped task's evaluation."""
+        return self.task.evaluate(model, data, device, batch_size)
