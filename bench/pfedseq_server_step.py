@@ -3,13 +3,28 @@
     python -m bench.pfedseq_server_step                      # full grid, CPU or CUDA (auto)
     python -m bench.pfedseq_server_step --device cpu --d 10000 100000 --n 10 --l 5 20
     python -m bench.pfedseq_server_step --device cuda --learner mamba --backend cuda
+    python -m bench.pfedseq_server_step --quick --device cpu --threads 1 --round-rest 0.69
 
 One step is ``PFedSeqServer.step()`` once the history holds L rounds and the warm-up is over:
 the learner update (eq. 5: forward + backward over the window in chunks of D rows, one Adam step)
 plus inference (calibrations for every client), plus the cheap bookkeeping around them (eq. 1,
 history update). The grid is adapter size D x clients N x window L (default D in {1e4, 1e5, 1e6},
-N in {10, 100}, L in {5, 20}); the adapter is ONE layer of D parameters (a single tensor
-``blocks.0.lora.weight``), so there is one learner and the numbers are per layer.
+N in {10, 100}, L in {5, 20}). The adapter is ``--layers`` layers of D / layers parameters each
+(tensors ``blocks.<k>.lora.weight``; default one layer, so one learner and the numbers are per
+layer).
+
+Both server paths are measured in the same run (``--paths``, default both), cell by cell, each
+in its own child process: ``loop`` is the per-layer reference (one learner and one chunk at a
+time, ``PFedSeqServer(batch_layers=False)``), ``batched`` the default (all layers' learners in
+one batched call per chunk). The table puts them side by side with the ratio loop / batched and
+the learner calls per pass (chunks over all layers). ``--round-rest S`` adds each path's share
+of a round, step / (S + step), where S is the rest of a round (a measured round minus its
+server step; the benchmark runs no clients, so it has to be given).
+
+``--quick`` measures the offline setups' shape instead of the grid: 4 layers (tiny-vit, LoRA on
+qkv), the points of the suite's server-cost section (D = 4,096 and 16,384; N = 10 and 100;
+L = 5 and 10; ``bench.suite``), written to ``results-<device>-quick.json`` and
+``table-<device>-quick.md``.
 
 Every cell runs in its own child process (``--cell D N L``), so that one cell's allocations do
 not inflate the next one's memory and a cell over ``--timeout-per-cell`` can be killed. The child:
@@ -71,7 +86,10 @@ from fedfm_flower.durable import atomic_write_text
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "bench" / "results" / "pfedseq_server_step"
-LAYER_NAME = "blocks.0.lora.weight"
+LAYER_NAME = "blocks.{k}.lora.weight"
+PATHS = ("loop", "batched")
+QUICK_CELLS = ((4096, 10, 5), (4096, 100, 5), (16384, 10, 5), (4096, 10, 10))
+QUICK_LAYERS = 4
 UPDATE_STD = 1e-3
 RESULT_PREFIX = "RESULT "
 MIB = float(1 << 20)
@@ -139,8 +157,10 @@ def build_server(
     learner: str,
     backend: str,
     chunk_size: int,
+    layers: int = 1,
+    batch_layers: bool = True,
 ) -> Any:
-    """A server with one layer of ``d`` parameters whose history already holds L random rounds."""
+    """A server with ``layers`` layers, ``d`` parameters in all, and L random rounds of history."""
     from fedfm_flower.learners.pfedseq import PFedSeqServer, PFedSeqSettings
 
     settings = PFedSeqSettings(
@@ -150,7 +170,9 @@ def build_server(
         learner=learner,
         scan_backend=backend,
     )
-    server = PFedSeqServer(settings, {LAYER_NAME: torch.zeros(d)}, n, seed=0, device=device)
+    sizes = [d // layers + (1 if k < d % layers else 0) for k in range(layers)]
+    adapter = {LAYER_NAME.format(k=k): torch.zeros(size) for k, size in enumerate(sizes)}
+    server = PFedSeqServer(settings, adapter, n, seed=0, device=device, batch_layers=batch_layers)
     generator = torch.Generator().manual_seed(1)
     server.history = [  # where the server keeps it: its device, as step() appends
         torch.empty(d, n).normal_(0.0, UPDATE_STD, generator=generator).to(server.device)
@@ -159,6 +181,20 @@ def build_server(
     server.masks = [torch.ones(n) for _ in range(seq_len)]
     server.round = seq_len  # == warmup_rounds: the next step is the first one past the warm-up
     return server
+
+
+def learner_calls(server: Any, seq_len: int) -> dict[str, int]:
+    """Rows per learner call (the largest) and learner calls per pass over the D rows."""
+    if server.batch_layers:
+        chunks = server.layer_chunks(seq_len)
+        rows = max(sum(len(r) for _, r in chunk) for chunk in chunks)
+        return {"chunk_rows": rows, "chunks": len(chunks)}
+    step = server.chunk_rows(seq_len)
+    sizes = [layer.size for layer in server.layout.layers]
+    return {
+        "chunk_rows": min(max(sizes), step),
+        "chunks": sum(math.ceil(size / step) for size in sizes),
+    }
 
 
 def synchronize(device: str) -> None:
@@ -174,7 +210,17 @@ def run_cell(args: argparse.Namespace) -> dict[str, Any]:
     device = args.device
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    server = build_server(d, n, seq_len, device, args.learner, args.backend, args.chunk_size)
+    server = build_server(
+        d,
+        n,
+        seq_len,
+        device,
+        args.learner,
+        args.backend,
+        args.chunk_size,
+        args.layers,
+        args.path == "batched",
+    )
     generator = torch.Generator().manual_seed(2)
     updates = {c: torch.empty(d).normal_(0.0, UPDATE_STD, generator=generator) for c in range(n)}
     num_examples = {c: 100 for c in range(n)}
@@ -199,9 +245,10 @@ def run_cell(args: argparse.Namespace) -> dict[str, Any]:
         "d": d,
         "n": n,
         "l": seq_len,
+        "layers": args.layers,
+        "path": args.path,
         "status": "ok",
-        "chunk_rows": min(d, server.chunk_rows(seq_len)),
-        "chunks": math.ceil(d / server.chunk_rows(seq_len)),
+        **learner_calls(server, seq_len),
         "learner_parameters": server.num_learner_parameters(),
         "history_bytes": seq_len * d * n * 4,
         "rss_before_mib": rss_before * 1024 / MIB,
@@ -250,7 +297,11 @@ def child_main(args: argparse.Namespace) -> int:
         ):
             raise
         d, n, seq_len = args.cell
-        record = {"d": d, "n": n, "l": seq_len, "status": "oom", "error": str(error)[:500]}
+        record = {
+            **cell_key(d, n, seq_len, args.layers, args.path),
+            "status": "oom",
+            "error": str(error)[:500],
+        }
     print(RESULT_PREFIX + json.dumps(record), flush=True)
     return 0
 
@@ -309,41 +360,87 @@ def fmt(value: float | None, digits: int = 3) -> str:
     return "-" if value is None else f"{value:.{digits}g}"
 
 
-def table(records: list[dict[str, Any]], device: str) -> str:
-    """The markdown table of the cells measured so far."""
-    header = [
-        "D",
-        "N",
-        "L",
-        "chunk rows x chunks",
-        "step s",
-        "peak working memory MiB",
+KEY = ("d", "n", "l", "layers", "path")
+
+
+def cell_key(d: int, n: int, seq_len: int, layers: int, path: str) -> dict[str, Any]:
+    """The fields that name one measured cell."""
+    return {"d": d, "n": n, "l": seq_len, "layers": layers, "path": path}
+
+
+def with_defaults(record: dict[str, Any]) -> dict[str, Any]:
+    """A record of an earlier run (before layers and paths): one layer, the per-layer loop."""
+    return {"layers": 1, "path": "loop", **record}
+
+
+def working_mib(record: dict[str, Any], device: str) -> float:
+    """The step's peak working memory: the GPU's on CUDA, the host's on CPU."""
+    key = "cuda_peak_increase_mib" if device == "cuda" else "peak_rss_increase_mib"
+    return record[key]
+
+
+def path_cells(record: dict[str, Any] | None, device: str) -> dict[str, str]:
+    """One path's table entries: step seconds, calls x rows, memory (or its status)."""
+    if record is None:
+        return {"step": "-", "calls": "-", "memory": "-", "host": "-"}
+    if record["status"] != "ok":
+        return {"step": record["status"], "calls": "-", "memory": "-", "host": "-"}
+    return {
+        "step": fmt(record["step_seconds"]),
+        "calls": f"{record['chunks']} x {record['chunk_rows']}",
+        "memory": fmt(working_mib(record, device)),
+        "host": fmt(record["peak_rss_increase_mib"]),
+    }
+
+
+def share(record: dict[str, Any] | None, round_rest: float | None) -> str:
+    """step / (rest of the round + step), as a percentage."""
+    if record is None or record["status"] != "ok" or round_rest is None:
+        return "-"
+    step = record["step_seconds"]
+    return f"{100 * step / (round_rest + step):.1f}%"
+
+
+def table(records: list[dict[str, Any]], device: str, round_rest: float | None = None) -> str:
+    """The markdown table: one row per (D, N, L, layers), the two paths side by side."""
+    rows: dict[tuple, dict[str, dict[str, Any]]] = {}
+    for record in map(with_defaults, records):
+        key = (record["d"], record["n"], record["l"], record["layers"])
+        rows.setdefault(key, {})[record["path"]] = record
+    header = ["D", "N", "L", "layers", "loop step s", "batched step s", "loop / batched"]
+    if round_rest is not None:
+        header += ["loop share of a round", "batched share of a round"]
+    header += [
+        "learner calls x rows, loop / batched",
+        "peak working memory MiB, loop / batched",
         "history MiB",
     ]
     if device == "cuda":
-        header.append("host peak RSS MiB")
+        header.append("host peak RSS MiB, loop / batched")
     lines = ["| " + " | ".join(header) + " |", "|" + "---:|" * len(header)]
-    for r in records:
-        history = r["l"] * r["d"] * r["n"] * 4 / MIB
-        if r["status"] == "ok":
-            working = (
-                r["cuda_peak_increase_mib"] if device == "cuda" else r["peak_rss_increase_mib"]
-            )
-            cells = [fmt(r["step_seconds"]), fmt(working), fmt(history)]
-            if device == "cuda":
-                cells.append(fmt(r["peak_rss_increase_mib"]))
-            chunk = f"{r['chunk_rows']} x {r['chunks']}"
-        else:
-            cells = [r["status"], "-", fmt(history)] + (["-"] if device == "cuda" else [])
-            chunk = "-"
-        lines.append(
-            f"| {r['d']:.3g} | {r['n']} | {r['l']} | {chunk} | " + " | ".join(cells) + " |"
-        )
+    for (d, n, seq_len, layers), paths in rows.items():
+        loop, batched = paths.get("loop"), paths.get("batched")
+        a, b = path_cells(loop, device), path_cells(batched, device)
+        both_ok = loop and batched and loop["status"] == batched["status"] == "ok"
+        ratio = fmt(loop["step_seconds"] / batched["step_seconds"]) if both_ok else "-"
+        cells = [f"{d:.3g}", str(n), str(seq_len), str(layers), a["step"], b["step"], ratio]
+        if round_rest is not None:
+            cells += [share(loop, round_rest), share(batched, round_rest)]
+        cells += [
+            f"{a['calls']} / {b['calls']}",
+            f"{a['memory']} / {b['memory']}",
+            fmt(seq_len * d * n * 4 / MIB),
+        ]
+        if device == "cuda":
+            cells.append(f"{a['host']} / {b['host']}")
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
-def run_child(args: argparse.Namespace, d: int, n: int, seq_len: int) -> dict[str, Any]:
-    """Run one cell in a child process; its record, or a timeout/oom/error record."""
+def run_child(
+    args: argparse.Namespace, d: int, n: int, seq_len: int, path: str = "batched"
+) -> dict[str, Any]:
+    """Run one cell of one path in a child process; its record, or a timeout/oom/error record."""
     command = [
         sys.executable,
         "-m",
@@ -352,6 +449,10 @@ def run_child(args: argparse.Namespace, d: int, n: int, seq_len: int) -> dict[st
         str(d),
         str(n),
         str(seq_len),
+        "--path",
+        path,
+        "--layers",
+        str(args.layers),
         "--device",
         args.device,
         "--learner",
@@ -371,7 +472,7 @@ def run_child(args: argparse.Namespace, d: int, n: int, seq_len: int) -> dict[st
     ]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    base = {"d": d, "n": n, "l": seq_len}
+    base = cell_key(d, n, seq_len, args.layers, path)
     started = time.perf_counter()
     try:
         done = subprocess.run(
@@ -424,12 +525,20 @@ def dominated(d: int, n: int, seq_len: int, failed: list[tuple[int, int, int]]) 
     return any(d >= fd and n >= fn and seq_len >= fl for fd, fn, fl in failed)
 
 
+def grid(args: argparse.Namespace) -> list[tuple[int, int, int]]:
+    """The (D, N, L) cells to measure: ``--quick``'s points or the product of --d, --n, --l."""
+    if args.quick:
+        return list(QUICK_CELLS)
+    return [(d, n, seq_len) for d in args.d for n in args.n for seq_len in args.l]
+
+
 def parent_main(args: argparse.Namespace) -> int:
-    """Run the grid cell by cell; write results and table after each cell; print the table."""
+    """Run the grid cell by cell, each path in turn; write results and table after each cell."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    json_path = out / f"results-{args.device}.json"
-    table_path = out / f"table-{args.device}.md"
+    suffix = f"{args.device}-quick" if args.quick else args.device
+    json_path = out / f"results-{suffix}.json"
+    table_path = out / f"table-{suffix}.md"
     settings = {
         "device": args.device,
         "learner": args.learner,
@@ -440,44 +549,44 @@ def parent_main(args: argparse.Namespace) -> int:
         "timeout_per_cell": args.timeout,
         "threads": args.threads,
         "layer": LAYER_NAME,
+        "layers": args.layers,
+        "paths": args.paths,
+        "round_rest_seconds": args.round_rest,
         "update_std": UPDATE_STD,
     }
     machine = machine_info(args.device)
     must_match = ("device", "learner", "backend", "chunk_size", "threads")
     earlier, machines = load_earlier(json_path, args.merge, settings, must_match)
+    earlier = [with_defaults(r) for r in earlier]
     records: list[dict[str, Any]] = []
-    failed: list[tuple[int, int, int]] = []
-    for d in args.d:
-        for n in args.n:
-            for seq_len in args.l:
-                if not args.no_skip_larger and dominated(d, n, seq_len, failed):
-                    record = {"d": d, "n": n, "l": seq_len, "status": "skipped"}
-                else:
-                    record = run_child(args, d, n, seq_len)
-                if record["status"] in ("timeout", "oom"):
-                    failed.append((d, n, seq_len))
-                records.append(record)
-                shown = (
-                    f"{record['step_seconds']:.3g} s"
-                    if record["status"] == "ok"
-                    else record["status"]
-                )
-                print(f"D={d:.3g} N={n} L={seq_len}: {shown}", flush=True)
-                cells = merged(earlier, records, ("d", "n", "l"))
-                payload = {"settings": settings, "machine": machine, "cells": cells}
-                if machines:
-                    payload["earlier_machines"] = machines
-                # Atomic, not durable: a kill mid-write must not lose the earlier cells.
-                atomic_write_text(json_path, json.dumps(payload, indent=2) + "\n", durable=False)
-                text = table(cells, args.device)
-                atomic_write_text(
-                    table_path,
-                    f"pFedSeq server step, {args.device}, learner {args.learner}, "
-                    f"backend {args.backend}, chunk-size {args.chunk_size}\n\n{text}",
-                    durable=False,
-                )
+    failed: dict[str, list[tuple[int, int, int]]] = {path: [] for path in args.paths}
+    title = (
+        f"pFedSeq server step, {args.device}, learner {args.learner}, backend {args.backend}, "
+        f"chunk-size {args.chunk_size}, {args.layers} layer(s), threads {args.threads or 'default'}"
+    )
+    for d, n, seq_len in grid(args):
+        for path in args.paths:
+            if not args.no_skip_larger and dominated(d, n, seq_len, failed[path]):
+                record = {**cell_key(d, n, seq_len, args.layers, path), "status": "skipped"}
+            else:
+                record = run_child(args, d, n, seq_len, path)
+            if record["status"] in ("timeout", "oom"):
+                failed[path].append((d, n, seq_len))
+            records.append(record)
+            shown = (
+                f"{record['step_seconds']:.3g} s" if record["status"] == "ok" else record["status"]
+            )
+            print(f"D={d:.3g} N={n} L={seq_len} {path}: {shown}", flush=True)
+            cells = merged(earlier, records, KEY)
+            payload = {"settings": settings, "machine": machine, "cells": cells}
+            if machines:
+                payload["earlier_machines"] = machines
+            # Atomic, not durable: a kill mid-write must not lose the earlier cells.
+            atomic_write_text(json_path, json.dumps(payload, indent=2) + "\n", durable=False)
+            text = table(cells, args.device, args.round_rest)
+            atomic_write_text(table_path, f"{title}\n\n{text}", durable=False)
     print()
-    print(table(merged(earlier, records, ("d", "n", "l")), args.device), end="")
+    print(table(merged(earlier, records, KEY), args.device, args.round_rest), end="")
     print(f"\nwrote {json_path} and {table_path}")
     return 0
 
@@ -489,6 +598,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--d", type=count, nargs="+", default=[10_000, 100_000, 1_000_000])
     parser.add_argument("--n", type=count, nargs="+", default=[10, 100])
     parser.add_argument("--l", type=count, nargs="+", default=[5, 20])
+    parser.add_argument(
+        "--layers",
+        type=count,
+        default=None,
+        help=f"adapter layers sharing the D parameters (default 1; {QUICK_LAYERS} with --quick)",
+    )
+    parser.add_argument(
+        "--paths",
+        choices=PATHS,
+        nargs="+",
+        default=list(PATHS),
+        help="server paths to measure: the per-layer loop, the layer-batched default",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="the offline setups' shape: 4 layers, the suite's server-cost points",
+    )
+    parser.add_argument(
+        "--round-rest",
+        type=float,
+        default=None,
+        help="seconds of a round outside the server step; adds each path's share of a round",
+    )
     parser.add_argument("--learner", choices=["mamba", "lstm", "mlp"], default="mamba")
     parser.add_argument("--backend", choices=["auto", "torch", "cuda"], default="auto")
     parser.add_argument("--chunk-size", type=int, default=0, help="rows of D per chunk; 0 = auto")
@@ -518,13 +651,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--cell", type=count, nargs=3, metavar=("D", "N", "L"), help=argparse.SUPPRESS
     )
+    parser.add_argument("--path", choices=PATHS, default="batched", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.layers is None:
+        args.layers = QUICK_LAYERS if args.quick else 1
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda but torch sees no CUDA device")
     if args.chunk_size < 0:
         parser.error("--chunk-size must be >= 0")
+    if not args.quick and min(args.d) < args.layers:
+        parser.error(f"--d must be at least --layers ({args.layers}): every layer needs a row")
+    if args.round_rest is not None and args.round_rest < 0:
+        parser.error("--round-rest must be >= 0")
     return args
 
 

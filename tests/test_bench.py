@@ -63,6 +63,27 @@ def test_pfedseq_step_benchmark_steps_past_the_warmup_with_history_on_the_server
     assert server.personal.shape == (3, 64) and torch.isfinite(server.personal).all()
 
 
+def test_pfedseq_step_benchmark_puts_the_loop_and_the_batched_path_side_by_side() -> None:
+    """Layers split D evenly; one table row per cell with both paths, their ratio and shares."""
+    from bench.pfedseq_server_step import build_server, table
+
+    loop = build_server(64, 3, 2, "cpu", "mamba", "torch", 0, 4, False)
+    batched = build_server(64, 3, 2, "cpu", "mamba", "torch", 0, 4, True)
+    assert [layer.size for layer in loop.layout.layers] == [16] * 4
+    assert not loop.batch_layers and batched.batch_layers
+    base = {"d": 4096, "n": 10, "l": 5, "layers": 4, "status": "ok", "peak_rss_increase_mib": 100}
+    records = [
+        {**base, "path": "loop", "step_seconds": 0.3, "chunks": 4, "chunk_rows": 1024},
+        {**base, "path": "batched", "step_seconds": 0.2, "chunks": 1, "chunk_rows": 4096},
+    ]
+    text = table(records, "cpu", round_rest=0.7)
+    assert (
+        "| 4.1e+03 | 10 | 5 | 4 | 0.3 | 0.2 | 1.5 | 30.0% | 22.2% | 4 x 1024 / 1 x 4096 |" in text
+    )
+    earlier = {k: v for k, v in records[0].items() if k not in ("layers", "path")}
+    assert "| 4.1e+03 | 10 | 5 | 1 | 0.3 | - | - | 4 x 1024 / - |" in table([earlier], "cpu")
+
+
 def test_gpu_share_gives_concurrent_clients_and_their_cpus() -> None:
     """Share f runs 1/f clients at once with usable CPUs * f each; a bad share names itself."""
     from bench.simulation_overhead import share_resources

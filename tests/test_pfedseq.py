@@ -10,12 +10,14 @@ from safetensors.torch import load_file, save_file
 
 from fedfm_flower.config import ConfigError, ExperimentConfig
 from fedfm_flower.learners import selective_scan as scan
+from fedfm_flower.learners import stacked as stacked_module
 from fedfm_flower.learners.layout import ParameterLayout, layer_key
 from fedfm_flower.learners.mamba import MambaMixer
 from fedfm_flower.learners.pfedseq import PFedSeqServer, PFedSeqSettings
 from fedfm_flower.learners.pfedseq_settings import INPUT_SCALES, LEARNERS
 from fedfm_flower.learners.quadratic import QuadraticFederation, fedavg_settings, run_quadratic
 from fedfm_flower.learners.sequence import LearnerSpec, SequenceLearner
+from fedfm_flower.learners.stacked import StackedLearners
 
 N = 4
 ADAPTER = {
@@ -52,6 +54,17 @@ def run_rounds(server: PFedSeqServer, rounds: range, clients=range(N)) -> None:
         server.step(updates, {c: 10 * (c + 1) for c in updates})
 
 
+def assert_close_to_scale(got: torch.Tensor, want: torch.Tensor, rtol: float = 1e-5) -> None:
+    """Equal within ``rtol`` of each entry plus ``rtol`` of the tensor's largest magnitude.
+
+    Float32 rounding differs between the layer-batched and the per-layer path (other matmul
+    blockings and summation orders), so entries near zero can differ by more than ``rtol`` of
+    themselves; the second term bounds them against the tensor's scale instead.
+    """
+    scale = float(want.detach().abs().max())
+    torch.testing.assert_close(got, want, rtol=rtol, atol=rtol * scale)
+
+
 def randomize_output_projections(module: torch.nn.Module, seed: int = 0) -> None:
     """Zero-initialised outputs hide errors in everything before them; make them non-zero."""
     g = torch.Generator().manual_seed(seed)
@@ -75,7 +88,8 @@ def naive_selective_scan(u, delta, A, B, C, D, z, delta_bias):
             h = decay * h + delta[:, d, t, None] * B[:, :, t] * u[:, d, t, None]
             ys.append((h * C[:, :, t]).sum(-1) + D[d] * u[:, d, t])
         channels.append(torch.stack(ys, -1))
-    return torch.stack(channels, 1) * z * torch.sigmoid(z)
+    y = torch.stack(channels, 1)
+    return y if z is None else y * z * torch.sigmoid(z)
 
 
 def scan_inputs(seed: int = 0, batch: int = 3, dim: int = 5, n: int = 4, steps: int = 6):
@@ -336,7 +350,9 @@ def test_default_calibration_is_the_learner_output_on_the_raw_updates() -> None:
             for i, layer in enumerate(server.layout.layers)
         ]
     ).detach()
-    assert torch.equal(server.calibrations(), want)
+    assert_close_to_scale(server.calibrations(), want)  # the default, layer-batched path
+    server.batch_layers = False
+    assert torch.equal(server.calibrations(), want)  # the per-layer loop: the modules' own call
 
 
 def test_variant_a_sends_the_learner_output_itself() -> None:
@@ -542,6 +558,252 @@ def test_mini_batch_checkpoint_and_resume_are_exact(tmp_path) -> None:
     run_rounds(resumed, range(3, 6))
     a, b = uninterrupted.state_tensors(), resumed.state_tensors()
     assert all(torch.equal(a[name], b[name]) for name in a)
+
+
+# ---------------------------------------------------------------- layer batching
+UNEQUAL_ADAPTER = {  # three layers of different sizes: 30, 12 and 5 rows ("<no-layer>")
+    "backbone.blocks.0.attn.qkv.lora_A.default.weight": (2, 6),
+    "backbone.blocks.0.attn.qkv.lora_B.default.weight": (9, 2),
+    "backbone.blocks.1.attn.qkv.lora_A.default.weight": (2, 3),
+    "backbone.blocks.1.attn.qkv.lora_B.default.weight": (3, 2),
+    "head.lora.weight": (5,),
+}
+
+
+def unequal_adapter() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return {k: torch.randn(*shape, generator=g) * 0.1 for k, shape in UNEQUAL_ADAPTER.items()}
+
+
+def twin_servers(**changes) -> tuple[PFedSeqServer, PFedSeqServer]:
+    """The per-layer loop and the layer-batched path with the same settings and seed."""
+    settings = PFedSeqSettings(
+        seq_len=changes.pop("seq_len", 4),
+        warmup_rounds=changes.pop("warmup_rounds", 1),
+        lr=changes.pop("lr", 1e-2),
+        **changes,
+    )
+    loop, batched = (
+        PFedSeqServer(settings, unequal_adapter(), N, seed=0, batch_layers=flag)
+        for flag in (False, True)
+    )
+    return loop, batched
+
+
+def run_mixed_rounds(server: PFedSeqServer, rounds: range) -> None:
+    """Rounds with full and partial participation (every third round: clients 0 and 2)."""
+    for t in rounds:
+        run_rounds(server, range(t, t + 1), clients=[0, 2] if t % 3 == 2 else range(N))
+
+
+def assert_same_servers(got: PFedSeqServer, want: PFedSeqServer, start: dict) -> None:
+    """Adapters, calibrations, learner moves and gradients, Adam state: equal to the scale."""
+    assert got.round == want.round
+    assert_close_to_scale(got.global_adapter, want.global_adapter)
+    assert_close_to_scale(got.personal, want.personal)
+    assert_close_to_scale(got.calibrations(), want.calibrations())
+    got_params = dict(got.learners.named_parameters())
+    for name, param in want.learners.named_parameters():
+        assert (param - start[name]).abs().max() > 0 or "A_log" in name, name  # it did train
+        assert_close_to_scale(got_params[name].detach(), param.detach())
+        if want.settings.learner_update == "full-batch":  # mini-batch: the last batch's only
+            assert_close_to_scale(got_params[name].grad, param.grad)
+    got_state, want_state = got.state_tensors(), want.state_tensors()
+    assert set(got_state) == set(want_state)
+    for name in want_state:
+        if name.startswith("adam."):
+            assert_close_to_scale(got_state[name], want_state[name])
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {},  # the paper's Mamba learner, full-batch update
+        {"learner_update": "mini-batch", "batch_rows": 4},
+        {"learner_update": "mini-batch", "batch_rows": 7, "learner": "lstm"},
+        {"global_aggregation": False},  # variant A
+        {"seq_len": 1},  # variant B
+        {"cross_client": False, "input_scale": "rms"},  # variant C
+        {"learner": "mlp"},  # variant D
+        {"learner": "lstm"},  # variant E
+        {"input_scale": "rms-rescale", "output_init": "reference", "num_layers": 3},
+        {"chunk_size": 9},  # 3 rows a layer per chunk: shorter layers padded, then left out
+    ],
+    ids=lambda changes: ",".join(f"{k}={v}" for k, v in changes.items()) or "paper",
+)
+def test_layer_batched_step_matches_the_per_layer_loop(changes: dict) -> None:
+    """Calibrations, adapters, learner parameters and Adam state after several steps."""
+    loop, batched = twin_servers(**changes)
+    start = {name: p.detach().clone() for name, p in loop.learners.named_parameters()}
+    pairs = zip(loop.learners.parameters(), batched.learners.parameters(), strict=True)
+    assert all(torch.equal(p, q) for p, q in pairs)  # the same initial learners
+    for server in (loop, batched):
+        run_mixed_rounds(server, range(6))
+    assert_same_servers(batched, loop, start)
+
+
+def test_layer_batched_surrogate_gradient_matches_the_loop() -> None:
+    """One eq. 5 backward pass with every parameter in play (non-zero output projections)."""
+    loop, batched = twin_servers(chunk_size=7)
+    for server in (loop, batched):
+        run_mixed_rounds(server, range(3))
+    randomize_output_projections(loop.learners)
+    batched.learners.load_state_dict(loop.learners.state_dict())
+    updates = random_updates(loop, 77, clients=[0, 1, 3])
+    matrix = torch.zeros(loop.layout.size, N)
+    mask = torch.tensor([1.0, 1.0, 0.0, 1.0])
+    for c, u in updates.items():
+        matrix[:, c] = u
+    values = [server.accumulate_surrogate_gradient(matrix, mask) for server in (loop, batched)]
+    assert values[1] == pytest.approx(values[0], rel=1e-5)
+    for p, q in zip(loop.learners.parameters(), batched.learners.parameters(), strict=True):
+        assert p.grad.abs().max() > 0
+        assert_close_to_scale(q.grad, p.grad)
+
+
+def test_layer_batched_mini_batches_skip_only_the_layer_with_a_non_finite_gradient() -> None:
+    """As in the loop, a layer whose gradient is not finite keeps its learner; the others step."""
+    loop, batched = twin_servers(learner_update="mini-batch", batch_rows=8)
+    for server in (loop, batched):
+        run_mixed_rounds(server, range(3))
+        with torch.no_grad():
+            server.learners[1].core.norms[0].weight[0] = float("nan")
+    for server in (loop, batched):
+        before = [p.detach().clone() for p in server.learners[1].parameters()]
+        run_mixed_rounds(server, range(3, 4))
+        for p, q in zip(server.learners[1].parameters(), before, strict=True):
+            torch.testing.assert_close(p.detach(), q, rtol=0, atol=0, equal_nan=True)
+    for index in (0, 2):
+        pairs = zip(
+            loop.learners[index].parameters(), batched.learners[index].parameters(), strict=True
+        )
+        for p, q in pairs:
+            assert_close_to_scale(q.detach(), p.detach())
+
+
+@pytest.mark.parametrize("learner_update", ["full-batch", "mini-batch"])
+def test_checkpoints_resume_across_the_loop_and_the_batched_path(learner_update, tmp_path) -> None:
+    """A checkpoint of either path loads into the other and resumes the same run."""
+    changes = {"learner_update": learner_update, "batch_rows": 8, "warmup_rounds": 2}
+    reference, _ = twin_servers(**changes)
+    start = {name: p.detach().clone() for name, p in reference.learners.named_parameters()}
+    run_mixed_rounds(reference, range(7))
+    for first_batched in (False, True):
+        first = twin_servers(**changes)[int(first_batched)]
+        run_mixed_rounds(first, range(4))
+        save_file(first.state_tensors(), str(tmp_path / "state.safetensors"))
+        written = load_file(str(tmp_path / "state.safetensors"))
+        resumed = twin_servers(**changes)[int(not first_batched)]
+        resumed.load_state_tensors(written)
+        again = resumed.state_tensors()  # the same format: loads and writes back unchanged
+        assert set(again) == set(written)
+        assert all(torch.equal(again[name], written[name]) for name in written)
+        run_mixed_rounds(resumed, range(4, 7))
+        assert_same_servers(resumed, reference, start)
+
+
+@pytest.mark.parametrize("kind", LEARNERS)
+@pytest.mark.parametrize("cross_client", [True, False])
+def test_stacked_learners_are_each_layers_learner_in_float64(kind: str, cross_client: bool) -> None:
+    """The batched arithmetic is the modules' own: equal to float64 rounding, per layer."""
+    torch.manual_seed(0)
+    spec = LearnerSpec(kind=kind, seq_len=5, num_layers=2, cross_client=cross_client)
+    learners = torch.nn.ModuleList(SequenceLearner(spec, N) for _ in range(3)).double()
+    for index, learner in enumerate(learners):
+        randomize_output_projections(learner, seed=index)
+    stacked = StackedLearners(learners)
+    window = torch.randn(3, 6, 4, N, dtype=torch.float64)  # 4 of the 5 steps
+    got = stacked(stacked.stack(), window)
+    for index, learner in enumerate(learners):
+        torch.testing.assert_close(got[index], learner(window[index]), rtol=1e-10, atol=1e-12)
+
+
+def naive_grouped_selective_scan(u, delta, A, B, C, D, z, delta_bias):
+    """One ``naive_selective_scan`` per group of channels, each with its own B and C."""
+    per = u.shape[1] // B.shape[1]
+    parts = []
+    for g in range(B.shape[1]):
+        c = slice(g * per, (g + 1) * per)
+        gate = None if z is None else z[:, c]
+        parts.append(
+            naive_selective_scan(
+                u[:, c], delta[:, c], A[c], B[:, g], C[:, g], D[c], gate, delta_bias[c]
+            )
+        )
+    return torch.cat(parts, 1)
+
+
+def grouped_scan_inputs(groups: int = 3) -> dict[str, torch.Tensor]:
+    inputs = scan_inputs(dim=2 * groups)
+    g = torch.Generator().manual_seed(9)
+    batch, n, steps = inputs["B"].shape
+    inputs["B"] = torch.randn(batch, groups, n, steps, generator=g, dtype=torch.float64)
+    inputs["C"] = torch.randn(batch, groups, n, steps, generator=g, dtype=torch.float64)
+    return inputs
+
+
+def test_grouped_torch_scan_is_one_scan_per_group_values_gradients_last_step() -> None:
+    inputs = {k: v.requires_grad_() for k, v in grouped_scan_inputs().items()}
+    got = scan.selective_scan_torch(**inputs, delta_softplus=True)
+    want = naive_grouped_selective_scan(**inputs)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    names = list(inputs)
+    grads_got = torch.autograd.grad(got.sum(), [inputs[k] for k in names])
+    grads_want = torch.autograd.grad(want.sum(), [inputs[k] for k in names])
+    for name, a, b in zip(names, grads_got, grads_want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11, msg=name)
+    last = {**inputs, "z": inputs["z"][..., -1:]}
+    with torch.no_grad():  # also the in-place inference path
+        for groups in ("grouped", "shared"):
+            args = (
+                last
+                if groups == "grouped"
+                else {**last, "B": last["B"][:, 0], "C": last["C"][:, 0]}
+            )
+            full = scan.selective_scan_torch(**{**args, "z": inputs["z"]}, delta_softplus=True)
+            only = scan.selective_scan_torch(**args, delta_softplus=True, last_only=True)
+            torch.testing.assert_close(only, full[..., -1:], rtol=1e-12, atol=1e-14)
+
+
+def fake_conv(x, weight, bias, activation=None):
+    """causal_conv1d_fn's contract written out: SiLU of a left-padded depthwise conv."""
+    assert activation == "silu" and weight.shape[0] == x.shape[1]
+    width = weight.shape[1]
+    padded = F.pad(x, (width - 1, 0))
+    out = sum(padded[..., k : k + x.shape[-1]] * weight[:, k, None] for k in range(width))
+    return F.silu(out + bias[:, None])
+
+
+def test_stacked_learners_pass_the_kernel_layouts_correctly(monkeypatch) -> None:
+    """Layers folded into channels and B, C groups on the (faked) kernels equal the torch path."""
+    calls = []
+
+    def fake_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False):
+        calls.append("scan")
+        assert delta_softplus and u.shape == delta.shape and B.dim() == 4
+        assert B.shape == C.shape == (u.shape[0], 3, A.shape[1], u.shape[2])
+        assert z is None or z.shape == u.shape  # the kernel gets every step or no gate
+        return naive_grouped_selective_scan(u, delta, A, B, C, D, z, delta_bias)
+
+    def counted_conv(*args, **kwargs):
+        calls.append("conv")
+        return fake_conv(*args, **kwargs)
+
+    torch.manual_seed(0)
+    learners = torch.nn.ModuleList(SequenceLearner(LearnerSpec(seq_len=5), N) for _ in range(3))
+    learners = learners.double()
+    for index, learner in enumerate(learners):
+        randomize_output_projections(learner, seed=index)
+    stacked = StackedLearners(learners)
+    window = torch.randn(3, 7, 5, N, dtype=torch.float64)
+    reference = stacked(stacked.stack(), window)
+    monkeypatch.setattr(
+        scan, "kernels", lambda: {"selective_scan": fake_scan, "causal_conv1d": counted_conv}
+    )
+    monkeypatch.setattr(scan, "use_kernel", lambda name, tensor, backend: True)
+    monkeypatch.setattr(stacked_module, "use_kernel", lambda name, tensor, backend: True)
+    torch.testing.assert_close(stacked(stacked.stack(), window), reference, rtol=1e-10, atol=1e-12)
+    assert calls == ["conv", "scan", "conv", "scan"]
 
 
 QUADRATIC = QuadraticFederation(num_layers=2, layer_size=128)

@@ -19,6 +19,19 @@ batch dimension and are processed in chunks of ``chunk-size`` rows, which bounds
 not change the result (the surrogate is a sum over rows, so chunked backward passes accumulate
 exactly the full gradient; one Adam step follows).
 
+**Layer batching** (``batch_layers``, default true). The layers' learners share one architecture
+and parameter shapes, so they run as one batched learner (``fedfm_flower.learners.stacked``):
+their parameters are stacked along a leading layer axis, linear maps become batched matmuls and
+the layers are folded into the channels of the causal conv and the selective scan (one B, C
+group per layer), for the calibrations and for the eq. 5 backward pass alike. A chunk then holds
+the same rows of every layer that still has rows (``chunk-size`` rows in all, split over the
+layers); layers with fewer rows are padded with zero rows and a mask, which drops them from the
+calibrations and gives them zero weight in the surrogate, so no grouping by size is needed. The
+gradients go back to each layer's own parameters, so the optimizer, its state and the
+checkpoints (``state_tensors``) are the same as the per-layer loop's, and a checkpoint of either
+path resumes on the other. ``batch_layers = False`` runs the per-layer loop, one learner and one
+chunk at a time: the reference, equal within float32 rounding (``tests/test_pfedseq.py``).
+
 Decisions the paper leaves open:
 
 * **Partial participation.** A client that did not report in round t enters the history with a
@@ -58,6 +71,7 @@ from torch import nn
 from fedfm_flower.learners.layout import LayerRange, ParameterLayout
 from fedfm_flower.learners.pfedseq_settings import PFedSeqSettings
 from fedfm_flower.learners.sequence import LearnerSpec, SequenceLearner
+from fedfm_flower.learners.stacked import StackedLearners
 from fedfm_flower.learners.state import (
     check_client,
     load_optimizer_tensors,
@@ -83,6 +97,7 @@ class PFedSeqServer:
         num_clients: int,
         seed: int = 0,
         device: torch.device | str = "cpu",
+        batch_layers: bool = True,
     ) -> None:
         if num_clients < 1:
             raise ValueError(f"pFedSeq needs at least one client, got {num_clients}")
@@ -97,7 +112,12 @@ class PFedSeqServer:
             self.learners = nn.ModuleList(
                 SequenceLearner(spec, num_clients) for _ in self.layout.layers
             ).to(self.device)
-        self.optimizer = torch.optim.Adam(self.learners.parameters(), lr=settings.lr)
+        # The batched path steps every layer's learner at once: one multi-tensor Adam call.
+        self.optimizer = torch.optim.Adam(
+            self.learners.parameters(), lr=settings.lr, foreach=True if batch_layers else None
+        )
+        self.batch_layers = batch_layers
+        self.stacked = StackedLearners(self.learners)
         start = self.layout.flatten(initial_adapter)
         self.global_adapter = start.clone()
         self.personal = start.repeat(num_clients, 1)  # (N, D): theta_i of the last round
@@ -155,6 +175,8 @@ class PFedSeqServer:
         """xi for every parameter and client from a window (default: the current history)."""
         history = self.history if history is None else history
         masks = self.masks if masks is None else masks
+        if self.batch_layers:
+            return self.batched_calibrations(history, masks)
         out = torch.empty(self.layout.size, self.num_clients)
         with torch.no_grad():
             for index, layer in enumerate(self.layout.layers):
@@ -183,6 +205,8 @@ class PFedSeqServer:
         """
         self.optimizer.zero_grad(set_to_none=False)
         weights = (updates * mask).to(self.device)
+        if self.batch_layers:
+            return self.batched_surrogate_gradient(weights)
         value = 0.0
         for index, layer in enumerate(self.layout.layers):
             scale = self.input_scale(layer, self.history, self.masks)
@@ -206,25 +230,184 @@ class PFedSeqServer:
         learners' gradients are ``None``, which Adam skips).
         """
         weights = (updates * mask).to(self.device)
+        if self.batch_layers:
+            return self.batched_mini_batch_updates(weights)
         value = 0.0
         for index, layer in enumerate(self.layout.layers):
             scale = self.input_scale(layer, self.history, self.masks)
-            generator = torch.Generator().manual_seed(
-                self.seed * 1_000_003 + self.round * 1_009 + index
-            )
-            order = layer.start + torch.randperm(layer.size, generator=generator)
-            for batch in order.split(self.settings.batch_rows):
+            for batch in self.row_order(index).split(self.settings.batch_rows):
                 self.optimizer.zero_grad(set_to_none=True)
                 value += self.surrogate_backward(index, batch, weights, scale)
                 self.optimizer_step()
         return value
 
+    def row_order(self, index: int) -> torch.Tensor:
+        """Layer ``index``'s rows (flat indices) shuffled for this round's mini-batches."""
+        layer = self.layout.layers[index]
+        generator = torch.Generator().manual_seed(
+            self.seed * 1_000_003 + self.round * 1_009 + index
+        )
+        return layer.start + torch.randperm(layer.size, generator=generator)
+
+    # ----------------------------------------------------------------- layer batching
+    def layer_chunks(self, steps: int) -> list[list[tuple[int, torch.Tensor]]]:
+        """The batched path's chunks: (layer index, flat row indices) of every layer in each.
+
+        ``chunk_rows(steps)`` rows in all per chunk, split evenly over the layers; chunk k holds
+        rows [k * r, (k + 1) * r) of every layer with more than k * r rows.
+        """
+        layers = self.layout.layers
+        per_layer = max(1, self.chunk_rows(steps) // len(layers))
+        longest = max(layer.size for layer in layers)
+        count = -(-longest // per_layer)
+        rows = -(-longest // count)
+        return [
+            [
+                (
+                    index,
+                    torch.arange(
+                        layer.start + offset, min(layer.stop, layer.start + offset + rows)
+                    ),
+                )
+                for index, layer in enumerate(layers)
+                if layer.size > offset
+            ]
+            for offset in range(0, longest, rows)
+        ]
+
+    def gather_rows(
+        self, rows: list[torch.Tensor], sources: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``sources`` (each (D, N)) at each layer's ``rows``, zero-padded: (G, r, len, N).
+
+        Returns the stacked rows, the (G, r) flat row index (padding points at a real row) and
+        the (G, r) mask of real rows, or None when no layer needed padding.
+        """
+        width = max(len(r) for r in rows)
+        index = torch.zeros(len(rows), width, dtype=torch.long)
+        valid = torch.zeros(len(rows), width, dtype=torch.bool)
+        for position, own in enumerate(rows):
+            index[position, : len(own)] = own
+            index[position, len(own) :] = own[0]
+            valid[position, : len(own)] = True
+        index = index.to(self.device)
+        flat = index.flatten()
+        out = torch.stack([source.index_select(0, flat) for source in sources], dim=1)
+        out = out.view(len(rows), width, len(sources), -1)
+        if bool(valid.all()):
+            return out, index, None
+        valid = valid.to(self.device)
+        return out.masked_fill_(~valid[:, :, None, None], 0.0), index, valid
+
+    def layer_scales(self, history: list[torch.Tensor], masks) -> torch.Tensor:
+        """Every layer's ``input_scale``: (layers, N) on the device."""
+        return torch.stack(
+            [self.input_scale(layer, history, masks) for layer in self.layout.layers]
+        )
+
+    def batched_calibrate(
+        self,
+        params: dict[str, torch.Tensor],
+        chunk: list[tuple[int, torch.Tensor]],
+        history: list[torch.Tensor],
+        scales: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """xi (G, r, N) of one chunk's layers, with ``gather_rows``' index and mask."""
+        layers = [index for index, _ in chunk]
+        window, index, valid = self.gather_rows([rows for _, rows in chunk], history)
+        scale = scales[layers][:, None, None, :]  # (G, 1, 1, N)
+        xi = self.stacked(params, window / scale)
+        if self.settings.input_scale == "rms-rescale":
+            xi = xi * scale[:, :, 0]
+        return xi, index, valid
+
+    def chunk_parameters(
+        self, stacked: dict[str, torch.Tensor], positions: list[int]
+    ) -> dict[str, torch.Tensor]:
+        """The entries ``positions`` of the stacked parameters' layer axis (all: ``stacked``)."""
+        if positions == list(range(len(next(iter(stacked.values()))))):
+            return stacked
+        chosen = torch.tensor(positions, device=self.device)
+        return {name: value.index_select(0, chosen) for name, value in stacked.items()}
+
+    def batched_calibrations(self, history: list[torch.Tensor], masks) -> torch.Tensor:
+        """``calibrations`` with all layers' learners in one batched call per chunk."""
+        out = torch.empty(self.layout.size, self.num_clients)
+        scales = self.layer_scales(history, masks)
+        with torch.no_grad():
+            stacked = self.stacked.stack()
+            for chunk in self.layer_chunks(len(history)):
+                params = self.chunk_parameters(stacked, [index for index, _ in chunk])
+                xi, index, valid = self.batched_calibrate(params, chunk, history, scales)
+                if valid is None:
+                    out[index.flatten().cpu()] = xi.reshape(-1, self.num_clients).cpu()
+                else:
+                    out[index[valid].cpu()] = xi[valid].cpu()
+        return out
+
+    def batched_surrogate_backward(
+        self,
+        stacked: dict[str, torch.Tensor],
+        chunk: list[tuple[int, torch.Tensor]],
+        weights: torch.Tensor,
+        scales: torch.Tensor,
+    ) -> float:
+        """Backpropagate -sum <xi_i^{t-1}, Delta_i^t> over one chunk into ``stacked``'s grads."""
+        params = self.chunk_parameters(stacked, [index for index, _ in chunk])
+        xi, index, valid = self.batched_calibrate(params, chunk, self.history, scales)
+        target = weights.index_select(0, index.flatten()).view(xi.shape)
+        if valid is not None:
+            target = target.masked_fill(~valid[:, :, None], 0.0)
+        inner = (xi * target).sum()
+        (-inner).backward()
+        return float(inner.detach())
+
+    def batched_surrogate_gradient(self, weights: torch.Tensor) -> float:
+        """``accumulate_surrogate_gradient``'s backward pass with the layers batched."""
+        scales = self.layer_scales(self.history, self.masks)
+        stacked = self.stacked.stack(requires_grad=True)
+        value = 0.0
+        for chunk in self.layer_chunks(len(self.history)):
+            value += self.batched_surrogate_backward(stacked, chunk, weights, scales)
+        self.stacked.scatter_gradients(stacked)
+        return value
+
+    def batched_mini_batch_updates(self, weights: torch.Tensor) -> float:
+        """``mini_batch_updates`` with batch k of every layer in one call and one Adam step.
+
+        Each layer's learner has its own parameters and Adam state, so stepping all layers on
+        their k-th batch at once gives each learner the same steps as the per-layer loop; a
+        layer whose gradient is not finite skips its step alone, as in the loop.
+        """
+        scales = self.layer_scales(self.history, self.masks)
+        orders = [
+            self.row_order(index).split(self.settings.batch_rows)
+            for index in range(len(self.layout.layers))
+        ]
+        value = 0.0
+        for step in range(max(len(order) for order in orders)):
+            chunk = [
+                (index, order[step]) for index, order in enumerate(orders) if step < len(order)
+            ]
+            layers = [index for index, _ in chunk]
+            self.optimizer.zero_grad(set_to_none=True)
+            stacked = self.stacked.stack(layers, requires_grad=True)
+            chunk_all = [(position, rows) for position, (_, rows) in enumerate(chunk)]
+            value += self.batched_surrogate_backward(stacked, chunk_all, weights, scales[layers])
+            finite = self.stacked.finite_gradients(stacked)
+            if not bool(finite.all()):
+                log.warning(
+                    "round %d: non-finite learner gradient; learner step skipped", self.round
+                )
+            kept = [position for position in range(len(layers)) if finite[position]]
+            self.stacked.scatter_gradients(stacked, [layers[p] for p in kept], kept)
+            self.optimizer.step()
+        return value
+
     def optimizer_step(self) -> None:
         """An Adam step, skipped (with a warning) when a gradient is not finite."""
-        grads_finite = all(
-            torch.isfinite(p.grad).all() for p in self.learners.parameters() if p.grad is not None
-        )
-        if grads_finite:
+        grads = [p.grad.flatten() for p in self.learners.parameters() if p.grad is not None]
+        if not grads or bool(torch.isfinite(torch.cat(grads)).all()):
             self.optimizer.step()
         else:
             log.warning("round %d: non-finite learner gradient; learner step skipped", self.round)

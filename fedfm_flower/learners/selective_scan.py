@@ -6,7 +6,10 @@ Both paths compute, for every batch row b, channel d and step t (layouts as in m
     h_t   = exp(delta_t * A) * h_{t-1} + delta_t * B_t * u_t  (h_0 = 0, state size n)
     y_t   = <C_t, h_t> + D * u_t,   out_t = y_t * silu(z_t)
 
-with u, delta, z of shape (batch, d, L), A of shape (d, n), B and C of shape (batch, n, L).
+with u, delta, z of shape (batch, d, L), A of shape (d, n), B and C of shape (batch, n, L), or
+(batch, g, n, L) for g groups of d / g consecutive channels that each read their own B and C
+(mamba-ssm's ``ngroups``; the layer-batched learners fold one group per adapter layer into the
+channels, ``fedfm_flower.learners.stacked``).
 
 The PyTorch path is a loop over the L steps that keeps one (batch, d, n) state and builds no
 (batch, d, L, n) tensors, so it stays within O(batch * d * n) memory per step; sequences here
@@ -75,26 +78,70 @@ def selective_scan_torch(
     z: torch.Tensor | None = None,
     delta_bias: torch.Tensor | None = None,
     delta_softplus: bool = False,
+    last_only: bool = False,
 ) -> torch.Tensor:
-    """The selective scan in plain PyTorch (see the module docstring for the equations)."""
+    """The selective scan in plain PyTorch (see the module docstring for the equations).
+
+    ``last_only``: only the last step's output, (batch, d, 1), with z of one step (the
+    recurrence still runs over every step; the read-out, skip and gate only at the last).
+    """
     if delta_bias is not None:
         delta = delta + delta_bias[:, None]
     if delta_softplus:
         delta = F.softplus(delta)
-    state = u.new_zeros(u.shape[0], u.shape[1], A.shape[-1])
-    outputs = []
-    for u_t, d_t, b_t, c_t in zip(
-        u.unbind(-1), delta.unbind(-1), B.unbind(-1), C.unbind(-1), strict=True
-    ):
-        drive = (d_t * u_t).unsqueeze(-1) * b_t.unsqueeze(1)  # (batch, d, n)
-        state = torch.exp(d_t.unsqueeze(-1) * A) * state + drive
-        outputs.append(torch.einsum("bdn,bn->bd", state, c_t))
-    y = torch.stack(outputs, dim=-1)
+    if B.dim() == 4 or last_only:
+        grouped = (B, C) if B.dim() == 4 else (B.unsqueeze(1), C.unsqueeze(1))
+        y = _grouped_scan(u, delta, A, *grouped, last_only=last_only)
+        if last_only:
+            u = u[..., -1:]
+    else:
+        state = u.new_zeros(u.shape[0], u.shape[1], A.shape[-1])
+        outputs = []
+        for u_t, d_t, b_t, c_t in zip(
+            u.unbind(-1), delta.unbind(-1), B.unbind(-1), C.unbind(-1), strict=True
+        ):
+            drive = (d_t * u_t).unsqueeze(-1) * b_t.unsqueeze(1)  # (batch, d, n)
+            state = torch.exp(d_t.unsqueeze(-1) * A) * state + drive
+            outputs.append(torch.einsum("bdn,bn->bd", state, c_t))
+        y = torch.stack(outputs, dim=-1)
     if D is not None:
         y = y + D[:, None] * u
     if z is not None:
         y = y * F.silu(z)
     return y
+
+
+def _grouped_scan(
+    u: torch.Tensor,
+    delta: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    last_only: bool = False,
+) -> torch.Tensor:
+    """sum_n C_t h_t of the recurrence with B, C of shape (batch, g, n, L): (batch, d, L).
+
+    Without gradients (inference) the state is updated in place. ``last_only``: (batch, d, 1).
+    """
+    batch, dim, steps = u.shape
+    groups = B.shape[1]
+    channels = (batch, groups, dim // groups)
+    decay = A.reshape(groups, dim // groups, A.shape[-1])
+    u, delta = u.reshape(*channels, steps), delta.reshape(*channels, steps)
+    in_place = not (torch.is_grad_enabled() and any(t.requires_grad for t in (u, delta, A, B, C)))
+    state = u.new_zeros(*channels, A.shape[-1])
+    outputs = []
+    for step, (u_t, d_t, b_t, c_t) in enumerate(
+        zip(u.unbind(-1), delta.unbind(-1), B.unbind(-1), C.unbind(-1), strict=True)
+    ):
+        drive = (d_t * u_t).unsqueeze(-1) * b_t.unsqueeze(2)  # (batch, g, d / g, n)
+        if in_place:
+            state.mul_((d_t.unsqueeze(-1) * decay).exp_()).add_(drive)
+        else:
+            state = torch.exp(d_t.unsqueeze(-1) * decay) * state + drive
+        if not last_only or step == steps - 1:
+            outputs.append(torch.einsum("bgdn,bgn->bgd", state, c_t).reshape(batch, dim))
+    return torch.stack(outputs, dim=-1)
 
 
 def selective_scan(
@@ -108,21 +155,32 @@ def selective_scan(
     delta_bias: torch.Tensor | None = None,
     delta_softplus: bool = False,
     backend: str = "auto",
+    last_only: bool = False,
 ) -> torch.Tensor:
-    """The selective scan on the mamba-ssm kernel when usable, else in PyTorch."""
+    """The selective scan on the mamba-ssm kernel when usable, else in PyTorch.
+
+    ``last_only``: the last step's output only, (batch, d, 1), with z of one step (the kernel
+    computes every step; the gate is applied to the last one).
+    """
     if use_kernel("selective_scan", u, backend):
-        return kernels()["selective_scan"](
+        y = kernels()["selective_scan"](
             u.contiguous(),
             delta.contiguous(),
             A.contiguous(),
             B.contiguous(),
             C.contiguous(),
             D=None if D is None else D.float().contiguous(),
-            z=None if z is None else z.contiguous(),
+            z=None if z is None or last_only else z.contiguous(),
             delta_bias=None if delta_bias is None else delta_bias.float().contiguous(),
             delta_softplus=delta_softplus,
         )
-    return selective_scan_torch(u, delta, A, B, C, D, z, delta_bias, delta_softplus)
+        if not last_only:
+            return y
+        y = y[..., -1:]
+        return y if z is None else y * F.silu(z)
+    return selective_scan_torch(
+        u, delta, A, B, C, D, z, delta_bias, delta_softplus, last_only=last_only
+    )
 
 
 def causal_conv1d_silu(
