@@ -53,7 +53,11 @@ def write_run(root: Path, label: str, seed: int, finished: bool = True) -> Path:
             shift = 0.1 if server_round == 2 else 0.0
             # node ids differ from client ids (as in Flower simulation): pairing uses client ids
             record["evaluate"] = {
-                str(1000 + 7 * c): {"client-id": float(c), "test-accuracy": v - shift}
+                str(1000 + 7 * c): {
+                    "client-id": float(c),
+                    "test-accuracy": v - shift,
+                    "test-error": 1.0 - (v - shift),
+                }
                 for c, v in enumerate(final)
             }
         records.append(record)
@@ -97,6 +101,19 @@ def test_cells_match_an_independent_computation(runs_dir: Path) -> None:
         assert cell.versus.ci_half_width == pytest.approx(half)
     assert cells[("toy", "fedrep")].mark == "↑"  # better on all 12 units
     assert cells[("toy", "fedavg")].mark == ""  # mixed: no significant difference
+
+
+def test_a_chosen_metric_replaces_the_primary_one_and_an_unknown_one_is_named(
+    runs_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    runs, _ = load_runs([runs_dir], "error")
+    local = next(r for r in runs if r.label == "local" and r.seed == 0)
+    assert local.metric == "error"
+    assert local.final == pytest.approx({c: 1.0 - v for c, v in enumerate(FINAL["local"][0])})
+    assert report_main([str(runs_dir), "--out", str(tmp_path / "r"), "--metric", "error"]) == 0
+    assert "test error" in (tmp_path / "r" / "report.md").read_text()
+    assert report_main([str(runs_dir), "--out", str(tmp_path / "x"), "--metric", "rouge-9"]) == 2
+    assert "'rouge-9'" in capsys.readouterr().err
 
 
 def test_figures_data_pairs_clients_by_id(runs_dir: Path) -> None:

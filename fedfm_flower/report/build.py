@@ -139,9 +139,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("runs", nargs="+", type=Path, help="run directories or folders of them")
     parser.add_argument("--out", type=Path, required=True, help="where the report goes")
     parser.add_argument("--reference", default="local", help="method every other is tested against")
+    parser.add_argument(
+        "--metric",
+        default="",
+        help="client test metric to report, e.g. ttp-rouge-1 (default: the task's primary one)",
+    )
     args = parser.parse_args(argv)
     try:
-        runs, unfinished = load_runs(args.runs)
+        runs, unfinished = load_runs(args.runs, args.metric)
         if not runs:
             raise ValueError(f"no finished run under {', '.join(map(str, args.runs))}")
         write_report(runs, args.out, args.reference, unfinished)

@@ -28,7 +28,7 @@ class RunResult:
     label: str  # method or method:variant
     setup: str
     seed: int
-    metric: str  # the task's primary metric, e.g. "accuracy"
+    metric: str  # the reported metric: the task's primary one (e.g. "accuracy") unless chosen
     rounds: tuple[int, ...]  # the evaluated rounds
     curve: tuple[float, ...]  # mean over clients of the metric at each evaluated round
     final: dict[int, float]  # client id -> metric at the last evaluated round
@@ -55,8 +55,9 @@ def find_runs(paths: Iterable[Path]) -> list[Path]:
     return sorted(found)
 
 
-def read_run(path: Path) -> RunResult | None:
-    """The finished run at ``path``; None when it has no ``summary.json`` yet."""
+def read_run(path: Path, metric: str = "") -> RunResult | None:
+    """The finished run at ``path`` reported on ``metric`` (default: its primary metric); None
+    when it has no ``summary.json`` yet."""
     if not (path / "summary.json").is_file():
         return None
     try:
@@ -65,9 +66,12 @@ def read_run(path: Path) -> RunResult | None:
         records = [json.loads(line) for line in (path / "metrics.jsonl").open() if line.strip()]
     except (OSError, KeyError, ValueError) as err:
         raise ValueError(f"run directory {path} is not readable: {err}") from err
-    metric = summary.get("primary-metric", "accuracy")
+    metric = metric or summary.get("primary-metric", "accuracy")
     key = P.test_metric(metric)
     evaluated = [r for r in records if r.get("evaluate")]
+    if evaluated and any(key not in m for m in evaluated[-1]["evaluate"].values()):
+        known = sorted(k for k in next(iter(evaluated[-1]["evaluate"].values())) if k != key)
+        raise ValueError(f"run {path} has no metric '{metric}' ({key}); its reply keys: {known}")
     final, final_metrics = {}, {}
     if evaluated:
         final = {int(m[P.CLIENT_ID]): float(m[key]) for m in evaluated[-1]["evaluate"].values()}
@@ -96,10 +100,11 @@ def _client_mean(record: dict[str, Any], key: str) -> float:
     return sum(values) / len(values)
 
 
-def load_runs(paths: Iterable[Path]) -> tuple[list[RunResult], list[Path]]:
-    """(finished runs, unfinished run directories) at or below ``paths``."""
+def load_runs(paths: Iterable[Path], metric: str = "") -> tuple[list[RunResult], list[Path]]:
+    """(finished runs, unfinished run directories) at or below ``paths``, reported on ``metric``
+    (default: each run's primary metric)."""
     finished, unfinished = [], []
     for path in find_runs(paths):
-        run = read_run(path)
+        run = read_run(path, metric)
         (finished if run is not None else unfinished).append(run or path)
     return finished, unfinished
