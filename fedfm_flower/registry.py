@@ -24,7 +24,8 @@ class MethodSpec:
     settings: str = ""  # its MethodSettings class (keys <prefix>-*); "" when it has no keys
     tuner: str = "lora"  # what it adds to the backbone (fedfm_flower.models.tuners.TUNERS)
     # The whole ViT trains (else only when train-backbone = true). On a backbone of another
-    # family, which is adapter-tuned only, such a method trains the family's LoRA instead.
+    # family, which is adapter-tuned only, such a method with tuner "none" trains the family's
+    # LoRA instead; one with a ViT tuner of its own (FedPerfix) needs a ViT.
     trains_backbone: bool = False
     modalities: tuple[str, ...] = ()  # input modalities it serves (); () means every one
 
@@ -188,26 +189,30 @@ def client_class(method: str) -> Any:
     return _load(method_spec(method).client)
 
 
-def _whole_vit(config: Any) -> bool:
-    """Whether the run's method trains the whole ViT and its backbone is one."""
+def _adapts_to_family(config: Any) -> bool:
+    """Whether the run's method trains the whole ViT with no tuner of its own (FedBABU, APFL,
+    Per-FedAvg) on a backbone of another family, where it trains that family's LoRA instead."""
     from fedfm_flower.models.families import family_of
 
-    return method_spec(config.method).trains_backbone and family_of(config.backbone).name == "vit"
+    spec = method_spec(config.method)
+    return (
+        spec.trains_backbone and spec.tuner == "none" and family_of(config.backbone).name != "vit"
+    )
 
 
 def tuner_of(config: Any) -> str:
     """The tuner of a run: the config's ``tuner`` unless 'auto', else the method's own (LoRA
-    for a whole-ViT method on a backbone of another family)."""
+    for a whole-ViT method without a tuner on a backbone of another family)."""
     if config.tuner != "auto":
         return config.tuner
-    spec = method_spec(config.method)
-    return "lora" if spec.trains_backbone and not _whole_vit(config) else spec.tuner
+    return "lora" if _adapts_to_family(config) else method_spec(config.method).tuner
 
 
 def trains_backbone(config: Any) -> bool:
     """Whether the run trains the backbone's own weights: the config says so, or the method
-    trains the whole ViT and the backbone is a ViT."""
-    return _whole_vit(config) or config.train_backbone
+    trains the whole ViT (FedPerfix needs one; FedBABU, APFL, Per-FedAvg adapt to others)."""
+    spec = method_spec(config.method)
+    return config.train_backbone or (spec.trains_backbone and not _adapts_to_family(config))
 
 
 def settings_class(method: str) -> Any:
