@@ -1,5 +1,17 @@
 """The one ClientApp of the Flower App: dispatches train/evaluate/query on the run's method.
 
+* **train**: local training (``ClientLogic.train``), or a post-training round's work
+  (``post_train``) when the message's phase says ``post-training``.
+* **fused round** (``fused-evaluation``): a training message whose config names an
+  ``evaluate-round`` t first evaluates round t (``ClientLogic.evaluate`` with round t's number:
+  the client state as of round t, round t's seeds) on the received tensors, which are what round
+  t's evaluate message would have carried, then trains; the reply holds the training reply's
+  records plus ``evaluate-metrics``. An error in one part is reported in the reply's config and
+  leaves the other part standing (``fused_reply``).
+* **evaluate**: an evaluate-only message (clients due an evaluation but not sampled to train,
+  and the final evaluation after the last round).
+* **query**: the node's stable client id, partition and capabilities.
+
 Imports are lazy (torch, timm and peft load inside the handlers) because deployment starts a
 fresh ``flwr-clientapp`` process for every message and pays the import time each time.
 """
@@ -8,11 +20,18 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedfm_flower import protocol as P
+
+if TYPE_CHECKING:
+    import torch
+
+    from client_apps.base import ClientLogic, ClientRuntime
+    from fedfm_flower.training import EvalStats
 
 log = logging.getLogger(__name__)
 
@@ -48,19 +67,81 @@ def train(message: Message, context: Context) -> Message:
     """Local training with this client's method; replies with what the method sends up.
 
     The reply also states which saved personal state training started from (``state-round``,
-    ``state-digest``), so a restart's effect can be checked from the server's results.
+    ``state-digest``), so a restart's effect can be checked from the server's results. A fused
+    message (``evaluate-round`` = t in its config) first evaluates round t on the received
+    tensors, exactly as round t's evaluate message would have, then trains; see
+    ``fused_reply``.
     """
+    started = time.perf_counter()
+    runtime, logic, _ = _runtime_and_logic(message, context)
+    config_record = message.content.config_records.get(P.CONFIG, ConfigRecord())
+    received = _received(message)
+    if P.EVALUATE_ROUND in config_record:
+        content = fused_reply(
+            runtime, logic, context, config_record, received, int(config_record[P.EVALUATE_ROUND])
+        )
+    else:
+        content = _train_content(runtime, logic, context, config_record, received, started)
+    return Message(content=content, reply_to=message)
+
+
+def fused_reply(
+    runtime: ClientRuntime,
+    logic: ClientLogic,
+    context: Context,
+    config_record: ConfigRecord,
+    received: dict[str, torch.Tensor],
+    evaluate_round: int,
+) -> RecordDict:
+    """Evaluate ``evaluate_round``, then train: the training reply plus ``evaluate-metrics``.
+
+    The evaluation runs first, so it sees the client state as of ``evaluate_round`` (the methods
+    look it up with ``at_most=evaluate_round``), and it uses that round's seeds. A part that
+    raises is logged here and reported in the reply's config (``evaluate-error``,
+    ``train-error``); the other part still counts, as with two separate messages.
+    """
+    errors: dict[str, str] = {}
+    evaluation: MetricRecord | None = None
+    started = time.perf_counter()
+    try:
+        evaluation = _evaluation_metrics(runtime, logic.evaluate(runtime, received, evaluate_round))
+    except Exception as err:  # noqa: BLE001 - reported to the server; training still runs
+        log.exception("evaluation of round %d failed", evaluate_round)
+        errors[P.EVALUATE_ERROR] = f"{type(err).__name__}: {err}"
+    runtime.store.forget_loaded()  # the reply states the state *training* started from
+    training_started = time.perf_counter()
+    try:
+        content = _train_content(runtime, logic, context, config_record, received, training_started)
+    except Exception as err:  # noqa: BLE001 - reported to the server; the evaluation counts
+        log.exception("training failed")
+        errors[P.TRAIN_ERROR] = f"{type(err).__name__}: {err}"
+        content = RecordDict()
+    if evaluation is not None:
+        content[P.EVALUATE_METRICS] = evaluation
+    if errors:
+        content[P.CONFIG] = ConfigRecord(errors)
+    log.debug("fused message: evaluation %.3fs", training_started - started)
+    return content
+
+
+def _train_content(
+    runtime: ClientRuntime,
+    logic: ClientLogic,
+    context: Context,
+    config_record: ConfigRecord,
+    received: dict[str, torch.Tensor],
+    started: float,
+) -> RecordDict:
+    """The training (or post-training) reply's records, faults injected where configured."""
     from client_apps.faults import inject_fault, parse_faults
     from fedfm_flower.records import to_array_record
 
-    started = time.perf_counter()
-    runtime, logic, server_round = _runtime_and_logic(message, context)
+    server_round = int(config_record.get(P.SERVER_ROUND, 0))
     faults = parse_faults(context.node_config)  # before training: a bad value fails fast
-    config_record = message.content.config_records.get(P.CONFIG, ConfigRecord())
     if config_record.get(P.PHASE, "train") == "post-training":
-        sent, stats = logic.post_train(runtime, _received(message), server_round)
+        sent, stats = logic.post_train(runtime, received, server_round)
     else:
-        sent, stats = logic.train(runtime, _received(message), server_round)
+        sent, stats = logic.train(runtime, received, server_round)
     metrics = MetricRecord(
         {
             P.CLIENT_ID: runtime.identity.client_id,
@@ -76,15 +157,12 @@ def train(message: Message, context: Context) -> Message:
     if server_round in faults:
         log.warning("inject-fault: corrupting this reply (%s)", faults[server_round])
         content = inject_fault(content, faults[server_round])
-    return Message(content=content, reply_to=message)
+    return content
 
 
-@app.evaluate()
-def evaluate(message: Message, context: Context) -> Message:
-    """Evaluate the personalized model on this client's own test split."""
-    runtime, logic, server_round = _runtime_and_logic(message, context)
-    stats = logic.evaluate(runtime, _received(message), server_round)
-    metrics = MetricRecord(
+def _evaluation_metrics(runtime: ClientRuntime, stats: EvalStats) -> MetricRecord:
+    """An evaluate reply's metrics: identity, example count, loss and the task's metrics."""
+    return MetricRecord(
         {
             P.CLIENT_ID: runtime.identity.client_id,
             P.NUM_EXAMPLES: stats.num_examples,
@@ -92,6 +170,14 @@ def evaluate(message: Message, context: Context) -> Message:
             **{P.test_metric(k): v for k, v in stats.metrics.items()},
         }
     )
+
+
+@app.evaluate()
+def evaluate(message: Message, context: Context) -> Message:
+    """Evaluate the personalized model on this client's own test split."""
+    runtime, logic, server_round = _runtime_and_logic(message, context)
+    stats = logic.evaluate(runtime, _received(message), server_round)
+    metrics = _evaluation_metrics(runtime, stats)
     return Message(content=RecordDict({P.METRICS: metrics}), reply_to=message)
 
 

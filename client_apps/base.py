@@ -143,7 +143,14 @@ class ClientLogic:
     def evaluate(
         self, runtime: ClientRuntime, received: dict[str, torch.Tensor], server_round: int
     ) -> EvalStats:
-        """Evaluate the personalized model on this client's test split."""
+        """Evaluate the personalized model on this client's test split.
+
+        With ``fused-evaluation`` it runs right before ``train`` of the next round in the same
+        message, on the same ``received``; it must look client state up with
+        ``at_most=server_round``, seed with ``server_round`` and leave nothing that ``train``
+        reads (no saved state, no change to ``received``; the cached model is reset by
+        ``runtime.model()``), as every method here does.
+        """
         raise NotImplementedError
 
     def post_train(

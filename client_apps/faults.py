@@ -16,7 +16,9 @@ clients of one ``flwr run``, or every SuperNode started with it. Kinds (``FAULT_
 * ``missing-key`` / ``extra-key``: the first tensor is dropped / an unexpected tensor is added;
 * ``client-id``: the reply claims the next client id;
 * ``oversize``: the first tensor keeps its declared shape and dtype but carries 64x the bytes;
-* ``crash``: the ClientApp raises instead of replying (Flower turns it into an error reply).
+* ``crash``: the ClientApp raises instead of replying (Flower turns it into an error reply; in
+  a fused message, which also carries the previous round's evaluation, the training part is
+  reported as failed with the same reason and the evaluation still counts).
 
 Faults that need a tensor apply to the ``arrays`` record; a reply without tensors is unchanged.
 """

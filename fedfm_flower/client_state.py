@@ -94,6 +94,12 @@ class ClientStateStore:
             return tensors
         return None
 
+    def forget_loaded(self) -> None:
+        """Clear ``loaded_round``/``loaded_digest``: the next ``load`` alone sets them (a fused
+        message evaluates, then trains, and reports the state training started from)."""
+        self.loaded_round = 0
+        self.loaded_digest = 0
+
     def save(self, server_round: int, tensors: dict[str, torch.Tensor]) -> None:
         """Save ``tensors`` as the state after ``server_round``; drop states older than keep."""
         cpu = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}

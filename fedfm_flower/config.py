@@ -86,6 +86,9 @@ class ExperimentConfig:
     min_train_clients: int = 1
     sample_per_task: bool = False  # sample fraction-train of each client task's clients
     eval_every: int = 1
+    # round t's evaluation rides on round t+1's training messages (one phase per round) where
+    # the method allows it (strategies.base.PersonalizedStrategy.fuses_evaluation)
+    fused_evaluation: bool = True
     round_timeout: float = 600.0
     max_failed_rounds: int = 0  # consecutive rounds with no usable reply tolerated (0: none)
     seed: int = 0
@@ -371,7 +374,7 @@ class ExperimentConfig:
                 "train-backbone",
                 True,
                 f"backbone '{self.backbone}' (family '{family.name}') is tuned with adapters "
-                f"only; train-backbone needs a ViT",
+                f"only; method '{self.method}' and train-backbone need a ViT",
             )
         served = METHOD_REGISTRY[self.method].modalities
         if served and family.modality not in served:

@@ -4,6 +4,12 @@ Train and evaluate messages carry ``arrays`` (the parameters sent to that client
 ``config`` (round, run name, and the client id the server believes the node has). Replies
 carry ``arrays`` (what the method sends up) and ``metrics``; every reply states its stable
 ``client-id`` so strategies never key state by Flower's ephemeral node ids.
+
+A *fused* training message (``fused-evaluation``) also carries the evaluation of an earlier round:
+its config says ``evaluate-round`` = t, the client evaluates what round t's evaluate message
+would have evaluated before it trains, and the reply adds ``evaluate-metrics`` (the evaluate
+reply's metrics). A part that raised is reported in the reply's ``config`` as ``train-error`` or
+``evaluate-error`` ("Type: message"), so the other part still counts.
 """
 
 ARRAYS = "arrays"
@@ -26,6 +32,10 @@ IDENTITY_METRICS = frozenset({CLIENT_ID, STATE_ROUND, STATE_DIGEST})
 TEST_LOSS = "test-loss"
 PHASE = "phase"  # config of a message: "train" (a federated round) or "post-training"
 CAPABILITIES = "capabilities"  # query reply: comma-separated modalities/tasks a client has
+EVALUATE_ROUND = "evaluate-round"  # config of a fused training message: the round to evaluate
+EVALUATE_METRICS = "evaluate-metrics"  # fused training reply: the evaluation's metrics record
+TRAIN_ERROR = "train-error"  # fused training reply config: why training failed ("Type: message")
+EVALUATE_ERROR = "evaluate-error"  # fused training reply config: why the evaluation failed
 
 
 def train_metric(name: str) -> str:

@@ -89,6 +89,14 @@ class RunDirectory:
         with open(self.metrics_path) as handle:
             return [json.loads(line) for line in handle if line.strip()]
 
+    def replace_round(self, record: dict[str, Any]) -> None:
+        """Rewrite metrics.jsonl atomically with ``record`` in place of the record of its round
+        (a fused round's evaluation arrives with the next round's replies)."""
+        kept = [record if r["round"] == record["round"] else r for r in self.rounds()]
+        atomic_write_text(
+            self.metrics_path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in kept)
+        )
+
     def truncate_rounds(self, last_round: int) -> None:
         """Drop records of rounds after ``last_round`` (used when resuming)."""
         kept = [r for r in self.rounds() if r["round"] <= last_round]
@@ -187,13 +195,24 @@ PROGRESS_ABBREVIATIONS = {"accuracy": "acc"}
 
 
 def progress_line(
-    record: dict[str, Any], num_rounds: int, eta_s: float, metric: str = "accuracy"
+    record: dict[str, Any],
+    num_rounds: int,
+    eta_s: float,
+    metric: str = "accuracy",
+    evaluation: dict[str, Any] | None = None,
 ) -> str:
-    """The one-line progress report printed after each round, with the task's primary metric."""
-    value = record.get(f"test-{metric}-mean")
+    """The one-line progress report printed after each round, with the task's primary metric.
+
+    ``evaluation`` is the record whose metric is shown (default ``record``); one of an earlier
+    round (a fused round's evaluation arrives with the next round) is labelled ``acc@<round>``.
+    """
+    evaluation = record if evaluation is None else evaluation
+    value = evaluation.get(f"test-{metric}-mean")
     label = PROGRESS_ABBREVIATIONS.get(metric, metric)
+    if evaluation.get("round") != record.get("round"):
+        label = f"{label}@{evaluation.get('round')}"
     value_text = (
-        f"{label} {value:.4f} ± {record[f'test-{metric}-std']:.4f}"
+        f"{label} {value:.4f} ± {evaluation[f'test-{metric}-std']:.4f}"
         if value is not None and not math.isnan(value)
         else f"{label}    n/a       "
     )

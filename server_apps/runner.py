@@ -7,6 +7,22 @@ newest intact checkpoint with ``resume=true``, and prints a progress line with t
 primary metric, bytes, time and ETA. A strategy's post-training rounds follow the last
 federated round and are run, recorded and checkpointed the same way.
 
+**Fused rounds** (``fused-evaluation = true``, where the strategy's ``fuses_evaluation()``
+allows it): a round costs one phase of messages, not two. Round t's evaluation rides on round
+t + 1's training messages; each evaluated client evaluates, before it trains, exactly what round
+t's evaluate message would have carried, with round t's client state and seeds, so the results
+are bit-identical to the two-phase loop. Clients due the evaluation but not sampled to train get
+round t's evaluate message in round t + 1's phase; the last round (federated or post-training)
+is evaluated in a phase of its own, as is a round whose training had no usable reply (its
+failure is decided at once, as in the two-phase loop). Round t's line in ``metrics.jsonl`` is
+appended and its checkpoint written when its training is aggregated, the checkpoint marked
+``evaluation-pending``; the line is rewritten with the evaluation when round t + 1's replies
+bring it. A crash in between loses nothing: ``resume=true`` finds the mark and carries round t's
+evaluation on round t + 1's messages again (in a phase of its own if the resumed run does not
+fuse). The evaluation's bytes are round t's (only evaluate-only messages carry a payload for
+it); its time is in round t + 1's ``round-seconds``. The progress line of round t + 1 shows
+round t's metric as ``acc@t``.
+
 A run fails loudly instead of reporting stale numbers:
 
 * at start, when a client holds fewer examples than ``min-train-examples``/``min-test-examples``
@@ -18,7 +34,9 @@ A run fails loudly instead of reporting stale numbers:
 ``RunFailed`` then ends the ServerApp, so Flower marks the run failed and the launchers exit
 non-zero. The failing round's record is appended to ``metrics.jsonl`` (with ``failed``) but not
 checkpointed, ``failure.json`` in the run directory says why, and ``resume=true`` repeats the
-round once the cause is fixed.
+round once the cause is fixed. A fused round's evaluation failure is known one phase later,
+after the round was checkpointed: its line is rewritten with ``failed``, and ``resume=true``
+repeats its evaluation (its training was complete).
 """
 
 from __future__ import annotations
@@ -28,9 +46,10 @@ import math
 import platform
 import time
 import traceback
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord
 from flwr.serverapp import Grid
 
 from fedfm_flower import __version__
@@ -40,7 +59,7 @@ from fedfm_flower.models.families import OFFLINE_VIT_NAMES
 from fedfm_flower.records import record_dict_nbytes
 from fedfm_flower.results import RunDirectory, progress_line
 from fedfm_flower.tasks import task_of
-from strategies.base import PersonalizedStrategy
+from strategies.base import PersonalizedStrategy, RoundReport
 
 if TYPE_CHECKING:
     from fedfm_flower.tensorboard import TensorBoardLog
@@ -150,6 +169,7 @@ def _run(
     strategy = build_strategy(config)
     strategy.run_name = run.name
     start_round = 1
+    pending: dict[str, Any] | None = None  # the record whose evaluation rides on the next round
     if config.resume:
         run.clear_failure()
         newest = run.load_newest_checkpoint()
@@ -161,6 +181,8 @@ def _run(
             start_round = done + 1
             log.info("resuming %s after round %d", run.name, done)
         run.truncate_rounds(start_round - 1)
+        if newest is not None and newest[2].get(EVALUATION_PENDING):
+            pending = awaiting_evaluation(run.rounds(), start_round - 1)
     nodes = wait_for_nodes(grid, config)
     client_examples = check_partitions(config, config.num_clients or len(nodes))
     task = task_of(config)
@@ -180,48 +202,51 @@ def _run(
     )
     total = config.num_server_rounds + strategy.post_training_rounds()
     primary = task_of(config).primary_metric
+    fused = config.fused_evaluation and strategy.fuses_evaluation()
     log.info(
-        "run %s: method %s, %d rounds (%d post-training), results in %s",
+        "run %s: method %s, %d rounds (%d post-training), %s, results in %s",
         run.name,
         config.method,
         total,
         total - config.num_server_rounds,
+        "evaluation fused into the next round's messages"
+        if fused
+        else "evaluation in a phase of its own",
         run.path,
     )
     started = time.perf_counter()
     round_times: list[float] = [r["round-seconds"] for r in run.rounds()]
-    failed_in_a_row = 0
+    ledger = FailureLedger(run, config, board)
+    if pending is not None and (not fused or start_round > total):
+        evaluate_alone(grid, strategy, config, pending)  # a fused run resumed without fusing
+        ledger.complete(pending)
+        pending = None
     for server_round in range(start_round, total + 1):
         last = server_round == total
-        record = run_round(grid, strategy, config, server_round, last)
+        carried, pending = pending, None
+        record = run_round(grid, strategy, config, server_round, last, carried, fused)
         round_times.append(record["round-seconds"])
-        problem = round_failure(record)
-        failed_in_a_row = failed_in_a_row + 1 if problem else 0
-        if problem:
-            record["failed"] = problem
-            log.warning("round %d failed: %s", server_round, problem)
-        no_final_result = last and record.get("evaluate") == {}
-        if problem and (failed_in_a_row > config.max_failed_rounds or no_final_result):
-            run.append_round(record)  # for the record; not checkpointed, so resume repeats it
-            why = (
-                "the last round has no evaluation"
-                if no_final_result
-                else f"{failed_in_a_row} failed round(s) in a row, "
-                f"max-failed-rounds = {config.max_failed_rounds}"
-            )
-            raise RunFailed(
-                f"round {server_round}: {problem}; {why}. Fix the cause, then continue with "
-                f"resume=true run-name='{run.name}'"
-            )
+        if carried is not None:
+            ledger.complete(carried)  # may raise RunFailed: its evaluation had no usable reply
+        if awaits_evaluation(record, config, last):
+            pending = record  # its evaluation comes with the next round's replies
+        else:
+            ledger.settle(record, last)  # may raise RunFailed (after recording the round)
         run.append_round(record)
-        if board is not None:
+        if board is not None and pending is None:
             board.log_round(record)
         tensors, meta = strategy.state_dict()
-        run.save_checkpoint(server_round, tensors, {"strategy": meta}, config.keep_checkpoints)
+        run.save_checkpoint(
+            server_round,
+            tensors,
+            {"strategy": meta, EVALUATION_PENDING: pending is not None},
+            config.keep_checkpoints,
+        )
         remaining = total - server_round
         recent = round_times[-5:]
         eta = remaining * sum(recent) / len(recent)
-        print(progress_line(record, total, eta, primary), flush=True)
+        shown = record if "evaluate" in record or carried is None else carried
+        print(progress_line(record, total, eta, primary, shown), flush=True)
     summary = summarize(run, config, time.perf_counter() - started)
     summary["client-examples"] = client_examples
     run.write_summary(summary)
@@ -231,6 +256,74 @@ def _run(
         flush=True,
     )
     return summary
+
+
+EVALUATION_PENDING = "evaluation-pending"  # checkpoint mark: the round's evaluation is not in yet
+
+
+class FailureLedger:
+    """Counts failed rounds in a row, in round order, and stops the run past the limit."""
+
+    def __init__(
+        self, run: RunDirectory, config: ExperimentConfig, board: TensorBoardLog | None
+    ) -> None:
+        self.run = run
+        self.config = config
+        self.board = board
+        self.failed_in_a_row = 0
+
+    def settle(self, record: dict[str, Any], last: bool, written: bool = False) -> None:
+        """Mark ``record`` failed or not (it is complete); raise ``RunFailed`` after recording
+        it (appended, or rewritten when ``written``) when the run cannot go on."""
+        problem = round_failure(record)
+        self.failed_in_a_row = self.failed_in_a_row + 1 if problem else 0
+        record.pop("failed", None)
+        if problem:
+            record["failed"] = problem
+            log.warning("round %d failed: %s", record["round"], problem)
+        no_final_result = last and record.get("evaluate") == {}
+        if problem and (self.failed_in_a_row > self.config.max_failed_rounds or no_final_result):
+            if written:
+                self.run.replace_round(record)
+            else:
+                self.run.append_round(record)  # for the record; not checkpointed
+            why = (
+                "the last round has no evaluation"
+                if no_final_result
+                else f"{self.failed_in_a_row} failed round(s) in a row, "
+                f"max-failed-rounds = {self.config.max_failed_rounds}"
+            )
+            raise RunFailed(
+                f"round {record['round']}: {problem}; {why}. Fix the cause, then continue with "
+                f"resume=true run-name='{self.run.name}'"
+            )
+
+    def complete(self, record: dict[str, Any]) -> None:
+        """A written round's evaluation came in: settle it and rewrite its line."""
+        self.settle(record, last=False, written=True)
+        self.run.replace_round(record)
+        if self.board is not None:
+            self.board.log_round(record)
+
+
+def evaluation_due(server_round: int, config: ExperimentConfig, last: bool) -> bool:
+    """Whether ``server_round`` is evaluated: every ``eval-every`` rounds and after the last."""
+    return server_round % config.eval_every == 0 or last
+
+
+def awaits_evaluation(record: dict[str, Any], config: ExperimentConfig, last: bool) -> bool:
+    """Whether ``record``'s evaluation is due but has not come in (it rides on the next
+    round's messages)."""
+    return evaluation_due(record["round"], config, last) and "evaluate" not in record
+
+
+def awaiting_evaluation(rounds: list[dict[str, Any]], server_round: int) -> dict[str, Any] | None:
+    """The record of ``server_round`` when its evaluation is still to come (a checkpoint
+    marked ``evaluation-pending``): not written yet, or written without a usable reply."""
+    record = next((r for r in rounds if r["round"] == server_round), None)
+    if record is None or ("evaluate" in record and "failed" not in record):
+        return None
+    return record
 
 
 def check_partitions(config: ExperimentConfig, num_clients: int) -> dict[str, dict[str, int]]:
@@ -277,19 +370,31 @@ def run_round(
     config: ExperimentConfig,
     server_round: int,
     last: bool = False,
+    carried: dict[str, Any] | None = None,
+    fused: bool = False,
 ) -> dict[str, Any]:
     """One training (or post-training) round, plus evaluation when due or ``last``; returns the
-    round's record."""
+    round's record.
+
+    ``carried``, the record of an earlier round whose evaluation is still to come, gets it from
+    this round's phase (fused into the training messages). With ``fused`` this round's own
+    evaluation is left to the next round (the record has no ``evaluate``), unless ``last`` or
+    no training reply was usable.
+    """
     started = time.perf_counter()
-    messages = list(strategy.configure_train(server_round, ArrayRecord(), ConfigRecord(), grid))
+    evaluate_round = carried["round"] if carried is not None else None
+    messages = strategy.configure_round(server_round, evaluate_round, grid)
     server_seconds = time.perf_counter() - started
-    bytes_down = sum(record_dict_nbytes(m.content) for m in messages)
+    bytes_down, carried_down = _split_bytes(messages)
     replies = list(grid.send_and_receive(messages, timeout=config.round_timeout))
-    bytes_up = sum(record_dict_nbytes(r.content) for r in replies if not r.has_error())
+    bytes_up, carried_up = _split_bytes(r for r in replies if not r.has_error())
     aggregate_started = time.perf_counter()
-    _, train_metrics = strategy.aggregate_train(server_round, replies)
+    train_metrics, carried_metrics = strategy.aggregate_round(server_round, evaluate_round, replies)
     aggregate_seconds = time.perf_counter() - aggregate_started
     server_seconds += aggregate_seconds
+    if carried is not None:
+        _record_evaluation(carried, strategy.evaluate_report, carried_metrics)
+        _record_bytes(carried, carried_down, carried_up)
     train_report = strategy.train_report
     record: dict[str, Any] = {
         "round": server_round,
@@ -306,9 +411,9 @@ def run_round(
         "server": dict(strategy.server_metrics),
     }
     record.update(_means(train_metrics, "train-", ("-mean",)))
-    evaluate = server_round % config.eval_every == 0 or last
     eval_down = eval_up = 0
-    if evaluate:
+    later = fused and not last and bool(record["train"])  # on the next round's messages
+    if evaluation_due(server_round, config, last) and not later:
         configure_started = time.perf_counter()
         messages = list(
             strategy.configure_evaluate(server_round, ArrayRecord(), ConfigRecord(), grid)
@@ -320,18 +425,61 @@ def run_round(
         aggregate_started = time.perf_counter()
         eval_metrics = strategy.aggregate_evaluate(server_round, replies)
         server_seconds += time.perf_counter() - aggregate_started
-        report = strategy.evaluate_report
-        record["evaluate"] = {str(c): m for c, m in report.accepted.items()}
-        record["evaluate-rejected"] = dict(report.rejected)
-        record["evaluate-missing"] = report.missing
-        record.update(_means(eval_metrics, "test-", ("-mean", "-std")))
-    record["bytes-down"] = bytes_down + eval_down
-    record["bytes-up"] = bytes_up + eval_up
+        _record_evaluation(record, strategy.evaluate_report, eval_metrics)
+    _record_bytes(record, eval_down, eval_up)
     # The strategy's own work (building messages, validating and aggregating replies), without
     # waiting for clients; configure_* includes the node-mapping query when nodes are new.
     record["server-seconds"] = server_seconds
     record["round-seconds"] = time.perf_counter() - started
     return record
+
+
+def evaluate_alone(
+    grid: Grid, strategy: PersonalizedStrategy, config: ExperimentConfig, record: dict[str, Any]
+) -> None:
+    """Evaluate ``record``'s round in a phase of its own (the strategy holds the state after
+    that round) and add the evaluation to the record."""
+    server_round = record["round"]
+    messages = list(strategy.configure_evaluate(server_round, ArrayRecord(), ConfigRecord(), grid))
+    replies = list(grid.send_and_receive(messages, timeout=config.round_timeout))
+    metrics = strategy.aggregate_evaluate(server_round, replies)
+    _record_evaluation(record, strategy.evaluate_report, metrics)
+    _record_bytes(
+        record,
+        sum(record_dict_nbytes(m.content) for m in messages),
+        sum(record_dict_nbytes(r.content) for r in replies if not r.has_error()),
+    )
+
+
+def _split_bytes(messages: Iterable[Message]) -> tuple[int, int]:
+    """Array bytes of training messages (or replies) and of evaluate ones."""
+    training = evaluation = 0
+    for message in messages:
+        size = record_dict_nbytes(message.content)
+        if message.metadata.message_type == MessageType.EVALUATE:
+            evaluation += size
+        else:
+            training += size
+    return training, evaluation
+
+
+def _record_evaluation(
+    record: dict[str, Any], report: RoundReport, metrics: MetricRecord | None
+) -> None:
+    """Put an evaluation's per-client metrics, rejections, missing clients and means in
+    ``record`` (replacing any earlier attempt's)."""
+    for key in [k for k in record if k.startswith("test-")]:
+        del record[key]
+    record["evaluate"] = {str(c): m for c, m in report.accepted.items()}
+    record["evaluate-rejected"] = dict(report.rejected)
+    record["evaluate-missing"] = report.missing
+    record.update(_means(metrics, "test-", ("-mean", "-std")))
+
+
+def _record_bytes(record: dict[str, Any], eval_down: int, eval_up: int) -> None:
+    """A round's bytes both ways: its training phase's plus its evaluation's."""
+    record["bytes-down"] = record["bytes-down-train"] + eval_down
+    record["bytes-up"] = record["bytes-up-train"] + eval_up
 
 
 def summarize(run: RunDirectory, config: ExperimentConfig, seconds: float) -> dict[str, Any]:

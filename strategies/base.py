@@ -13,6 +13,17 @@ the clients' *stable* ids (never Flower node ids, which change across runs and r
 * **Reply validation.** A reply with an error, a missing or foreign ``client-id``, missing or
   extra keys, wrong shapes or dtypes, an oversized payload, NaN/Inf or a bad example count is
   dropped with a logged reason before any state changes; the round goes on with the rest.
+* **Fused rounds.** ``configure_round(t + 1, t, grid)`` carries round t's evaluation on round
+  t + 1's training messages (``evaluate-round`` = t in their config): a client sampled for both
+  evaluates, before it trains, the tensors round t's evaluate message would have carried, and
+  replies once; a client due the evaluation but not sampled to train gets round t's evaluate
+  message in the same phase. ``aggregate_round`` validates the two parts of a fused reply
+  apart (``train_report`` of round t + 1, ``evaluate_report`` of round t): a bad training part
+  does not drop the evaluation, nor the reverse. This is exact only when round t's evaluation
+  payload *is* round t + 1's training payload, as the default ``evaluate_payload`` makes it;
+  ``fuses_evaluation()`` says whether a strategy qualifies (``fused_evaluation = False`` or an
+  ``evaluate_payload`` of its own opts out, and the runner then evaluates in a phase of its
+  own).
 * **State.** ``state_dict()`` returns ``(tensors, meta)``: safetensors-ready tensors and
   JSON-ready metadata, restored exactly by ``load_state_dict``.
 * **Capabilities.** The identity query also returns what a client holds (its node config's
@@ -35,7 +46,7 @@ import random
 import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
@@ -85,8 +96,57 @@ class RoundReport:
         return [c for c in self.sent if c not in self.accepted and str(c) not in self.rejected]
 
 
+@dataclass(frozen=True)
+class ReplyPart:
+    """One phase's part of a reply: its sender and either an error or its records.
+
+    A plain reply is one part; a fused training reply is two (``reply_part``,
+    ``evaluation_part``), validated against different reports.
+    """
+
+    node_id: int
+    error_code: int | None = None  # None: no error
+    error_reason: str = ""
+    metrics: MetricRecord | None = None
+    arrays: ArrayRecord | None = None
+
+
+def reply_part(reply: Message) -> ReplyPart:
+    """A training or evaluate reply as one part; of a fused training reply, the training part
+    (``train-error`` in its config: the training raised)."""
+    node_id = reply.metadata.src_node_id
+    if reply.has_error():
+        return ReplyPart(node_id, int(reply.error.code), str(reply.error.reason))
+    errors = reply.content.config_records.get(P.CONFIG, ConfigRecord())
+    if P.TRAIN_ERROR in errors:
+        code = int(ErrorCode.CLIENT_APP_RAISED_EXCEPTION)
+        return ReplyPart(node_id, code, str(errors[P.TRAIN_ERROR]))
+    content = reply.content
+    return ReplyPart(
+        node_id,
+        metrics=content.metric_records.get(P.METRICS),
+        arrays=content.array_records.get(P.ARRAYS),
+    )
+
+
+def evaluation_part(reply: Message) -> ReplyPart:
+    """The evaluation carried on a fused training reply (``evaluate-metrics``)."""
+    node_id = reply.metadata.src_node_id
+    if reply.has_error():
+        return ReplyPart(node_id, int(reply.error.code), str(reply.error.reason))
+    errors = reply.content.config_records.get(P.CONFIG, ConfigRecord())
+    if P.EVALUATE_ERROR in errors:
+        code = int(ErrorCode.CLIENT_APP_RAISED_EXCEPTION)
+        return ReplyPart(node_id, code, str(errors[P.EVALUATE_ERROR]))
+    return ReplyPart(node_id, metrics=reply.content.metric_records.get(P.EVALUATE_METRICS))
+
+
 class PersonalizedStrategy(Strategy):
     """Base of the method strategies: mapping, per-node messages, validation, state."""
+
+    # Whether round t's evaluation of a client equals evaluating, before training, on round
+    # t + 1's training message; False keeps evaluation in a phase of its own.
+    fused_evaluation: ClassVar[bool] = True
 
     def __init__(self, config: ExperimentConfig, initial: TrainableTensors) -> None:
         self.config = config
@@ -101,6 +161,7 @@ class PersonalizedStrategy(Strategy):
         self.current_round = 0  # the round configure_train was last called for
         self.client_tasks: dict[int, str] = {}  # client id -> its task, when the task names them
         self.client_holdings: dict[int, tuple[str, ...]] = {}  # client id -> what it holds
+        self.carried: set[int] = set()  # clients whose training message carries an evaluation
 
     # ----------------------------------------------------------------- to implement
     def train_payload(self, client_id: int, server_round: int) -> dict[str, torch.Tensor]:
@@ -143,6 +204,13 @@ class PersonalizedStrategy(Strategy):
     def phase(self, server_round: int) -> str:
         """'train' for the federated rounds, 'post-training' for the rounds after them."""
         return "train" if server_round <= self.config.num_server_rounds else "post-training"
+
+    def fuses_evaluation(self) -> bool:
+        """Whether round t's evaluation may ride on round t + 1's training messages: the
+        strategy does not opt out and its evaluation payload is the default, round t + 1's
+        training payload (computed after round t's aggregation, as the evaluation's was)."""
+        own_payload = type(self).evaluate_payload is not PersonalizedStrategy.evaluate_payload
+        return self.fused_evaluation and not own_payload
 
     # ----------------------------------------------------------------- node mapping
     def learn_node_mapping(self, grid: Grid, server_round: int) -> None:
@@ -262,20 +330,18 @@ class PersonalizedStrategy(Strategy):
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Validate replies, update the state from the valid ones, return mean train metrics."""
-        self.server_metrics = {}
-        valid = self._validate(replies, self.train_report, check_arrays=True)
-        if valid:
-            self.aggregate(server_round, valid)
-        else:
-            log.warning("round %s: no valid training reply; state unchanged", server_round)
-        return None, _mean_metrics(self.train_report.accepted)
+        return None, self._aggregate_training(server_round, [reply_part(r) for r in replies])
+
+    def evaluate_clients(self, server_round: int) -> list[int]:
+        """Who evaluates in ``server_round``: a seeded ``fraction-evaluate`` sample."""
+        return self.sample(server_round, self.config.fraction_evaluate, salt=1)
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """One evaluation message per sampled node with its personalized payload."""
         self.learn_node_mapping(grid, server_round)
-        chosen = self.sample(server_round, self.config.fraction_evaluate, salt=1)
+        chosen = self.evaluate_clients(server_round)
         self.evaluate_report = RoundReport(sent=chosen)
         return self._messages(
             chosen, server_round, MessageType.EVALUATE, self.evaluate_payload, config
@@ -285,8 +351,60 @@ class PersonalizedStrategy(Strategy):
         self, server_round: int, replies: Iterable[Message]
     ) -> MetricRecord | None:
         """Validate evaluation replies; mean and std of the per-client metrics."""
-        self._validate(replies, self.evaluate_report, check_arrays=False)
+        self._validate([reply_part(r) for r in replies], self.evaluate_report, check_arrays=False)
         return _mean_metrics(self.evaluate_report.accepted)
+
+    def configure_round(
+        self, server_round: int, evaluate_round: int | None, grid: Grid
+    ) -> list[Message]:
+        """Round ``server_round``'s training messages with ``evaluate_round``'s evaluation fused
+        in (none when it is None): the sampled evaluators that train get ``evaluate-round`` in
+        their training message's config, the others round ``evaluate_round``'s evaluate
+        message."""
+        messages = list(self.configure_train(server_round, ArrayRecord(), ConfigRecord(), grid))
+        self.carried = set()
+        self.evaluate_report = RoundReport()
+        if evaluate_round is None:
+            return messages
+        evaluated = self.evaluate_clients(evaluate_round)
+        self.evaluate_report = RoundReport(sent=evaluated)
+        wanted = set(evaluated)
+        for message in messages:
+            config = message.content.config_records[P.CONFIG]
+            if int(config[P.CLIENT_ID]) in wanted:
+                config[P.EVALUATE_ROUND] = evaluate_round
+                self.carried.add(int(config[P.CLIENT_ID]))
+        alone = [c for c in evaluated if c not in self.carried]
+        return messages + self._messages(
+            alone, evaluate_round, MessageType.EVALUATE, self.evaluate_payload, ConfigRecord()
+        )
+
+    def aggregate_round(
+        self, server_round: int, evaluate_round: int | None, replies: Iterable[Message]
+    ) -> tuple[MetricRecord | None, MetricRecord | None]:
+        """Validate and aggregate the replies to ``configure_round``'s messages: (mean training
+        metrics of ``server_round``, mean and std of ``evaluate_round``'s evaluation or None).
+
+        A reply goes by its sender's message: a training reply (its evaluation part too, when
+        its message carried one) or an evaluate reply.
+        """
+        client_of = self.node_to_client
+        training: list[ReplyPart] = []
+        evaluation: list[ReplyPart] = []
+        for reply in replies:
+            client = client_of.get(reply.metadata.src_node_id)
+            if evaluate_round is not None and client in self.evaluate_report.sent:
+                if client not in self.train_report.sent:
+                    evaluation.append(reply_part(reply))  # an evaluate-only reply
+                    continue
+                if client in self.carried:
+                    evaluation.append(evaluation_part(reply))
+            training.append(reply_part(reply))
+        train_metrics = self._aggregate_training(server_round, training)
+        if evaluate_round is None:
+            return train_metrics, None
+        self._validate(evaluation, self.evaluate_report, check_arrays=False)
+        return train_metrics, _mean_metrics(self.evaluate_report.accepted)
 
     def summary(self) -> None:
         """Log what this strategy is."""
@@ -328,24 +446,33 @@ class PersonalizedStrategy(Strategy):
             )
         return messages
 
+    def _aggregate_training(self, server_round: int, parts: list[ReplyPart]) -> MetricRecord | None:
+        """Validate training parts, update the state from the valid ones; mean train metrics."""
+        self.server_metrics = {}
+        valid = self._validate(parts, self.train_report, check_arrays=True)
+        if valid:
+            self.aggregate(server_round, valid)
+        else:
+            log.warning("round %s: no valid training reply; state unchanged", server_round)
+        return _mean_metrics(self.train_report.accepted)
+
     def _validate(
-        self, replies: Iterable[Message], report: RoundReport, *, check_arrays: bool
+        self, parts: Iterable[ReplyPart], report: RoundReport, *, check_arrays: bool
     ) -> list[ClientReply]:
         valid: list[ClientReply] = []
-        for reply in replies:
-            if reply.has_error() and reply.error.code in UNDELIVERED_CODES:
-                log.info("a message went unanswered: %s", reply.error.reason)
+        for part in parts:
+            if part.error_code is not None and part.error_code in UNDELIVERED_CODES:
+                log.info("a message went unanswered: %s", part.error_reason)
                 continue  # its client stays in report.missing
-            node_id = reply.metadata.src_node_id
+            node_id = part.node_id
             expected = self.node_to_client.get(node_id)
             key = str(expected) if expected is not None else f"node {node_id}"
-            reason = self._reject_reason(reply, expected, report)
+            reason = self._reject_reason(part, expected, report)
             arrays: dict[str, torch.Tensor] = {}
             if reason is None and check_arrays:
                 try:
-                    record = reply.content.array_records.get(P.ARRAYS)
                     arrays = decode_checked(
-                        record, self.reply_spec(expected), self.required_reply_keys(expected)
+                        part.arrays, self.reply_spec(expected), self.required_reply_keys(expected)
                     )
                 except InvalidRecord as err:
                     reason = str(err)
@@ -353,7 +480,7 @@ class PersonalizedStrategy(Strategy):
                 report.rejected[key] = reason
                 log.warning("rejected reply of client %s (node %s): %s", expected, node_id, reason)
                 continue
-            metrics = dict(reply.content.metric_records[P.METRICS])
+            metrics = dict(part.metrics)
             report.accepted[expected] = {k: float(v) for k, v in metrics.items()}
             valid.append(
                 ClientReply(expected, node_id, arrays, int(metrics[P.NUM_EXAMPLES]), metrics)
@@ -363,16 +490,16 @@ class PersonalizedStrategy(Strategy):
         return sorted(valid, key=lambda r: r.client_id)
 
     def _reject_reason(
-        self, reply: Message, expected: int | None, report: RoundReport
+        self, part: ReplyPart, expected: int | None, report: RoundReport
     ) -> str | None:
-        """Why the reply's metadata or metrics are unacceptable, or None."""
-        if reply.has_error():
-            return f"client error: {original_exception(reply.error.reason)}"
+        """Why the part's sender or metrics are unacceptable, or None."""
+        if part.error_code is not None:
+            return f"client error: {original_exception(part.error_reason)}"
         if expected is None:
             return "reply from a node with no known client id"
         if expected not in report.sent:
             return f"client {expected} was not sent a message this round"
-        metrics = reply.content.metric_records.get(P.METRICS)
+        metrics = part.metrics
         if metrics is None:
             return "no metrics record"
         if P.CLIENT_ID not in metrics or int(metrics[P.CLIENT_ID]) != expected:
