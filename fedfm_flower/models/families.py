@@ -55,11 +55,18 @@ FAMILIES: dict[str, ModelFamily] = {
     "multimodal": ModelFamily(
         "multimodal",
         "multimodal",
-        ("mm-offline", "mm-flava", "mm-vilt"),
+        ("mm-offline",),
         "fedfm_flower.models.multimodal:build_multimodal",
         "TAP's multi-modal multi-task model: encoders, a MoME/MoTE backbone and task decoders; "
-        "mm-offline is built from the offline small-vit and tiny-llama, mm-flava and mm-vilt "
-        "from the FLAVA or ViLT checkpoint at model-name-or-path",
+        "mm-offline is built from the offline small-vit and tiny-llama",
+    ),
+    "multimodal-hf": ModelFamily(
+        "multimodal-hf",
+        "multimodal",
+        ("mm-flava", "mm-vilt"),
+        "fedfm_flower.models.multimodal_hf:build_hf_multimodal",
+        "TAP's multi-modal multi-task model built from the FLAVA or ViLT checkpoint at "
+        "model-name-or-path",
     ),
 }
 

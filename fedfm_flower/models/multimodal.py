@@ -565,6 +565,18 @@ def image_foundation_config(config: Any) -> Any:
     return config.replace(method="fedavg", dataset="glyph-domains", backbone="small-vit")
 
 
+def check_tuning(config: Any, tuner: str, train_backbone: bool) -> None:
+    """A ValueError unless the run tunes TAP's model as it is built: its own LoRA, a frozen
+    backbone."""
+    if train_backbone:
+        raise ValueError("TAP's backbone is frozen and LoRA-tuned; train-backbone must be false")
+    if tuner not in ("lora", "auto"):
+        raise ValueError(
+            f"backbone '{config.backbone}' carries its own LoRA; tuner '{tuner}' "
+            "cannot be added to it"
+        )
+
+
 def build_multimodal(
     config: Any,
     tuner: str,
@@ -573,23 +585,14 @@ def build_multimodal(
     load_weights: bool = True,
     train_backbone: bool = False,
 ) -> MultiModalMultiTask:
-    """TAP's model, with every modality-task pair of the dataset: for ``mm-offline`` from the
-    offline ViT (glyph-domains public split) and tiny LLaMA (the instruction corpus' public
-    split); for ``mm-flava``/``mm-vilt`` from ``model-name-or-path`` (``multimodal_hf``)."""
+    """TAP's model (``mm-offline``) from the offline ViT (glyph-domains public split) and tiny
+    LLaMA (the instruction corpus' public split), with every modality-task pair of the dataset
+    (``mm-flava``/``mm-vilt``: ``multimodal_hf.build_hf_multimodal``)."""
     from fedfm_flower.models.causal_lm import foundation_args
     from fedfm_flower.models.classifier import vision_backbone
     from fedfm_flower.models.language import foundation
-    from fedfm_flower.models.multimodal_hf import HF_MULTIMODAL, build_hf_multimodal
 
-    if train_backbone:
-        raise ValueError("TAP's backbone is frozen and LoRA-tuned; train-backbone must be false")
-    if tuner not in ("lora", "auto"):
-        raise ValueError(
-            f"backbone '{config.backbone}' carries its own LoRA; tuner '{tuner}' "
-            "cannot be added to it"
-        )
-    if config.backbone in HF_MULTIMODAL:
-        return build_hf_multimodal(config, load_weights=load_weights)
+    check_tuning(config, tuner, train_backbone)
     image_config = image_foundation_config(config)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed + 2)

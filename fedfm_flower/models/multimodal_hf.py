@@ -74,7 +74,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedfm_flower.config import ExperimentConfig
-from fedfm_flower.models.multimodal import LoRALinear, MultiModalMultiTask
+from fedfm_flower.models.multimodal import LoRALinear, MultiModalMultiTask, check_tuning
 
 # backbone -> (the foundation's name in messages, its transformers model type)
 HF_MULTIMODAL: dict[str, tuple[str, str]] = {
@@ -461,10 +461,16 @@ def _check_depth(config: ExperimentConfig, layers: int, wanted: int) -> None:
 
 
 def build_hf_multimodal(
-    config: ExperimentConfig, *, load_weights: bool = True
+    config: ExperimentConfig,
+    tuner: str = "auto",
+    num_outputs: int = 0,
+    *,
+    load_weights: bool = True,
+    train_backbone: bool = False,
 ) -> MultiModalMultiTask:
     """TAP's model from the configured FLAVA or ViLT checkpoint, with every modality-task pair
     of the dataset; LoRA and decoders seeded from ``config.seed`` whatever the weights."""
+    check_tuning(config, tuner, train_backbone)
 
     architecture = foundation_config(config)  # checks before any weight is read
     if config.backbone == "mm-flava":
