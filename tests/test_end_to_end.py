@@ -34,7 +34,12 @@ SHARED_KEYS = {
     "centralized": {"adapter", "head"},
 }
 # Methods that serve image models (FedDPA's are for causal LMs: tests/test_feddpa.py).
-IMAGE_METHODS = sorted(m for m, s in METHODS.items() if not s.modalities or "image" in s.modalities)
+# per-fedavg-ft trains as per-fedavg; it runs end to end on TAP's federation (tests/test_tap.py).
+IMAGE_METHODS = sorted(
+    m
+    for m, s in METHODS.items()
+    if (not s.modalities or "image" in s.modalities) and m != "per-fedavg-ft"
+)
 
 
 def _groups(keys, config: dict) -> set[str]:
