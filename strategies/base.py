@@ -111,34 +111,30 @@ class ReplyPart:
     arrays: ArrayRecord | None = None
 
 
-def reply_part(reply: Message) -> ReplyPart:
-    """A training or evaluate reply as one part; of a fused training reply, the training part
-    (``train-error`` in its config: the training raised)."""
+def _part(reply: Message, error_key: str, metrics_key: str, arrays_key: str = "") -> ReplyPart:
+    """One part of ``reply``: its Flower error, the client's ``error_key`` in its config (that
+    part raised), or its ``metrics_key`` metrics (and ``arrays_key`` arrays)."""
     node_id = reply.metadata.src_node_id
     if reply.has_error():
         return ReplyPart(node_id, int(reply.error.code), str(reply.error.reason))
     errors = reply.content.config_records.get(P.CONFIG, ConfigRecord())
-    if P.TRAIN_ERROR in errors:
+    if error_key in errors:
         code = int(ErrorCode.CLIENT_APP_RAISED_EXCEPTION)
-        return ReplyPart(node_id, code, str(errors[P.TRAIN_ERROR]))
+        return ReplyPart(node_id, code, str(errors[error_key]))
     content = reply.content
-    return ReplyPart(
-        node_id,
-        metrics=content.metric_records.get(P.METRICS),
-        arrays=content.array_records.get(P.ARRAYS),
-    )
+    arrays = content.array_records.get(arrays_key) if arrays_key else None
+    return ReplyPart(node_id, metrics=content.metric_records.get(metrics_key), arrays=arrays)
+
+
+def reply_part(reply: Message) -> ReplyPart:
+    """A training or evaluate reply as one part; of a fused training reply, the training part
+    (``train-error`` in its config: the training raised)."""
+    return _part(reply, P.TRAIN_ERROR, P.METRICS, P.ARRAYS)
 
 
 def evaluation_part(reply: Message) -> ReplyPart:
     """The evaluation carried on a fused training reply (``evaluate-metrics``)."""
-    node_id = reply.metadata.src_node_id
-    if reply.has_error():
-        return ReplyPart(node_id, int(reply.error.code), str(reply.error.reason))
-    errors = reply.content.config_records.get(P.CONFIG, ConfigRecord())
-    if P.EVALUATE_ERROR in errors:
-        code = int(ErrorCode.CLIENT_APP_RAISED_EXCEPTION)
-        return ReplyPart(node_id, code, str(errors[P.EVALUATE_ERROR]))
-    return ReplyPart(node_id, metrics=reply.content.metric_records.get(P.EVALUATE_METRICS))
+    return _part(reply, P.EVALUATE_ERROR, P.EVALUATE_METRICS)
 
 
 class PersonalizedStrategy(Strategy):
