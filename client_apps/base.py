@@ -9,7 +9,7 @@ the ClientApp wraps them into Flower messages.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +36,7 @@ class ClientRuntime:
     @classmethod
     def from_context(cls, context: Context, run_name: str) -> ClientRuntime:
         """Parse config and node identity from Flower's context."""
-        config = ExperimentConfig.from_run_config(context.run_config)
+        config = parsed_run_config(context.run_config)
         identity = NodeIdentity.from_node_config(context.node_config, config)
         store = ClientStateStore(
             context.state,
@@ -129,6 +129,27 @@ class ClientRuntime:
     def seed(self, server_round: int, salt: int = 0) -> int:
         """The seed of this client's work in ``server_round``."""
         return round_seed(self.config.seed, self.identity.client_id, server_round, salt)
+
+
+def parsed_run_config(run_config: Mapping[str, Any]) -> ExperimentConfig:
+    """``ExperimentConfig.from_run_config``, parsed once per content in this process.
+
+    A run's config is the same for every message, but a simulation actor receives it as a
+    fresh (unpickled) mapping each time, so it is cached by content: the keys, the values and
+    the values' types (``True``, ``1`` and ``1.0`` are equal in Python but parse differently).
+    A config that fails to parse is not cached, so it fails on every message as before.
+    """
+    try:
+        key = tuple((name, type(value), value) for name, value in run_config.items())
+        hash(key)
+    except TypeError:  # an unhashable value: nothing to key on
+        return ExperimentConfig.from_run_config(run_config)
+    return _parsed_run_config(key)
+
+
+@functools.lru_cache(maxsize=8)
+def _parsed_run_config(items: tuple[tuple[str, type, Any], ...]) -> ExperimentConfig:
+    return ExperimentConfig.from_run_config({name: value for name, _, value in items})
 
 
 class ClientLogic:

@@ -234,3 +234,19 @@ def test_feddpa_inference_benchmark_writes_all_three_rows(cache_dir: Path, tmp_p
     table = (tmp_path / "table-cpu.md").read_text()
     for name in ("| FedLoRA |", "| FedDPA (w/o auto) | ✗ |", "| FedDPA | ✓ |"):
         assert name in table
+
+
+def test_message_cost_phases_are_exclusive_and_absorbing_phases_keep_nested_calls() -> None:
+    """The per-message profile (bench.message_cost) counts each call to one phase only."""
+    from bench.message_cost import PhaseClock
+
+    clock = PhaseClock()
+    leaf = clock.timed("leaf", lambda: sum(range(1000)), absorbs=True)
+    hidden = clock.timed("hidden", lambda: sum(range(1000)), absorbs=True)
+    absorbing = clock.timed("absorbing", lambda: hidden(), absorbs=True)
+    outer = clock.timed("outer", lambda: (leaf(), absorbing()), absorbs=False)
+    outer()
+    seconds = clock.take()
+    assert set(seconds) == {"outer", "leaf", "absorbing"}  # "hidden" ran inside "absorbing"
+    assert all(value >= 0 for value in seconds.values())
+    assert clock.take() == {}

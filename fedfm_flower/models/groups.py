@@ -158,6 +158,9 @@ class TunedModel(nn.Module):
         super().__init__()
         self.group_patterns: tuple[GroupPattern, ...] = ()
         self._index: list[tuple[str, nn.Parameter, str]] | None = None
+        # Derived from _index and dropped with it: name -> parameter and name -> group of the
+        # grouped (non-backbone) parameters, in model order.
+        self._grouped: tuple[dict[str, nn.Parameter], dict[str, str]] | None = None
 
     def _group_index(self) -> list[tuple[str, nn.Parameter, str]]:
         if self._index is None:
@@ -166,11 +169,19 @@ class TunedModel(nn.Module):
             self._index = [
                 (n, p, group_of(n, self.group_patterns)) for n, p in self.named_parameters()
             ]
+            self._grouped = None
         return self._index
+
+    def _grouped_parameters(self) -> tuple[dict[str, nn.Parameter], dict[str, str]]:
+        index = self._group_index()
+        if self._grouped is None:
+            grouped = [(n, p, g) for n, p, g in index if g != BACKBONE]
+            self._grouped = ({n: p for n, p, _ in grouped}, {n: g for n, _, g in grouped})
+        return self._grouped
 
     def parameter_groups(self) -> dict[str, str]:
         """Parameter name -> group of every non-backbone parameter, in model order."""
-        return {n: g for n, _, g in self._group_index() if g != BACKBONE}
+        return dict(self._grouped_parameters()[1])
 
     def group_parameters(self, groups: Iterable[str]) -> dict[str, nn.Parameter]:
         """Named parameters of the given groups (and their dotted children), in model order."""
@@ -210,8 +221,8 @@ class TunedModel(nn.Module):
 
     def load_tensors(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Copy named tensors into grouped parameters; unknown names are an error."""
-        params = {n: p for n, p, g in self._group_index() if g != BACKBONE}
-        unknown = sorted(set(tensors) - set(params))
+        params = self._grouped_parameters()[0]
+        unknown = sorted(n for n in tensors if n not in params)
         if unknown:
             raise KeyError(f"no trainable parameter named {unknown[:3]}")
         with torch.no_grad():
@@ -219,5 +230,5 @@ class TunedModel(nn.Module):
                 params[name].copy_(value.to(params[name].device, params[name].dtype))
 
     def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 - nn.Module's signature
-        self._index = None  # .to() / .half() may replace parameters
+        self._index = self._grouped = None  # .to() / .half() may replace parameters
         return super()._apply(fn, recurse)
