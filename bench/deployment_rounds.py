@@ -1,19 +1,25 @@
 """Deployment against simulation: round time with N SuperNodes on loopback and with N simulated.
 
-    python -m bench.deployment_rounds --supernodes 2 4 --rounds 3
+    python -m bench.deployment_rounds --supernodes 2 4 --rounds 3 [--warm-worker both|on|off]
 
-For each N the same FedAvg experiment (N clients, offline setup) runs (a) on a real loopback
-deployment from ``fedfm_flower.deploy`` (SuperLink + N SuperNodes, TLS and authentication,
-a fresh ``flwr-clientapp`` process per message) and (b) in ``flwr run`` simulation with N
-SuperNodes. Reported: steady-state round time (median of rounds 2..R) of each and their ratio.
-The ClientApp's cold start per message, which dominates (a), is ``bench.clientapp_cold_start``.
+For each N the same FedAvg experiment (N clients, offline setup) runs on a real loopback
+deployment from ``fedfm_flower.deploy`` (SuperLink + N SuperNodes, TLS and authentication)
+(a) with node config ``warm-worker=false``: a fresh ``flwr-clientapp`` process does every
+message ("per-message process", before the warm worker), and (b) with ``warm-worker=true``: that
+process hands the message to the node's warm worker (``client_apps.warm``); then (c) in
+``flwr run`` simulation with N SuperNodes. Reported: steady-state round time (median of rounds
+2..R) of each, their ratios, whether (a) and (b) gave the same metrics, and from the SuperNodes'
+logs the warm workers' handling time per message. The ClientApp's cold start per message, which
+dominates (a), is ``bench.clientapp_cold_start``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -26,12 +32,49 @@ from fedfm_flower.results import RunDirectory
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_deployment(num_nodes: int, config: dict, workdir: Path) -> dict[str, Any]:
+WORKER_LINE = re.compile(r"warm-worker\[\d+\].* (train|evaluate) message handled in ([0-9.]+) s")
+STAMP = re.compile(r"^\S+ \+\s*([0-9.]+)s (.*)$")
+SENDING = re.compile(r"Sending: (\w+) message")
+LABELS = {False: "per-message process (warm-worker=false, before)", True: "warm worker (after)"}
+
+
+def this_start(log: str) -> str:
+    """The part of a process log written since its last start (logs are appended to)."""
+    lines = log.splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith("# ") and " $ " in line]
+    return "\n".join(lines[starts[-1] :] if starts else lines)
+
+
+def clientapp_seconds(log: str) -> dict[str, list[float]]:
+    """Per message type, the seconds from "Start `flwr-clientapp` process" to the SuperNode's
+    "Sending: <type> message" (the reply) in one SuperNode's log: what one message costs."""
+    found: dict[str, list[float]] = {}
+    started = None
+    for line in log.splitlines():
+        stamped = STAMP.match(line)
+        if not stamped:
+            continue
+        seconds, text = float(stamped.group(1)), stamped.group(2)
+        if "Start `flwr-clientapp` process" in text:
+            started = seconds
+        elif (sending := SENDING.search(text)) and started is not None:
+            found.setdefault(sending.group(1), []).append(seconds - started)
+            started = None
+    return found
+
+
+def run_deployment(
+    num_nodes: int, config: dict, workdir: Path, warm_worker: bool = False
+) -> dict[str, Any]:
     """A secure loopback deployment with ``num_nodes`` SuperNodes; round times."""
-    name = f"deploy-{num_nodes}"
+    name = f"deploy-{num_nodes}-{'warm' if warm_worker else 'cold'}"
     output = workdir / "runs"
     options = DeployOptions(
-        num_supernodes=num_nodes, workdir=workdir / name, echo=False, run_timeout=1800
+        num_supernodes=num_nodes,
+        workdir=workdir / name,
+        echo=False,
+        run_timeout=1800,
+        node_config={"warm-worker": warm_worker},
     )
     shutil.rmtree(output / name, ignore_errors=True)  # results of an earlier invocation
     with LocalDeployment(options) as deployment:
@@ -41,7 +84,19 @@ def run_deployment(num_nodes: int, config: dict, workdir: Path) -> dict[str, Any
         raise RuntimeError(f"deployment run {name} ended {result.status}; log {result.log_path}")
     records = RunDirectory(output / name).rounds()
     seconds = [r["round-seconds"] for r in records]
+    logs = [this_start(process.log_path.read_text()) for process in deployment.supernodes]
+    handled = [
+        float(match.group(2))
+        for log in logs
+        for match in map(WORKER_LINE.search, log.splitlines())
+        if match
+    ]
+    per_message: dict[str, list[float]] = {}
+    for log in logs:
+        for kind, times in clientapp_seconds(log).items():
+            per_message.setdefault(kind, []).extend(times)
     return {
+        "mode": LABELS[warm_worker],
         "round-s": seconds,
         "steady-round-s": steady(seconds),
         "run-s": result.seconds,
@@ -49,29 +104,51 @@ def run_deployment(num_nodes: int, config: dict, workdir: Path) -> dict[str, Any
             deployment.timings.get(k, 0.0) for k in ("superlink-start-s", "supernodes-online-s")
         ),
         "threads-per-process": deployment.threads(),
+        "clientapp-s": per_message,
+        "clientapp-s-median": {k: statistics.median(v) for k, v in per_message.items()},
+        "worker-messages": len(handled),
+        "worker-handling-s-median": statistics.median(handled) if handled else None,
+        "metrics": [
+            {k: r.get(k) for k in ("round", "train-loss-mean", "test-accuracy-mean")}
+            for r in records
+        ],
     }
 
 
-def measure(nodes: list[int], rounds: int, config: dict, workdir: Path) -> list[dict[str, Any]]:
-    """Deployment and simulation for each N; one row per N."""
+def measure(
+    nodes: list[int],
+    rounds: int,
+    config: dict,
+    workdir: Path,
+    modes: tuple[bool, ...] = (False, True),
+) -> list[dict[str, Any]]:
+    """Deployment (per ``modes``: warm worker off, on) and simulation for each N; one row per N."""
     rows = []
     for num_nodes in nodes:
         run_config = {**config, "method": "fedavg", "num-server-rounds": rounds}
-        deployed = run_deployment(num_nodes, run_config, workdir)
+        deployed = {mode: run_deployment(num_nodes, run_config, workdir, mode) for mode in modes}
         simulated = run_flower_simulation(
             num_nodes, rounds, 1, run_config, workdir, f"simulation-{num_nodes}"
         )
-        rows.append(
-            {
-                "supernodes": num_nodes,
-                "rounds": rounds,
-                "cpus": usable_cpus(),
-                "deployment": deployed,
-                "simulation": {k: simulated[k] for k in ("round-s", "steady-round-s", "launch-s")},
-                "ratio": deployed["steady-round-s"] / simulated["steady-round-s"],
-            }
-        )
-        print(json.dumps(rows[-1]), flush=True)
+        simulation_s = simulated["steady-round-s"]
+        row: dict[str, Any] = {
+            "supernodes": num_nodes,
+            "rounds": rounds,
+            "cpus": usable_cpus(),
+            "simulation": {k: simulated[k] for k in ("round-s", "steady-round-s", "launch-s")},
+        }
+        for mode, result in deployed.items():
+            label = "warm-worker" if mode else "per-message-process"
+            row[label] = result
+            row[f"ratio-{label}"] = result["steady-round-s"] / simulation_s
+        main = deployed[modes[-1]]  # the default node config (warm worker on) when it ran
+        row["deployment"], row["ratio"] = main, main["steady-round-s"] / simulation_s
+        if len(deployed) == 2:
+            before, after = deployed[False], deployed[True]
+            row["speedup"] = before["steady-round-s"] / after["steady-round-s"]
+            row["same-metrics"] = before["metrics"] == after["metrics"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
     return rows
 
 
@@ -82,8 +159,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--workdir", type=Path, default=ROOT / "bench" / "work" / "deployment")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument(
+        "--warm-worker",
+        choices=("both", "on", "off"),
+        default="both",
+        help="deploy with the warm worker off (before), on (after), or both in one run",
+    )
     args = parser.parse_args(argv)
-    measure(args.supernodes, args.rounds, {"seed": 0, **parse_overrides(args.set)}, args.workdir)
+    modes = {"both": (False, True), "on": (True,), "off": (False,)}[args.warm_worker]
+    config = {"seed": 0, **parse_overrides(args.set)}
+    measure(args.supernodes, args.rounds, config, args.workdir, modes)
     return 0
 
 

@@ -13,7 +13,10 @@
 * **query**: the node's stable client id, partition and capabilities.
 
 Imports are lazy (torch, timm and peft load inside the handlers) because deployment starts a
-fresh ``flwr-clientapp`` process for every message and pays the import time each time.
+fresh ``flwr-clientapp`` process for every message and pays the import time each time. There
+the ClientApp's one mod, ``warm_worker_mod``, hands train and evaluate messages to the node's
+long-lived worker process, which runs these same handlers with everything loaded
+(``client_apps.warm``; node config ``warm-worker``).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import TYPE_CHECKING
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from client_apps.warm import warm_worker_mod
 from fedfm_flower import protocol as P
 
 if TYPE_CHECKING:
@@ -35,7 +39,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-app = ClientApp()
+app = ClientApp(mods=[warm_worker_mod])
 
 
 def _runtime_and_logic(message: Message, context: Context):  # noqa: ANN202

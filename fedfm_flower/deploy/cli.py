@@ -95,6 +95,11 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     )
     parser.add_argument("--no-run", action="store_true", help="start the federation only")
     parser.add_argument(
+        "--no-warm-worker",
+        action="store_true",
+        help="node config warm-worker=false: a fresh ClientApp process does every message",
+    )
+    parser.add_argument(
         "--debug", action="store_true", help="show tracebacks (of the checks and of the run)"
     )
     return parser
@@ -117,6 +122,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
             run_timeout=args.run_timeout,
             threads=args.threads,
             debug=args.debug,
+            node_config={"warm-worker": False} if args.no_warm_worker else {},
         )
     except ValueError as err:
         parser.error(str(err))

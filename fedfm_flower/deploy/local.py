@@ -315,7 +315,7 @@ class LocalDeployment:
             "num-partitions": n,
             "state-dir": str(state_dir),
         }
-        for key, value in (node_config or {}).items():  # None removes a key
+        for key, value in {**options.node_config, **(node_config or {})}.items():  # None removes
             if value is None:
                 config.pop(key, None)
             else:

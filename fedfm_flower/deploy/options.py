@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository: the default app, scripts/, deploy/
 HOST = "127.0.0.1"  # the only address the launcher ever binds to or dials
@@ -34,6 +35,8 @@ class DeployOptions:
     threads: int | None = None  # OpenMP/torch threads per ServerApp/ClientApp; None: see below
     echo: bool = True  # print `flwr run`'s stream
     debug: bool = False  # print it unfolded (tracebacks in full)
+    # Extra node-config entries of every SuperNode, e.g. {"warm-worker": False}.
+    node_config: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.workdir = Path(self.workdir).expanduser().resolve()
