@@ -84,7 +84,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fedfm_flower.settings import ConfigError
+from fedfm_flower.processes import pid_alive, proc_stat
+from fedfm_flower.settings import ConfigError, coerce
 
 if TYPE_CHECKING:
     from flwr.app import Context, Message
@@ -95,6 +96,7 @@ log = logging.getLogger(__name__)
 
 ENABLED_KEY = "warm-worker"  # node config: forward to a warm worker (deployment only)
 IDLE_KEY = "warm-worker-idle-s"  # node config: the worker exits after this many idle seconds
+NODE = "node config"  # the source ConfigError names
 DEFAULT_ENABLED = True
 DEFAULT_IDLE_S = 900.0
 READY_WAIT_S = 60.0  # how long a message waits for a worker it started before doing it here
@@ -130,22 +132,11 @@ class WarmWorkerSettings:
     @classmethod
     def from_node_config(cls, node_config: Mapping[str, Any]) -> WarmWorkerSettings:
         """Parse and validate the two keys; a bad value raises ``ConfigError`` naming it."""
-        raw = node_config.get(ENABLED_KEY, DEFAULT_ENABLED)
-        if isinstance(raw, bool):
-            enabled = raw
-        elif isinstance(raw, str) and raw.strip().lower() in ("true", "false"):
-            enabled = raw.strip().lower() == "true"
-        else:
-            raise ConfigError(ENABLED_KEY, raw, "expected true or false", source="node config")
+        enabled = coerce(ENABLED_KEY, node_config.get(ENABLED_KEY, DEFAULT_ENABLED), bool, NODE)
         raw_idle = node_config.get(IDLE_KEY, DEFAULT_IDLE_S)
-        try:
-            if isinstance(raw_idle, bool):
-                raise ValueError
-            idle_s = float(raw_idle)
-        except (TypeError, ValueError):
-            idle_s = math.nan
+        idle_s = coerce(IDLE_KEY, raw_idle, float, NODE)
         if not (math.isfinite(idle_s) and idle_s > 0):
-            raise ConfigError(IDLE_KEY, raw_idle, "expected seconds > 0", source="node config")
+            raise ConfigError(IDLE_KEY, raw_idle, "expected seconds > 0", source=NODE)
         return cls(enabled, idle_s)
 
 
@@ -198,21 +189,12 @@ def _files(directory: Path) -> list[Path]:
     return found
 
 
-def _proc_stat(pid: int) -> list[str]:
-    """The fields of /proc/<pid>/stat after the command name (state, ppid, ...); [] if gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as handle:
-            return handle.read().rsplit(b")", 1)[1].decode().split()
-    except (OSError, IndexError):
-        return []
-
-
 def parent_chain(depth: int = 2) -> tuple[int, ...]:
     """This process's parent and grandparent (the SuperExec and the SuperNode of a ClientApp)."""
     pids: list[int] = []
     pid = os.getpid()
     for _ in range(depth):
-        fields = _proc_stat(pid)
+        fields = proc_stat(pid)
         pid = int(fields[1]) if fields else (os.getppid() if pid == os.getpid() else 0)
         if pid <= 1:
             break
@@ -223,7 +205,7 @@ def parent_chain(depth: int = 2) -> tuple[int, ...]:
 def node_key(node_config: Mapping[str, Any]) -> str:
     """The worker name for this node, code and SuperNode (see the module docstring)."""
     parent = os.getppid()
-    fields = _proc_stat(parent)
+    fields = proc_stat(parent)
     parts = {
         "uid": os.getuid(),
         "python": sys.executable,
@@ -327,7 +309,7 @@ class Endpoint:
     def live_worker_pid(self) -> int | None:
         """The pid of this endpoint's worker while it runs (starting or serving), else None."""
         pid = self.worker_pid()
-        if pid is None or not process_alive(pid):
+        if pid is None or not pid_alive(pid):
             return None
         try:
             command = Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -364,12 +346,6 @@ class Endpoint:
 
 
 _spawned: list[subprocess.Popen[bytes]] = []  # keeps started workers' Popen objects alive
-
-
-def process_alive(pid: int) -> bool:
-    """True for a running (not zombie) process."""
-    fields = _proc_stat(pid)
-    return bool(fields) and fields[0] not in ("Z", "X")
 
 
 # -- framing ----------------------------------------------------------------------------------
@@ -460,10 +436,6 @@ def forward(
     from flwr.common.serde import context_to_proto, message_to_proto
 
     started = time.perf_counter()
-    request = (
-        message_to_proto(message).SerializeToString(),
-        context_to_proto(context).SerializeToString(),
-    )
     sock = endpoint.connect()
     if sock is None:
         if spawn is None:
@@ -479,6 +451,10 @@ def forward(
         if sock is None:
             return None
     waited = time.perf_counter() - started
+    request = (
+        message_to_proto(message).SerializeToString(),
+        context_to_proto(context).SerializeToString(),
+    )
     with sock:
         try:
             return _exchange(sock, endpoint, request, context, on_sent, started, waited)

@@ -58,6 +58,7 @@ from client_apps.warm import (
     recv_frame,
     send_frames,
 )
+from fedfm_flower.processes import pid_alive
 
 log = logging.getLogger("client_apps.warm_worker")
 
@@ -94,7 +95,7 @@ def exit_when_gone(pids: Sequence[int]) -> None:
         _die("a watched process (the SuperNode or its SuperExec) ended", 0)
 
     def by_polling() -> None:
-        while all(warm.process_alive(pid) for pid in pids):
+        while all(pid_alive(pid) for pid in pids):
             time.sleep(0.2)
         _die("a watched process (the SuperNode or its SuperExec) ended", 0)
 

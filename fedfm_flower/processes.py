@@ -60,14 +60,19 @@ def signal_process(pid: int, sig: int, group: bool = True) -> None:
         os.kill(pid, sig)
 
 
-def pid_alive(pid: int) -> bool:
-    """True for a running (not zombie) process."""
+def proc_stat(pid: int) -> list[str]:
+    """The fields of /proc/<pid>/stat after the command name (state, ppid, ...); [] if gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as handle:
-            state = handle.read().rsplit(b")", 1)[1].split()[0]
+            return handle.read().rsplit(b")", 1)[1].decode().split()
     except (OSError, IndexError):
-        return False
-    return state not in (b"Z", b"X")
+        return []
+
+
+def pid_alive(pid: int) -> bool:
+    """True for a running (not zombie) process."""
+    fields = proc_stat(pid)
+    return bool(fields) and fields[0] not in ("Z", "X")
 
 
 def pids_with_environment(variables: Mapping[str, str], command: str | None = None) -> set[int]:

@@ -44,8 +44,8 @@ def require_package(key: str, value: Any, package: str, needs: str = "") -> None
         raise ConfigError(key, value, f"{what}; {package} is not installed (pip install {package})")
 
 
-def coerce(key: str, raw: Any, kind: type) -> Any:
-    """Convert a TOML/CLI value to the field's type, or fail naming the key."""
+def coerce(key: str, raw: Any, kind: type, source: str = "run config") -> Any:
+    """Convert a TOML/CLI value to the field's type, or fail naming the key (and ``source``)."""
     try:
         if kind is bool:
             if isinstance(raw, bool):
@@ -65,7 +65,7 @@ def coerce(key: str, raw: Any, kind: type) -> Any:
             return str(raw)
     except (TypeError, ValueError):
         pass
-    raise ConfigError(key, raw, f"expected a value of type {kind.__name__}")
+    raise ConfigError(key, raw, f"expected a value of type {kind.__name__}", source=source)
 
 
 def setting(

@@ -27,6 +27,7 @@ from client_apps.app import app
 from fedfm_flower import protocol as P
 from fedfm_flower.config import ExperimentConfig
 from fedfm_flower.durable import save_tensors
+from fedfm_flower.processes import pid_alive
 from fedfm_flower.settings import ConfigError
 from server_apps.inprocess import InProcessGrid, simulation_node_configs
 from server_apps.runner import run_experiment
@@ -215,7 +216,7 @@ def test_a_killed_worker_falls_back_in_process_and_is_replaced(
     endpoint = recorded.endpoint
     spawn = warm.SpawnSpec((os.getpid(),), idle_s=300, preload=False)
     first = endpoint.worker_pid()
-    assert first is not None and warm.process_alive(first)
+    assert first is not None and pid_alive(first)
     # Round 2's fused training message; its context mirrors state to a state-dir where the
     # killed worker had already written round 2's state (other values than the real ones).
     exchange = find(recorded, "train", fused=True)[0]
@@ -247,7 +248,7 @@ def test_a_killed_worker_falls_back_in_process_and_is_replaced(
     context = copy_context(second_exchange.before)
     reply = warm.handle(second_exchange.message, context, must_not_run, endpoint, spawn)
     second = endpoint.worker_pid()
-    assert second is not None and second != first and warm.process_alive(second)
+    assert second is not None and second != first and pid_alive(second)
     assert comparable(reply.content) == comparable(second_exchange.reply.content)
     assert state_bytes(context.state) == state_bytes(second_exchange.state)
 
