@@ -4,7 +4,8 @@ Each test starts a SuperLink and SuperNodes on 127.0.0.1, breaks something on pu
 from the run's results and logs that the federation behaved as docs/deployment.md says:
 
 * a SuperNode killed mid-round (SIGKILL of the node and its ClientApp) and restarted at once;
-* a ServerApp killed after round k and the run resumed with ``resume=true``;
+* TAP's two rounds and post-FL round, and its ServerApp killed after round 1 and the run
+  resumed with ``resume=true``;
 * malformed training replies of every kind (``inject-fault`` node config), and operator mistakes
   (a node config without ``client-id``, two nodes with the same ``client-id``).
 
@@ -151,14 +152,33 @@ def _checkpoint(run_dir: Path, server_round: int) -> dict[str, torch.Tensor]:
     return load_file(run_dir / "checkpoints" / f"round_{server_round:05d}.safetensors")
 
 
+# TAP on its multi-task federation in small: 3 SuperNodes hold the 3 pair groups, so every
+# component has an owner; 2 rounds and the post-FL distillation round.
+TAP_CONFIG = {
+    "method": "tap",
+    "dataset": "multitask",
+    "backbone": "mm-offline",
+    "image-size": 32,
+    "pretrain-epochs": 2,
+    "lora-rank": 4,
+    "optimizer": "adamw",
+    "lr": 0.001,
+    "batch-size": 16,
+    "max-new-tokens": 4,
+    "local-steps": 2,
+    "tap-distill-steps": 2,
+    "num-server-rounds": 2,
+}
+
+
 @pytest.mark.timeout(600)
-def test_serverapp_killed_after_round_one_resumes_to_the_same_result(cache_dir, tmp_path):
-    options = make_options(tmp_path, 2)
-    config = base_config(
-        cache_dir,
-        tmp_path / "runs",
-        **{"method": "pfedseq", "pfedseq-warmup-rounds": 1, "num-server-rounds": 2},
-    )
+def test_tap_runs_with_its_post_fl_round_and_a_killed_serverapp_resumes_to_the_same_result(
+    cache_dir, tmp_path
+):
+    """TAP's 2 rounds and post-FL round on a loopback deployment; a ServerApp killed after round
+    1 resumes to the uninterrupted run's metrics and server state, bit for bit."""
+    options = make_options(tmp_path, 3)
+    config = base_config(cache_dir, tmp_path / "runs", **TAP_CONFIG)
     reference_dir = tmp_path / "runs" / "reference"
     crashed_dir = tmp_path / "runs" / "crashed"
     deployment = LocalDeployment(options)
@@ -181,15 +201,27 @@ def test_serverapp_killed_after_round_one_resumes_to_the_same_result(cache_dir, 
         deployment.stop()
     assert_all_gone(deployment)
     assert_secure(deployment)
-    assert len(during) >= 1 + 2  # the SuperLink and 2 SuperNodes (plus their SuperExecs)
-    # The uninterrupted run is a complete, ordinary secure run.
+    assert len(during) >= 1 + 3  # the SuperLink and 3 SuperNodes (plus their SuperExecs)
+    # The uninterrupted run is a complete, ordinary secure TAP run: two rounds of stage 1, then
+    # the post-FL round in which every client distills X from W~ and is evaluated.
     assert reference.ok, reference.log_path.read_text()[-3000:]
     assert reference.run_dir == reference_dir
-    for record in read_rounds(reference_dir):
-        assert 0.0 <= record["test-accuracy-mean"] <= 1.0
-        # Results are keyed by the stable client-id of the node config.
-        assert sorted(record["evaluate"]) == sorted(record["train"]) == ["0", "1"]
+    rounds = read_rounds(reference_dir)
+    assert [r["round"] for r in rounds] == [1, 2, 3]
+    assert [r["phase"] for r in rounds] == ["train", "train", "post-training"]
+    clients = ["0", "1", "2"]
+    for record in rounds[:2]:
+        assert sorted(record["train"]) == clients  # keyed by the stable client-id
+        for reply in record["train"].values():
+            assert any(key.startswith("train-replaced-") for key in reply)
+    post = rounds[2]
+    assert sorted(post["train"]) == sorted(post["evaluate"]) == clients
+    for reply in post["train"].values():
+        assert any(key.startswith("train-distill-") for key in reply)
+    assert 0.0 <= post["test-task-score-mean"] <= 1.0
+    assert post["bytes-up"] == 0  # the post-FL round sends nothing up
     assert (reference_dir / "summary.json").is_file()
+
     assert killed, "no ServerApp process was found to kill"
     assert not crashed.ok and crashed.exit_code != ExitCode.COMPLETED
     log = resumed.log_path.read_text()
@@ -197,15 +229,16 @@ def test_serverapp_killed_after_round_one_resumes_to_the_same_result(cache_dir, 
     assert resumed.exit_code == reference.exit_code == ExitCode.COMPLETED
     assert "resuming crashed after round 1" in log
 
-    expected, got = read_rounds(reference_dir), read_rounds(crashed_dir)
-    assert [r["round"] for r in got] == [1, 2]  # no round counted twice
-    for want, have in zip(expected, got, strict=True):
+    got = read_rounds(crashed_dir)
+    assert [r["round"] for r in got] == [1, 2, 3]  # no round counted twice
+    for want, have in zip(rounds, got, strict=True):
         for phase in ("train", "evaluate"):
-            for client, metrics in want[phase].items():
-                for name in ("train-loss", "test-accuracy", "test-loss", "state-digest"):
-                    if name in metrics:
-                        assert have[phase][client][name] == metrics[name], (phase, client, name)
-    final_reference, final_resumed = _checkpoint(reference_dir, 2), _checkpoint(crashed_dir, 2)
+            assert sorted(have.get(phase, {})) == sorted(want.get(phase, {})), phase
+            for client, metrics in want.get(phase, {}).items():
+                for name, value in metrics.items():
+                    if name != "train-seconds":
+                        assert have[phase][client][name] == value, (phase, client, name)
+    final_reference, final_resumed = _checkpoint(reference_dir, 3), _checkpoint(crashed_dir, 3)
     assert final_reference.keys() == final_resumed.keys()
     for name, tensor in final_reference.items():
         assert torch.equal(tensor, final_resumed[name]), name
