@@ -49,10 +49,10 @@ ROOT = Path(__file__).resolve().parent.parent
 LAUNCH_TAG = "FEDFM_SIMULATION_ID"  # environment tag of every process of one launch
 
 
-def local_superlink_pids(flwr_home: Path) -> list[int]:
-    """Process ids of local SuperLinks whose logs live under ``flwr_home``."""
-    marker = str(flwr_home / "local-superlink")
-    pids = []
+def local_superlinks() -> dict[int, Path]:
+    """Every running local SuperLink that ``flwr run`` started, by pid, with its log file (under
+    ``<FLWR_HOME>/local-superlink/``, which names the FLWR_HOME it belongs to)."""
+    found = {}
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
@@ -60,11 +60,29 @@ def local_superlink_pids(flwr_home: Path) -> list[int]:
             cmdline = (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
         except OSError:
             continue
-        if any("flower-superlink" in part for part in cmdline[:2]) and any(
-            marker in part for part in cmdline
-        ):
-            pids.append(int(proc.name))
-    return pids
+        if not any("flower-superlink" in part for part in cmdline[:2]):
+            continue
+        logs = [cmdline[i + 1] for i, part in enumerate(cmdline[:-1]) if part == "--log-file"]
+        if logs and Path(logs[0]).parent.name == "local-superlink":
+            found[int(proc.name)] = Path(logs[0])
+    return found
+
+
+def local_superlink_pids(flwr_home: Path) -> list[int]:
+    """Process ids of local SuperLinks whose logs live under ``flwr_home``."""
+    home = flwr_home / "local-superlink"
+    return sorted(pid for pid, log in local_superlinks().items() if log.parent == home)
+
+
+def foreign_local_superlinks(flwr_home: Path) -> dict[int, Path]:
+    """Local SuperLinks of another FLWR_HOME, by pid, with their log file.
+
+    Flower's local SuperLink listens on one fixed address (127.0.0.1:39091 by default): while one
+    of another FLWR_HOME runs, ``flwr run`` would send this app into it, with that SuperLink's
+    environment and runtime, instead of starting ours.
+    """
+    home = flwr_home / "local-superlink"
+    return {pid: log for pid, log in local_superlinks().items() if log.parent != home}
 
 
 def cuda_available() -> bool:
@@ -155,6 +173,17 @@ def main(argv: list[str] | None = None) -> int:
     launch = {LAUNCH_TAG: uuid.uuid4().hex}  # inherited by all that flwr run starts, Ray too
     env.update(launch)
     stop_processes(local_superlink_pids(flwr_home))  # a stale one would run an old app
+    foreign = foreign_local_superlinks(flwr_home)
+    if foreign:
+        pid, log = next(iter(foreign.items()))
+        print(
+            f"error: a local SuperLink of another FLWR_HOME ({log.parent.parent}) is running "
+            f"(pid {pid}); `flwr run` would send this run into it. Stop it (`kill {pid}`) or "
+            f"run with FLWR_HOME={log.parent.parent}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return ExitCode.NOT_STARTED
     flwr = str(Path(sys.executable).parent / "flwr")
     command = [
         flwr,

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -301,3 +302,55 @@ def test_requires_python_is_what_the_dependencies_require() -> None:
     assert declared == f">={minimum[0]}.{minimum[1]}"
     readme = (ROOT / "README.md").read_text()
     assert f"Python {minimum[0]}.{minimum[1]}+" in readme
+
+
+def _fake_local_superlink(flwr_home: Path) -> subprocess.Popen:
+    """A process whose command line is a local SuperLink's of ``flwr_home`` (it only sleeps)."""
+    log = flwr_home / "local-superlink" / "superlink.log"
+    command = ["flower-superlink", "-c", "import time; time.sleep(60)", "--log-file", str(log)]
+    return subprocess.Popen(command, executable=sys.executable)
+
+
+def test_launcher_refuses_while_a_local_superlink_of_another_flwr_home_runs(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """Flower's local SuperLink has one fixed address: the launcher must not let `flwr run` send
+    the run into another FLWR_HOME's SuperLink, nor stop that SuperLink; its own stale ones it
+    stops."""
+    from types import SimpleNamespace
+
+    from fedfm_flower import simulation
+    from fedfm_flower.launch import ExitCode
+    from fedfm_flower.processes import pid_alive
+
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    monkeypatch.setenv("FLWR_HOME", str(ours))
+    checked = SimpleNamespace(notes=[], config=SimpleNamespace(output_dir=str(tmp_path / "runs")))
+    monkeypatch.setattr(simulation, "preflight", lambda *_: checked)
+
+    def no_flwr_run(*args, **kwargs):
+        raise AssertionError("flwr run must not start")
+
+    stale, foreign = _fake_local_superlink(ours), _fake_local_superlink(theirs)
+    monkeypatch.setattr(simulation.subprocess, "Popen", no_flwr_run)
+    try:
+        for _ in range(100):  # until both command lines are readable
+            found = simulation.local_superlinks()
+            if stale.pid in found and foreign.pid in found:
+                break
+            time.sleep(0.05)
+        assert simulation.local_superlink_pids(ours) == [stale.pid]
+        assert simulation.foreign_local_superlinks(ours) == {
+            foreign.pid: theirs / "local-superlink" / "superlink.log"
+        }
+        code = simulation.main(["--num-supernodes", "2"])
+        error = capsys.readouterr().err
+        assert code == ExitCode.NOT_STARTED
+        assert f"a local SuperLink of another FLWR_HOME ({theirs}) is running" in error
+        assert f"(pid {foreign.pid})" in error and f"kill {foreign.pid}" in error
+        assert stale.wait(timeout=15) is not None  # ours, stale: stopped
+        assert pid_alive(foreign.pid)  # theirs: left alone
+    finally:
+        for process in (stale, foreign):
+            process.kill()
+            process.wait()
