@@ -232,21 +232,39 @@ class FedDATClient(ClientLogic):
         frozen = {k[len(GLOBAL) :]: v for k, v in state.items() if k.startswith(GLOBAL)}
         return client, frozen
 
-    def train(
-        self, runtime: ClientRuntime, received: dict[str, torch.Tensor], server_round: int
-    ) -> tuple[dict[str, torch.Tensor], TrainStats]:
-        """A_g := the received components; MKD trains A_s and A_c; send A_s, keep A_c and A_g."""
+    def mutual_distillation(
+        self,
+        runtime: ClientRuntime,
+        received: dict[str, torch.Tensor],
+        client: dict[str, torch.Tensor] | None,
+        seed: int,
+        steps: int | None = None,
+    ) -> tuple[TunedModel, TunedModel, list[str], TrainStats]:
+        """A_g := ``received``; MKD trains A_s (from ``received``) and A_c (from ``client``, or
+        its seeded start when None) for the local schedule or ``steps``; returns (the model
+        holding A_s, the DAT, the client's component names, the statistics)."""
         settings = self.settings(runtime)
         model, names, initial = self.start(runtime, received)
-        state = self.personal(runtime, before=server_round)
-        client = state[0] if state is not None else {n: initial[n] for n in lora_names(names)}
-        frozen = model.tensors_named(names)
+        if client is None:
+            client = {n: initial[n] for n in lora_names(names)}
         dat = dual_adapter_teacher(model, names, client, settings.local_weight)
         pair = MutualPair(model, dat)
         trained = [f"shared.{n}" for n in names] + [f"dat.{branch_name(n)}" for n in client]
         mkd = MutualDistillationTask(runtime.task, settings.temperature, settings.distill_weight)
-        stats = runtime.train(pair, trained, runtime.seed(server_round), task=mkd)
+        stats = runtime.train(pair, trained, seed, steps=steps, task=mkd)
+        return model, dat, names, stats
+
+    def train(
+        self, runtime: ClientRuntime, received: dict[str, torch.Tensor], server_round: int
+    ) -> tuple[dict[str, torch.Tensor], TrainStats]:
+        """A_g := the received components; MKD trains A_s and A_c; send A_s, keep A_c and A_g."""
+        state = self.personal(runtime, before=server_round)
+        model, dat, names, stats = self.mutual_distillation(
+            runtime, received, state[0] if state else None, runtime.seed(server_round)
+        )
+        client = lora_names(names)
         kept = dat.tensors_named(branch_name(n) for n in client)
+        frozen = dat.tensors_named(names)  # A_g, as received
         runtime.store.save(
             server_round,
             {
@@ -268,4 +286,25 @@ class FedDATClient(ClientLogic):
         client, frozen = state
         model.load_tensors(frozen)
         dat = dual_adapter_teacher(model, names, client, self.settings(runtime).local_weight)
+        return runtime.evaluate(dat)
+
+
+class FedDATFineTuneClient(FedDATClient):
+    """FedDAT + Post-train (TAP's baseline): before an evaluation, a copy runs ``finetune-steps``
+    more iterations of FedDAT's local training from the received global, then the DAT is
+    evaluated; nothing is kept."""
+
+    def evaluate(
+        self, runtime: ClientRuntime, received: dict[str, torch.Tensor], server_round: int
+    ) -> EvalStats:
+        """MKD for the fine-tuning schedule (A_g := A_s := ``received``, A_c from client state),
+        then the DAT's evaluation."""
+        state = self.personal(runtime, at_most=server_round)
+        _, dat, _, _ = self.mutual_distillation(
+            runtime,
+            received,
+            state[0] if state else None,
+            runtime.seed(server_round, salt=2),
+            steps=runtime.config.finetune_steps,
+        )
         return runtime.evaluate(dat)

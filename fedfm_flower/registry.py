@@ -164,6 +164,14 @@ METHODS: dict[str, MethodSpec] = {
         settings="fedfm_flower.feddat_settings:FedDATSettings",
         modalities=("multimodal",),
     ),
+    "feddat-ft": MethodSpec(
+        "strategies.feddat:FedDATStrategy",
+        "client_apps.feddat:FedDATFineTuneClient",
+        "FedDAT, then more of its local training (mutual KD) on a copy before each evaluation "
+        "(TAP's FedDAT + Post-train)",
+        settings="fedfm_flower.feddat_settings:FedDATSettings",
+        modalities=("multimodal",),
+    ),
 }
 
 

@@ -239,3 +239,56 @@ def test_feddat_end_to_end_the_client_adapter_stays_home_and_survives_a_restart(
         run_in_process({**feddat_config, "run-name": "crashed"}, 4, crash_in_round(2))
     resumed, _ = run_in_process({**feddat_config, "run-name": "crashed", "resume": True}, 4)
     assert resumed["final-per-client-task-score"] == full["final-per-client-task-score"]
+
+
+def test_feddat_post_train_runs_mkd_on_a_copy_before_evaluating_and_keeps_nothing(
+    feddat_config: dict, monkeypatch
+) -> None:
+    """FedDAT + Post-train: training, what travels and the client state are FedDAT's, bit for
+    bit; each evaluation first runs ``finetune-steps`` iterations of mutual KD, then evaluates."""
+    from client_apps.base import ClientRuntime
+    from client_apps.feddat import MutualDistillationTask
+    from server_apps.inprocess import run_in_process
+
+    calls: list[tuple[str, int | None]] = []
+    original = ClientRuntime.train
+
+    def recording(self, model, names, seed, **kwargs):  # noqa: ANN001, ANN202
+        kind = type(kwargs.get("task")).__name__
+        calls.append((kind, kwargs.get("steps")))
+        return original(self, model, names, seed, **kwargs)
+
+    monkeypatch.setattr(ClientRuntime, "train", recording)
+    sent: dict[str, dict] = {"feddat": {}, "feddat-ft": {}}
+
+    def keeper(method):  # noqa: ANN001, ANN202
+        def keep(client_id, reply):  # noqa: ANN001, ANN202
+            arrays = reply.content.array_records.get(P.ARRAYS)
+            if reply.metadata.message_type == "train" and arrays is not None:
+                sent[method][client_id] = {k: a.numpy() for k, a in arrays.items()}
+            return reply
+
+        return keep
+
+    config = {**feddat_config, "num-server-rounds": 1, "finetune-steps": 3}
+    summaries = {}
+    for method in ("feddat", "feddat-ft"):
+        calls.clear()
+        summaries[method], _ = run_in_process(
+            {**config, "method": method, "run-name": method}, 4, keeper(method)
+        )
+        training = [c for c in calls if c == (MutualDistillationTask.__name__, None)]
+        fine_tuning = [c for c in calls if c == (MutualDistillationTask.__name__, 3)]
+        assert len(training) == 4  # one MKD schedule per client and round
+        assert len(fine_tuning) == (4 if method == "feddat-ft" else 0), calls
+    for client in range(4):
+        a, b = sent["feddat"][client], sent["feddat-ft"][client]
+        assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+        state = Path(config["client-state-dir"])
+        files = [f"client_{client}/round_00001.safetensors"]
+        for name in files:
+            assert (state / "feddat" / name).read_bytes() == (
+                state / "feddat-ft" / name
+            ).read_bytes()
+    scores = {m: s["final-per-client-task-score"] for m, s in summaries.items()}
+    assert scores["feddat"] != scores["feddat-ft"]  # the post-training changed the DAT
