@@ -13,8 +13,9 @@ def main(grid: Grid, context: Context) -> None:
     """Validate the run config, then run (or resume) the experiment."""
     from fedfm_flower.config import ExperimentConfig
     from fedfm_flower.logs import configure_logging
+    from server_apps.polling import PromptGrid
     from server_apps.runner import run_experiment
 
     configure_logging()
     config = ExperimentConfig.from_run_config(context.run_config)
-    run_experiment(grid, config)
+    run_experiment(PromptGrid(grid), config)  # replies seen within 0.1 s, not 3 s
