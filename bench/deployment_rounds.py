@@ -1,16 +1,21 @@
 """Deployment against simulation: round time with N SuperNodes on loopback and with N simulated.
 
-    python -m bench.deployment_rounds --supernodes 2 4 --rounds 3 [--warm-worker both|on|off]
+    python -m bench.deployment_rounds --supernodes 2 4 --rounds 3 [--modes cold polling warm]
 
 For each N the same FedAvg experiment (N clients, offline setup) runs on a real loopback
-deployment from ``fedfm_flower.deploy`` (SuperLink + N SuperNodes, TLS and authentication)
-(a) with node config ``warm-worker=false``: a fresh ``flwr-clientapp`` process does every
-message ("per-message process", before the warm worker), and (b) with ``warm-worker=true``: that
-process hands the message to the node's warm worker (``client_apps.warm``); then (c) in
-``flwr run`` simulation with N SuperNodes. Reported: steady-state round time (median of rounds
-2..R) of each, their ratios, whether (a) and (b) gave the same metrics, and from the SuperNodes'
-logs the warm workers' handling time per message. The ClientApp's cold start per message, which
-dominates (a), is ``bench.clientapp_cold_start``.
+deployment from ``fedfm_flower.deploy`` (SuperLink + N SuperNodes, TLS and authentication) in
+each mode (``MODES``), then in ``flwr run`` simulation with N SuperNodes:
+
+* ``cold``: node config ``warm-worker=false``: a fresh ``flwr-clientapp`` process does every
+  message (before the warm worker);
+* ``polling``: the warm worker (``client_apps.warm``), and run config ``prompt-replies=false``:
+  the ServerApp waits with Flower's own ``send_and_receive`` (3 s between pulls);
+* ``warm``: the defaults, warm worker and ``server_apps.polling.PromptGrid``.
+
+Reported: steady-state round time (median of rounds 2..R) of each, their ratios to simulation,
+whether the modes gave the same metrics, and from the SuperNodes' logs the warm workers' handling
+time per message. The ClientApp's cold start per message, which dominates ``cold``, is
+``bench.clientapp_cold_start``.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import re
 import shutil
 import statistics
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +41,28 @@ ROOT = Path(__file__).resolve().parent.parent
 WORKER_LINE = re.compile(r"warm-worker\[\d+\].* (train|evaluate) message handled in ([0-9.]+) s")
 STAMP = re.compile(r"^\S+ \+\s*([0-9.]+)s (.*)$")
 SENDING = re.compile(r"Sending: (\w+) message")
-LABELS = {False: "per-message process (warm-worker=false, before)", True: "warm worker (after)"}
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One way of deploying: the row key of its results, its label, and its two switches."""
+
+    key: str
+    label: str
+    warm_worker: bool
+    prompt_replies: bool = True
+
+
+MODES = {
+    "cold": Mode("per-message-process", "per-message process (warm-worker=false)", False),
+    "polling": Mode(
+        "warm-worker-flower-polling",
+        "warm worker, Flower's 3 s reply polling (prompt-replies=false)",
+        True,
+        False,
+    ),
+    "warm": Mode("warm-worker", "warm worker and prompt replies (the defaults)", True),
+}
 
 
 def this_start(log: str) -> str:
@@ -63,23 +90,22 @@ def clientapp_seconds(log: str) -> dict[str, list[float]]:
     return found
 
 
-def run_deployment(
-    num_nodes: int, config: dict, workdir: Path, warm_worker: bool = False
-) -> dict[str, Any]:
-    """A secure loopback deployment with ``num_nodes`` SuperNodes; round times."""
-    name = f"deploy-{num_nodes}-{'warm' if warm_worker else 'cold'}"
+def run_deployment(num_nodes: int, config: dict, workdir: Path, mode: Mode) -> dict[str, Any]:
+    """A secure loopback deployment with ``num_nodes`` SuperNodes in ``mode``; round times."""
+    name = f"deploy-{num_nodes}-{mode.key}"
     output = workdir / "runs"
     options = DeployOptions(
         num_supernodes=num_nodes,
         workdir=workdir / name,
         echo=False,
         run_timeout=1800,
-        node_config={"warm-worker": warm_worker},
+        node_config={"warm-worker": mode.warm_worker},
     )
     shutil.rmtree(output / name, ignore_errors=True)  # results of an earlier invocation
+    run_config = {**config, "prompt-replies": mode.prompt_replies}
     with LocalDeployment(options) as deployment:
         deployment.start()
-        result = deployment.run({**config, "output-dir": str(output), "run-name": name})
+        result = deployment.run({**run_config, "output-dir": str(output), "run-name": name})
     if not result.ok:
         raise RuntimeError(f"deployment run {name} ended {result.status}; log {result.log_path}")
     records = RunDirectory(output / name).rounds()
@@ -96,7 +122,7 @@ def run_deployment(
         for kind, times in clientapp_seconds(log).items():
             per_message.setdefault(kind, []).extend(times)
     return {
-        "mode": LABELS[warm_worker],
+        "mode": mode.label,
         "round-s": seconds,
         "steady-round-s": steady(seconds),
         "run-s": result.seconds,
@@ -120,13 +146,13 @@ def measure(
     rounds: int,
     config: dict,
     workdir: Path,
-    modes: tuple[bool, ...] = (False, True),
+    modes: tuple[Mode, ...] = tuple(MODES.values()),
 ) -> list[dict[str, Any]]:
-    """Deployment (per ``modes``: warm worker off, on) and simulation for each N; one row per N."""
+    """Deployment in each of ``modes`` and simulation for each N; one row per N."""
     rows = []
     for num_nodes in nodes:
         run_config = {**config, "method": "fedavg", "num-server-rounds": rounds}
-        deployed = {mode: run_deployment(num_nodes, run_config, workdir, mode) for mode in modes}
+        deployed = {m.key: run_deployment(num_nodes, run_config, workdir, m) for m in modes}
         simulated = run_flower_simulation(
             num_nodes, rounds, 1, run_config, workdir, f"simulation-{num_nodes}"
         )
@@ -137,16 +163,19 @@ def measure(
             "cpus": usable_cpus(),
             "simulation": {k: simulated[k] for k in ("round-s", "steady-round-s", "launch-s")},
         }
-        for mode, result in deployed.items():
-            label = "warm-worker" if mode else "per-message-process"
-            row[label] = result
-            row[f"ratio-{label}"] = result["steady-round-s"] / simulation_s
-        main = deployed[modes[-1]]  # the default node config (warm worker on) when it ran
+        for key, result in deployed.items():
+            row[key] = result
+            row[f"ratio-{key}"] = result["steady-round-s"] / simulation_s
+        main = deployed[modes[-1].key]  # the last mode: the defaults when they ran
         row["deployment"], row["ratio"] = main, main["steady-round-s"] / simulation_s
-        if len(deployed) == 2:
-            before, after = deployed[False], deployed[True]
-            row["speedup"] = before["steady-round-s"] / after["steady-round-s"]
-            row["same-metrics"] = before["metrics"] == after["metrics"]
+        for name, (before, after) in {
+            "speedup": ("per-message-process", "warm-worker"),
+            "polling-speedup": ("warm-worker-flower-polling", "warm-worker"),
+        }.items():
+            if before in deployed and after in deployed:
+                row[name] = deployed[before]["steady-round-s"] / deployed[after]["steady-round-s"]
+        metrics = [result["metrics"] for result in deployed.values()]
+        row["same-metrics"] = all(m == metrics[0] for m in metrics)
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
@@ -160,14 +189,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, default=ROOT / "bench" / "work" / "deployment")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument(
-        "--warm-worker",
-        choices=("both", "on", "off"),
-        default="both",
-        help="deploy with the warm worker off (before), on (after), or both in one run",
+        "--modes",
+        nargs="+",
+        choices=tuple(MODES),
+        default=list(MODES),
+        help="deployment modes, measured in this order in one run (default: all)",
     )
     args = parser.parse_args(argv)
-    modes = {"both": (False, True), "on": (True,), "off": (False,)}[args.warm_worker]
     config = {"seed": 0, **parse_overrides(args.set)}
+    modes = tuple(MODES[name] for name in args.modes)
     measure(args.supernodes, args.rounds, config, args.workdir, modes)
     return 0
 

@@ -381,7 +381,7 @@ def deployment_table(rows: list[dict[str, Any]], cold: dict[str, Any] | None) ->
         "|---:|---:|---|---:|---:|",
     ]
     for row in rows:
-        deployed = [row[k] for k in ("per-message-process", "warm-worker") if k in row]
+        deployed = [row[mode.key] for mode in deployment_rounds.MODES.values() if mode.key in row]
         for result in deployed or [row["deployment"]]:
             ratio = result["steady-round-s"] / row["simulation"]["steady-round-s"]
             lines.append(

@@ -89,6 +89,8 @@ class ExperimentConfig:
     # round t's evaluation rides on round t+1's training messages (one phase per round) where
     # the method allows it (strategies.base.PersonalizedStrategy.fuses_evaluation)
     fused_evaluation: bool = True
+    # pull replies every 0.01-0.1 s (server_apps.polling) instead of Flower's own send_and_receive
+    prompt_replies: bool = True
     round_timeout: float = 600.0
     max_failed_rounds: int = 0  # consecutive rounds with no usable reply tolerated (0: none)
     seed: int = 0

@@ -18,4 +18,4 @@ def main(grid: Grid, context: Context) -> None:
 
     configure_logging()
     config = ExperimentConfig.from_run_config(context.run_config)
-    run_experiment(PromptGrid(grid), config)  # replies seen within 0.1 s, not 3 s
+    run_experiment(PromptGrid(grid) if config.prompt_replies else grid, config)

@@ -126,3 +126,9 @@ def test_the_server_app_runs_through_a_prompt_grid_to_the_same_records(
         return out
 
     assert records("served") == records("plain")
+    # prompt-replies = false hands the ServerApp Flower's grid as it is.
+    exchanges.clear()
+    full = {**full, "run-name": "flower", "prompt-replies": False}
+    grid = InProcessGrid(client_app, full, simulation_node_configs(4), None)
+    main(grid, Context(run_id=2, node_id=0, node_config={}, state=RecordDict(), run_config=full))
+    assert exchanges == [] and records("flower") == records("plain")
