@@ -152,33 +152,18 @@ def _checkpoint(run_dir: Path, server_round: int) -> dict[str, torch.Tensor]:
     return load_file(run_dir / "checkpoints" / f"round_{server_round:05d}.safetensors")
 
 
-# TAP on its multi-task federation in small: 3 SuperNodes hold the 3 pair groups, so every
-# component has an owner; 2 rounds and the post-FL distillation round.
-TAP_CONFIG = {
-    "method": "tap",
-    "dataset": "multitask",
-    "backbone": "mm-offline",
-    "image-size": 32,
-    "pretrain-epochs": 2,
-    "lora-rank": 4,
-    "optimizer": "adamw",
-    "lr": 0.001,
-    "batch-size": 16,
-    "max-new-tokens": 4,
-    "local-steps": 2,
-    "tap-distill-steps": 2,
-    "num-server-rounds": 2,
-}
-
-
 @pytest.mark.timeout(600)
 def test_tap_runs_with_its_post_fl_round_and_a_killed_serverapp_resumes_to_the_same_result(
-    cache_dir, tmp_path
+    multitask_run_config, tmp_path
 ):
     """TAP's 2 rounds and post-FL round on a loopback deployment; a ServerApp killed after round
     1 resumes to the uninterrupted run's metrics and server state, bit for bit."""
+    # TAP's multi-task federation in small; 3 SuperNodes hold the 3 pair groups, so every
+    # component has an owner. The deployment sets num-clients; node configs set state-dir.
     options = make_options(tmp_path, 3)
-    config = base_config(cache_dir, tmp_path / "runs", **TAP_CONFIG)
+    unset = ("num-clients", "client-state-dir")
+    config = {k: v for k, v in multitask_run_config.items() if k not in unset}
+    config.update({"method": "tap", "tap-distill-steps": 2})
     reference_dir = tmp_path / "runs" / "reference"
     crashed_dir = tmp_path / "runs" / "crashed"
     deployment = LocalDeployment(options)
