@@ -106,6 +106,8 @@ class ExperimentConfig:
     test_fraction: float = 0.2
     val_fraction: float = 0.0
     public_fraction: float = 0.3
+    # multitask: an image pair's holders each get one glyph style instead of a mix of all
+    multitask_style_skew: bool = False
     image_size: int = 16
     max_length: int = 96  # text tasks: tokens per training example (prompt + response)
     max_new_tokens: int = 16  # text tasks: tokens generated per evaluation prompt
@@ -332,6 +334,12 @@ class ExperimentConfig:
                 )
         if self.resume and not self.run_name:
             raise ConfigError("resume", True, "needs 'run-name' naming the run to resume")
+        if self.multitask_style_skew and self.dataset != "multitask":
+            raise ConfigError(
+                "multitask-style-skew",
+                True,
+                f"applies to dataset 'multitask' only, not '{self.dataset}'",
+            )
 
     def _check_model_loading(self) -> None:
         """model-dtype, device-map, load-in-4bit: hf-causal-lm only, their packages installed.

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.config import ConfigError, ExperimentConfig
 from fedfm_flower.data import multitask as mt
 from fedfm_flower.data.glyphs import DOMAINS, GlyphSizes
 from fedfm_flower.data.instructions import build_corpus, format_prompt, public_split
@@ -178,6 +178,46 @@ def test_shares_are_disjoint_and_skip_public_data(
             for part in everyone[p][task]:
                 assert not set(part.prompts) & public_prompts
                 assert all(int(name.split(":")[1]) >= skip for name in part.ids)
+
+
+def test_style_skew_gives_each_image_holder_one_style_from_the_same_images(
+    settings: mt.MultitaskSettings, everyone: dict
+) -> None:
+    """multitask-style-skew: the same images per pair, grouped so that each holder's share comes
+    from the styles of its position (first half of a two-style pair's holders: the first
+    style); text pairs are unchanged."""
+    from dataclasses import replace
+
+    arrays = mt._glyph_arrays(settings.cache_dir, SIZES.glyphs)
+    skewed = replace(settings, style_skew=True)
+    clients = {p: mt.client_examples(skewed, p, N) for p in range(N)}
+
+    def ids(examples: dict, task: str) -> list[str]:
+        return [i for part in examples[task] for i in part.ids]
+
+    def styles(names: list[str]) -> set[str]:
+        return {DOMAINS[arrays.domains[int(n.removeprefix("glyph:"))]] for n in names}
+
+    for task, domains in mt.IMAGE_DOMAINS.items():
+        holders = mt.task_holders(task, N)
+        mixed = [i for p in holders for i in ids(everyone[p], task)]
+        grouped = [i for p in holders for i in ids(clients[p], task)]
+        assert sorted(grouped) == sorted(mixed)  # the same images, reassigned
+        per_holder = [styles(ids(clients[p], task)) for p in holders]
+        if len(domains) == 2:  # image-cls, image-gen: an even number of holders here
+            half = len(holders) // 2
+            expected = [{domains[0]}] * half + [{domains[1]}] * half
+            assert per_holder == expected, (task, per_holder)
+        assert all(len(s) < len(domains) for s in per_holder)
+        # without the skew every holder sees every style of the pair
+        assert all(styles(ids(everyone[p], task)) == set(domains) for p in holders if task != "vqa")
+    for task in ("text-cls", "text-gen"):
+        for p in mt.task_holders(task, N):
+            assert [x.digest() for x in clients[p][task]] == [x.digest() for x in everyone[p][task]]
+    with pytest.raises(ConfigError, match="multitask-style-skew"):
+        ExperimentConfig(dataset="digits").replace(multitask_style_skew=True)
+    config = _config(Path(settings.cache_dir), multitask_style_skew=True)
+    assert mt.MultitaskSettings.of(config).style_skew
 
 
 def test_examples_are_right(settings: mt.MultitaskSettings, everyone: dict) -> None:

@@ -26,7 +26,12 @@ fixed styles, two per task as the paper has two datasets per image task: ``image
 ``painting`` and ``sketch`` (coloured natural-looking images and line drawings), ``image-gen``
 from ``handwriting`` and ``photo`` (Fashion-MNIST's plain strokes, Caltech's photographs);
 ``vqa`` from all six styles (its style question needs them), an equal share of each. Within a
-task the styles are mixed in a seeded order, so its clients' shares are alike (i.i.d.).
+task the styles are mixed in a seeded order, so its clients' shares are alike (i.i.d.). With
+``style_skew`` (run config ``multitask-style-skew``) they are not mixed: a task's images stay
+grouped by style, so its holders' contiguous shares each come from one style (or two, where a
+share straddles the boundary): the first half of ``image-cls``'s holders get paintings, the
+second half sketches, as the paper gives a pair's clients different datasets. The same images
+are used either way.
 
 VQA asks one question per image, drawn with the seed: "What digit is shown?" (or "Which number
 is in the image?") -> the digit's word ("seven"); "What is the style of the image?" -> the
@@ -192,6 +197,7 @@ class MultitaskSettings:
     test_fraction: float = 0.2
     image_size: int = NATIVE_SIZE
     sizes: MultitaskSizes = field(default_factory=MultitaskSizes)
+    style_skew: bool = False  # an image pair's holders each get one style (module docstring)
 
     @classmethod
     def of(cls, config: ExperimentConfig) -> MultitaskSettings:
@@ -202,6 +208,7 @@ class MultitaskSettings:
             public_fraction=config.public_fraction,
             test_fraction=config.test_fraction,
             image_size=config.image_size,
+            style_skew=config.multitask_style_skew,
         )
 
 
@@ -293,7 +300,13 @@ def client_examples(
     settings: MultitaskSettings, partition_id: int, num_partitions: int
 ) -> dict[str, tuple[TaskExamples, TaskExamples]]:
     """{pair: (train, test)} raw examples of client ``partition_id``, pairs in order."""
-    pools = task_pools(settings.cache_dir, settings.seed, settings.public_fraction, settings.sizes)
+    pools = task_pools(
+        settings.cache_dir,
+        settings.seed,
+        settings.public_fraction,
+        settings.sizes,
+        settings.style_skew,
+    )
     arrays = _glyph_arrays(settings.cache_dir, settings.sizes.glyphs)
     examples = {}
     for task in client_tasks(partition_id, num_partitions):
@@ -360,10 +373,14 @@ def public_text_count(public_fraction: float) -> int:
 
 @functools.lru_cache(maxsize=2)
 def task_pools(
-    cache_dir: str, seed: int, public_fraction: float, sizes: MultitaskSizes
+    cache_dir: str,
+    seed: int,
+    public_fraction: float,
+    sizes: MultitaskSizes,
+    style_skew: bool = False,
 ) -> dict[str, _Pool]:
     """Every pair's non-public examples in their seeded order (clients take shares of them)."""
-    pools = _image_pools(_glyph_arrays(cache_dir, sizes.glyphs), seed, sizes)
+    pools = _image_pools(_glyph_arrays(cache_dir, sizes.glyphs), seed, sizes, style_skew)
     pools.update(_text_pools(seed, public_fraction, sizes))
     return {task: pools[task] for task in MULTITASK_TASKS}
 
@@ -373,8 +390,11 @@ def _spread(total: int, parts: int) -> list[int]:
     return [total * (k + 1) // parts - total * k // parts for k in range(parts)]
 
 
-def _image_pools(arrays: GlyphArrays, seed: int, sizes: MultitaskSizes) -> dict[str, _Pool]:
-    """Disjoint glyph images of the clients' pool for vqa, image-cls and image-gen."""
+def _image_pools(
+    arrays: GlyphArrays, seed: int, sizes: MultitaskSizes, style_skew: bool = False
+) -> dict[str, _Pool]:
+    """Disjoint glyph images of the clients' pool for vqa, image-cls and image-gen, styles
+    mixed (or, with ``style_skew``, grouped by style in ``IMAGE_DOMAINS`` order)."""
     rng = np.random.default_rng([seed, 2026, 18])
     order = {
         domain: rng.permutation(np.flatnonzero((arrays.domains == d) & ~arrays.public))
@@ -394,7 +414,8 @@ def _image_pools(arrays: GlyphArrays, seed: int, sizes: MultitaskSizes) -> dict[
                 )
             parts.append(order[domain][used[domain] : used[domain] + count])
             used[domain] += count
-        chosen[task] = rng.permutation(np.concatenate(parts))
+        mixed = rng.permutation(np.concatenate(parts))  # drawn either way: same later draws
+        chosen[task] = np.concatenate(parts) if style_skew else mixed
     ids = {task: tuple(f"glyph:{i}" for i in chosen[task]) for task in chosen}
     empty = {task: ("",) * len(chosen[task]) for task in chosen}
     pools = {
