@@ -218,6 +218,11 @@ def test_style_skew_gives_each_image_holder_one_style_from_the_same_images(
         ExperimentConfig(dataset="digits").replace(multitask_style_skew=True)
     config = _config(Path(settings.cache_dir), multitask_style_skew=True)
     assert mt.MultitaskSettings.of(config).style_skew
+    # the foundations' own configs (other datasets) drop it: their pretraining does not see it
+    from fedfm_flower.models.multimodal import image_foundation_config, text_foundation_config
+
+    for derived in (image_foundation_config(config), text_foundation_config(config)):
+        assert not derived.multitask_style_skew and derived.dataset != "multitask"
 
 
 def test_examples_are_right(settings: mt.MultitaskSettings, everyone: dict) -> None:

@@ -557,12 +557,16 @@ class TextEncoder(nn.Module):
 def text_foundation_config(config: Any) -> Any:
     """The run config of the tiny LLaMA this model's text parts come from (any method: the
     foundation does not depend on it)."""
-    return config.replace(method="fedavg", dataset="instructions", backbone="tiny-llama")
+    return config.replace(
+        method="fedavg", dataset="instructions", backbone="tiny-llama", multitask_style_skew=False
+    )
 
 
 def image_foundation_config(config: Any) -> Any:
     """The run config of the small-vit this model's image parts come from."""
-    return config.replace(method="fedavg", dataset="glyph-domains", backbone="small-vit")
+    return config.replace(
+        method="fedavg", dataset="glyph-domains", backbone="small-vit", multitask_style_skew=False
+    )
 
 
 def check_tuning(config: Any, tuner: str, train_backbone: bool) -> None:
