@@ -84,7 +84,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fedfm_flower.processes import pid_alive, proc_stat
+from fedfm_flower.processes import pid_alive, proc_cmdline, proc_stat
 from fedfm_flower.settings import ConfigError, coerce
 
 if TYPE_CHECKING:
@@ -311,11 +311,8 @@ class Endpoint:
         pid = self.worker_pid()
         if pid is None or not pid_alive(pid):
             return None
-        try:
-            command = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            return None
-        mine = b"client_apps.warm_worker" in command and self.key.encode() in command
+        command = "\0".join(proc_cmdline(pid))
+        mine = "client_apps.warm_worker" in command and self.key in command
         return pid if mine else None
 
     def wait_until_ready(

@@ -69,6 +69,16 @@ def proc_stat(pid: int) -> list[str]:
         return []
 
 
+def proc_cmdline(pid: int) -> list[str]:
+    """The command line of ``pid``, argument by argument; [] if it is gone or unreadable."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as handle:
+            raw = handle.read()
+    except OSError:
+        return []
+    return raw.decode(errors="replace").split("\0")[:-1] if raw else []
+
+
 def pid_alive(pid: int) -> bool:
     """True for a running (not zombie) process."""
     fields = proc_stat(pid)

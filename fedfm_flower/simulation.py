@@ -37,6 +37,7 @@ from fedfm_flower.launch import (
 from fedfm_flower.processes import (
     exit_on_sigterm,
     flower_environment,
+    proc_cmdline,
     stop_processes,
     stop_tagged,
 )
@@ -53,18 +54,15 @@ def local_superlinks() -> dict[int, Path]:
     """Every running local SuperLink that ``flwr run`` started, by pid, with its log file (under
     ``<FLWR_HOME>/local-superlink/``, which names the FLWR_HOME it belongs to)."""
     found = {}
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
             continue
-        try:
-            cmdline = (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
-        except OSError:
-            continue
+        cmdline = proc_cmdline(int(entry.name))
         if not any("flower-superlink" in part for part in cmdline[:2]):
             continue
         logs = [cmdline[i + 1] for i, part in enumerate(cmdline[:-1]) if part == "--log-file"]
         if logs and Path(logs[0]).parent.name == "local-superlink":
-            found[int(proc.name)] = Path(logs[0])
+            found[int(entry.name)] = Path(logs[0])
     return found
 
 
