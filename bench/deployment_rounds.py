@@ -1,16 +1,21 @@
 """Deployment against simulation: round time with N SuperNodes on loopback and with N simulated.
 
-    python -m bench.deployment_rounds --supernodes 2 4 --rounds 3 [--modes cold polling warm]
+    python -m bench.deployment_rounds --supernodes 2 4 --rounds 3 \
+        [--modes cold polling flower-waits warm]
 
 For each N the same FedAvg experiment (N clients, offline setup) runs on a real loopback
 deployment from ``fedfm_flower.deploy`` (SuperLink + N SuperNodes, TLS and authentication) in
 each mode (``MODES``), then in ``flwr run`` simulation with N SuperNodes:
 
 * ``cold``: node config ``warm-worker=false``: a fresh ``flwr-clientapp`` process does every
-  message (before the warm worker);
+  message (before the warm worker), with Flower's SuperNode waits;
 * ``polling``: the warm worker (``client_apps.warm``), and run config ``prompt-replies=false``:
-  the ServerApp waits with Flower's own ``send_and_receive`` (3 s between pulls);
-* ``warm``: the defaults, warm worker and ``server_apps.polling.PromptGrid``.
+  the ServerApp waits with Flower's own ``send_and_receive`` (3 s between pulls), and Flower's
+  SuperNode waits;
+* ``flower-waits``: the warm worker and prompt replies, with plain ``flower-supernode`` and its
+  fixed waits (3 s between empty pulls, SuperExec 1 s);
+* ``warm``: the defaults: warm worker, ``server_apps.polling.PromptGrid`` and SuperNodes started
+  by ``fedfm_flower.deploy.supernode`` (idle waits of at most 0.1 s).
 
 Reported: steady-state round time (median of rounds 2..R) of each, their ratios to simulation,
 whether the modes gave the same metrics, and from the SuperNodes' logs the warm workers' handling
@@ -32,6 +37,7 @@ from typing import Any
 
 from bench.simulation_overhead import run_flower_simulation, steady, usable_cpus
 from fedfm_flower.deploy import DeployOptions, LocalDeployment
+from fedfm_flower.deploy.supernode import DEFAULT_POLL_INTERVAL
 from fedfm_flower.overrides import parse_overrides
 from fedfm_flower.results import RunDirectory
 
@@ -45,19 +51,30 @@ SENDING = re.compile(r"Sending: (\w+) message")
 
 @dataclass(frozen=True)
 class Mode:
-    """One way of deploying: the row key of its results, its label, and its two switches."""
+    """One way of deploying: the row key of its results, its label, and its switches."""
 
     key: str
     label: str
     warm_worker: bool
     prompt_replies: bool = True
+    short_waits: bool = True
 
 
 MODES = {
-    "cold": Mode("per-message-process", "per-message process (warm-worker=false)", False),
+    "cold": Mode(
+        "per-message-process", "per-message process (warm-worker=false)", False, True, False
+    ),
     "polling": Mode(
         "warm-worker-flower-polling",
-        "warm worker, Flower's 3 s reply polling (prompt-replies=false)",
+        "warm worker, Flower's 3 s reply polling and waits (prompt-replies=false)",
+        True,
+        False,
+        False,
+    ),
+    "flower-waits": Mode(
+        "warm-worker-flower-waits",
+        "warm worker and prompt replies, Flower's SuperNode waits (--flower-waits)",
+        True,
         True,
         False,
     ),
@@ -100,6 +117,7 @@ def run_deployment(num_nodes: int, config: dict, workdir: Path, mode: Mode) -> d
         echo=False,
         run_timeout=1800,
         node_config={"warm-worker": mode.warm_worker},
+        poll_interval=DEFAULT_POLL_INTERVAL if mode.short_waits else None,
     )
     shutil.rmtree(output / name, ignore_errors=True)  # results of an earlier invocation
     run_config = {**config, "prompt-replies": mode.prompt_replies}
@@ -171,6 +189,7 @@ def measure(
         for name, (before, after) in {
             "speedup": ("per-message-process", "warm-worker"),
             "polling-speedup": ("warm-worker-flower-polling", "warm-worker"),
+            "waits-speedup": ("warm-worker-flower-waits", "warm-worker"),
         }.items():
             if before in deployed and after in deployed:
                 row[name] = deployed[before]["steady-round-s"] / deployed[after]["steady-round-s"]

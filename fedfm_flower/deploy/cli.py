@@ -28,6 +28,7 @@ from fedfm_flower.deploy.options import (
 )
 from fedfm_flower.deploy.processes import become_subreaper
 from fedfm_flower.deploy.runs import RunConfigError, parse_run_config, resolve_run_config
+from fedfm_flower.deploy.supernode import DEFAULT_POLL_INTERVAL
 from fedfm_flower.launch import ExitCode
 from fedfm_flower.preflight import PreflightError, check_run, resolve_config
 
@@ -99,6 +100,19 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         action="store_true",
         help="node config warm-worker=false: a fresh ClientApp process does every message",
     )
+    waits = parser.add_mutually_exclusive_group()
+    waits.add_argument(
+        "--poll-interval",
+        type=float,
+        default=DEFAULT_POLL_INTERVAL,
+        help="longest idle wait of the SuperNodes and their SuperExecs, in seconds "
+        f"(default {DEFAULT_POLL_INTERVAL}; Flower's own: 3 s and 1 s)",
+    )
+    waits.add_argument(
+        "--flower-waits",
+        action="store_true",
+        help="plain flower-supernode with Flower's own fixed waits",
+    )
     parser.add_argument(
         "--debug", action="store_true", help="show tracebacks (of the checks and of the run)"
     )
@@ -123,6 +137,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
             threads=args.threads,
             debug=args.debug,
             node_config={"warm-worker": False} if args.no_warm_worker else {},
+            poll_interval=None if args.flower_waits else args.poll_interval,
         )
     except ValueError as err:
         parser.error(str(err))

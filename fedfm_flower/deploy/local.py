@@ -49,6 +49,7 @@ from fedfm_flower.deploy.runs import (
     run_dir_from_lines,
     write_toml,
 )
+from fedfm_flower.deploy.supernode import SUPEREXEC_POLL_VAR
 from fedfm_flower.launch import final_run_status, run_id_from_lines
 from fedfm_flower.processes import flower_environment, pid_alive, signal_process
 from fedfm_flower.tracebacks import StreamFilter
@@ -109,6 +110,8 @@ class LocalDeployment:
         # process starts one OpenMP thread per core, and oversubscribed OpenMP spins (measured
         # here: foundation pretraining 12 s with 1 thread, 247 s with 2 threads on a busy 2-core
         # machine).
+        if self.options.poll_interval is not None:  # the SuperLink's SuperExec too
+            env.setdefault(SUPEREXEC_POLL_VAR, repr(self.options.poll_interval))
         threads = str(self.threads())
         env.setdefault("OMP_NUM_THREADS", threads)
         env.setdefault("MKL_NUM_THREADS", threads)
@@ -324,7 +327,7 @@ class LocalDeployment:
         if port is None or not port_is_free(port):
             port = free_port()
         command = [
-            self._bin("flower-supernode"),
+            *self.supernode_command(),
             "--superlink",
             self.address,
             "--host",
@@ -350,6 +353,15 @@ class LocalDeployment:
         process = self._start(name or f"supernode_{index}", command, env=env)
         self.nodes[index] = process
         return process
+
+    def supernode_command(self) -> list[str]:
+        """How a SuperNode starts: with short idle waits, or as plain `flower-supernode`."""
+        interval = self.options.poll_interval
+        if interval is None:
+            return [self._bin("flower-supernode")]
+        self._bin("flower-supernode")  # the same error as above when Flower is missing
+        module = "fedfm_flower.deploy.supernode"
+        return [sys.executable, "-m", module, "--poll-interval", repr(interval)]
 
     def kill_supernode(self, index: int, timeout: float = 10.0) -> list[int]:
         """SIGKILL SuperNode ``index`` and its ClientApp processes at once (a machine crash).

@@ -1,0 +1,135 @@
+"""The SuperNode launcher with short idle waits (``fedfm_flower.deploy.supernode``).
+
+The loopback tests (``test_deployment.py``, ``test_faults.py``) start every SuperNode through it;
+these tests pin what it changes in Flower and what it hands on.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+import os
+import sys
+import time
+
+import pytest
+
+from fedfm_flower.deploy import DeployOptions, LocalDeployment
+from fedfm_flower.deploy import supernode as launcher
+from fedfm_flower.deploy.cli import build_parser
+
+
+@pytest.fixture
+def loop(monkeypatch):
+    """Flower's SuperNode loop module, its ``time`` restored after the test."""
+    module = importlib.import_module(launcher.LOOP_MODULE)
+    monkeypatch.setattr(module, "time", time)
+    return module
+
+
+def test_capped_sleep_caps_and_leaves_the_rest_of_time_alone(monkeypatch):
+    slept: list[float] = []
+    monkeypatch.setattr(time, "sleep", slept.append)
+    capped = launcher.CappedSleep(0.1)
+    capped.sleep(3)
+    capped.sleep(0.5)
+    capped.sleep(0.02)
+    assert slept == [0.1, 0.1, 0.02]
+    assert capped.time is time.time and capped.monotonic is time.monotonic
+
+
+def test_the_waits_it_shortens_are_flowers_sleeps_in_that_module(loop):
+    # What the launcher relies on: the SuperNode loop sleeps 3 s after an empty pull and
+    # 0.5 s between looks for a reply, through the module's own `time` name.
+    source = inspect.getsource(loop)
+    assert "time.sleep(3)" in source and "time.sleep(0.5)" in source
+    assert loop.time is time
+
+
+def test_shorten_waits_patches_the_loop_on_a_known_flower(loop, monkeypatch):
+    slept: list[float] = []
+    monkeypatch.setattr(time, "sleep", slept.append)
+    assert launcher.shorten_waits(0.2) is True
+    assert isinstance(loop.time, launcher.CappedSleep)
+    loop.time.sleep(3)
+    assert slept == [0.2]
+    assert launcher.shorten_waits(0.05) is True  # again: the cap changes, no double wrap
+    assert loop.time.cap == 0.05 and not isinstance(time, launcher.CappedSleep)
+
+
+def test_an_unknown_flower_keeps_its_own_waits_and_says_so(loop, monkeypatch, capsys):
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "9.0.0")
+    assert launcher.shorten_waits(0.1) is False
+    assert loop.time is time
+    assert "Flower 9.0.0" in capsys.readouterr().err
+
+
+def test_main_hands_every_other_argument_to_flower_supernode(loop, monkeypatch):
+    import flwr.supernode.cli
+
+    seen: dict[str, object] = {}
+
+    def fake_supernode() -> None:
+        seen["argv"] = list(sys.argv)
+        seen["superexec-poll"] = os.environ.get(launcher.SUPEREXEC_POLL_VAR)
+        seen["cap"] = loop.time.cap
+
+    monkeypatch.setattr(flwr.supernode.cli, "flower_supernode", fake_supernode)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.delenv(launcher.SUPEREXEC_POLL_VAR, raising=False)
+    args = ["--superlink", "127.0.0.1:9092", "--insecure", "--node-config", "client-id=0"]
+    assert launcher.main(["--poll-interval", "0.25", *args]) == 0
+    assert seen == {"argv": ["flower-supernode", *args], "superexec-poll": "0.25", "cap": 0.25}
+
+
+def test_the_superexec_setting_in_the_environment_wins(loop, monkeypatch):
+    import flwr.supernode.cli
+
+    seen: list[str | None] = []
+    monkeypatch.setattr(
+        flwr.supernode.cli,
+        "flower_supernode",
+        lambda: seen.append(os.environ.get(launcher.SUPEREXEC_POLL_VAR)),
+    )
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setenv(launcher.SUPEREXEC_POLL_VAR, "0.5")
+    launcher.main(["--insecure"])
+    assert seen == ["0.5"]
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, 0.001, 61.0, math.nan, math.inf])
+def test_a_bad_poll_interval_is_refused_naming_it(bad, tmp_path, capsys):
+    with pytest.raises(ValueError, match=r"--poll-interval: .*got " + repr(bad)):
+        DeployOptions(workdir=tmp_path, poll_interval=bad)
+    with pytest.raises(SystemExit) as exit_info:
+        launcher.main(["--poll-interval", str(bad)])
+    assert exit_info.value.code == 2
+    assert repr(bad) in capsys.readouterr().err
+
+
+def test_the_local_deployment_starts_supernodes_through_it(tmp_path, monkeypatch):
+    monkeypatch.delenv(launcher.SUPEREXEC_POLL_VAR, raising=False)
+    short = LocalDeployment(DeployOptions(workdir=tmp_path / "a"))
+    assert short.supernode_command() == [
+        sys.executable,
+        "-m",
+        "fedfm_flower.deploy.supernode",
+        "--poll-interval",
+        "0.1",
+    ]
+    assert short.env()[launcher.SUPEREXEC_POLL_VAR] == "0.1"  # the SuperLink's SuperExec too
+
+    plain = LocalDeployment(DeployOptions(workdir=tmp_path / "b", poll_interval=None))
+    (command,) = plain.supernode_command()
+    assert command.endswith("flower-supernode")
+    assert launcher.SUPEREXEC_POLL_VAR not in plain.env()
+
+
+def test_the_command_line_switches_between_short_and_flower_waits():
+    parser = build_parser("deploy")
+    assert parser.parse_args([]).poll_interval == launcher.DEFAULT_POLL_INTERVAL
+    assert parser.parse_args(["--poll-interval", "0.5"]).poll_interval == 0.5
+    assert parser.parse_args(["--flower-waits"]).flower_waits is True
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--flower-waits", "--poll-interval", "0.5"])
