@@ -17,7 +17,7 @@ each mode (``MODES``), then in ``flwr run`` simulation with N SuperNodes:
 * ``warm``: the defaults: warm worker, ``server_apps.polling.PromptGrid`` and SuperNodes started
   by ``fedfm_flower.deploy.supernode`` (idle waits of at most 0.1 s).
 
-Reported: steady-state round time (median of rounds 2..R) of each, their ratios to simulation,
+Reported: steady-state round time (median of rounds 2..R-1) of each, their ratios to simulation,
 whether the modes gave the same metrics, and from the SuperNodes' logs the warm workers' handling
 time per message. The ClientApp's cold start per message, which dominates ``cold``, is
 ``bench.clientapp_cold_start``.

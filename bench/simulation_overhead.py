@@ -11,7 +11,7 @@ run config, seed and threads per client:
   the same number of torch threads; the framework adds messages, records, the ClientApp's
   per-message set-up, the strategy, checkpoints and results.
 
-Reported per N: steady-state round time (median of rounds 2..R) of (b) over (a), the first
+Reported per N: steady-state round time (median of rounds 2..R-1) of (b) over (a), the first
 round's extra time and the launch time of (b) (``flwr run`` until round 1 starts), peak memory
 (summed PSS of every process of the run; on a GPU machine also the GPU's), and whether both
 sides reached the same accuracies.
@@ -81,8 +81,14 @@ def run_tagged(command: list[str], env: dict[str, str], log_path: Path) -> tuple
 
 
 def steady(seconds: list[float]) -> float:
-    """Median round time after the first round (the first when there is only one)."""
-    return statistics.median(seconds[1:] if len(seconds) > 1 else seconds)
+    """Median time of rounds 2..R-1: what a round costs in a long run.
+
+    Round 1 pays the start-up; with fused evaluation round R also carries the final
+    evaluate-only phase (a whole extra message per client in deployment). With 2 rounds this
+    is round 2, with 1 round round 1.
+    """
+    middle = seconds[1:-1] or seconds[1:] or seconds
+    return statistics.median(middle)
 
 
 def run_bare(num_clients: int, rounds: int, threads: int, config: dict, workdir: Path) -> dict:

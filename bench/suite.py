@@ -61,7 +61,7 @@ MODES: dict[str, dict[str, Any]] = {
         "seq-lens": [5, 10],
         "fraction-methods": ["fedrep", "pfedseq", "pfedpg"],
         "supernodes": [2],
-        "deploy-rounds": 3,
+        "deploy-rounds": 4,
         "sections": ("overhead", "fraction", "server-cost", "communication", "deployment"),
     },
     "full": {
@@ -259,7 +259,7 @@ def overhead_tables(rows: list[dict[str, Any]]) -> list[str]:
         return f"| {row['backbone']} | {row['gpu-fraction']:g} | {row['parallel-clients']} "
 
     lines = [
-        "**1. Simulation overhead** (FedAvg; steady = median of rounds 2..R; launch = `flwr run`"
+        "**1. Simulation overhead** (FedAvg; steady = median of rounds 2..R-1; launch = `flwr run`"
         " until round 1 starts)",
         "",
         f"{setup}| clients | bare round s | flwr round s | ratio (target <= 1.10) "

@@ -84,6 +84,17 @@ def test_pfedseq_step_benchmark_puts_the_loop_and_the_batched_path_side_by_side(
     assert "| 4.1e+03 | 10 | 5 | 1 | 0.3 | - | - | 4 x 1024 / - |" in table([earlier], "cpu")
 
 
+def test_steady_round_leaves_out_the_start_up_and_the_final_evaluation_round() -> None:
+    from bench.simulation_overhead import steady
+
+    # Round 1 pays the start-up, round R the final evaluate-only phase.
+    assert steady([9.0, 1.0, 3.0, 2.0, 8.0]) == 2.0
+    assert steady([9.0, 1.0, 3.0, 8.0]) == 2.0
+    assert steady([9.0, 1.0, 8.0]) == 1.0
+    assert steady([9.0, 1.0]) == 1.0
+    assert steady([9.0]) == 9.0
+
+
 def test_gpu_share_gives_concurrent_clients_and_their_cpus() -> None:
     """Share f runs 1/f clients at once with usable CPUs * f each; a bad share names itself."""
     from bench.simulation_overhead import share_resources
