@@ -118,6 +118,26 @@ def measure(method: str, cache_dir: str) -> dict[str, float]:
     return phases
 
 
+def runnable_methods(methods: list[str] | None) -> tuple[list[str], dict[str, str]]:
+    """``methods`` (None: every registered one) split into those the default run config can
+    run and, for the others, why not."""
+    from fedfm_flower.config import ExperimentConfig
+    from fedfm_flower.registry import METHODS
+    from fedfm_flower.settings import ConfigError
+
+    defaults = ExperimentConfig().to_run_config()
+    usable: list[str] = []
+    refused: dict[str, str] = {}
+    for method in list(METHODS) if methods is None else methods:
+        try:
+            ExperimentConfig.from_run_config({**defaults, "method": method})
+        except ConfigError as err:
+            refused[method] = str(err)
+        else:
+            usable.append(method)
+    return usable, refused
+
+
 def table(results: dict[str, list[dict[str, float]]]) -> str:
     """Markdown table of the median phase times (seconds) per method."""
     lines = [
@@ -135,10 +155,13 @@ def main(argv: list[str] | None = None) -> None:
     if argv is None and len(sys.argv) > 1 and sys.argv[1] == "--child":
         child(sys.argv[2], sys.argv[3], float(sys.argv[4]))
         return
-    from fedfm_flower.registry import METHODS
-
     parser = argparse.ArgumentParser(description="ClientApp cold-start cost per method")
-    parser.add_argument("--methods", nargs="+", default=list(METHODS))
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        default=None,
+        help="default: every registered method the default run config (tiny ViT) can run",
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "fedfm-flower"))
     parser.add_argument(
@@ -147,6 +170,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     from fedfm_flower.config import ExperimentConfig
     from fedfm_flower.models.foundation import foundation_card
+
+    usable, refused = runnable_methods(args.methods)
+    if args.methods is not None and refused:
+        parser.error("; ".join(refused.values()))
+    args.methods = usable
 
     foundation_card(ExperimentConfig(cache_dir=args.cache_dir))  # build or find it once
     results: dict[str, list[dict[str, float]]] = {}

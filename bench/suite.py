@@ -33,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -173,23 +174,35 @@ def server_fractions(
 
 
 def run_suite(mode: str, overrides: dict[str, Any], sections: tuple[str, ...]) -> dict[str, Any]:
-    """The chosen sections of a mode; their results."""
+    """The chosen sections of a mode; their results.
+
+    A section that fails is recorded under ``failed`` (its error) and the others still run:
+    half an hour of measurements is not lost to the last section.
+    """
     plan = MODES[mode]
     workdir = ROOT / "bench" / "work" / f"suite-{mode}"
     config = {"seed": 0, "num-server-rounds": plan["rounds"], **overrides}
     started = time.perf_counter()
-    results: dict[str, Any] = {"mode": mode, "machine": machine(), "config": config}
-    if "overhead" in sections:
-        results["overhead"] = []
+    results: dict[str, Any] = {
+        "mode": mode,
+        "machine": machine(),
+        "config": config,
+        "sections": list(sections),
+    }
+
+    def overhead() -> None:
+        rows: list[dict[str, Any]] = []
         for backbone, clients in plan["overhead"]:
-            results["overhead"] += simulation_overhead.measure(
+            rows += simulation_overhead.measure(
                 clients,
                 plan["rounds"],
                 {**config, **backbone_config(backbone)},
                 workdir / "overhead" / backbone,
                 tuple(plan["gpu-fractions"]),
             )
-    if "fraction" in sections:
+        results["overhead"] = rows
+
+    def fraction() -> None:
         backbone = plan["fraction-backbone"]
         results["server-fraction"] = server_fractions(
             plan["fraction-methods"],
@@ -199,7 +212,8 @@ def run_suite(mode: str, overrides: dict[str, Any], sections: tuple[str, ...]) -
             results.get("overhead", []),
             plan["gpu-fractions"][-1],
         )
-    if "server-cost" in sections:
+
+    def cost() -> None:
         results["server-cost"] = server_cost.measure(
             list(server_cost.METHODS),
             plan["server-clients"],
@@ -207,14 +221,34 @@ def run_suite(mode: str, overrides: dict[str, Any], sections: tuple[str, ...]) -
             plan["seq-lens"],
             {**overrides, **backbone_config(plan["server-backbone"])},
         )
-    if "communication" in sections:
+
+    def wire() -> None:
         results["communication"] = communication.measure(list(communication.METHODS), overrides)
-    if "deployment" in sections:
+
+    def deployment() -> None:
         results["deployment"] = deployment_rounds.measure(
             plan["supernodes"], plan["deploy-rounds"], {"seed": 0, **overrides}, workdir / "deploy"
         )
-    if "cold-start" in sections:
+
+    def cold_start() -> None:
         subprocess.run([sys.executable, "-m", "bench.clientapp_cold_start"], cwd=ROOT, check=True)
+
+    steps = {
+        "overhead": overhead,
+        "fraction": fraction,
+        "server-cost": cost,
+        "communication": wire,
+        "deployment": deployment,
+        "cold-start": cold_start,
+    }
+    for name, step in steps.items():
+        if name not in sections:
+            continue
+        try:
+            step()
+        except Exception as err:  # noqa: BLE001 - recorded, reported, exit status 1
+            traceback.print_exc()
+            results.setdefault("failed", {})[name] = f"{type(err).__name__}: {err}"
     cold = ROOT / "bench" / "results" / "clientapp_cold_start" / "results.json"
     if "deployment" in sections and cold.exists():
         results["cold-start"] = json.loads(cold.read_text())
@@ -226,6 +260,13 @@ def merge_results(earlier: dict[str, Any], new: dict[str, Any]) -> dict[str, Any
     """``earlier`` with the sections ``new`` measured replaced; minutes add up."""
     merged = {**earlier, **new}
     merged["seconds"] = earlier.get("seconds", 0.0) + new["seconds"]
+    rerun = set(new.get("sections", ()))
+    failed = {k: v for k, v in earlier.get("failed", {}).items() if k not in rerun}
+    failed.update(new.get("failed", {}))
+    merged.pop("failed", None)
+    if failed:
+        merged["failed"] = failed
+    merged["sections"] = sorted(set(earlier.get("sections", ())) | rerun)
     return merged
 
 
@@ -306,6 +347,8 @@ def tables(results: dict[str, Any]) -> str:
         f"mode `{results['mode']}`, {results['seconds'] / 60:.1f} min in all.",
         "",
     ]
+    for name, error in results.get("failed", {}).items():
+        lines += [f"**Section `{name}` failed:** {error}", ""]
     if "overhead" in results:
         lines += overhead_tables(results["overhead"])
     if "server-fraction" in results:
@@ -460,6 +503,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.merge and earlier.exists():
         results = merge_results(json.loads(earlier.read_text()), results)
     write(results)
+    if results.get("failed"):
+        print(f"failed sections: {', '.join(results['failed'])}", file=sys.stderr)
+        return 1
     return 0
 
 

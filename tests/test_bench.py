@@ -261,3 +261,36 @@ def test_message_cost_phases_are_exclusive_and_absorbing_phases_keep_nested_call
     assert set(seconds) == {"outer", "leaf", "absorbing"}  # "hidden" ran inside "absorbing"
     assert all(value >= 0 for value in seconds.values())
     assert clock.take() == {}
+
+
+def test_a_failed_suite_section_is_recorded_and_the_others_are_kept(monkeypatch) -> None:
+    from bench import suite
+
+    def broken(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise RuntimeError("launcher exited 3")
+
+    rows = [{"method": "fedavg", "down-ratio": 0.7}]
+    monkeypatch.setattr(suite.simulation_overhead, "measure", broken)
+    monkeypatch.setattr(suite.communication, "measure", lambda methods, overrides: rows)
+    results = suite.run_suite("quick", {}, ("overhead", "communication"))
+    assert results["failed"] == {"overhead": "RuntimeError: launcher exited 3"}
+    assert results["communication"] == rows and "overhead" not in results
+    assert "**Section `overhead` failed:** RuntimeError: launcher exited 3" in suite.tables(
+        {**results, "communication": []}
+    )
+
+    # Measuring the failed section again clears its failure; the other sections stay.
+    again = {"mode": "quick", "seconds": 1.0, "sections": ["overhead"], "overhead": []}
+    merged = suite.merge_results(results, again)
+    assert "failed" not in merged and merged["communication"] == rows
+    assert merged["sections"] == ["communication", "overhead"]
+
+
+def test_cold_start_benchmark_runs_the_methods_the_default_model_serves() -> None:
+    from bench.clientapp_cold_start import runnable_methods
+
+    usable, refused = runnable_methods(None)
+    assert {"fedavg", "pfedseq", "fedperfix"} <= set(usable)
+    assert {"tap", "feddpa-t"} <= set(refused)
+    assert "'feddpa-t'" in refused["feddpa-t"] and "text" in refused["feddpa-t"]
+    assert runnable_methods(["fedrep", "tap"])[0] == ["fedrep"]
