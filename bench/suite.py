@@ -347,6 +347,8 @@ def tables(results: dict[str, Any]) -> str:
         f"mode `{results['mode']}`, {results['seconds'] / 60:.1f} min in all.",
         "",
     ]
+    if results.get("notes"):
+        lines += [f"*Notes:* {results['notes']}", ""]
     for name, error in results.get("failed", {}).items():
         lines += [f"**Section `{name}` failed:** {error}", ""]
     if "overhead" in results:
