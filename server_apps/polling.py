@@ -6,8 +6,11 @@ hard-code it). A round whose replies arrive just after a pull therefore waits up
 nothing, in every phase. ``PromptGrid`` wraps the grid the ServerApp is given and does the same
 push-then-pull with a short, growing pause between pulls (``FIRST_PAUSE_S`` up to
 ``MAX_PAUSE_S``, the simulation engine's own 0.1 s), so a reply is seen within 0.1 s of
-reaching the SuperLink. A pull is one small request to the SuperLink on the ServerApp's own
-machine. Everything else is the wrapped grid's.
+reaching the SuperLink. A pull that brings replies starts the pauses over: replies come one
+after another (clients share the cores, or finish at similar times), so once one is in the
+next is likely near, and the round's last reply is seen within a short pause rather than a
+grown one. A pull is one small request to the SuperLink on the ServerApp's own machine.
+Everything else is the wrapped grid's.
 """
 
 from __future__ import annotations
@@ -46,12 +49,16 @@ def push_and_pull(
     waiting = set(grid.push_messages(messages))
     deadline = None if timeout is None else clock() + timeout
     replies: list[Message] = []
-    for pause in pauses():
+    schedule = pauses()
+    while True:
         pulled = list(grid.pull_messages(waiting))
         replies.extend(pulled)
         waiting.difference_update(m.metadata.reply_to_message_id for m in pulled)
         if not waiting:
             break
+        if pulled:  # progress: the next reply is likely near
+            schedule = pauses()
+        pause = next(schedule)
         if deadline is not None:
             left = deadline - clock()
             if left <= 0:

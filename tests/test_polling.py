@@ -64,6 +64,20 @@ def test_every_reply_is_seen_within_a_pause_of_its_arrival() -> None:
     assert max(clock.sleeps) <= MAX_PAUSE_S
 
 
+def test_a_pull_that_brings_replies_starts_the_pauses_over() -> None:
+    # Replies one after another, as from clients sharing the cores: after a long first wait
+    # the pauses have grown to the cap, but each reply brings them back to the first pause,
+    # so the last reply is seen within a couple of short pauses.
+    clock = Clock()
+    arrival = {"a": 1.0, "b": 1.03, "c": 1.06}
+    grid = SlowGrid(clock, dict(arrival))
+    replies = push_and_pull(grid, list(arrival), None, clock=clock, sleep=clock.sleep)
+    assert _replied(replies) == ["a", "b", "c"]
+    assert clock.now <= 1.06 + 0.01 + 0.015 + 0.0225
+    assert clock.now < 1.06 + MAX_PAUSE_S / 2
+    assert max(clock.sleeps) == MAX_PAUSE_S and clock.sleeps[-1] < MAX_PAUSE_S / 2
+
+
 def test_the_timeout_ends_the_wait_with_the_replies_so_far() -> None:
     clock = Clock()
     grid = SlowGrid(clock, {"a": 0.2, "b": 100.0})
