@@ -28,15 +28,22 @@ def loop(monkeypatch):
     return module
 
 
-def test_capped_sleep_caps_and_leaves_the_rest_of_time_alone(monkeypatch):
+def test_idle_waits_grow_to_the_longest_and_a_reply_wait_starts_them_over(monkeypatch):
     slept: list[float] = []
     monkeypatch.setattr(time, "sleep", slept.append)
-    capped = launcher.CappedSleep(0.1)
-    capped.sleep(3)
-    capped.sleep(0.5)
-    capped.sleep(0.02)
-    assert slept == [0.1, 0.1, 0.02]
-    assert capped.time is time.time and capped.monotonic is time.monotonic
+    waits = launcher.ShortWaits(0.1, 1.0)
+    for _ in range(8):
+        waits.sleep(3)  # Flower's wait after an empty pull
+    assert slept == pytest.approx([0.1, 0.15, 0.225, 0.3375, 0.50625, 0.759375, 1.0, 1.0])
+    slept.clear()
+    waits.sleep(0.5)  # Flower's wait for the ClientApp's reply: a message is in progress
+    waits.sleep(0.5)
+    waits.sleep(3)  # the next round's message follows the reply closely
+    assert slept == [0.1, 0.1, 0.1]
+    slept.clear()
+    waits.sleep(0.05)  # never longer than Flower asked for
+    assert slept == [0.05]
+    assert waits.time is time.time and waits.monotonic is time.monotonic
 
 
 def test_the_waits_it_shortens_are_flowers_sleeps_in_that_module(loop):
@@ -50,17 +57,18 @@ def test_the_waits_it_shortens_are_flowers_sleeps_in_that_module(loop):
 def test_shorten_waits_patches_the_loop_on_a_known_flower(loop, monkeypatch):
     slept: list[float] = []
     monkeypatch.setattr(time, "sleep", slept.append)
-    assert launcher.shorten_waits(0.2) is True
-    assert isinstance(loop.time, launcher.CappedSleep)
+    assert launcher.shorten_waits(0.2, 2.0) is True
+    assert isinstance(loop.time, launcher.ShortWaits)
     loop.time.sleep(3)
     assert slept == [0.2]
-    assert launcher.shorten_waits(0.05) is True  # again: the cap changes, no double wrap
-    assert loop.time.cap == 0.05 and not isinstance(time, launcher.CappedSleep)
+    assert launcher.shorten_waits(0.05, 0.5) is True  # again: new intervals, no double wrap
+    assert (loop.time.first, loop.time.longest, loop.time.next_idle) == (0.05, 0.5, 0.05)
+    assert not isinstance(time, launcher.ShortWaits)
 
 
 def test_an_unknown_flower_keeps_its_own_waits_and_says_so(loop, monkeypatch, capsys):
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "9.0.0")
-    assert launcher.shorten_waits(0.1) is False
+    assert launcher.shorten_waits(0.1, 1.0) is False
     assert loop.time is time
     assert "Flower 9.0.0" in capsys.readouterr().err
 
@@ -73,14 +81,18 @@ def test_main_hands_every_other_argument_to_flower_supernode(loop, monkeypatch):
     def fake_supernode() -> None:
         seen["argv"] = list(sys.argv)
         seen["superexec-poll"] = os.environ.get(launcher.SUPEREXEC_POLL_VAR)
-        seen["cap"] = loop.time.cap
+        seen["waits"] = (loop.time.first, loop.time.longest)
 
     monkeypatch.setattr(flwr.supernode.cli, "flower_supernode", fake_supernode)
     monkeypatch.setattr(sys, "argv", list(sys.argv))
     monkeypatch.delenv(launcher.SUPEREXEC_POLL_VAR, raising=False)
     args = ["--superlink", "127.0.0.1:9092", "--insecure", "--node-config", "client-id=0"]
-    assert launcher.main(["--poll-interval", "0.25", *args]) == 0
-    assert seen == {"argv": ["flower-supernode", *args], "superexec-poll": "0.25", "cap": 0.25}
+    assert launcher.main(["--poll-interval", "0.25", "--max-poll-interval", "2", *args]) == 0
+    assert seen == {
+        "argv": ["flower-supernode", *args],
+        "superexec-poll": "0.25",
+        "waits": (0.25, 2.0),
+    }
 
 
 def test_the_superexec_setting_in_the_environment_wins(loop, monkeypatch):
@@ -100,12 +112,20 @@ def test_the_superexec_setting_in_the_environment_wins(loop, monkeypatch):
 
 @pytest.mark.parametrize("bad", [0.0, -1.0, 0.001, 61.0, math.nan, math.inf])
 def test_a_bad_poll_interval_is_refused_naming_it(bad, tmp_path, capsys):
-    with pytest.raises(ValueError, match=r"--poll-interval: .*got " + repr(bad)):
+    with pytest.raises(ValueError, match=r"--poll-interval.*got " + repr(bad)):
         DeployOptions(workdir=tmp_path, poll_interval=bad)
+    with pytest.raises(ValueError, match=r"longest .*got " + repr(bad)):
+        DeployOptions(workdir=tmp_path, max_poll_interval=bad)
     with pytest.raises(SystemExit) as exit_info:
         launcher.main(["--poll-interval", str(bad)])
     assert exit_info.value.code == 2
     assert repr(bad) in capsys.readouterr().err
+
+
+def test_the_longest_wait_may_not_be_below_the_first(tmp_path):
+    with pytest.raises(ValueError, match=r"longest poll interval 0\.2 is below the first, 0\.5"):
+        DeployOptions(workdir=tmp_path, poll_interval=0.5, max_poll_interval=0.2)
+    DeployOptions(workdir=tmp_path, poll_interval=None, max_poll_interval=0.01)  # unused then
 
 
 def test_the_local_deployment_starts_supernodes_through_it(tmp_path, monkeypatch):
@@ -117,6 +137,8 @@ def test_the_local_deployment_starts_supernodes_through_it(tmp_path, monkeypatch
         "fedfm_flower.deploy.supernode",
         "--poll-interval",
         "0.1",
+        "--max-poll-interval",
+        "1.0",
     ]
     assert short.env()[launcher.SUPEREXEC_POLL_VAR] == "0.1"  # the SuperLink's SuperExec too
 
@@ -130,6 +152,7 @@ def test_the_command_line_switches_between_short_and_flower_waits():
     parser = build_parser("deploy")
     assert parser.parse_args([]).poll_interval == launcher.DEFAULT_POLL_INTERVAL
     assert parser.parse_args(["--poll-interval", "0.5"]).poll_interval == 0.5
+    assert parser.parse_args(["--max-poll-interval", "3"]).max_poll_interval == 3.0
     assert parser.parse_args(["--flower-waits"]).flower_waits is True
     with pytest.raises(SystemExit):
         parser.parse_args(["--flower-waits", "--poll-interval", "0.5"])

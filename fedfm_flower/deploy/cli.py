@@ -28,7 +28,7 @@ from fedfm_flower.deploy.options import (
 )
 from fedfm_flower.deploy.processes import become_subreaper
 from fedfm_flower.deploy.runs import RunConfigError, parse_run_config, resolve_run_config
-from fedfm_flower.deploy.supernode import DEFAULT_POLL_INTERVAL
+from fedfm_flower.deploy.supernode import DEFAULT_MAX_POLL_INTERVAL, DEFAULT_POLL_INTERVAL
 from fedfm_flower.launch import ExitCode
 from fedfm_flower.preflight import PreflightError, check_run, resolve_config
 
@@ -105,8 +105,15 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         "--poll-interval",
         type=float,
         default=DEFAULT_POLL_INTERVAL,
-        help="longest idle wait of the SuperNodes and their SuperExecs, in seconds "
+        help="shortest wait of the SuperNodes, and the SuperExecs' task polling, in seconds "
         f"(default {DEFAULT_POLL_INTERVAL}; Flower's own: 3 s and 1 s)",
+    )
+    parser.add_argument(
+        "--max-poll-interval",
+        type=float,
+        default=DEFAULT_MAX_POLL_INTERVAL,
+        help="longest idle wait of the SuperNodes, in seconds "
+        f"(default {DEFAULT_MAX_POLL_INTERVAL})",
     )
     waits.add_argument(
         "--flower-waits",
@@ -138,6 +145,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
             debug=args.debug,
             node_config={"warm-worker": False} if args.no_warm_worker else {},
             poll_interval=None if args.flower_waits else args.poll_interval,
+            max_poll_interval=args.max_poll_interval,
         )
     except ValueError as err:
         parser.error(str(err))

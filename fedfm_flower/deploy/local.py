@@ -360,8 +360,15 @@ class LocalDeployment:
         if interval is None:
             return [self._bin("flower-supernode")]
         self._bin("flower-supernode")  # the same error as above when Flower is missing
-        module = "fedfm_flower.deploy.supernode"
-        return [sys.executable, "-m", module, "--poll-interval", repr(interval)]
+        return [
+            sys.executable,
+            "-m",
+            "fedfm_flower.deploy.supernode",
+            "--poll-interval",
+            repr(interval),
+            "--max-poll-interval",
+            repr(self.options.max_poll_interval),
+        ]
 
     def kill_supernode(self, index: int, timeout: float = 10.0) -> list[int]:
         """SIGKILL SuperNode ``index`` and its ClientApp processes at once (a machine crash).

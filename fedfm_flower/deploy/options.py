@@ -9,7 +9,11 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from fedfm_flower.deploy.supernode import DEFAULT_POLL_INTERVAL, check_poll_interval
+from fedfm_flower.deploy.supernode import (
+    DEFAULT_MAX_POLL_INTERVAL,
+    DEFAULT_POLL_INTERVAL,
+    check_poll_intervals,
+)
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository: the default app, scripts/, deploy/
 HOST = "127.0.0.1"  # the only address the launcher ever binds to or dials
@@ -39,9 +43,11 @@ class DeployOptions:
     debug: bool = False  # print it unfolded (tracebacks in full)
     # Extra node-config entries of every SuperNode, e.g. {"warm-worker": False}.
     node_config: dict[str, Any] = dataclasses.field(default_factory=dict)
-    # Longest idle wait of the SuperNodes and SuperExecs (fedfm_flower.deploy.supernode);
-    # None: plain `flower-supernode` with Flower's own waits (3 s, 0.5 s; SuperExec 1 s).
+    # Shortest and longest waits of the SuperNodes (fedfm_flower.deploy.supernode); the first
+    # is also the SuperExecs' task polling. None: plain `flower-supernode` with Flower's own
+    # waits (3 s, 0.5 s; SuperExec 1 s).
     poll_interval: float | None = DEFAULT_POLL_INTERVAL
+    max_poll_interval: float = DEFAULT_MAX_POLL_INTERVAL
 
     def __post_init__(self) -> None:
         self.workdir = Path(self.workdir).expanduser().resolve()
@@ -55,9 +61,9 @@ class DeployOptions:
             raise ValueError(f"--base-port must leave room for {self.num_supernodes + 1} ports")
         if self.poll_interval is not None:
             try:
-                check_poll_interval(self.poll_interval)
+                check_poll_intervals(self.poll_interval, self.max_poll_interval)
             except ValueError as err:
-                raise ValueError(f"--poll-interval: {err}") from None
+                raise ValueError(f"--poll-interval/--max-poll-interval: {err}") from None
 
     @property
     def certs(self) -> Path:
