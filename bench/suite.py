@@ -1,6 +1,6 @@
 """The benchmark suite: what the framework costs over the bare compute, and how it grows.
 
-    python -m bench.suite --quick      # CPU, offline setup, ~8 minutes on 2 cores
+    python -m bench.suite --quick      # CPU, offline setup, ~10 minutes on 2 cores
     python -m bench.suite --full       # more clients, ranks, L and SuperNodes, plus cold start
     python -m bench.suite --gpu        # a GPU: ViT-S/B at 224 px, clients sharing the GPU
     python -m bench.suite --gpu --sections server-cost --merge   # one section, keep the rest
