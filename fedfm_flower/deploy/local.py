@@ -106,12 +106,12 @@ class LocalDeployment:
         """Environment of every process started here (tagged, offline, no `uv sync`)."""
         env = flower_environment(self.flwr_home)
         env.update({TAG_VAR: self.tag, "PYTHONUNBUFFERED": "1"})
+        if self.options.poll_interval is not None:  # the SuperLink's SuperExec polls too
+            env.setdefault(SUPEREXEC_POLL_VAR, repr(self.options.poll_interval))
         # The ServerApp and the N ClientApps share the CPU cores: without a limit each torch
         # process starts one OpenMP thread per core, and oversubscribed OpenMP spins (measured
         # here: foundation pretraining 12 s with 1 thread, 247 s with 2 threads on a busy 2-core
         # machine).
-        if self.options.poll_interval is not None:  # the SuperLink's SuperExec too
-            env.setdefault(SUPEREXEC_POLL_VAR, repr(self.options.poll_interval))
         threads = str(self.threads())
         env.setdefault("OMP_NUM_THREADS", threads)
         env.setdefault("MKL_NUM_THREADS", threads)
@@ -359,7 +359,7 @@ class LocalDeployment:
         interval = self.options.poll_interval
         if interval is None:
             return [self._bin("flower-supernode")]
-        self._bin("flower-supernode")  # the same error as above when Flower is missing
+        self._bin("flower-supernode")  # a missing Flower fails here, as without short waits
         return [
             sys.executable,
             "-m",

@@ -105,7 +105,7 @@ def shorten_waits(first: float, longest: float) -> bool:
     loop = importlib.import_module(LOOP_MODULE)
     current = getattr(loop, "time", None)
     if isinstance(current, ShortWaits):
-        current.__init__(first, longest)
+        current.first, current.longest, current.next_idle = first, longest, first
         return True
     if not version.startswith(KNOWN_FLOWER) or current is not time:
         print(
@@ -120,7 +120,7 @@ def shorten_waits(first: float, longest: float) -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Parse ``--poll-interval``, shorten the waits, then run ``flower-supernode`` on the rest."""
+    """Parse the two intervals, shorten the waits, then run ``flower-supernode`` on the rest."""
     parser = argparse.ArgumentParser(
         prog="python -m fedfm_flower.deploy.supernode",
         description=__doc__.splitlines()[0],
