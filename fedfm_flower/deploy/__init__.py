@@ -29,7 +29,9 @@ Step by step (docs/deployment.md explains each one), and the module that does it
 5. ``flower-supernode`` i = 0..N-1 with ``--superlink 127.0.0.1:<base-port>``,
    ``--root-certificates``, ``--auth-supernode-private-key``, its own runtime ``--port``
    (base-port + 1 + i) and ``--node-config "client-id=i partition-id=i num-partitions=N
-   state-dir=<workdir>/node_i"``; the launcher waits until all N are online: ``local``.
+   state-dir=<workdir>/node_i"``, started through ``python -m fedfm_flower.deploy.supernode``
+   (Flower's SuperNode with short idle waits; ``--flower-waits``: plain ``flower-supernode``);
+   the launcher waits until all N are online: ``local`` and ``supernode``.
 6. ``flwr run <app> fedfm-local --stream --run-config <workdir>/run-config.toml`` (the merged
    overrides, always with ``num-clients=N``), then ``flwr ls --run-id`` for the final status:
    ``runs`` (run config, ``RunResult``) and ``LocalDeployment.run``.
