@@ -294,3 +294,14 @@ def test_cold_start_benchmark_runs_the_methods_the_default_model_serves() -> Non
     assert {"tap", "feddpa-t"} <= set(refused)
     assert "'feddpa-t'" in refused["feddpa-t"] and "text" in refused["feddpa-t"]
     assert runnable_methods(["fedrep", "tap"])[0] == ["fedrep"]
+
+
+def test_engine_dispatch_benchmark_echoes_the_fedavg_payload_through_ray() -> None:
+    from bench.engine_dispatch import measure
+
+    result = measure(messages=4, warmup=1)
+    assert result["messages"] == 4
+    assert 0 < result["p10-ms"] <= result["median-ms"] <= result["p90-ms"]
+    # LoRA A and B of the tiny ViT's 4 qkv layers (rank 4, width 64) and the 10-class head:
+    # the parameter bytes the communication benchmark reports for FedAvg.
+    assert result["payload-bytes"] == 4 * (4 * (4 * 64 + 192 * 4) + 10 * 64 + 10)
