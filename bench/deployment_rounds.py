@@ -15,7 +15,7 @@ each mode (``MODES``), then in ``flwr run`` simulation with N SuperNodes:
 * ``flower-waits``: the warm worker and prompt replies, with plain ``flower-supernode`` and its
   fixed waits (3 s between empty pulls, SuperExec 1 s);
 * ``warm``: the defaults: warm worker, ``server_apps.polling.PromptGrid`` and SuperNodes started
-  by ``fedfm_flower.deploy.supernode`` (idle waits of at most 0.1 s).
+  by ``fedfm_flower.deploy.supernode`` (idle waits from 0.1 s growing to 1 s).
 
 Reported: steady-state round time (median of rounds 2..R-1) of each, their ratios to simulation,
 whether the modes gave the same metrics, and from the SuperNodes' logs the warm workers' handling
@@ -62,23 +62,25 @@ class Mode:
 
 MODES = {
     "cold": Mode(
-        "per-message-process", "per-message process (warm-worker=false)", False, True, False
+        "per-message-process",
+        "per-message process (warm-worker=false)",
+        warm_worker=False,
+        short_waits=False,
     ),
     "polling": Mode(
         "warm-worker-flower-polling",
         "warm worker, Flower's 3 s reply polling and waits (prompt-replies=false)",
-        True,
-        False,
-        False,
+        warm_worker=True,
+        prompt_replies=False,
+        short_waits=False,
     ),
     "flower-waits": Mode(
         "warm-worker-flower-waits",
         "warm worker and prompt replies, Flower's SuperNode waits (--flower-waits)",
-        True,
-        True,
-        False,
+        warm_worker=True,
+        short_waits=False,
     ),
-    "warm": Mode("warm-worker", "warm worker and prompt replies (the defaults)", True),
+    "warm": Mode("warm-worker", "warm worker and prompt replies (the defaults)", warm_worker=True),
 }
 
 

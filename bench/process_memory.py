@@ -17,7 +17,7 @@ import threading
 import time
 from pathlib import Path
 
-from fedfm_flower.processes import pids_with_environment
+from fedfm_flower.processes import pids_with_environment, proc_cmdline
 
 TAG_VAR = "FEDFM_BENCH_ID"
 
@@ -40,11 +40,7 @@ def pss_bytes(pid: int) -> int:
 
 def command_name(pid: int) -> str:
     """A short name for a process: its executable or the Python module/script it runs."""
-    try:
-        parts = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
-    except OSError:
-        return "?"
-    parts = [p for p in parts if p]
+    parts = [p for p in proc_cmdline(pid) if p]
     if not parts:
         return "?"
     if "-m" in parts[:-1]:

@@ -102,11 +102,9 @@ def pids_with_environment(variables: Mapping[str, str], command: str | None = No
             with open(f"/proc/{entry.name}/environ", "rb") as handle:
                 if not markers <= set(handle.read().split(b"\0")):
                     continue
-            if command is not None:
-                with open(f"/proc/{entry.name}/cmdline", "rb") as handle:
-                    if command.encode() not in handle.read():
-                        continue
         except OSError:
+            continue
+        if command is not None and command not in "\0".join(proc_cmdline(int(entry.name))):
             continue
         found.add(int(entry.name))
     return found

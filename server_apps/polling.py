@@ -23,17 +23,16 @@ from flwr.proto.node_pb2 import NodeInfo  # pylint: disable=E0611
 from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 
+from fedfm_flower.waits import GrowingWait
+
 FIRST_PAUSE_S = 0.01
 MAX_PAUSE_S = 0.1
 GROWTH = 1.5
 
 
-def pauses(first: float = FIRST_PAUSE_S, limit: float = MAX_PAUSE_S) -> Iterable[float]:
+def pauses(first: float = FIRST_PAUSE_S, limit: float = MAX_PAUSE_S) -> GrowingWait:
     """The pauses between pulls: ``first``, growing by ``GROWTH``, capped at ``limit``."""
-    pause = first
-    while True:
-        yield pause
-        pause = min(pause * GROWTH, limit)
+    return GrowingWait(first, limit, GROWTH)
 
 
 def push_and_pull(
@@ -57,7 +56,7 @@ def push_and_pull(
         if not waiting:
             break
         if pulled:  # progress: the next reply is likely near
-            schedule = pauses()
+            schedule.restart()
         pause = next(schedule)
         if deadline is not None:
             left = deadline - clock()

@@ -41,6 +41,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from fedfm_flower.waits import GrowingWait
+
 # Flower versions whose SuperNode loop is known to sleep through `time.sleep` in that module.
 KNOWN_FLOWER = ("1.41.", "1.42.")
 LOOP_MODULE = "flwr.supernode.start_client_internal"
@@ -53,24 +55,25 @@ REPLY_WAIT_S = 0.5  # Flower's wait between looks for the ClientApp's reply
 MIN_POLL_INTERVAL, MAX_POLL_INTERVAL = 0.01, 60.0
 
 
-class ShortWaits:
-    """The ``time`` module as the SuperNode loop sees it, with the sleeps of the module doc.
-
-    No sleep is longer than the one Flower asked for.
-    """
+class ShortWaits(GrowingWait):
+    """The ``time`` module as the SuperNode loop sees it, with the sleeps of the module doc:
+    its empty-pull waits are this ``GrowingWait``. No sleep is longer than Flower asked for."""
 
     def __init__(self, first: float, longest: float) -> None:
-        self.first, self.longest = first, longest
-        self.next_idle = first
+        super().__init__(first, longest, GROWTH)
+
+    @property
+    def next_idle(self) -> float:
+        """The wait after the next empty pull."""
+        return self.upcoming
 
     def sleep(self, seconds: float) -> None:
-        """An empty pull's wait (Flower: 3 s) grows; a reply wait (0.5 s) is short and resets."""
+        """An empty pull's wait (Flower: 3 s) grows; a reply wait (0.5 s) is short and restarts."""
         if seconds > REPLY_WAIT_S:
-            pause = min(self.next_idle, seconds)
-            self.next_idle = min(self.next_idle * GROWTH, self.longest)
+            pause = min(next(self), seconds)
         else:
             pause = min(seconds, self.first)
-            self.next_idle = self.first
+            self.restart()
         time.sleep(pause)
 
     def __getattr__(self, name: str) -> Any:
@@ -104,10 +107,9 @@ def shorten_waits(first: float, longest: float) -> bool:
     version = importlib.metadata.version("flwr")
     loop = importlib.import_module(LOOP_MODULE)
     current = getattr(loop, "time", None)
-    if isinstance(current, ShortWaits):
-        current.first, current.longest, current.next_idle = first, longest, first
-        return True
-    if not version.startswith(KNOWN_FLOWER) or current is not time:
+    if not isinstance(current, ShortWaits) and (
+        not version.startswith(KNOWN_FLOWER) or current is not time
+    ):
         print(
             f"fedfm_flower.deploy.supernode: Flower {version} is not one whose SuperNode waits "
             f"are known ({', '.join(v + 'x' for v in KNOWN_FLOWER)}); running with its own "
