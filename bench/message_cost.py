@@ -71,7 +71,7 @@ PHASES: tuple[tuple[str, str, str, bool], ...] = (
     ("model reset", "client_apps.base", "ClientRuntime.model", False),
     ("model reset", "fedfm_flower.models.build", "ModelCache.get", True),
     ("load received", "fedfm_flower.models.groups", "TunedModel.load_tensors", True),
-    ("parameter selection", "client_apps.baselines", "SplitClient.split", True),
+    ("parameter selection", "client_apps.split", "SplitClient.split", True),
     ("parameter selection", "fedfm_flower.models.groups", "TunedModel.parameters_named", True),
     ("state load/save", "fedfm_flower.client_state", "ClientStateStore.load", True),
     ("state load/save", "fedfm_flower.client_state", "ClientStateStore.save", True),

@@ -78,7 +78,7 @@ PRELOAD: tuple[str, ...] = (
     "transformers.models.llama.modeling_llama",
     "flwr.app",
     "client_apps.base",
-    "client_apps.baselines",
+    "client_apps.split",
     "client_apps.tap",
     "fedfm_flower.distillation",
     "fedfm_flower.models.footprint",

@@ -24,7 +24,7 @@ import torch
 
 from client_apps.base import ClientLogic, ClientRuntime
 from client_apps.stepwise import WithTensors, batch_stream, run_loop, sgd_, trainable_only
-from fedfm_flower.apfl_settings import APFLSettings
+from fedfm_flower.methods.apfl import APFLSettings
 from fedfm_flower.models import TunedModel
 from fedfm_flower.tasks.base import Batch, StepResult, Task
 from fedfm_flower.training import EvalStats, TrainStats

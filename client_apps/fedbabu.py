@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from client_apps.base import ClientRuntime
-from client_apps.baselines import SplitClient
+from client_apps.split import SplitClient
 from fedfm_flower.models import TunedModel
 from fedfm_flower.training import EvalStats, TrainStats
 
@@ -25,8 +25,8 @@ from fedfm_flower.training import EvalStats, TrainStats
 class FedBABUClient(SplitClient):
     """Body shared and trained; head frozen at its initial value, fine-tuned only to evaluate."""
 
-    shared = None
-    local = ("head",)  # not personal state: frozen, never sent, never stored
+    # The split (``fedfm_flower/methods/fedbabu.py``) keeps the head: frozen, never sent, never
+    # stored (not personal state).
 
     def prepare(
         self, runtime: ClientRuntime, received: dict[str, torch.Tensor], personal_round: dict

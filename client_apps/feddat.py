@@ -73,7 +73,7 @@ import torch
 from torch import nn
 
 from client_apps.base import ClientLogic, ClientRuntime
-from fedfm_flower.feddat_settings import FedDATSettings
+from fedfm_flower.methods.feddat import FedDATSettings
 from fedfm_flower.models import TunedModel
 from fedfm_flower.tasks.base import Batch, StepResult, Task, TrainingObjective
 from fedfm_flower.training import EvalStats, TrainStats

@@ -27,8 +27,8 @@ import statistics
 import torch
 
 from client_apps.base import ClientRuntime
-from client_apps.baselines import SplitClient
-from fedfm_flower.feddpa_settings import FedDPASettings
+from client_apps.split import SplitClient
+from fedfm_flower.methods.feddpa import FedDPASettings
 from fedfm_flower.models import TunedModel
 from fedfm_flower.models.tuners.dual_lora import GLOBAL, GLOBAL_ONLY, LOCAL, adapter_mix
 from fedfm_flower.training import EvalStats, TrainStats, proximal_term
@@ -45,8 +45,6 @@ def local_name(global_name: str) -> str:
 class FedDPAClient(SplitClient):
     """FedDPA-T: global adapter trained and sent, local adapter trained alongside and kept."""
 
-    shared = ("adapter.global",)
-    local = ("adapter.local",)
     trains_local_each_round = True
 
     def settings(self, runtime: ClientRuntime) -> FedDPASettings:

@@ -13,7 +13,7 @@ with plain SGD (the optimizer, momentum and weight-decay keys do not apply). ``t
 evaluated through ``torch.func.functional_call`` on the one cached model. Before each
 evaluation a copy adapts with one step, w - alpha * grad f(w; D) on one batch (``batch-size``)
 of the client's train split, and is evaluated; nothing of it is kept. ``perfedavg-alpha`` and
-``perfedavg-beta`` default to the run's ``lr`` (``fedfm_flower.perfedavg_settings``).
+``perfedavg-beta`` default to the run's ``lr`` (``fedfm_flower.methods.perfedavg``).
 
 ``per-fedavg-ft`` (TAP's "Per-FedAvg + Post-train") trains the same way and, before each
 evaluation, trains a copy of w for the fine-tuning schedule (``finetune-steps``, TAP's P) with
@@ -27,8 +27,8 @@ import torch
 
 from client_apps.base import ClientLogic, ClientRuntime
 from client_apps.stepwise import WithTensors, batch_stream, halves, run_loop, sgd_, trainable_only
+from fedfm_flower.methods.perfedavg import PerFedAvgSettings
 from fedfm_flower.models import TunedModel
-from fedfm_flower.perfedavg_settings import PerFedAvgSettings
 from fedfm_flower.tasks.base import Batch, StepResult, Task
 from fedfm_flower.training import EvalStats, TrainStats
 

@@ -38,8 +38,8 @@ import torch
 
 from client_apps.base import ClientLogic, ClientRuntime
 from fedfm_flower.data.multitask import PAIRS
+from fedfm_flower.methods.tap import TAPSettings
 from fedfm_flower.models import TunedModel
-from fedfm_flower.tap_settings import TAPSettings
 from fedfm_flower.training import EvalStats, TrainStats
 
 HISTORY = "tap.history."  # client-state key prefix of h^(p)_o (scalar tensors)

@@ -6,9 +6,10 @@ dataclass fields are the snake_case twins of those keys. ``ExperimentConfig.from
 checks every value and fails at start with an error that names the key, the value and what
 is allowed, so a typo never surfaces twenty minutes into a run.
 
-A method's own keys (``pfedseq-*``, ``pfedpg-*``) are declared next to its code, as a
-``MethodSettings`` class (``fedfm_flower.settings``) that the method registry names; the config
-carries every registered method's values in ``method_values`` and hands out the typed object,
+A method's own keys (``pfedseq-*``, ``pfedpg-*``) are declared in its method module
+(``fedfm_flower/methods/<method>.py``) as a ``MethodSettings`` class (``fedfm_flower.settings``)
+that its spec names; the config carries every registered method's values in ``method_values``
+and hands out the typed object,
 ``config.settings_of(PFedSeqSettings)`` or ``config.method_settings`` for the active method.
 """
 
@@ -63,7 +64,7 @@ DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
 MODEL_DTYPES: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16")  # hf-causal-lm only
 DEVICE_MAPS: tuple[str, ...] = ("", "auto")  # hf-causal-lm only; "" loads on one device
 # The methods' own allowed values (pfedseq-learner, pfedpg-generator, ...) are in their
-# settings classes: fedfm_flower/learners/pfedseq_settings.py, pfedpg_settings.py.
+# settings classes, in their method modules: fedfm_flower/methods/<method>.py.
 
 SettingsT = TypeVar("SettingsT", bound=MethodSettings)
 

@@ -10,7 +10,8 @@ load_weights=False)`` on PyTorch's meta device: shapes only, no weights, no down
 
 * **storage**: the parameters a client holds: every parameter of its model (a frozen backbone
   included) plus, for a method that keeps more than one copy of the trainable tensors (APFL: a
-  personal and a global model), the extra copies, plus the method's own scalars (APFL's alpha);
+  personal and a global model), the extra copies, plus the method's own scalars (APFL's alpha):
+  the method's ``ResourceProfile`` (``fedfm_flower/methods/<method>.py``);
 * **computation**: multiply-accumulates (MACs) of one training step per sample: the MACs of one
   sample's forward pass times the forward-backward passes per step (APFL and Per-FedAvg: 2).
   A forward's MACs are those of every matrix product: linear layers (tokens x in x out),
@@ -20,9 +21,9 @@ load_weights=False)`` on PyTorch's meta device: shapes only, no weights, no down
   (about twice the forward when the whole model trains, the same factor for every such method,
   so the ratios hold);
 * **communication**: the parameters a client uploads per round, the tensors its method shares
-  (the split of ``client_apps``: ``SplitClient.shared``/``local``, FedPerfix's
-  ``fedperfix-personal``). The server sends as many back (download = upload) for every method
-  here (pFedSeq and pFedPG send updates of the shared tensors, of the same size).
+  (the method's split, ``MethodSpec.split``; FedPerfix's from ``fedperfix-personal``). The
+  server sends as many back (download = upload) for every method here (pFedSeq and pFedPG send
+  updates of the shared tensors, of the same size).
 
 Each is also given as a fraction of FedAvg's on the same backbone: FedAvg training the whole
 ViT with no plugin (``tuner = none``, ``train-backbone = true``), the paper's 1x. FedPerfix's
@@ -53,58 +54,10 @@ from torch.overrides import TorchFunctionMode
 
 from fedfm_flower.config import ExperimentConfig
 from fedfm_flower.models.families import family_of
-from fedfm_flower.models.groups import split_names
 from fedfm_flower.overrides import parse_overrides
-from fedfm_flower.personal import PartialSettings
-from fedfm_flower.registry import METHODS as REGISTERED
-from fedfm_flower.registry import trains_backbone, tuner_of
+from fedfm_flower.registry import method_spec, split_parameters, trains_backbone, tuner_of
 
 CONFIG_ROOT = Path(__file__).resolve().parent.parent / "configs"
-
-
-@dataclass(frozen=True)
-class MethodProfile:
-    """What a method's client keeps, sends and computes, beyond the model itself.
-
-    ``shared``/``local`` are selections as in ``split_names`` (``None``: the rest), the same as
-    the method's client class declares; ``personal`` takes ``local`` from
-    ``fedperfix-personal`` instead. ``tuner``/``trains_backbone`` are used only while the method
-    is not in the method registry (else the registry's say).
-    """
-
-    shared: tuple[str, ...] | None = None
-    local: tuple[str, ...] | None = ()
-    personal: bool = False
-    copies: int = 1  # copies of the trainable tensors a client stores
-    passes: int = 1  # forward-backward passes per training step
-    extra: int = 0  # further parameters a client stores (APFL's mixing weight alpha)
-    tuner: str = "none"
-    trains_backbone: bool = True
-
-
-# The clients' splits: client_apps/baselines.py, updates.py, partial.py (tests check they agree).
-PROFILES: dict[str, MethodProfile] = {
-    "local": MethodProfile(shared=(), local=None),
-    "fedavg": MethodProfile(),
-    "fedavg-ft": MethodProfile(),  # + fine-tuning before each evaluation (not counted)
-    "fedrep": MethodProfile(local=("head",)),
-    "fedvpt": MethodProfile(local=("head",)),
-    "fedvpt-deep": MethodProfile(local=("head",)),
-    "pfedseq": MethodProfile(shared=("adapter",), local=("head",)),
-    "pfedpg": MethodProfile(shared=("prompt",), local=("head",)),
-    "fedperfix": MethodProfile(personal=True, tuner="perfix"),
-    # Whole-ViT baselines of FedPerfix's Table 2:
-    "fedbabu": MethodProfile(local=("head",)),  # head frozen and never sent, body shared
-    "apfl": MethodProfile(copies=2, passes=2, extra=1),  # personal + global model, alpha
-    "per-fedavg": MethodProfile(passes=2),  # two forward/backward passes per step
-}
-
-
-def method_profile(method: str) -> MethodProfile:
-    """The resource profile of ``method``, or a ValueError naming the profiled methods."""
-    if method not in PROFILES:
-        raise ValueError(f"method '{method}' has no resource profile; known: {', '.join(PROFILES)}")
-    return PROFILES[method]
 
 
 @dataclass(frozen=True)
@@ -280,14 +233,6 @@ def _model_counts(
         return count("cpu")
 
 
-def _model_choice(config: ExperimentConfig, profile: MethodProfile) -> tuple[str, bool]:
-    """(tuner, whether the backbone trains) of a run, for registered methods and profiled ones."""
-    if config.method in REGISTERED:
-        return tuner_of(config), trains_backbone(config)
-    tuner = config.tuner if config.tuner != "auto" else profile.tuner
-    return tuner, profile.trains_backbone or config.train_backbone
-
-
 def _num_outputs(config: ExperimentConfig, num_outputs: int | None) -> int:
     if num_outputs is not None:
         return num_outputs
@@ -296,27 +241,14 @@ def _num_outputs(config: ExperimentConfig, num_outputs: int | None) -> int:
     return dataset_spec(config.dataset).num_classes  # no data is read
 
 
-def _split(
-    config: ExperimentConfig, profile: MethodProfile, counts: _ModelCounts
-) -> tuple[list[str], list[str]]:
-    if not profile.personal:
-        return split_names(counts.groups, profile.shared, profile.local)
-    personal = config.settings_of(PartialSettings).personal_parts
-    try:
-        return split_names(counts.groups, None, personal, strict=True)
-    except ValueError as err:
-        raise ValueError(f"run config 'fedperfix-personal': {err}") from err
-
-
 def method_resources(config: ExperimentConfig, num_outputs: int | None = None) -> Resources:
     """Storage, computation and communication per client of ``config``'s method and model."""
     if family_of(config.backbone).modality != "image":
         raise ValueError(f"backbone '{config.backbone}': resources are counted for ViTs only")
-    profile = method_profile(config.method)
+    profile = method_spec(config.method).profile
     outputs = _num_outputs(config, num_outputs)
-    tuner, train_backbone = _model_choice(config, profile)
-    counts = _model_counts(_model_key(config), tuner, outputs, train_backbone)
-    shared, local = _split(config, profile, counts)
+    counts = _model_counts(_model_key(config), tuner_of(config), outputs, trains_backbone(config))
+    shared, local = split_parameters(config, counts.groups)
     trainable = sum(counts.numel.values())
     storage = counts.total_params + (profile.copies - 1) * trainable + profile.extra
     upload = sum(counts.numel[n] for n in shared)
@@ -335,7 +267,7 @@ def method_resources(config: ExperimentConfig, num_outputs: int | None = None) -
         passes=profile.passes,
         fedavg_storage_params=reference.total_params,
         fedavg_upload_params=sum(reference.numel.values()),
-        fedavg_train_macs=reference.forward_macs * PROFILES["fedavg"].passes,
+        fedavg_train_macs=reference.forward_macs * method_spec("fedavg").profile.passes,
     )
 
 
@@ -369,17 +301,6 @@ def run_config_of(
             raise FileNotFoundError(f"variant '{label}': {variant_file} does not exist")
         config.update(tomllib.loads(variant_file.read_text()))
     return {**config, **(overrides or {}), "method": method, "label": label}
-
-
-def config_of(run_config: Mapping[str, Any]) -> ExperimentConfig:
-    """The validated config of a run config; a profiled method the registry does not know yet
-    is validated as FedAvg, then named."""
-    method = run_config.get("method", ExperimentConfig.method)
-    if method in REGISTERED:
-        return ExperimentConfig.from_run_config(run_config)
-    method_profile(method)
-    config = ExperimentConfig.from_run_config({**run_config, "method": "fedavg"})
-    return dataclasses.replace(config, method=method)
 
 
 def _amount(value: float, units: str) -> str:
@@ -495,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
             run_config = run_config_of(label, overrides, args.setup, args.configs)
             if args.label:
                 run_config["label"] = args.label[i]
-            configs.append(config_of(run_config))
+            configs.append(ExperimentConfig.from_run_config(run_config))
         rows = resources_table(configs, args.num_classes)
     except (ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -5,9 +5,10 @@ A method with keys of its own declares them as a frozen dataclass subclass of
 ``pfedseq``) is run-config key ``pfedseq-seq-len``. Every field has a scalar default (int,
 float, bool or str; the same default is under ``[tool.flwr.app.config]`` in ``pyproject.toml``)
 and, through ``setting(...)``, the rules its value must satisfy; ``check()`` holds rules across
-fields. Construction validates, so a settings object is always valid. The method registry
-names the class (``MethodSpec.settings``); ``ExperimentConfig`` carries every registered
-method's values and ``config.settings_of(PFedSeqSettings)`` returns the typed object.
+fields. Construction validates, so a settings object is always valid. A method module
+(``fedfm_flower/methods/<method>.py``) declares the class and names it in its ``MethodSpec``;
+``ExperimentConfig`` carries every registered method's values and
+``config.settings_of(PFedSeqSettings)`` returns the typed object.
 
 This module and the settings modules import neither torch nor flwr: the ClientApp parses the
 run config in a fresh process per message.
@@ -18,10 +19,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Self
-
-if TYPE_CHECKING:
-    from fedfm_flower.config import ExperimentConfig
+from typing import Any, ClassVar, Self
 
 SCALARS: tuple[type, ...] = (bool, int, float, str)
 
@@ -127,11 +125,6 @@ class MethodSettings:
             if key in run_config:
                 values[f.name] = coerce(key, run_config[key], type(f.default))
         return cls(**values)
-
-    @classmethod
-    def from_config(cls, config: ExperimentConfig) -> Self:
-        """The settings carried by ``config`` (``config.settings_of(cls)``)."""
-        return config.settings_of(cls)
 
     def to_run_config(self) -> dict[str, Any]:
         """Run-config key -> value."""

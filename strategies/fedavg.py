@@ -6,10 +6,10 @@ models; for a model whose components serve only some holdings (TAP's modality-ta
 that own it (TAP's component-wise FedAvg, eq. 1).
 
 The global tensors are averaged in float64 and cast back, so the result does not depend on the
-order replies arrive in. Subclasses choose what is shared and what stays on the clients
-(``shared``/``local``: group selections as in ``fedfm_flower.models.groups.split_names``, None
-meaning everything the other side does not select) and how clients are weighted
-(``weighting``: example counts, or equal as FedDPA's eq. 2).
+order replies arrive in. What is shared and what stays on the clients is the method's split
+(``MethodSpec.split`` in ``fedfm_flower/methods/<method>.py``, read by
+``fedfm_flower.registry.split_parameters``, as the clients read it); subclasses choose how
+clients are weighted (``weighting``: example counts, or equal as FedDPA's eq. 2) and add phases.
 """
 
 from __future__ import annotations
@@ -21,16 +21,14 @@ import torch
 from fedfm_flower.aggregation import average_over_owners, client_weights
 from fedfm_flower.config import ExperimentConfig
 from fedfm_flower.models import TrainableTensors
-from fedfm_flower.models.groups import split_names
 from fedfm_flower.records import tensor_spec
+from fedfm_flower.registry import split_parameters
 from strategies.base import ClientReply, PersonalizedStrategy
 
 
 class FedAvgStrategy(PersonalizedStrategy):
     """One global copy of the shared groups, averaged over the reporting clients."""
 
-    shared: ClassVar[tuple[str, ...] | None] = None
-    local: ClassVar[tuple[str, ...] | None] = ()
     weighting: ClassVar[str] = "examples"
 
     def __init__(self, config: ExperimentConfig, initial: TrainableTensors) -> None:
@@ -46,8 +44,8 @@ class FedAvgStrategy(PersonalizedStrategy):
         return {n: self.global_tensors[n] for n in names if n in self.global_tensors}
 
     def split(self, initial: TrainableTensors) -> tuple[list[str], list[str]]:
-        """(shared, local) parameter names; the clients' ``split`` must agree."""
-        return split_names(initial.groups, self.shared, self.local)
+        """(shared, local) parameter names: the method's split (the clients read the same)."""
+        return split_parameters(self.config, initial.groups)
 
     def train_payload(self, client_id: int, server_round: int) -> dict[str, torch.Tensor]:
         """The global shared tensors of the client's components (for most models: all)."""

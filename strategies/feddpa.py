@@ -2,7 +2,8 @@
 
 The global adapter (group ``adapter.global``) is averaged over the reporting clients with
 weight 1/M each, not by data size (sec. 4.1: "based on the client number rather than the
-number of data"); the local adapter (``adapter.local``) never reaches the server. FedDPA-F
+number of data"); the local adapter (``adapter.local``) never reaches the server (the split
+of ``fedfm_flower/methods/feddpa.py``). FedDPA-F
 adds one post-training round after the last federated round, in which every client
 initialises its local adapter from the final global one and fine-tunes it (Algorithm 1);
 FedDPA-T trains the local adapter alongside, every round (Algorithm 2). FedProx (B.1) is a
@@ -17,8 +18,6 @@ from strategies.fedavg import FedAvgStrategy
 class FedDPAStrategy(FedAvgStrategy):
     """FedDPA-T: the global adapter averaged with equal client weights, the local one kept."""
 
-    shared = ("adapter.global",)
-    local = ("adapter.local",)
     weighting = "uniform"
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +16,6 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from fedfm_flower.apfl_settings import APFLSettings
 from fedfm_flower.config import (
     DATASETS,
     METHODS,
@@ -23,16 +23,11 @@ from fedfm_flower.config import (
     ExperimentConfig,
     NodeIdentity,
 )
-from fedfm_flower.feddat_settings import FedDATSettings
-from fedfm_flower.feddpa_settings import FedDPASettings
-from fedfm_flower.learners.pfedpg_settings import PFedPGSettings
-from fedfm_flower.learners.pfedseq_settings import PFedSeqSettings
-from fedfm_flower.perfedavg_settings import PerFedAvgSettings
-from fedfm_flower.personal import PartialSettings
+from fedfm_flower.methods.pfedpg import PFedPGSettings
+from fedfm_flower.methods.pfedseq import PFedSeqSettings
 from fedfm_flower.registry import METHODS as REGISTRY
 from fedfm_flower.registry import settings_class, settings_classes
 from fedfm_flower.settings import MethodSettings
-from fedfm_flower.tap_settings import TAPSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -67,16 +62,11 @@ def test_pyproject_declares_every_key_with_the_dataclass_default() -> None:
 
 
 def test_method_settings_are_registered_under_their_own_prefix() -> None:
-    assert settings_classes() == (
-        PFedSeqSettings,
-        PFedPGSettings,
-        PartialSettings,
-        APFLSettings,
-        PerFedAvgSettings,
-        FedDPASettings,
-        TAPSettings,
-        FedDATSettings,
-    )
+    # Every settings class of a spec, once, each declared in the method module of its spec.
+    specs = [spec for spec in REGISTRY.values() if spec.settings is not None]
+    assert settings_classes() == tuple(dict.fromkeys(spec.settings for spec in specs))
+    for spec in specs:
+        assert spec.settings.__module__.startswith("fedfm_flower.methods."), spec.name
     common = {f.name.replace("_", "-") for f in dataclasses.fields(ExperimentConfig)}
     seen: set[str] = set()
     for kind in settings_classes():
@@ -95,58 +85,41 @@ def test_method_settings_are_registered_under_their_own_prefix() -> None:
             assert config.method_settings == kind() and config.method_settings is not None
     assert settings_class("pfedseq") is PFedSeqSettings
     assert settings_class("pfedpg") is PFedPGSettings
+    assert settings_class("fedavg") is None
 
 
-NON_DEFAULT = {
-    "pfedseq-seq-len": 3,
-    "pfedseq-warmup-rounds": 0,
-    "pfedseq-lr": 0.05,
-    "pfedseq-learner": "lstm",
-    "pfedseq-num-layers": 1,
-    "pfedseq-state-dim": 8,
-    "pfedseq-expand": 3,
-    "pfedseq-conv-kernel": 2,
-    "pfedseq-mlp-hidden": 7,
-    "pfedseq-cross-client": False,
-    "pfedseq-global-aggregation": False,
-    "pfedseq-input-scale": "rms",
-    "pfedseq-output-init": "reference",
-    "pfedseq-learner-update": "mini-batch",
-    "pfedseq-batch-rows": 5,
-    "pfedseq-chunk-size": 11,
-    "pfedseq-scan-backend": "torch",
-    "pfedpg-lr": 0.5,
-    "pfedpg-generator": "mlp",
-    "pfedpg-query": "single",
-    "pfedpg-attention-dim": 4,
-    "pfedpg-hidden": 9,
-    "fedperfix-personal": "head",
-    "apfl-alpha": 0.5,
-    "apfl-alpha-lr": 0.1,
-    "perfedavg-alpha": 0.02,
-    "perfedavg-beta": 0.003,
-    "feddpa-alpha": 0.3,
-    "feddpa-weighting": "fixed",
-    "feddpa-scale": "0.7",
-    "feddpa-instances": 3,
-    "feddpa-similarity": "pearson",
-    "feddpa-representation": "avg",
-    "feddpa-direction": "global",
-    "feddpa-prox-mu": 0.01,
-    "tap-margin-image-classification": 0.02,
-    "tap-margin-text-classification": 0.01,
-    "tap-margin-image-generation": 0.01,
-    "tap-margin-text-generation": 0.02,
-    "tap-distill-image-classification": 0.1,
-    "tap-distill-text-classification": 0.1,
-    "tap-distill-image-generation": 0.1,
-    "tap-distill-text-generation": 0.5,
-    "tap-temperature": 2.0,
-    "tap-distill-steps": 7,
-    "feddat-local-weight": 0.25,
-    "feddat-temperature": 2.0,
-    "feddat-distill-weight": 0.5,
-}
+# Free-form string keys (no choices): a valid value other than the default, by hand.
+FREE_FORM = {"fedperfix-personal": "head", "feddpa-scale": "0.7"}
+
+
+def _other_value(kind: type[MethodSettings], f: dataclasses.Field) -> object:
+    """A valid value of field ``f`` other than its default, from its rules."""
+    key, default, rules = kind.key_of(f.name), f.default, f.metadata
+    if rules.get("choices"):
+        return next(c for c in rules["choices"] if c != default)
+    if isinstance(default, bool):
+        return not default
+    if isinstance(default, str):
+        assert key in FREE_FORM, f"{key}: a free-form string setting; add a value to FREE_FORM"
+        return FREE_FORM[key]
+    lo, hi = rules.get("within") or (-math.inf, math.inf)
+    step = 1 if isinstance(default, int) else 0.5 * (min(hi, default + 1) - default or 1)
+    return (
+        default + step if default + step <= hi else default - step if default - step >= lo else lo
+    )
+
+
+def non_default_values() -> dict[str, object]:
+    """Every method key with a valid value other than its default, derived from the registry."""
+    values: dict[str, object] = {}
+    for kind in settings_classes():
+        changed = {kind.key_of(f.name): _other_value(kind, f) for f in dataclasses.fields(kind)}
+        kind.from_run_config(changed)  # valid together
+        values.update(changed)
+    return values
+
+
+NON_DEFAULT = non_default_values()
 
 
 def test_typed_settings_hold_the_run_config_values() -> None:
@@ -158,26 +131,15 @@ def test_typed_settings_hold_the_run_config_values() -> None:
     }
     for run_config in (NON_DEFAULT, as_cli):  # typed (TOML) or strings (CLI overrides)
         config = ExperimentConfig.from_run_config({"method": "fedavg", **run_config})
-        seq, pg = config.settings_of(PFedSeqSettings), config.settings_of(PFedPGSettings)
-        others = (
-            PartialSettings,
-            APFLSettings,
-            PerFedAvgSettings,
-            FedDPASettings,
-            TAPSettings,
-            FedDATSettings,
-        )
-        typed = {
-            k: v for kind in others for k, v in config.settings_of(kind).to_run_config().items()
-        }
-        assert {**seq.to_run_config(), **pg.to_run_config(), **typed} == NON_DEFAULT
-        assert seq == PFedSeqSettings.from_run_config(NON_DEFAULT)
-        assert (seq.seq_len, seq.learner, seq.cross_client, seq.lr) == (3, "lstm", False, 0.05)
-        assert (pg.generator, pg.attention_dim, pg.lr) == ("mlp", 4, 0.5)
+        for kind in settings_classes():
+            typed = config.settings_of(kind)
+            assert typed.to_run_config() == {k: NON_DEFAULT[k] for k in kind.keys()}
+            assert typed == kind.from_run_config(NON_DEFAULT)
+            assert config.settings_of(kind) is typed  # parsed once per config value
         assert {k: v for k, v in config.to_run_config().items() if k in NON_DEFAULT} == NON_DEFAULT
         assert config.method_settings is None  # fedavg has no keys of its own
+        pg = config.settings_of(PFedPGSettings)
         assert config.replace(method="pfedpg").method_settings == pg
-        assert config.settings_of(PFedSeqSettings) is seq  # parsed once per config value
 
 
 def test_method_values_take_part_in_equality_hashing_and_replace() -> None:
@@ -198,7 +160,7 @@ def test_method_values_take_part_in_equality_hashing_and_replace() -> None:
     with pytest.raises(ConfigError, match="'pfedseq-colour'"):
         ExperimentConfig(method_values=(("pfedseq-colour", "red"),))
     settings = PFedSeqSettings().replace(seq_len=4)
-    assert settings.seq_len == 4 and PFedSeqSettings.from_config(changed).lr == 0.01
+    assert settings.seq_len == 4 and changed.settings_of(PFedSeqSettings).lr == 0.01
 
 
 def test_settings_of_needs_a_registered_class() -> None:
@@ -220,7 +182,9 @@ def test_method_settings_import_neither_torch_nor_flwr() -> None:
         "kinds = settings_classes()\n"
         "assert kinds and [k.from_run_config({}) for k in kinds]\n"
         "c = ExperimentConfig(method_values=(('pfedpg-lr', 0.1),))\n"
-        "assert c.method_settings.lr == 0.001 and c.settings_of(kinds[1]).lr == 0.1\n"
+        "from fedfm_flower.registry import settings_class\n"
+        "pg = c.settings_of(settings_class('pfedpg'))\n"
+        "assert c.method_settings.lr == 0.001 and pg.lr == 0.1\n"
         "print(json.dumps(sorted(m for m in ('torch', 'flwr') if m in sys.modules)))\n"
     )
     run = subprocess.run(
@@ -236,7 +200,7 @@ def test_methods_match_the_registry() -> None:
 @pytest.mark.parametrize(
     ("key", "value", "fragment"),
     [
-        ("method", "fedprox", "allowed: local, fedavg"),
+        ("method", "fedsgd", "allowed: apfl, centralized, fedavg"),
         ("dataset", "mnist", "allowed: digits"),
         ("backbone", "resnet50", "allowed: tiny-vit"),
         ("partitioner", "shards", "allowed: iid"),

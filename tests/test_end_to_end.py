@@ -13,26 +13,10 @@ from fedfm_flower import protocol as P
 from fedfm_flower import registry
 from fedfm_flower.config import ExperimentConfig
 from fedfm_flower.models import MODEL_CACHE, backbone_fingerprint, build_model, initial_trainable
+from fedfm_flower.models.groups import TrainableTensors
 from fedfm_flower.registry import METHODS, tuner_of
 from server_apps.inprocess import ServerCrash, crash_in_round, run_in_process
 
-VIT_GROUPS = {f"vit.{p}" for p in ("patch-embed", "pos-embed", "cls-token", "norm", "attn", "mlp")}
-SHARED_KEYS = {
-    "local": set(),
-    "fedavg": {"adapter", "head"},
-    "fedavg-ft": {"adapter", "head"},
-    "fedrep": {"adapter"},
-    "pfedseq": {"adapter"},
-    "fedvpt": {"prompt"},
-    "fedvpt-deep": {"prompt"},
-    "pfedpg": {"prompt"},
-    "fedperfix": VIT_GROUPS,
-    "fedbabu": VIT_GROUPS,
-    "apfl": VIT_GROUPS | {"head"},
-    "per-fedavg": VIT_GROUPS | {"head"},
-    "per-fedavg-ft": VIT_GROUPS | {"head"},
-    "centralized": {"adapter", "head"},
-}
 # Methods that serve image models (FedDPA's are for causal LMs: tests/test_feddpa.py).
 # per-fedavg-ft trains as per-fedavg; it runs end to end on TAP's federation (tests/test_tap.py).
 IMAGE_METHODS = sorted(
@@ -42,12 +26,25 @@ IMAGE_METHODS = sorted(
 )
 
 
-def _groups(keys, config: dict) -> set[str]:
+def _initial(config: dict) -> tuple[ExperimentConfig, TrainableTensors]:
     run = ExperimentConfig.from_run_config({**ExperimentConfig().to_run_config(), **config})
     initial = initial_trainable(
         run, tuner_of(run), 10, train_backbone=registry.trains_backbone(run)
     )
+    return run, initial
+
+
+def _groups(keys, config: dict) -> set[str]:
+    _, initial = _initial(config)
     return {initial.groups.get(k, "backbone") for k in keys}
+
+
+def _split_groups(config: dict) -> tuple[set[str], set[str]]:
+    """(groups the method shares, groups it keeps and does not share), from its spec."""
+    run, initial = _initial(config)
+    shared, local = registry.split_parameters(run, initial.groups)
+    shared_groups = {initial.groups[n] for n in shared}
+    return shared_groups, {initial.groups[n] for n in local} - shared_groups
 
 
 @pytest.mark.parametrize("method", IMAGE_METHODS)
@@ -57,13 +54,16 @@ def test_each_baseline_runs_two_rounds(method: str, small_run_config: dict) -> N
     assert summary["rounds"] == 2
     assert 0.2 < summary["final-test-accuracy-mean"] <= 1.0  # chance is 0.1
     assert set(summary["final-per-client-accuracy"]) == {"0", "1", "2", "3"}
-    # Only the method's shared groups travel, and never a backbone tensor.
+    # Only the method's shared groups travel (its spec's split), never a backbone tensor, and
+    # never a group it keeps.
+    shared, kept = _split_groups(config)
+    assert "backbone" not in shared
     for message in grid.sent:
         arrays = message.content.array_records.get(P.ARRAYS)
         keys = set(arrays.keys()) if arrays is not None else set()
-        assert _groups(keys, config) <= SHARED_KEYS[method]
+        assert _groups(keys, config) <= shared and not _groups(keys, config) & kept
         if message.metadata.message_type == "train":
-            assert _groups(keys, config) == SHARED_KEYS[method]
+            assert _groups(keys, config) == shared
     run_dir = Path(config["output-dir"]) / summary["run-name"]
     rounds = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rounds] == [1, 2]

@@ -379,7 +379,7 @@ def test_feddpa_settings_and_modalities_fail_early() -> None:
     with pytest.raises(ConfigError, match="method"):
         _config({"method": "feddpa-t"})  # the default backbone is a ViT
     config = _config({**LANGUAGE, "method": "feddpa-f", "feddpa-alpha": 0.3})
-    from fedfm_flower.feddpa_settings import FedDPASettings
+    from fedfm_flower.methods.feddpa import FedDPASettings
 
     settings = config.settings_of(FedDPASettings)
     assert settings.lambda_for(True) == 0.3 and settings.lambda_for(False) == 1.0

@@ -147,14 +147,14 @@ def test_shared_parts_are_the_independent_weighted_average_and_personal_parts_st
 
     from fedfm_flower.records import to_array_record
     from server_apps.inprocess import InProcessGrid, identity_app
-    from strategies.partial import PartialStrategy
+    from strategies.fedavg import FedAvgStrategy
 
     initial = TrainableTensors(
         {"vit.w": torch.zeros(3), "prefix.w": torch.zeros(2), "head.w": torch.zeros(2)},
         {"vit.w": "vit.attn", "prefix.w": "prefix", "head.w": "head"},
     )
     config = ExperimentConfig(method="fedperfix", num_clients=3)
-    strategy = PartialStrategy(config, initial)
+    strategy = FedAvgStrategy(config, initial)
     assert set(strategy.global_tensors) == {"vit.w"}
     nodes = [{"client-id": i} for i in range(3)]
     grid = InProcessGrid(identity_app(), config.to_run_config(), nodes)
@@ -264,9 +264,9 @@ def test_partial_participation_k_of_n(fedperfix_config: dict) -> None:
 def test_baselines_by_personal_parts(personal: str, local_groups: set[str]) -> None:
     config = ExperimentConfig(method="fedperfix", tuner="none").replace(fedperfix_personal=personal)
     initial = initial_trainable(config, "none", 10, train_backbone=True)
-    from strategies.partial import PartialStrategy
+    from strategies.fedavg import FedAvgStrategy
 
-    strategy = PartialStrategy(config, initial)
+    strategy = FedAvgStrategy(config, initial)
     shared_groups = {initial.groups[n] for n in strategy.global_tensors}
     assert shared_groups == set(initial.groups.values()) - local_groups
 

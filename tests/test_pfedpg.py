@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 
 from fedfm_flower.config import ConfigError, ExperimentConfig
 from fedfm_flower.learners.pfedpg import PFedPGServer, PFedPGSettings
-from fedfm_flower.learners.pfedpg_settings import GENERATORS, QUERIES
+from fedfm_flower.methods.pfedpg import GENERATORS, QUERIES
 from fedfm_flower.models import backbone_fingerprint, build_model
 from fedfm_flower.models.backbones import tiny_vit
 from fedfm_flower.models.tuners.prompts import VisualPrompts

@@ -14,10 +14,10 @@ from fedfm_flower.learners import stacked as stacked_module
 from fedfm_flower.learners.layout import ParameterLayout, layer_key
 from fedfm_flower.learners.mamba import MambaMixer
 from fedfm_flower.learners.pfedseq import PFedSeqServer, PFedSeqSettings
-from fedfm_flower.learners.pfedseq_settings import INPUT_SCALES, LEARNERS
 from fedfm_flower.learners.quadratic import QuadraticFederation, fedavg_settings, run_quadratic
 from fedfm_flower.learners.sequence import LearnerSpec, SequenceLearner
 from fedfm_flower.learners.stacked import StackedLearners
+from fedfm_flower.methods.pfedseq import INPUT_SCALES, LEARNERS
 
 N = 4
 ADAPTER = {

@@ -12,7 +12,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from fedfm_flower.config import ExperimentConfig
-from fedfm_flower.resources import PROFILES, config_of, forward_macs, main, method_resources
+from fedfm_flower.registry import METHODS
+from fedfm_flower.resources import forward_macs, main, method_resources
 
 # tiny-vit (fedfm_flower.models.backbones.TINY_VIT) on 16 px digits, 10 classes, prefix b = 16.
 D, DEPTH, HIDDEN, PATCH, IMAGE, CLASSES, B = 64, 4, 128, 4, 16, 10, 16
@@ -36,7 +37,7 @@ PREFIX_MACS = DEPTH * N * (D * B + B * 2 * D)
 
 def _tiny(method: str = "fedavg", **keys: object) -> ExperimentConfig:
     run_config = {"method": method, "train-backbone": True, "tuner": "none"}
-    return config_of({**run_config, "prefix-bottleneck": B, **keys})
+    return ExperimentConfig.from_run_config({**run_config, "prefix-bottleneck": B, **keys})
 
 
 def test_hand_counts_match_timm() -> None:
@@ -124,19 +125,22 @@ def test_fused_and_explicit_attention_count_alike() -> None:
     assert forward_macs(attention, x) == fused == N * D * 3 * D + 2 * N * N * D + N * D * D
 
 
-def test_profiles_agree_with_the_clients_splits() -> None:
-    from client_apps.baselines import SplitClient
-    from fedfm_flower.registry import METHODS, client_class
+IMAGE_METHODS = sorted(m for m, s in METHODS.items() if not s.modalities or "image" in s.modalities)
 
-    checked = []
-    for method in set(PROFILES) & set(METHODS):
-        client = client_class(method)
-        if issubclass(client, SplitClient) and client.split is SplitClient.split:
-            profile = PROFILES[method]
-            assert (profile.shared, profile.local) == (client.shared, client.local), method
-            checked.append(method)
-    expected = {"local", "fedavg", "fedavg-ft", "fedrep", "fedvpt", "fedvpt-deep", "pfedseq"}
-    assert expected | {"pfedpg"} <= set(checked)
+
+@pytest.mark.parametrize("method", IMAGE_METHODS)
+def test_the_upload_counted_is_what_the_strategy_sends(method: str) -> None:
+    from fedfm_flower.models import initial_trainable
+    from fedfm_flower.registry import strategy_class, trains_backbone, tuner_of
+
+    config = _tiny(method, tuner="auto", **{"train-backbone": False, "num-clients": 2})
+    row = method_resources(config)
+    initial = initial_trainable(
+        config, tuner_of(config), CLASSES, train_backbone=trains_backbone(config)
+    )
+    payload = strategy_class(method)(config, initial).train_payload(0, 1)
+    assert row.upload_params == sum(t.numel() for t in payload.values())
+    assert row.upload_params + row.local_params <= row.storage_params
 
 
 def test_command_rows_variants_and_labels(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -171,10 +175,14 @@ def test_vit_s16_against_the_paper() -> None:
         "tuner": "none",
         "dataset": "cifar100",
     }
-    fedavg = method_resources(config_of({**base, "method": "fedavg"}))
-    fedperfix = method_resources(config_of({**base, "method": "fedperfix", "tuner": "perfix"}))
+    fedavg = method_resources(ExperimentConfig.from_run_config({**base, "method": "fedavg"}))
+    fedperfix = method_resources(
+        ExperimentConfig.from_run_config({**base, "method": "fedperfix", "tuner": "perfix"})
+    )
     attention = method_resources(
-        config_of({**base, "method": "fedperfix", "fedperfix-personal": "vit.attn,head"})
+        ExperimentConfig.from_run_config(
+            {**base, "method": "fedperfix", "fedperfix-personal": "vit.attn,head"}
+        )
     )
     with torch.device("meta"):
         vit_s = timm.create_model("vit_small_patch16_224", pretrained=False, num_classes=100)
@@ -190,15 +198,3 @@ def test_vit_s16_against_the_paper() -> None:
     assert fedperfix.upload_params == fedavg.upload_params - (width * 100 + 100)
     assert abs(attention.communication_ratio - 13.89 / 21.03) < 0.02
     assert 1.0 < fedperfix.computation_ratio < 1.2  # prefix adapters: ~15% more MACs
-
-
-def test_profiled_methods_count_alike_before_the_registry_knows_them(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    from fedfm_flower import registry
-
-    registered = [method_resources(_tiny(m)) for m in ("apfl", "per-fedavg", "fedbabu")]
-    for method in ("apfl", "per-fedavg", "fedbabu"):
-        monkeypatch.delitem(registry.METHODS, method, raising=False)
-    unknown = [method_resources(_tiny(m, tuner="auto")) for m in ("apfl", "per-fedavg", "fedbabu")]
-    assert unknown == registered

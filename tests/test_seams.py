@@ -215,9 +215,12 @@ def test_components_owned_by_some_clients_are_averaged_over_their_owners() -> No
 
 def _post_training_method(monkeypatch: pytest.MonkeyPatch, rounds: int = 1) -> None:
     """Make 'fedavg' a FedAvg with ``rounds`` post-training rounds of local head tuning."""
-    import client_apps.baselines as baselines
+    import dataclasses
+
     import fedfm_flower.registry as registry
     import server_apps.runner as runner
+    from client_apps.split import SplitClient
+    from fedfm_flower.methods import Split
     from strategies.fedavg import FedAvgStrategy
 
     class PostTrainStrategy(FedAvgStrategy):
@@ -231,10 +234,7 @@ def _post_training_method(monkeypatch: pytest.MonkeyPatch, rounds: int = 1) -> N
             self.current_round = server_round
             return super().configure_train(server_round, arrays, config, grid)
 
-    class PostTrainClient(baselines.FedAvgClient):
-        shared = ("adapter", "head")
-        local = ("head",)  # the post-training head lives in client state too
-
+    class PostTrainClient(SplitClient):
         def post_train(self, runtime, received, server_round):  # noqa: ANN001, ANN201
             model = self.prepare(runtime, received, {"before": server_round})
             heads = model.group_parameters(["head"])
@@ -242,6 +242,11 @@ def _post_training_method(monkeypatch: pytest.MonkeyPatch, rounds: int = 1) -> N
             runtime.store.save(server_round, model.group_tensors(["head"]))
             return {}, stats
 
+    # The post-training head lives in client state too.
+    split = Split(shared=("adapter", "head"), local=("head",))
+    monkeypatch.setitem(
+        registry.METHODS, "fedavg", dataclasses.replace(registry.METHODS["fedavg"], split=split)
+    )
     original = registry.client_class
     monkeypatch.setattr(
         registry,

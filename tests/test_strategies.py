@@ -24,10 +24,9 @@ from fedfm_flower.aggregation import weighted_average
 from fedfm_flower.config import ConfigError, ExperimentConfig
 from fedfm_flower.models import TrainableTensors
 from fedfm_flower.records import to_array_record
+from fedfm_flower.registry import strategy_class
 from server_apps.inprocess import InProcessGrid, identity_app
 from strategies.fedavg import FedAvgStrategy
-from strategies.fedrep import FedRepStrategy
-from strategies.local import LocalStrategy
 
 INITIAL = TrainableTensors(
     {
@@ -45,9 +44,9 @@ INITIAL = TrainableTensors(
 )
 
 
-def make_strategy(cls=FedAvgStrategy, num_clients: int = 3):
-    config = ExperimentConfig(num_clients=num_clients)
-    strategy = cls(config, INITIAL)
+def make_strategy(method: str = "fedavg", num_clients: int = 3):
+    config = ExperimentConfig(method=method, num_clients=num_clients)
+    strategy = strategy_class(method)(config, INITIAL)
     grid = InProcessGrid(
         identity_app(), config.to_run_config(), [{"client-id": 10 + i} for i in range(num_clients)]
     )
@@ -81,7 +80,7 @@ def test_weighted_average_matches_numpy() -> None:
 
 
 def test_node_mapping_is_learned_by_query_and_messages_are_per_node() -> None:
-    strategy, grid = make_strategy(FedRepStrategy)
+    strategy, grid = make_strategy("fedrep")
     messages = list(strategy.configure_train(1, ArrayRecord(), ConfigRecord(), grid))
     assert sorted(strategy.node_to_client.values()) == [10, 11, 12]
     assert len({id(m.content) for m in messages}) == len(messages)
@@ -95,7 +94,7 @@ def test_node_mapping_is_learned_by_query_and_messages_are_per_node() -> None:
 
 
 def test_local_sends_nothing() -> None:
-    strategy, grid = make_strategy(LocalStrategy)
+    strategy, grid = make_strategy("local")
     for message in strategy.configure_train(1, ArrayRecord(), ConfigRecord(), grid):
         assert len(message.content[P.ARRAYS]) == 0
 
@@ -268,7 +267,7 @@ def test_all_bad_replies_leave_state_unchanged(kind: str) -> None:
 
 
 def test_state_dict_round_trip_is_exact() -> None:
-    strategy, grid = make_strategy(FedRepStrategy)
+    strategy, grid = make_strategy("fedrep")
     messages = list(strategy.configure_train(1, ArrayRecord(), ConfigRecord(), grid))
     strategy.aggregate_train(
         1,
@@ -285,11 +284,11 @@ def test_state_dict_round_trip_is_exact() -> None:
         ],
     )
     tensors, meta = strategy.state_dict()
-    fresh, _ = make_strategy(FedRepStrategy)
+    fresh, _ = make_strategy("fedrep")
     fresh.load_state_dict(tensors, meta)
     assert state_hash(fresh) == state_hash(strategy)
-    with pytest.raises(ValueError, match="FedRepStrategy"):
-        make_strategy(FedAvgStrategy)[0].load_state_dict(tensors, meta)
+    with pytest.raises(ValueError, match="fedrep"):
+        make_strategy("fedavg")[0].load_state_dict(tensors, meta)
 
 
 def test_sampling_is_seeded_and_respects_fraction() -> None:

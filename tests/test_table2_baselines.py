@@ -22,18 +22,16 @@ from client_apps.fedbabu import FedBABUClient
 from client_apps.perfedavg import PerFedAvgClient, perfedavg_step
 from client_apps.stepwise import halves, trainable_only
 from fedfm_flower import registry
-from fedfm_flower.apfl_settings import APFLSettings
 from fedfm_flower.client_state import ClientStateStore
 from fedfm_flower.config import ExperimentConfig, NodeIdentity
+from fedfm_flower.methods.apfl import APFLSettings
+from fedfm_flower.methods.perfedavg import PerFedAvgSettings
 from fedfm_flower.models import build_model
 from fedfm_flower.models.groups import GroupPattern, TunedModel
-from fedfm_flower.perfedavg_settings import PerFedAvgSettings
 from fedfm_flower.settings import ConfigError
 from fedfm_flower.tasks.classification import ImageClassification
 from fedfm_flower.training import EvalStats
-from strategies.apfl import APFLStrategy
-from strategies.fedbabu import FedBABUStrategy
-from strategies.perfedavg import PerFedAvgStrategy
+from strategies.fedavg import FedAvgStrategy
 
 IN, HIDDEN, CLASSES = 4, 5, 3
 
@@ -130,7 +128,7 @@ def test_fedbabu_head_is_frozen_never_sent_and_fine_tuned_only_to_evaluate(
     config = ExperimentConfig(method="fedbabu", lr=0.1, batch_size=4, finetune_epochs=2)
     runtime = _runtime(model, config, tmp_path)
     initial = model.trainable()
-    strategy = FedBABUStrategy(config, initial)
+    strategy = FedAvgStrategy(config, initial)
     received = strategy.train_payload(0, 1)
     assert set(received) == {"body.weight", "body.bias"}  # the head is never sent down
     assert set(strategy.reply_spec(0)) == set(received)  # nor accepted up
@@ -213,7 +211,7 @@ def test_apfl_keeps_v_and_alpha_off_the_messages_and_restores_them_from_disk(
     config = ExperimentConfig(method="apfl", lr=0.1, batch_size=4).replace(apfl_alpha_lr=0.5)
     runtime = _runtime(model, config, tmp_path / "state")
     names = list(model.parameter_groups())
-    strategy = APFLStrategy(config, model.trainable())
+    strategy = FedAvgStrategy(config, model.trainable())
     received = strategy.train_payload(0, 1)
     assert list(received) == names and list(strategy.reply_spec(0)) == names
 
@@ -277,7 +275,7 @@ def test_perfedavg_adapts_a_copy_with_one_step_before_evaluating(tmp_path: Path)
         perfedavg_alpha=0.7
     )
     runtime = _runtime(model, config, tmp_path)
-    strategy = PerFedAvgStrategy(config, model.trainable())
+    strategy = FedAvgStrategy(config, model.trainable())
     received = {n: t + 0.1 for n, t in strategy.train_payload(0, 1).items()}
     kept = {n: t.clone() for n, t in received.items()}
     evaluated = _capture_evaluated(runtime)
@@ -297,7 +295,7 @@ def test_perfedavg_local_steps_take_two_halves_of_a_double_batch(tmp_path: Path)
     model = LinearModel()
     config = ExperimentConfig(method="per-fedavg", lr=0.1, batch_size=4)
     runtime = _runtime(model, config, tmp_path)
-    received = PerFedAvgStrategy(config, model.trainable()).train_payload(0, 1)
+    received = FedAvgStrategy(config, model.trainable()).train_payload(0, 1)
     sent, stats = PerFedAvgClient().train(runtime, received, 1)
     assert list(sent) == ["head.weight", "head.bias"]
     assert stats.num_examples == 22 and stats.num_steps == 3  # batches of 8: 8, 8, 6

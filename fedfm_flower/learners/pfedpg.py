@@ -42,7 +42,6 @@ import time
 import torch
 from torch import nn
 
-from fedfm_flower.learners.pfedpg_settings import PFedPGSettings
 from fedfm_flower.learners.state import (
     check_client,
     load_optimizer_tensors,
@@ -50,6 +49,7 @@ from fedfm_flower.learners.state import (
     prefixed,
     unprefixed,
 )
+from fedfm_flower.methods.pfedpg import PFedPGSettings
 
 
 class PromptGenerator(nn.Module):

@@ -69,7 +69,6 @@ import torch
 from torch import nn
 
 from fedfm_flower.learners.layout import LayerRange, ParameterLayout
-from fedfm_flower.learners.pfedseq_settings import PFedSeqSettings
 from fedfm_flower.learners.sequence import LearnerSpec, SequenceLearner
 from fedfm_flower.learners.stacked import StackedLearners
 from fedfm_flower.learners.state import (
@@ -79,6 +78,7 @@ from fedfm_flower.learners.state import (
     prefixed,
     unprefixed,
 )
+from fedfm_flower.methods.pfedseq import PFedSeqSettings
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from fedfm_flower.learners.pfedseq_settings import SCAN_BACKENDS as BACKENDS
+from fedfm_flower.methods.pfedseq import SCAN_BACKENDS as BACKENDS
 
 
 @functools.lru_cache(maxsize=1)

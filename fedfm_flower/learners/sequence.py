@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedfm_flower.learners.mamba import MambaMixer
-from fedfm_flower.learners.pfedseq_settings import LEARNERS, OUTPUT_INITS, PFedSeqSettings
+from fedfm_flower.methods.pfedseq import LEARNERS, OUTPUT_INITS, PFedSeqSettings
 
 DEFAULTS = PFedSeqSettings()
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from fedfm_flower.methods import MethodSpec, Split
 from fedfm_flower.settings import MethodSettings, setting
 
 GENERATORS: tuple[str, ...] = ("cross-attention", "basis", "mlp", "adain")
@@ -29,3 +30,18 @@ class PFedPGSettings(MethodSettings):
     query: str = setting("per-prompt", choices=QUERIES)
     attention_dim: int = setting(0, non_negative=True)  # l_k = l_v; 0: the prompt width
     hidden: int = setting(100, positive=True)  # the mlp generator's hidden width
+
+
+SPECS = (
+    MethodSpec(
+        "pfedpg",
+        strategy="strategies.pfedpg:PFedPGStrategy",
+        client="client_apps.updates:UpdateClient",
+        summary="server-side prompt generator (cross-attention over a prompt basis) personalizes "
+        "visual prompts (Yang et al. 2023)",
+        settings=PFedPGSettings,
+        tuner="vpt",
+        # Clients send the prompt change Delta P_n; the head is trained jointly and kept.
+        split=Split(shared=("prompt",), local=("head",)),
+    ),
+)

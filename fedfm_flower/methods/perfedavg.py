@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from fedfm_flower.methods import MethodSpec, ResourceProfile
 from fedfm_flower.settings import MethodSettings, setting
 
 
@@ -30,3 +31,32 @@ class PerFedAvgSettings(MethodSettings):
     def steps(self, lr: float) -> tuple[float, float]:
         """(alpha, beta), each the run's ``lr`` where it is 0."""
         return self.alpha or lr, self.beta or lr
+
+
+# The meta-model w travels; a step takes two forward-backward passes (at w, then at temp).
+_TWO_PASSES = ResourceProfile(passes=2)
+
+SPECS = (
+    MethodSpec(
+        "per-fedavg",
+        strategy="strategies.fedavg:FedAvgStrategy",
+        client="client_apps.perfedavg:PerFedAvgClient",
+        summary="the whole ViT trains; first-order MAML steps, FedAvg of the meta-model, one "
+        "adaptation step before evaluation (Fallah et al. 2020; FedPerfix Table 2)",
+        settings=PerFedAvgSettings,
+        tuner="none",
+        trains_backbone=True,
+        profile=_TWO_PASSES,
+    ),
+    MethodSpec(
+        "per-fedavg-ft",
+        strategy="strategies.fedavg:FedAvgStrategy",
+        client="client_apps.perfedavg:PerFedAvgFineTuneClient",
+        summary="Per-FedAvg, then local fine-tuning of a copy before each evaluation (TAP's "
+        "Per-FedAvg + Post-train)",
+        settings=PerFedAvgSettings,
+        tuner="none",
+        trains_backbone=True,
+        profile=_TWO_PASSES,
+    ),
+)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from fedfm_flower.methods import MethodSpec, ResourceProfile
 from fedfm_flower.settings import MethodSettings, setting
 
 
@@ -29,3 +30,20 @@ class APFLSettings(MethodSettings):
     def alpha_step(self, lr: float) -> float:
         """The step size of alpha: ``alpha-lr``, or the run's ``lr`` when it is 0."""
         return self.alpha_lr or lr
+
+
+SPECS = (
+    MethodSpec(
+        "apfl",
+        strategy="strategies.fedavg:FedAvgStrategy",
+        client="client_apps.apfl:APFLClient",
+        summary="the whole ViT trains; FedAvg of w, personal v and adaptive alpha per client, "
+        "evaluates alpha v + (1 - alpha) w (Deng et al. 2020; FedPerfix Table 2)",
+        settings=APFLSettings,
+        tuner="none",
+        trains_backbone=True,
+        # w travels; v (a second copy of every trainable tensor) and alpha stay on the client,
+        # and a step takes two forward-backward passes (at w and at the mixture).
+        profile=ResourceProfile(copies=2, passes=2, extra=1),
+    ),
+)

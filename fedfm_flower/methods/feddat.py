@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from fedfm_flower.methods import MethodSpec, ResourceProfile
 from fedfm_flower.settings import MethodSettings, setting
 
 
@@ -31,3 +32,30 @@ class FedDATSettings(MethodSettings):
     # The KD term's weight beside the task loss in each half of MKD: the official
     # ``TaskTrainer.train_step`` uses (task loss + KL) / 2, i.e. weight 1.
     distill_weight: float = setting(1.0, non_negative=True)
+
+
+# The shared adapter A_s travels; A_c and the frozen global copy A_g stay on the client.
+_THREE_ADAPTERS = ResourceProfile(copies=3)
+
+SPECS = (
+    MethodSpec(
+        "feddat",
+        strategy="strategies.feddat:FedDATStrategy",
+        client="client_apps.feddat:FedDATClient",
+        summary="shared LoRA averaged component-wise (equal client weights); a Dual-Adapter "
+        "Teacher (frozen received global + client-specific LoRA) and mutual KD (Chen et al. 2024)",
+        settings=FedDATSettings,
+        modalities=("multimodal",),
+        profile=_THREE_ADAPTERS,
+    ),
+    MethodSpec(
+        "feddat-ft",
+        strategy="strategies.feddat:FedDATStrategy",
+        client="client_apps.feddat:FedDATFineTuneClient",
+        summary="FedDAT, then more of its local training (mutual KD) on a copy before each "
+        "evaluation (TAP's FedDAT + Post-train)",
+        settings=FedDATSettings,
+        modalities=("multimodal",),
+        profile=_THREE_ADAPTERS,
+    ),
+)

@@ -1,23 +1,30 @@
-"""Partial personalization by name (FedPerfix's ``fedperfix-*`` keys): which parts stay local.
+"""FedPerfix (Sun et al. 2023): partial personalization by name; which parts stay local.
 
 ``fedperfix-personal`` lists the parts of the model that never leave the client, comma-separated:
 parameter-group names (``prefix``, ``head``, ``vit.attn``, ``vit.norm``, ``mlp-adapter``; a
 parent such as ``vit`` selects all its children) or regular expressions over parameter names
 (``blocks\\.11\\.``; a comma cannot appear in one). Every other trainable tensor is averaged
 over the clients with FedAvg. An entry that selects nothing is an error when the run starts.
-Light (no torch): the ClientApp parses these keys in every message.
+The paper's sensitivity study and the baselines it derives (FedBN, FedPer / Vanilla Attention,
+...) are this method with other parts (``configs/fedperfix/``). Server: FedAvg of the rest,
+weighted by examples (FedPerfix's eq. 2); client: joint training of both, as Sec. 3.1 (the client
+plugs its ``v_i`` into the received ``u``, trains both, and sends ``u_i``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
+from fedfm_flower.methods import MethodSpec, Split
 from fedfm_flower.settings import ConfigError, MethodSettings, setting
+
+if TYPE_CHECKING:
+    from fedfm_flower.config import ExperimentConfig
 
 
 @dataclass(frozen=True)
-class PartialSettings(MethodSettings):
+class FedPerfixSettings(MethodSettings):
     """FedPerfix's keys: field ``personal`` is run-config key ``fedperfix-personal``."""
 
     prefix: ClassVar[str] = "fedperfix"
@@ -40,3 +47,24 @@ class PartialSettings(MethodSettings):
             except re.error as err:
                 key = self.key_of("personal")
                 raise ConfigError(key, self.personal, f"{entry!r}: {err}") from err
+
+
+def personal_split(config: ExperimentConfig) -> Split:
+    """Everything but ``fedperfix-personal`` travels; each of its entries must select something."""
+    personal = config.settings_of(FedPerfixSettings).personal_parts
+    return Split(shared=None, local=personal, strict=True, key=FedPerfixSettings.key_of("personal"))
+
+
+SPECS = (
+    MethodSpec(
+        "fedperfix",
+        strategy="strategies.fedavg:FedAvgStrategy",
+        client="client_apps.split:SplitClient",
+        summary="the whole ViT trains; FedAvg of all but the personal parts (default: prefix "
+        "adapters in every attention layer + head) (Sun et al. 2023)",
+        settings=FedPerfixSettings,
+        tuner="perfix",
+        trains_backbone=True,
+        split=personal_split,
+    ),
+)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from fedfm_flower.methods import MethodSpec, Split
 from fedfm_flower.settings import ConfigError, MethodSettings, setting
 
 WEIGHTINGS: tuple[str, ...] = ("dynamic", "fixed")
@@ -59,3 +60,33 @@ class FedDPASettings(MethodSettings):
         if self.scale != "auto":
             return float(self.scale)
         return self.alpha if trains_local_each_round else 1.0
+
+
+# The global adapter travels; the local one never leaves the client.
+_ADAPTERS = Split(shared=("adapter.global",), local=("adapter.local",))
+
+SPECS = (
+    MethodSpec(
+        "feddpa-t",
+        strategy="strategies.feddpa:FedDPAStrategy",
+        client="client_apps.feddpa:FedDPAClient",
+        summary="global LoRA federated (equal client weights), local LoRA trained alongside it "
+        "every round and kept; adapters mixed per test instance (Yang et al. 2024, Algorithm 2)",
+        settings=FedDPASettings,
+        tuner="dual-lora",
+        modalities=("text",),
+        split=_ADAPTERS,
+    ),
+    MethodSpec(
+        "feddpa-f",
+        strategy="strategies.feddpa:FedDPAFineTuneStrategy",
+        client="client_apps.feddpa:FedDPAFineTuneClient",
+        summary="global LoRA federated (equal client weights), then a local LoRA fine-tuned from "
+        "it after the last round; adapters mixed per test instance (Yang et al. 2024, "
+        "Algorithm 1)",
+        settings=FedDPASettings,
+        tuner="dual-lora",
+        modalities=("text",),
+        split=_ADAPTERS,
+    ),
+)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from fedfm_flower.methods import MethodSpec, ResourceProfile
 from fedfm_flower.settings import MethodSettings, setting
 
 PAIR_TYPES: tuple[str, ...] = (
@@ -50,3 +51,19 @@ class TAPSettings(MethodSettings):
     def distill_weight(self, pair_type: str) -> float:
         """beta of a pair type."""
         return getattr(self, f"distill_{pair_type.replace('-', '_')}")
+
+
+SPECS = (
+    MethodSpec(
+        "tap",
+        strategy="strategies.tap:TAPStrategy",
+        client="client_apps.tap:TAPClient",
+        summary="component-wise FedAvg of each client's modality-task components; a personal copy "
+        "X refreshed by margin-based replacement, then distilled from the federated one after FL "
+        "(TAP)",
+        settings=TAPSettings,
+        modalities=("multimodal",),
+        # W~ (the client's components) travels; X, a second copy of them, stays.
+        profile=ResourceProfile(copies=2),
+    ),
+)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from fedfm_flower.methods import MethodSpec, Split
 from fedfm_flower.settings import MethodSettings, setting
 
 LEARNERS: tuple[str, ...] = ("mamba", "lstm", "mlp")  # sequence.SequenceLearner
@@ -45,3 +46,17 @@ class PFedSeqSettings(MethodSettings):
     batch_rows: int = setting(32, positive=True)  # rows per Adam step of mini-batch updates
     chunk_size: int = setting(0, non_negative=True)  # rows per learner chunk; 0: automatic
     scan_backend: str = setting("auto", choices=SCAN_BACKENDS)
+
+
+SPECS = (
+    MethodSpec(
+        "pfedseq",
+        strategy="strategies.pfedseq:PFedSeqStrategy",
+        client="client_apps.updates:UpdateClient",
+        summary="FedAvg of LoRA updates + a Mamba sequential learner's per-client calibrations "
+        "(Peng et al. 2025)",
+        settings=PFedSeqSettings,
+        # Clients send the adapter update Delta_i^t; the head is trained jointly and kept.
+        split=Split(shared=("adapter",), local=("head",)),
+    ),
+)

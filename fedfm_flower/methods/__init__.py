@@ -1,0 +1,75 @@
+"""Methods, one light module each: what a method is, in one place.
+
+A module here (``fedfm_flower/methods/<name>.py``) declares one method, or a method and its
+variants that share its settings (``feddpa-t``/``feddpa-f``), as ``SPECS``: a tuple of
+``MethodSpec``. A spec names the method's server and client halves by import path, its tuner and
+modalities, its settings class (declared in the same module), what its clients share with the
+server and what they keep (``Split``, or a function of the run config), and its resource profile
+(``ResourceProfile``). The registry (``fedfm_flower.registry``) is built from every module of this
+package that has ``SPECS``, so adding a method adds a module here and edits no list.
+
+Modules here import neither torch nor flwr: the ClientApp parses the run config, and with it
+every method's settings, in a fresh process per message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fedfm_flower.config import ExperimentConfig
+    from fedfm_flower.settings import MethodSettings
+
+
+@dataclass(frozen=True)
+class Split:
+    """What a method's clients send to the server (``shared``) and keep (``local``).
+
+    Each side is a selection of parameter groups or name patterns
+    (``fedfm_flower.models.groups.select_names``); ``None`` means every trainable parameter the
+    other side does not select. ``strict``: an entry that selects nothing is an error (the
+    selection comes from the run-config key ``key``, named in that error).
+    """
+
+    shared: tuple[str, ...] | None = None
+    local: tuple[str, ...] | None = ()
+    strict: bool = False
+    key: str = ""
+
+
+@dataclass(frozen=True)
+class ResourceProfile:
+    """What a client keeps and computes beyond its model (FedPerfix's Table 2 columns)."""
+
+    copies: int = 1  # copies of the trainable tensors a client stores (APFL: v and w)
+    passes: int = 1  # forward-backward passes per training step (APFL, Per-FedAvg: 2)
+    extra: int = 0  # further parameters a client stores (APFL's mixing weight alpha)
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """One method: its halves, its tuner and modalities, its settings, its split, its profile.
+
+    ``strategy`` and ``client`` are ``"module:Class"`` paths, imported on demand so the ClientApp
+    imports only its own half.
+    """
+
+    name: str
+    strategy: str
+    client: str
+    summary: str
+    settings: type[MethodSettings] | None = None  # its keys <prefix>-*; None: no keys of its own
+    tuner: str = "lora"  # what it adds to the backbone (fedfm_flower.models.tuners.TUNERS)
+    # The whole ViT trains (else only when train-backbone = true). On a backbone of another
+    # family, which is adapter-tuned only, such a method with tuner "none" trains the family's
+    # LoRA instead; one with a ViT tuner of its own (FedPerfix) needs a ViT.
+    trains_backbone: bool = False
+    modalities: tuple[str, ...] = ()  # input modalities it serves; () means every one
+    split: Split | Callable[[ExperimentConfig], Split] = Split()
+    profile: ResourceProfile = ResourceProfile()
+
+    def split_for(self, config: ExperimentConfig) -> Split:
+        """The split of a run of this method (a function of ``config`` for some methods)."""
+        return self.split if isinstance(self.split, Split) else self.split(config)

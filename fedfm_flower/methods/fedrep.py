@@ -1,0 +1,17 @@
+"""FedRep (Collins et al. 2021): the adapter (the representation) averaged, the head kept local;
+head epochs with the adapter fixed, then adapter epochs with the head fixed."""
+
+from __future__ import annotations
+
+from fedfm_flower.methods import MethodSpec, Split
+
+SPECS = (
+    MethodSpec(
+        "fedrep",
+        strategy="strategies.fedavg:FedAvgStrategy",
+        client="client_apps.fedrep:FedRepClient",
+        summary="adapter averaged, head local; head epochs then adapter epochs (Collins et al. "
+        "2021)",
+        split=Split(shared=None, local=("head",)),
+    ),
+)
