@@ -1,0 +1,35 @@
+"""FedProx's client: FedAvg's local training with the proximal term towards the received model.
+
+Every batch's loss gets ``fedprox-mu``/2 times the squared distance of the shared parameters
+from the global tensors received this round (``fedfm_flower.training.proximal_term``), so the
+gradient of the shared parameters gains ``mu (w - w_global)``. The term is applied at every
+``mu``, 0 included: it adds exact zeros, so ``mu = 0`` trains as FedAvg bit for bit
+(``tests/test_fedprox.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from client_apps.base import ClientRuntime
+from client_apps.split import SplitClient
+from fedfm_flower.methods.fedprox import FedProxSettings
+from fedfm_flower.models import TunedModel
+from fedfm_flower.training import TrainStats, proximal_term
+
+
+class FedProxClient(SplitClient):
+    """FedAvg's client with the proximal term towards the received global tensors."""
+
+    def local_training(
+        self,
+        runtime: ClientRuntime,
+        model: TunedModel,
+        received: dict[str, torch.Tensor],
+        server_round: int,
+    ) -> TrainStats:
+        """Joint training of every shared and local group with the proximal penalty."""
+        shared, local = self.split(runtime, model)
+        mu = runtime.config.settings_of(FedProxSettings).mu
+        penalty = proximal_term(model.parameters_named(shared), received, mu)
+        return runtime.train(model, shared + local, runtime.seed(server_round), penalty=penalty)
