@@ -46,7 +46,7 @@ def child(method: str, cache_dir: str, spawned: float) -> None:
 
     from client_apps.app import app  # noqa: F401
     from fedfm_flower.config import ExperimentConfig
-    from fedfm_flower.registry import client_class
+    from fedfm_flower.halves import client_class
 
     config = ExperimentConfig.from_run_config(
         {**ExperimentConfig().to_run_config(), "method": method, "cache-dir": cache_dir}

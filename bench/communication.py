@@ -56,9 +56,10 @@ def measure_method(method: str, overrides: dict[str, Any]) -> dict[str, Any]:
 
     from client_apps.app import app
     from fedfm_flower.config import ExperimentConfig
+    from fedfm_flower.models.build import prepare_foundation
     from fedfm_flower.records import record_dict_nbytes
     from server_apps.inprocess import InProcessGrid, simulation_node_configs
-    from server_apps.runner import build_strategy, prepare_foundation
+    from server_apps.runner import build_strategy
 
     config = ExperimentConfig.from_run_config(
         {**ExperimentConfig().to_run_config(), **overrides, "method": method, "num-clients": 2}

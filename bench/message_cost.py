@@ -59,7 +59,7 @@ PHASES: tuple[tuple[str, str, str, bool], ...] = (
     ("decode received", "client_apps.app", "_received", True),
     ("config parsing", "fedfm_flower.config", "ExperimentConfig.from_run_config", True),
     ("runtime set-up", "client_apps.base", "ClientRuntime.from_context", False),
-    ("runtime set-up", "fedfm_flower.registry", "client_class", True),
+    ("runtime set-up", "fedfm_flower.halves", "client_class", True),
     ("runtime set-up", "client_apps.faults", "parse_faults", True),
     ("task and data lookup", "client_apps.base", "task_of", True),
     (

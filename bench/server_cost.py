@@ -80,7 +80,9 @@ def measure_one(
         configured = time.perf_counter()
         replies = [
             synthetic_reply(
-                m, strategy.reply_spec(strategy.node_to_client[m.metadata.dst_node_id]), generator
+                m,
+                strategy.reply_spec(strategy.nodes.node_to_client[m.metadata.dst_node_id]),
+                generator,
             )
             for m in messages
         ]

@@ -168,8 +168,8 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     from flwr.app import Context, RecordDict
 
     from client_apps.base import ClientRuntime
+    from fedfm_flower.halves import client_class
     from fedfm_flower.models.footprint import client_footprint
-    from fedfm_flower.registry import client_class
 
     baseline = max_rss_bytes()
     run_config, client = spec["run-config"], spec["client"]

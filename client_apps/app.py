@@ -44,7 +44,7 @@ app = ClientApp(mods=[warm_worker_mod])
 
 def _runtime_and_logic(message: Message, context: Context):  # noqa: ANN202
     from client_apps.base import ClientRuntime
-    from fedfm_flower.registry import client_class
+    from fedfm_flower.halves import client_class
 
     config_record = message.content.config_records.get(P.CONFIG, ConfigRecord())
     run_name = str(config_record.get(P.RUN_NAME, ""))

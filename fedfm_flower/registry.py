@@ -2,10 +2,9 @@
 
 Every module of the ``fedfm_flower.methods`` package with a ``SPECS`` tuple contributes its
 methods, in module-name order; adding a method adds one module there and edits nothing here.
-Specs name their strategy and client classes by import path, so the ClientApp (which starts a
-fresh process per message in deployment) imports only its own client module, never server code.
-What a method shares and keeps is read here (``split_parameters``) by the strategy, the client
-and the resource count alike.
+Specs name their strategy and client classes by import path (``fedfm_flower.halves`` imports
+them). What a method shares and keeps is read here (``split_parameters``) by the strategy, the
+client and the resource count alike.
 """
 
 from __future__ import annotations
@@ -38,26 +37,11 @@ def _discover() -> dict[str, MethodSpec]:
 METHODS: dict[str, MethodSpec] = _discover()
 
 
-def _load(path: str) -> Any:
-    module, _, name = path.partition(":")
-    return getattr(importlib.import_module(module), name)
-
-
 def method_spec(method: str) -> MethodSpec:
     """The registry entry of ``method``, or a ValueError naming the allowed methods."""
     if method not in METHODS:
         raise ValueError(f"method '{method}' unknown; allowed: {', '.join(METHODS)}")
     return METHODS[method]
-
-
-def strategy_class(method: str) -> Any:
-    """The Strategy class of ``method`` (imported on demand)."""
-    return _load(method_spec(method).strategy)
-
-
-def client_class(method: str) -> Any:
-    """The client logic class of ``method`` (imported on demand)."""
-    return _load(method_spec(method).client)
 
 
 def _adapts_to_family(config: Any) -> bool:

@@ -55,11 +55,13 @@ from flwr.serverapp import Grid
 from fedfm_flower import __version__
 from fedfm_flower import protocol as P
 from fedfm_flower.config import ExperimentConfig
-from fedfm_flower.models.families import OFFLINE_VIT_NAMES
+from fedfm_flower.models.build import prepare_foundation
 from fedfm_flower.records import record_dict_nbytes
 from fedfm_flower.results import RunDirectory, progress_line
 from fedfm_flower.tasks import task_of
-from strategies.base import PersonalizedStrategy, RoundReport
+from strategies.base import PersonalizedStrategy
+from strategies.parts.context import NO_CONTEXT, RunContext
+from strategies.parts.outcome import PhaseOutcome
 
 if TYPE_CHECKING:
     from fedfm_flower.tensorboard import TensorBoardLog
@@ -74,43 +76,20 @@ class RunFailed(RuntimeError):
     """The run cannot produce trustworthy results; the message says why and how to go on."""
 
 
-def build_strategy(config: ExperimentConfig) -> PersonalizedStrategy:
-    """The configured method's strategy, initialised from the seeded trainable tensors."""
+def build_strategy(
+    config: ExperimentConfig, context: RunContext = NO_CONTEXT
+) -> PersonalizedStrategy:
+    """The configured method's strategy for the run ``context``, initialised from the seeded
+    trainable tensors."""
+    from fedfm_flower.halves import strategy_class
     from fedfm_flower.models import initial_trainable
-    from fedfm_flower.registry import strategy_class, trains_backbone, tuner_of
+    from fedfm_flower.registry import trains_backbone, tuner_of
 
     outputs = task_of(config).num_outputs(config)
     initial = initial_trainable(
         config, tuner_of(config), outputs, train_backbone=trains_backbone(config)
     )
-    return strategy_class(config.method)(config, initial)
-
-
-def prepare_foundation(config: ExperimentConfig) -> dict[str, Any]:
-    """Build (or find) the cached offline foundation model so clients never race to build it."""
-    if not config.pretrained or config.weights_file:
-        return {}
-    if config.backbone in OFFLINE_VIT_NAMES:
-        from fedfm_flower.models.foundation import foundation_card, foundation_path
-
-        card = foundation_card(config)
-        log.info(
-            "foundation model %s: public test accuracy %.3f",
-            foundation_path(config).name,
-            card["public_test_accuracy"],
-        )
-        return card
-    if config.backbone == "tiny-llama":
-        from fedfm_flower.models.causal_lm import tiny_llama_card
-
-        card = tiny_llama_card(config)
-        log.info(
-            "foundation model %s: public hold-out ROUGE-1 %.3f",
-            card.get("key", "tiny-llama"),
-            card["public_holdout_rouge"]["rouge-1"],
-        )
-        return card
-    return {}
+    return strategy_class(config.method)(config, initial, context)
 
 
 def wait_for_nodes(grid: Grid, config: ExperimentConfig) -> list[int]:
@@ -166,8 +145,17 @@ def _run(
     grid: Grid, config: ExperimentConfig, run: RunDirectory, board: TensorBoardLog | None
 ) -> dict[str, Any]:
     card = prepare_foundation(config)
-    strategy = build_strategy(config)
-    strategy.run_name = run.name
+    nodes = wait_for_nodes(grid, config)
+    client_examples = check_partitions(config, config.num_clients or len(nodes))
+    task = task_of(config)
+    client_tasks = task.client_labels(config, len(client_examples))
+    holdings = task.client_holdings(config, len(client_examples))
+    context = RunContext(
+        run_name=run.name,
+        client_tasks={int(c): label for c, label in client_tasks.items()},
+        client_holdings={int(c): tuple(held) for c, held in holdings.items()},
+    )
+    strategy = build_strategy(config, context)
     start_round = 1
     pending: dict[str, Any] | None = None  # the record whose evaluation rides on the next round
     if config.resume:
@@ -183,13 +171,6 @@ def _run(
         run.truncate_rounds(start_round - 1)
         if newest is not None and newest[2].get(EVALUATION_PENDING):
             pending = awaiting_evaluation(run.rounds(), start_round - 1)
-    nodes = wait_for_nodes(grid, config)
-    client_examples = check_partitions(config, config.num_clients or len(nodes))
-    task = task_of(config)
-    client_tasks = task.client_labels(config, len(client_examples))
-    strategy.client_tasks = {int(c): label for c, label in client_tasks.items()}
-    holdings = task.client_holdings(config, len(client_examples))
-    strategy.client_holdings = {int(c): tuple(held) for c, held in holdings.items()}
     run.write_config(
         config,
         {
@@ -389,28 +370,28 @@ def run_round(
     replies = list(grid.send_and_receive(messages, timeout=config.round_timeout))
     bytes_up, carried_up = _split_bytes(r for r in replies if not r.has_error())
     aggregate_started = time.perf_counter()
-    train_metrics, carried_metrics = strategy.aggregate_round(server_round, evaluate_round, replies)
+    outcome = strategy.aggregate_round(server_round, evaluate_round, replies)
     aggregate_seconds = time.perf_counter() - aggregate_started
     server_seconds += aggregate_seconds
-    if carried is not None:
-        _record_evaluation(carried, strategy.evaluate_report, carried_metrics)
+    if carried is not None and outcome.evaluation is not None:  # evaluate_round's evaluation
+        _record_evaluation(carried, outcome.evaluation)
         _record_bytes(carried, carried_down, carried_up)
-    train_report = strategy.train_report
+    trained = outcome.train.report
     record: dict[str, Any] = {
         "round": server_round,
         "phase": strategy.phase(server_round),
-        "clients-sampled": len(train_report.sent),
-        "sampled": list(train_report.sent),
-        "clients-reported": len(train_report.accepted),
-        "train": {str(c): m for c, m in train_report.accepted.items()},
-        "rejected": dict(train_report.rejected),
-        "missing": train_report.missing,
+        "clients-sampled": len(trained.sent),
+        "sampled": list(trained.sent),
+        "clients-reported": len(trained.accepted),
+        "train": {str(c): m for c, m in trained.accepted.items()},
+        "rejected": dict(trained.rejected),
+        "missing": trained.missing,
         "bytes-down-train": bytes_down,
         "bytes-up-train": bytes_up,
         "aggregate-seconds": aggregate_seconds,
-        "server": dict(strategy.server_metrics),
+        "server": dict(outcome.server_metrics),
     }
-    record.update(_means(train_metrics, "train-", ("-mean",)))
+    record.update(_means(outcome.train.metrics, "train-", ("-mean",)))
     eval_down = eval_up = 0
     later = fused and not last and bool(record["train"])  # on the next round's messages
     if evaluation_due(server_round, config, last) and not later:
@@ -423,9 +404,9 @@ def run_round(
         replies = list(grid.send_and_receive(messages, timeout=config.round_timeout))
         eval_up = sum(record_dict_nbytes(r.content) for r in replies if not r.has_error())
         aggregate_started = time.perf_counter()
-        eval_metrics = strategy.aggregate_evaluate(server_round, replies)
+        evaluation = strategy.aggregate_evaluation(server_round, replies)
         server_seconds += time.perf_counter() - aggregate_started
-        _record_evaluation(record, strategy.evaluate_report, eval_metrics)
+        _record_evaluation(record, evaluation)
     _record_bytes(record, eval_down, eval_up)
     # The strategy's own work (building messages, validating and aggregating replies), without
     # waiting for clients; configure_* includes the node-mapping query when nodes are new.
@@ -442,8 +423,7 @@ def evaluate_alone(
     server_round = record["round"]
     messages = list(strategy.configure_evaluate(server_round, ArrayRecord(), ConfigRecord(), grid))
     replies = list(grid.send_and_receive(messages, timeout=config.round_timeout))
-    metrics = strategy.aggregate_evaluate(server_round, replies)
-    _record_evaluation(record, strategy.evaluate_report, metrics)
+    _record_evaluation(record, strategy.aggregate_evaluation(server_round, replies))
     _record_bytes(
         record,
         sum(record_dict_nbytes(m.content) for m in messages),
@@ -463,17 +443,16 @@ def _split_bytes(messages: Iterable[Message]) -> tuple[int, int]:
     return training, evaluation
 
 
-def _record_evaluation(
-    record: dict[str, Any], report: RoundReport, metrics: MetricRecord | None
-) -> None:
+def _record_evaluation(record: dict[str, Any], evaluation: PhaseOutcome) -> None:
     """Put an evaluation's per-client metrics, rejections, missing clients and means in
     ``record`` (replacing any earlier attempt's)."""
     for key in [k for k in record if k.startswith("test-")]:
         del record[key]
+    report = evaluation.report
     record["evaluate"] = {str(c): m for c, m in report.accepted.items()}
     record["evaluate-rejected"] = dict(report.rejected)
     record["evaluate-missing"] = report.missing
-    record.update(_means(metrics, "test-", ("-mean", "-std")))
+    record.update(_means(evaluation.metrics, "test-", ("-mean", "-std")))
 
 
 def _record_bytes(record: dict[str, Any], eval_down: int, eval_up: int) -> None:

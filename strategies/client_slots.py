@@ -11,17 +11,21 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from flwr.serverapp import Grid
 
 from fedfm_flower.config import ExperimentConfig
 from fedfm_flower.models import TrainableTensors
 from strategies.base import PersonalizedStrategy
+from strategies.parts.context import NO_CONTEXT, RunContext
 
 
 class ClientSlotStrategy(PersonalizedStrategy):
     """A personalized strategy with a lazily sized per-client server (``self.server``)."""
 
-    def __init__(self, config: ExperimentConfig, initial: TrainableTensors) -> None:
-        super().__init__(config, initial)
+    def __init__(
+        self, config: ExperimentConfig, initial: TrainableTensors, context: RunContext = NO_CONTEXT
+    ) -> None:
+        super().__init__(config, initial, context)
         self.server: Any = None
         if config.num_clients:
             self.server = self.build_server(config.num_clients)
@@ -36,7 +40,7 @@ class ClientSlotStrategy(PersonalizedStrategy):
 
     def refuse_client(self, client_id: int) -> str | None:
         """Ids outside 0..N-1 have no slot (N from the server, else the nodes' num-partitions)."""
-        limit = self.server.num_clients if self.server is not None else self.num_partitions
+        limit = self.server.num_clients if self.server is not None else self.nodes.num_partitions
         if limit and not 0 <= client_id < limit:
             return (
                 f"client-id {client_id} outside 0..{limit - 1}; {type(self).__name__} has one "
@@ -44,11 +48,11 @@ class ClientSlotStrategy(PersonalizedStrategy):
             )
         return None
 
-    def learn_node_mapping(self, grid, server_round: int) -> None:  # noqa: ANN001 - flwr Grid
+    def learn_node_mapping(self, grid: Grid, server_round: int) -> None:
         """Learn the mapping, then size the server if N was unknown until now."""
         super().learn_node_mapping(grid, server_round)
         if self.server is None:
-            count = self.num_partitions or len(self.node_to_client)
+            count = self.nodes.num_partitions or len(self.nodes.clients())
             if count:
                 self.server = self.build_server(count)
 

@@ -23,7 +23,9 @@ from fedfm_flower.config import ExperimentConfig
 from fedfm_flower.models import TrainableTensors
 from fedfm_flower.records import tensor_spec
 from fedfm_flower.registry import split_parameters
-from strategies.base import ClientReply, PersonalizedStrategy
+from strategies.base import PersonalizedStrategy
+from strategies.parts.context import NO_CONTEXT, RunContext
+from strategies.parts.replies import ClientReply
 
 
 class FedAvgStrategy(PersonalizedStrategy):
@@ -31,8 +33,10 @@ class FedAvgStrategy(PersonalizedStrategy):
 
     weighting: ClassVar[str] = "examples"
 
-    def __init__(self, config: ExperimentConfig, initial: TrainableTensors) -> None:
-        super().__init__(config, initial)
+    def __init__(
+        self, config: ExperimentConfig, initial: TrainableTensors, context: RunContext = NO_CONTEXT
+    ) -> None:
+        super().__init__(config, initial, context)
         shared, _ = self.split(initial)
         self.global_tensors = {n: initial.tensors[n].clone() for n in shared}
         # Which tensors serve which holdings (TAP's components); the values are not kept.
@@ -40,7 +44,7 @@ class FedAvgStrategy(PersonalizedStrategy):
 
     def owned(self, client_id: int) -> dict[str, torch.Tensor]:
         """The global tensors of the components ``client_id`` owns (all, for most models)."""
-        names = self.layout.names_for(self.holdings_of(client_id))
+        names = self.layout.names_for(self.nodes.holdings_of(client_id))
         return {n: self.global_tensors[n] for n in names if n in self.global_tensors}
 
     def split(self, initial: TrainableTensors) -> tuple[list[str], list[str]]:
@@ -55,13 +59,15 @@ class FedAvgStrategy(PersonalizedStrategy):
         """Replies carry the client's shared tensors, shaped like the global ones."""
         return tensor_spec(self.owned(client_id))
 
-    def aggregate(self, server_round: int, replies: list[ClientReply]) -> None:
-        """Average of the replies per tensor over its senders (eq. 1 of pFedSeq, FedAvg)."""
+    def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, float]:
+        """Average of the replies per tensor over its senders (eq. 1 of pFedSeq, FedAvg); no
+        server metrics."""
         if not self.global_tensors:
-            return
+            return {}
         weights = client_weights([r.num_examples for r in replies], self.weighting)
         averaged = average_over_owners([r.arrays for r in replies], weights)
         self.global_tensors = {**self.global_tensors, **averaged}
+        return {}
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """The global shared tensors."""

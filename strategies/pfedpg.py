@@ -14,8 +14,9 @@ from fedfm_flower.config import ExperimentConfig
 from fedfm_flower.learners.pfedpg import PFedPGServer, PFedPGSettings
 from fedfm_flower.models import TrainableTensors, pick_device
 from fedfm_flower.records import tensor_spec
-from strategies.base import ClientReply
 from strategies.client_slots import ClientSlotStrategy, brief
+from strategies.parts.context import NO_CONTEXT, RunContext
+from strategies.parts.replies import ClientReply
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +24,9 @@ log = logging.getLogger(__name__)
 class PFedPGStrategy(ClientSlotStrategy):
     """A prompt generator trained with the clients' prompt changes as gradient proxies."""
 
-    def __init__(self, config: ExperimentConfig, initial: TrainableTensors) -> None:
+    def __init__(
+        self, config: ExperimentConfig, initial: TrainableTensors, context: RunContext = NO_CONTEXT
+    ) -> None:
         prompts = initial.select(["prompt"])
         if len(prompts) != 1:
             raise ValueError("pFedPG needs the vpt tuner's single prompt tensor")
@@ -33,7 +36,7 @@ class PFedPGStrategy(ClientSlotStrategy):
         self.prompt_shape = tuple(tensor.shape)
         self.initial_prompts = tensor[0].clone()
         self.settings = config.settings_of(PFedPGSettings)
-        super().__init__(config, initial)
+        super().__init__(config, initial, context)
 
     def build_server(self, num_clients: int) -> PFedPGServer:
         """Generator, basis and descriptors for ``num_clients`` clients."""
@@ -66,9 +69,11 @@ class PFedPGStrategy(ClientSlotStrategy):
         """A reply is the prompt change, shaped like the prompts."""
         return tensor_spec({self.prompt_name: torch.zeros(self.prompt_shape)})
 
-    def aggregate(self, server_round: int, replies: list[ClientReply]) -> None:
-        """One generator step (eqs. 4, 5) from the reporting clients' prompt changes."""
+    def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, float]:
+        """One generator step (eqs. 4, 5) from the reporting clients' prompt changes; its
+        statistics."""
         server = self.require_server()
         updates = {r.client_id: r.arrays[self.prompt_name][0] for r in replies}
-        self.server_metrics = server.step(updates)
-        log.info("pfedpg round %d: %s", server_round, brief(self.server_metrics))
+        metrics = server.step(updates)
+        log.info("pfedpg round %d: %s", server_round, brief(metrics))
+        return metrics

@@ -14,8 +14,9 @@ from fedfm_flower.config import ExperimentConfig
 from fedfm_flower.learners.pfedseq import PFedSeqServer, PFedSeqSettings
 from fedfm_flower.models import TrainableTensors, pick_device
 from fedfm_flower.records import tensor_spec
-from strategies.base import ClientReply
 from strategies.client_slots import ClientSlotStrategy, brief
+from strategies.parts.context import NO_CONTEXT, RunContext
+from strategies.parts.replies import ClientReply
 
 log = logging.getLogger(__name__)
 
@@ -23,12 +24,14 @@ log = logging.getLogger(__name__)
 class PFedSeqStrategy(ClientSlotStrategy):
     """FedAvg of adapters plus a sequential learner's per-client calibrations."""
 
-    def __init__(self, config: ExperimentConfig, initial: TrainableTensors) -> None:
+    def __init__(
+        self, config: ExperimentConfig, initial: TrainableTensors, context: RunContext = NO_CONTEXT
+    ) -> None:
         self.initial_adapter = initial.select(["adapter"])
         if not self.initial_adapter:
             raise ValueError("pFedSeq needs LoRA adapters; check lora-target-modules")
         self.settings = config.settings_of(PFedSeqSettings)
-        super().__init__(config, initial)
+        super().__init__(config, initial, context)
 
     def build_server(self, num_clients: int) -> PFedSeqServer:
         """Learners, history and adapters for ``num_clients`` clients."""
@@ -64,10 +67,12 @@ class PFedSeqStrategy(ClientSlotStrategy):
         """A reply is the adapter update, shaped like the adapter."""
         return tensor_spec(self.initial_adapter)
 
-    def aggregate(self, server_round: int, replies: list[ClientReply]) -> None:
-        """One pFedSeq server step (eqs. 1, 5, 6, 3) from the reporting clients' updates."""
+    def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, float]:
+        """One pFedSeq server step (eqs. 1, 5, 6, 3) from the reporting clients' updates; its
+        statistics."""
         server = self.require_server()
         updates = {r.client_id: server.layout.flatten(r.arrays) for r in replies}
         counts = {r.client_id: r.num_examples for r in replies}
-        self.server_metrics = server.step(updates, counts)
-        log.info("pfedseq round %d: %s", server_round, brief(self.server_metrics))
+        metrics = server.step(updates, counts)
+        log.info("pfedseq round %d: %s", server_round, brief(metrics))
+        return metrics

@@ -8,6 +8,11 @@ anywhere in ``a``, at module level or inside a function, resolved against the mo
 under ``if TYPE_CHECKING:`` never run and are left out; so are the implicit imports of parent
 packages (``import a.b.c`` runs ``a/__init__`` first), which every submodule has, and imports of
 modules that do not exist.
+
+Imports made by name at run time are edges too (``on_demand_imports``): a package's lazy exports
+(``_EXPORTS`` of ``fedfm_flower.lazy``) from the package to each exporting module, and the
+``"module:name"`` paths of the method and model-family registries from the module that imports
+them (``RESOLVERS``) to the module they name.
 """
 
 from __future__ import annotations
@@ -77,6 +82,51 @@ def imports_of(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
 def import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
     """Module -> the modules it imports (only those of ``modules``)."""
     return {name: imports_of(name, path, modules) for name, path in modules.items()}
+
+
+def lazy_exports(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The modules a package's ``_EXPORTS`` (name -> module) import on first use."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "_EXPORTS" for t in node.targets
+        ):
+            assert isinstance(node.value, ast.Dict), f"{module}._EXPORTS is not a dict literal"
+            found |= {v.value for v in node.value.values if isinstance(v, ast.Constant)}
+    return found & set(modules)
+
+
+def _registry_paths() -> dict[str, set[str]]:
+    """Resolver module -> the modules named by the ``"module:name"`` paths it imports."""
+    from fedfm_flower.models.families import FAMILIES
+    from fedfm_flower.registry import METHODS
+
+    def modules_of(paths: list[str]) -> set[str]:
+        return {p.partition(":")[0] for p in paths if p}
+
+    return {
+        RESOLVERS["methods"]: modules_of(
+            [p for s in METHODS.values() for p in (s.strategy, s.client)]
+        ),
+        RESOLVERS["families"]: modules_of(
+            [p for f in FAMILIES.values() for p in (f.builder, f.foundation)]
+        ),
+    }
+
+
+# The modules that import the registries' "module:name" paths with importlib.
+RESOLVERS = {"methods": "fedfm_flower.halves", "families": "fedfm_flower.models.build"}
+
+
+def on_demand_imports(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """Module -> the modules it imports by name at run time (lazy exports, registry paths)."""
+    edges = {name: lazy_exports(name, path, modules) for name, path in modules.items()}
+    for resolver, targets in _registry_paths().items():
+        assert "importlib.import_module" in modules[resolver].read_text(), resolver
+        missing = targets - set(modules)
+        assert not missing, f"registry paths name modules that do not exist: {missing}"
+        edges[resolver] |= targets
+    return edges
 
 
 def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -179,10 +229,20 @@ def test_imports_are_resolved(tmp_path: Path):
     assert find_cycles(graph) == [["pkg.sub.leaf", "pkg.sub.other", "pkg.sub.leaf"]]
 
 
+def test_on_demand_imports_are_found():
+    edges = on_demand_imports(module_files())
+    assert "fedfm_flower.models.build" in edges["fedfm_flower.models"]
+    assert "strategies.fedavg" in edges[RESOLVERS["methods"]]
+    assert "client_apps.fedprox" in edges[RESOLVERS["methods"]]
+    assert "fedfm_flower.models.foundation" in edges[RESOLVERS["families"]]
+
+
 def test_no_import_cycles():
     modules = module_files()
     assert "fedfm_flower.data.source" in modules and "strategies.base" in modules
     graph = import_graph(modules)
+    for module, targets in on_demand_imports(modules).items():
+        graph[module] |= targets
     found = []
     for component in strongly_connected(graph):
         cycle = _cycle_in(graph, set(component))
@@ -190,3 +250,24 @@ def test_no_import_cycles():
         also = f" (and with it: {', '.join(others)})" if others else ""
         found.append(" -> ".join(cycle) + also)
     assert not found, "import cycle(s):\n" + "\n".join(found)
+
+
+def test_every_method_is_one_unit():
+    """A method is its module in ``fedfm_flower/methods/`` (no torch, no Flower), halves that
+    resolve to a strategy and a client logic class, and a ``configs/<method>/`` folder."""
+    from client_apps.base import ClientLogic
+    from fedfm_flower import registry
+    from fedfm_flower.halves import client_class, strategy_class
+    from strategies.base import PersonalizedStrategy
+
+    modules = module_files()
+    light = {"fedfm_flower.methods", "fedfm_flower.settings"}
+    for name, path in modules.items():
+        if name.startswith("fedfm_flower.methods."):
+            assert imports_of(name, path, modules) <= light, name
+            text = path.read_text()
+            assert "import torch" not in text and "flwr" not in text, name
+    for method in registry.METHODS:
+        assert issubclass(strategy_class(method), PersonalizedStrategy), method
+        assert issubclass(client_class(method), ClientLogic), method
+        assert sorted((ROOT / "configs" / method).glob("*.toml")), f"configs/{method}/ is empty"

@@ -416,7 +416,7 @@ def test_stream_filter_folds_tracebacks_and_debug_shows_them() -> None:
         "ray.exceptions.RayTaskError(ClientAppException): ray::ClientAppActor.run()",
         "",
         "\x1b[36m(ClientAppActor pid=1)\x1b[0m inject-fault: corrupting this reply (crash)",
-        "WARNING strategies.base: rejected reply of client 0",
+        "WARNING strategies.parts.replies: rejected reply of client 0",
         "Traceback (most recent call last):",
         '  File "/x/runner.py", line 9, in _run',
         "server_apps.runner.RunFailed: round 1: no client returned a usable training reply",

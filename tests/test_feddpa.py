@@ -90,8 +90,8 @@ def test_feddpa_t_mixture_is_the_papers_equation_on_one_linear_layer() -> None:
 
 def test_eq2_averages_the_global_adapter_with_equal_client_weights() -> None:
     from fedfm_flower.models import TrainableTensors
-    from strategies.base import ClientReply
     from strategies.feddpa import FedDPAStrategy
+    from strategies.parts.replies import ClientReply
 
     names = {
         "m.q.lora_A.global.weight": "adapter.global",
@@ -99,7 +99,7 @@ def test_eq2_averages_the_global_adapter_with_equal_client_weights() -> None:
         "m.q.lora_A.local.weight": "adapter.local",
     }
     initial = TrainableTensors({n: torch.zeros(2, 3) for n in names}, names)
-    strategy = FedDPAStrategy(ExperimentConfig(), initial)
+    strategy = FedDPAStrategy(ExperimentConfig(method="feddpa-t"), initial)  # its split
     assert set(strategy.global_tensors) == {n for n, g in names.items() if g == "adapter.global"}
     rng = np.random.default_rng(0)
     values = [
@@ -388,21 +388,22 @@ def test_feddpa_settings_and_modalities_fail_early() -> None:
 def test_sample_per_task_takes_the_fraction_of_every_tasks_clients() -> None:
     from fedfm_flower.models import TrainableTensors
     from strategies.feddpa import FedDPAStrategy
+    from strategies.parts.context import RunContext
 
     names = {"m.q.lora_A.global.weight": "adapter.global"}
     initial = TrainableTensors({n: torch.zeros(2, 3) for n in names}, names)
     config = ExperimentConfig(fraction_train=0.4, sample_per_task=True, num_clients=40)
-    strategy = FedDPAStrategy(config, initial)
-    strategy.node_to_client = {100 + c: c for c in range(40)}
-    strategy.client_tasks = {c: f"task-{c % 8}" for c in range(40)}
+    context = RunContext(client_tasks={c: f"task-{c % 8}" for c in range(40)})
+    strategy = FedDPAStrategy(config, initial, context)
+    strategy.nodes.node_to_client = {100 + c: c for c in range(40)}  # as if identified
     seen = set()
     for server_round in range(1, 6):
-        chosen = strategy.sample(server_round, config.fraction_train)
+        chosen = strategy.train_clients(server_round)
         per_task = [sum(1 for c in chosen if c % 8 == t) for t in range(8)]
         assert per_task == [2] * 8  # ceil(0.4 * 5) of each task's 5 clients
-        assert chosen == strategy.sample(server_round, config.fraction_train)  # seeded
+        assert chosen == strategy.train_clients(server_round)  # seeded
         seen |= set(chosen)
     assert len(seen) > 16  # different clients in different rounds
-    uniform = FedDPAStrategy(config.replace(sample_per_task=False), initial)
-    uniform.node_to_client = strategy.node_to_client
-    assert len(uniform.sample(1, 0.4)) == 16
+    uniform = FedDPAStrategy(config.replace(sample_per_task=False), initial, context)
+    uniform.nodes.node_to_client = strategy.nodes.node_to_client
+    assert len(uniform.train_clients(1)) == 16

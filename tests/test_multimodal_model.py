@@ -167,8 +167,9 @@ def test_padding_does_not_change_a_rows_output(parts) -> None:
 
 def test_component_wise_fedavg_averages_each_tensor_over_its_owners() -> None:
     from fedfm_flower.models import TrainableTensors
-    from strategies.base import ClientReply
     from strategies.fedavg import FedAvgStrategy
+    from strategies.parts.context import RunContext
+    from strategies.parts.replies import ClientReply
 
     groups = {"enc.image": "encoder.image", "enc.text": "encoder.text", "shared": "mome.shared"}
     users = {
@@ -177,8 +178,9 @@ def test_component_wise_fedavg_averages_each_tensor_over_its_owners() -> None:
         "mome.shared": frozenset({"image-cls", "text-cls"}),
     }
     initial = TrainableTensors({n: torch.zeros(2) for n in groups}, groups, users)
-    strategy = FedAvgStrategy(ExperimentConfig(), initial)
-    strategy.client_holdings = {0: ("image-cls",), 1: ("image-cls",), 2: ("text-cls",)}
+    holdings = {0: ("image-cls",), 1: ("image-cls",), 2: ("text-cls",)}
+    config = ExperimentConfig(method="tap")  # every component shared (TAP's split)
+    strategy = FedAvgStrategy(config, initial, RunContext(client_holdings=holdings))
     assert set(strategy.train_payload(0, 1)) == {"enc.image", "shared"}
     assert set(strategy.train_payload(2, 1)) == {"enc.text", "shared"}
     assert set(strategy.reply_spec(2)) == {"enc.text", "shared"}

@@ -130,8 +130,9 @@ IMAGE_METHODS = sorted(m for m, s in METHODS.items() if not s.modalities or "ima
 
 @pytest.mark.parametrize("method", IMAGE_METHODS)
 def test_the_upload_counted_is_what_the_strategy_sends(method: str) -> None:
+    from fedfm_flower.halves import strategy_class
     from fedfm_flower.models import initial_trainable
-    from fedfm_flower.registry import strategy_class, trains_backbone, tuner_of
+    from fedfm_flower.registry import trains_backbone, tuner_of
 
     config = _tiny(method, tuner="auto", **{"train-backbone": False, "num-clients": 2})
     row = method_resources(config)

@@ -127,6 +127,39 @@ def test_families_registry_agrees_with_config_and_checks_modality() -> None:
         ExperimentConfig(dataset="digits", backbone="tiny-llama").validate()
 
 
+def _card_of(config: ExperimentConfig) -> dict:
+    """A foundation hook for the test: the card names the backbone it was asked for."""
+    return {"prepared": config.backbone}
+
+
+def test_foundation_preparation_is_the_family_hook(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import dataclasses
+    import importlib
+
+    from fedfm_flower.models import build
+    from fedfm_flower.models.families import BACKBONES, FAMILIES
+
+    for family in FAMILIES.values():  # every declared path names a function
+        for path in filter(None, (family.builder, family.foundation)):
+            module, _, name = path.partition(":")
+            assert callable(getattr(importlib.import_module(module), name)), path
+    hook = f"{__name__}:_card_of"
+    monkeypatch.setitem(FAMILIES, "vit", dataclasses.replace(FAMILIES["vit"], foundation=hook))
+    config = ExperimentConfig(backbone="small-vit")
+    assert build.prepare_foundation(config) == {"prepared": "small-vit"}
+    assert build.prepare_foundation(config.replace(pretrained=False)) == {}
+    weights = tmp_path / "w.safetensors"
+    weights.write_bytes(b"")
+    assert build.prepare_foundation(config.replace(weights_file=str(weights))) == {}
+    monkeypatch.setitem(FAMILIES, "vit", dataclasses.replace(FAMILIES["vit"], foundation=""))
+    assert build.prepare_foundation(config) == {}
+    # The server names no backbone: what a backbone needs is its family's.
+    runner = (Path(__file__).resolve().parent.parent / "server_apps" / "runner.py").read_text()
+    assert not [b for b in BACKBONES if f'"{b}"' in runner]
+
+
 def test_the_model_layer_does_not_import_the_method_registry() -> None:
     import ast
 
@@ -174,12 +207,10 @@ def _fedavg_with_heads(num_clients: int = 2):
     )
 
     class Components(FedAvgStrategy):
-        shared = ("encoder", "decoder")
-
         def required_reply_keys(self, client_id: int) -> set[str] | None:
             return set()  # each client sends the components it owns
 
-    config = ExperimentConfig(num_clients=num_clients)
+    config = ExperimentConfig(method="fedavg", num_clients=num_clients)  # both shared
     nodes = [{"client-id": i, "capabilities": ["image", "image,text"][i]} for i in range(2)]
     grid = InProcessGrid(identity_app(), config.to_run_config(), nodes)
     return Components(config, initial), grid
@@ -207,7 +238,7 @@ def test_components_owned_by_some_clients_are_averaged_over_their_owners() -> No
     strategy.aggregate_train(1, replies)
     assert torch.equal(strategy.global_tensors["encoder.w"], torch.tensor([3.5, 6.5]))
     assert torch.equal(strategy.global_tensors["decoder.w"], torch.ones(3))  # its one owner
-    assert strategy.capabilities == {0: frozenset({"image"}), 1: frozenset({"image", "text"})}
+    assert strategy.nodes.capabilities == {0: frozenset({"image"}), 1: frozenset({"image", "text"})}
 
 
 # ------------------------------------------------------------------ the post-training phase
@@ -217,11 +248,13 @@ def _post_training_method(monkeypatch: pytest.MonkeyPatch, rounds: int = 1) -> N
     """Make 'fedavg' a FedAvg with ``rounds`` post-training rounds of local head tuning."""
     import dataclasses
 
+    import fedfm_flower.halves as halves
     import fedfm_flower.registry as registry
     import server_apps.runner as runner
     from client_apps.split import SplitClient
     from fedfm_flower.methods import Split
     from strategies.fedavg import FedAvgStrategy
+    from strategies.parts.context import RunContext
 
     class PostTrainStrategy(FedAvgStrategy):
         def post_training_rounds(self) -> int:
@@ -247,17 +280,17 @@ def _post_training_method(monkeypatch: pytest.MonkeyPatch, rounds: int = 1) -> N
     monkeypatch.setitem(
         registry.METHODS, "fedavg", dataclasses.replace(registry.METHODS["fedavg"], split=split)
     )
-    original = registry.client_class
+    original = halves.client_class
     monkeypatch.setattr(
-        registry,
+        halves,
         "client_class",
         lambda method: PostTrainClient if method == "fedavg" else original(method),
     )
 
-    def build_strategy(config: ExperimentConfig):  # noqa: ANN202
+    def build_strategy(config: ExperimentConfig, context: RunContext):  # noqa: ANN202
         from fedfm_flower.models import initial_trainable
 
-        return PostTrainStrategy(config, initial_trainable(config, "lora", 10))
+        return PostTrainStrategy(config, initial_trainable(config, "lora", 10), context)
 
     monkeypatch.setattr(runner, "build_strategy", build_strategy)
 

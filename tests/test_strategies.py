@@ -22,11 +22,13 @@ from client_apps.faults import FAULT_KINDS, InjectedCrash, inject_fault, parse_f
 from fedfm_flower import protocol as P
 from fedfm_flower.aggregation import weighted_average
 from fedfm_flower.config import ConfigError, ExperimentConfig
+from fedfm_flower.halves import strategy_class
 from fedfm_flower.models import TrainableTensors
 from fedfm_flower.records import to_array_record
-from fedfm_flower.registry import strategy_class
 from server_apps.inprocess import InProcessGrid, identity_app
 from strategies.fedavg import FedAvgStrategy
+from strategies.parts.context import RunContext
+from strategies.parts.sampling import ClientSampler
 
 INITIAL = TrainableTensors(
     {
@@ -82,10 +84,10 @@ def test_weighted_average_matches_numpy() -> None:
 def test_node_mapping_is_learned_by_query_and_messages_are_per_node() -> None:
     strategy, grid = make_strategy("fedrep")
     messages = list(strategy.configure_train(1, ArrayRecord(), ConfigRecord(), grid))
-    assert sorted(strategy.node_to_client.values()) == [10, 11, 12]
+    assert strategy.clients() == [10, 11, 12]
     assert len({id(m.content) for m in messages}) == len(messages)
     for message in messages:
-        assert strategy.node_to_client[message.metadata.dst_node_id] == int(
+        assert strategy.nodes.client_of(message.metadata.dst_node_id) == int(
             message.content[P.CONFIG][P.CLIENT_ID]
         )
         keys = set(message.content[P.ARRAYS].keys())
@@ -108,10 +110,10 @@ def test_duplicate_client_ids_are_reported_and_ignored(caplog: pytest.LogCapture
         [{"client-id": 1}, {"client-id": 1}, {"client-id": 2}],
     )
     strategy.learn_node_mapping(grid, 1)
-    assert sorted(strategy.node_to_client.values()) == [1, 2]
+    assert strategy.clients() == [1, 2]
     assert "two nodes claim client-id 1" in caplog.text
     holder, duplicate = 1001, 1002  # InProcessGrid numbers nodes from 1001 in order
-    assert strategy.node_to_client[holder] == 1 and duplicate in strategy.refused_nodes
+    assert strategy.nodes.client_of(holder) == 1 and duplicate in strategy.nodes.refused_nodes
     # The refused duplicate is not queried again every round...
     caplog.clear()
     queried = len(grid.sent)
@@ -120,7 +122,7 @@ def test_duplicate_client_ids_are_reported_and_ignored(caplog: pytest.LogCapture
     # ...but once the holder leaves, it is asked again and takes the client id over.
     grid.offline.add(holder)
     strategy.learn_node_mapping(grid, 3)
-    assert strategy.node_to_client == {duplicate: 1, 1003: 2}
+    assert strategy.nodes.node_to_client == {duplicate: 1, 1003: 2}
 
 
 def test_unanswered_message_counts_as_missing_not_rejected(caplog) -> None:
@@ -134,11 +136,11 @@ def test_unanswered_message_counts_as_missing_not_rejected(caplog) -> None:
         Error(code=ErrorCode.NODE_UNAVAILABLE, reason="no heartbeat"), reply_to=messages[-1]
     )
     lost.metadata.__dict__["_src_node_id"] = SUPERLINK_NODE_ID
-    strategy.aggregate_train(1, [*replies, lost])
-    lost_client = strategy.node_to_client[messages[-1].metadata.dst_node_id]
-    assert strategy.train_report.missing == [lost_client]
-    assert strategy.train_report.rejected == {}
-    assert len(strategy.train_report.accepted) == len(messages) - 1
+    report = strategy.aggregate_round(1, None, [*replies, lost]).train.report
+    lost_client = strategy.nodes.client_of(messages[-1].metadata.dst_node_id)
+    assert report.missing == [lost_client]
+    assert report.rejected == {}
+    assert len(report.accepted) == len(messages) - 1
     assert "rejected" not in caplog.text
 
 
@@ -152,11 +154,9 @@ def test_every_injectable_fault_is_rejected_without_state_change(kind: str, capl
     replies = [reply_to(m, good, 10) for m in messages]
     for reply in replies:
         inject_fault(reply.content, kind)
-    strategy.aggregate_train(1, replies)
-    assert strategy.train_report.accepted == {}
-    assert sorted(strategy.train_report.rejected) == sorted(
-        str(c) for c in strategy.train_report.sent
-    )
+    report = strategy.aggregate_round(1, None, replies).train.report
+    assert report.accepted == {}
+    assert sorted(report.rejected) == sorted(str(c) for c in report.sent)
     assert state_hash(strategy) == before
     assert caplog.text.count("rejected reply") == len(messages)
 
@@ -242,11 +242,12 @@ def test_bad_reply_is_dropped_and_round_completes(kind: str, caplog) -> None:
         replies.append(Message(RecordDict({P.ARRAYS: to_array_record(good)}), reply_to=last))
     else:
         replies.append(reply_to(last, _corrupt(kind, good), 10))
-    _, metrics = strategy.aggregate_train(1, replies)
-    bad_client = strategy.node_to_client[last.metadata.dst_node_id]
-    assert str(bad_client) in strategy.train_report.rejected
-    assert bad_client not in strategy.train_report.accepted
-    assert metrics["num-clients"] == len(messages) - 1
+    outcome = strategy.aggregate_round(1, None, replies)
+    bad_client = strategy.nodes.client_of(last.metadata.dst_node_id)
+    assert str(bad_client) in outcome.train.report.rejected
+    assert bad_client not in outcome.train.report.accepted
+    assert outcome.train.metrics["num-clients"] == len(messages) - 1
+    assert outcome.evaluation is None and outcome.server_metrics == {}
     for tensor in strategy.global_tensors.values():  # only the good replies were averaged
         torch.testing.assert_close(tensor, torch.ones_like(tensor))
     assert "rejected reply" in caplog.text
@@ -292,10 +293,93 @@ def test_state_dict_round_trip_is_exact() -> None:
 
 
 def test_sampling_is_seeded_and_respects_fraction() -> None:
-    config = ExperimentConfig(fraction_train=0.5)
-    strategy = FedAvgStrategy(config, INITIAL)
-    strategy.node_to_client = {100 + i: i for i in range(10)}
-    first = strategy.sample(3, 0.5)
+    sampler = ClientSampler(ExperimentConfig(fraction_train=0.5), {})
+    clients = list(range(10))
+    first = sampler.sample(clients, 3, 0.5)
     assert len(first) == 5
-    assert strategy.sample(3, 0.5) == first
-    assert any(strategy.sample(r, 0.5) != first for r in range(4, 10))
+    assert sampler.sample(clients, 3, 0.5) == first
+    assert any(sampler.sample(clients, r, 0.5) != first for r in range(4, 10))
+    assert sampler.sample(clients, 3, 0.5, salt=1) != first  # evaluation draws apart
+
+
+def test_checkpoints_name_their_method_and_older_ones_their_strategy_class() -> None:
+    strategy, _ = make_strategy("fedrep")
+    tensors, meta = strategy.state_dict()
+    assert meta == {"strategy": "FedAvgStrategy", "method": "fedrep"}
+    with pytest.raises(ValueError, match="fedrep state, not fedavg"):
+        make_strategy("fedavg")[0].load_state_dict(tensors, meta)
+    # A checkpoint from before methods were named: the strategy class decides.
+    make_strategy("fedrep")[0].load_state_dict(tensors, {"strategy": "FedAvgStrategy"})
+    with pytest.raises(ValueError, match="PFedSeqStrategy state, not FedAvgStrategy"):
+        make_strategy("fedrep")[0].load_state_dict(tensors, {"strategy": "PFedSeqStrategy"})
+
+
+def test_run_facts_come_with_the_constructor_and_reach_every_message() -> None:
+    config = ExperimentConfig(num_clients=3)
+    context = RunContext(run_name="facts", client_holdings={10: ("image",)})
+    strategy = FedAvgStrategy(config, INITIAL, context)
+    grid = InProcessGrid(
+        identity_app(), config.to_run_config(), [{"client-id": 10 + i} for i in range(3)]
+    )
+    messages = list(strategy.configure_train(1, ArrayRecord(), ConfigRecord(), grid))
+    assert {m.content[P.CONFIG][P.RUN_NAME] for m in messages} == {"facts"}
+    assert {
+        m.content[P.CONFIG][P.RUN_NAME] for m in grid.sent if m.metadata.message_type == "query"
+    } == {"facts"}
+    assert strategy.nodes.holdings_of(10) == ("image",) and strategy.nodes.holdings_of(11) == ()
+    with pytest.raises(TypeError):
+        context.client_tasks[1] = "task"  # type: ignore[index]  # read-only
+
+
+def test_a_fused_round_returns_both_phases_outcomes() -> None:
+    """Round 2's training carries round 1's evaluation: the evaluators that train evaluate on
+    their training message, the one that does not gets an evaluate message; each part of the
+    replies lands in its own phase's report."""
+    config = ExperimentConfig(num_clients=3, fraction_train=0.5, fraction_evaluate=1.0)
+    strategy = FedAvgStrategy(config, INITIAL)
+    grid = InProcessGrid(
+        identity_app(), config.to_run_config(), [{"client-id": 10 + i} for i in range(3)]
+    )
+    messages = strategy.configure_round(2, 1, grid)
+    training = [m for m in messages if m.metadata.message_type == "train"]
+    alone = [m for m in messages if m.metadata.message_type == "evaluate"]
+    assert len(training) == 2 and len(alone) == 1
+    assert all(m.content[P.CONFIG][P.EVALUATE_ROUND] == 1 for m in training)
+    assert alone[0].content[P.CONFIG][P.SERVER_ROUND] == 1
+    replies = []
+    for message in training:
+        sent = message.content[P.ARRAYS].to_torch_state_dict()
+        reply = reply_to(message, {k: torch.ones_like(v) for k, v in sent.items()}, 10)
+        cid = int(message.content[P.CONFIG][P.CLIENT_ID])
+        reply.content[P.EVALUATE_METRICS] = MetricRecord(
+            {P.CLIENT_ID: cid, P.NUM_EXAMPLES: 5, "test-accuracy": 0.5}
+        )
+        replies.append(reply)
+    cid = int(alone[0].content[P.CONFIG][P.CLIENT_ID])
+    replies.append(
+        Message(
+            RecordDict(
+                {
+                    P.METRICS: MetricRecord(
+                        {P.CLIENT_ID: cid, P.NUM_EXAMPLES: 5, "test-accuracy": 1.0}
+                    )
+                }
+            ),
+            reply_to=alone[0],
+        )
+    )
+    outcome = strategy.aggregate_round(2, 1, replies)
+    trainers = sorted(int(m.content[P.CONFIG][P.CLIENT_ID]) for m in training)
+    assert (
+        outcome.train.report.sent == trainers and sorted(outcome.train.report.accepted) == trainers
+    )
+    assert outcome.train.metrics is not None and outcome.train.metrics["num-clients"] == 2
+    assert outcome.server_metrics == {}
+    assert outcome.evaluation is not None
+    assert sorted(outcome.evaluation.report.accepted) == [10, 11, 12]
+    assert outcome.evaluation.metrics["test-accuracy-mean"] == pytest.approx(2 / 3)
+    # A phase of its own: configure_evaluate, then aggregate_evaluation's PhaseOutcome.
+    evaluate = list(strategy.configure_evaluate(2, ArrayRecord(), ConfigRecord(), grid))
+    phase = strategy.aggregate_evaluation(2, [reply_to(m, {}, 3) for m in evaluate])
+    assert phase.report.sent == [10, 11, 12] and phase.report.missing == []
+    assert phase.metrics is not None and phase.metrics["num-clients"] == 3

@@ -12,6 +12,7 @@ _EXPORTS = {
     "MODEL_CACHE": "fedfm_flower.models.build",
     "build_model": "fedfm_flower.models.build",
     "initial_trainable": "fedfm_flower.models.build",
+    "prepare_foundation": "fedfm_flower.models.build",
     "AdaptedClassifier": "fedfm_flower.models.classifier",
     "TunedModel": "fedfm_flower.models.groups",
     "TrainableTensors": "fedfm_flower.models.groups",

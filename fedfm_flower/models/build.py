@@ -1,14 +1,20 @@
-"""Building a method's model for a run, its seeded initial trainable tensors, and a per-process
-model cache."""
+"""Building a method's model for a run, its seeded initial trainable tensors, its foundation
+model, and a per-process model cache.
+
+The families' builders and foundation hooks (``ModelFamily.builder``, ``.foundation``) are
+imported here, on demand, by their ``"module:function"`` paths.
+"""
 
 from __future__ import annotations
 
 import functools
+import importlib
+from typing import Any
 
 import torch
 
 from fedfm_flower.config import ExperimentConfig
-from fedfm_flower.models.families import build_tuned_model
+from fedfm_flower.models.families import family_of
 from fedfm_flower.models.groups import TrainableTensors, TunedModel
 
 
@@ -22,9 +28,26 @@ def build_model(
 ) -> TunedModel:
     """The configured family's model, tuned by ``tuner``, with seeded trainable tensors
     (the backbone's own weights among them when ``train_backbone``)."""
-    return build_tuned_model(
+    build = _resolve(family_of(config.backbone).builder)
+    return build(
         config, tuner, num_outputs, load_weights=load_weights, train_backbone=train_backbone
     )
+
+
+def prepare_foundation(config: ExperimentConfig) -> dict[str, Any]:
+    """Build (or find) the cached offline foundation model of ``config``'s backbone, so clients
+    never race to build it; its card, or {} when there is none to build (weights from a file,
+    an untrained backbone, or a family without a foundation hook)."""
+    if not config.pretrained or config.weights_file:
+        return {}
+    family = family_of(config.backbone)
+    return _resolve(family.foundation)(config) if family.foundation else {}
+
+
+def _resolve(path: str) -> Any:
+    """The function a ``"module:function"`` path names."""
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 @functools.lru_cache(maxsize=2)

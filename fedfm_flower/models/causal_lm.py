@@ -19,6 +19,7 @@ activations to the adapter's dtype and back).
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -28,6 +29,8 @@ from fedfm_flower.config import ExperimentConfig
 from fedfm_flower.models.backbones import freeze
 from fedfm_flower.models.groups import BACKBONE, TunedModel
 from fedfm_flower.models.tuners import get_tuner
+
+log = logging.getLogger(__name__)
 
 
 class AdaptedCausalLM(TunedModel):
@@ -185,3 +188,17 @@ def tiny_llama_card(config: ExperimentConfig) -> dict[str, Any]:
     from fedfm_flower.models.language import language_foundation_card
 
     return language_foundation_card(**foundation_args(config))
+
+
+def prepare_tiny_llama(config: ExperimentConfig) -> dict[str, Any]:
+    """The causal-lm family's foundation hook: tiny-llama's card (built if missing), {} for
+    checkpoints loaded from model-name-or-path."""
+    if config.backbone != "tiny-llama":
+        return {}
+    card = tiny_llama_card(config)
+    log.info(
+        "foundation model %s: public hold-out ROUGE-1 %.3f",
+        card.get("key", "tiny-llama"),
+        card["public_holdout_rouge"]["rouge-1"],
+    )
+    return card

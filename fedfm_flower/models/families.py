@@ -2,18 +2,14 @@
 
 A family builds a frozen backbone from the run config, lets the method's tuner add trainable
 parts, adds what the task needs (a classification head for images), and returns a
-``fedfm_flower.models.groups.TunedModel``. The registry is plain data (no torch import), so the
-config can list the allowed backbones from it; builders are imported on demand.
+``fedfm_flower.models.groups.TunedModel``. The registry is plain data (no torch import,
+no import at all), so the config can list the allowed backbones from it;
+``fedfm_flower.models.build`` imports a family's builder and foundation hook on demand.
 """
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from fedfm_flower.models.groups import TunedModel
 
 
 @dataclass(frozen=True)
@@ -26,6 +22,10 @@ class ModelFamily:
     builder: str  # "module:function(config, tuner, num_outputs, *, load_weights,
     #                 train_backbone) -> TunedModel"
     summary: str
+    # "module:function(config) -> card": builds (or finds) the cached foundation model of a
+    # backbone this project pretrains itself and returns its JSON card ({} for other
+    # backbones); "" when the family has none. The server calls it once before any client.
+    foundation: str = ""
 
 
 FAMILIES: dict[str, ModelFamily] = {
@@ -43,6 +43,7 @@ FAMILIES: dict[str, ModelFamily] = {
         "fedfm_flower.models.classifier:build_classifier",
         "timm Vision Transformers with a linear head; tiny-vit, small-vit and offline-vit-s are "
         "pretrained offline on the dataset's public split",
+        foundation="fedfm_flower.models.foundation:prepare_offline_vit",
     ),
     "causal-lm": ModelFamily(
         "causal-lm",
@@ -51,6 +52,7 @@ FAMILIES: dict[str, ModelFamily] = {
         "fedfm_flower.models.causal_lm:build_causal_lm",
         "Hugging Face causal LMs (LLaMA family); tiny-llama is the offline foundation model, "
         "hf-causal-lm loads model-name-or-path",
+        foundation="fedfm_flower.models.causal_lm:prepare_tiny_llama",
     ),
     "multimodal": ModelFamily(
         "multimodal",
@@ -83,19 +85,3 @@ def family_of(backbone: str) -> ModelFamily:
         if backbone in family.backbones:
             return family
     raise ValueError(f"backbone '{backbone}' unknown; allowed: {', '.join(BACKBONES)}")
-
-
-def build_tuned_model(
-    config,
-    tuner: str,
-    num_outputs: int = 0,
-    *,
-    load_weights: bool = True,
-    train_backbone: bool = False,
-) -> TunedModel:  # noqa: ANN001 - ExperimentConfig (kept out of this light module's imports)
-    """The configured backbone of its family, tuned by ``tuner``, with seeded trainable parts."""
-    module, _, name = family_of(config.backbone).builder.partition(":")
-    build = getattr(importlib.import_module(module), name)
-    return build(
-        config, tuner, num_outputs, load_weights=load_weights, train_backbone=train_backbone
-    )

@@ -80,6 +80,22 @@ def foundation_card(config: ExperimentConfig) -> dict:
     return json.loads(path.with_suffix(".json").read_text())
 
 
+def prepare_offline_vit(config: ExperimentConfig) -> dict:
+    """The vit family's foundation hook: the card of an offline ViT (built if missing), {} for
+    the timm hub backbones."""
+    from fedfm_flower.models.families import OFFLINE_VIT_NAMES
+
+    if config.backbone not in OFFLINE_VIT_NAMES:
+        return {}
+    card = foundation_card(config)
+    log.info(
+        "foundation model %s: public test accuracy %.3f",
+        foundation_path(config).name,
+        card["public_test_accuracy"],
+    )
+    return card
+
+
 def ensure_foundation(config: ExperimentConfig) -> Path:
     """Pretrain and cache the foundation model unless it is cached; returns its path."""
     path = foundation_path(config)

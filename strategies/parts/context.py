@@ -1,0 +1,33 @@
+"""The run's facts a strategy is built with (``PersonalizedStrategy(config, initial, context)``).
+
+The runner gathers them before it builds the strategy (the run's name, and what the task says of
+every client), so no fact reaches a strategy by an attribute write after it was built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """The run's name, every client's task label and what every client holds, by client id.
+
+    ``client_tasks`` groups clients for ``sample-per-task``; ``client_holdings`` is what a
+    client's data holds (the task's modality-task pairs), used when its node declares none.
+    Empty mappings: the task does not name them.
+    """
+
+    run_name: str = ""
+    client_tasks: Mapping[int, str] = field(default_factory=dict)
+    client_holdings: Mapping[int, tuple[str, ...]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # Read-only copies: the context is shared by the strategy's parts and never changes.
+        object.__setattr__(self, "client_tasks", MappingProxyType(dict(self.client_tasks)))
+        object.__setattr__(self, "client_holdings", MappingProxyType(dict(self.client_holdings)))
+
+
+NO_CONTEXT = RunContext()  # a strategy built outside a run (tests, benchmarks)

@@ -1,0 +1,127 @@
+"""Which Flower node is which client, and what each client holds.
+
+A strategy's state is keyed by the clients' *stable* ids, never by Flower node ids (they change
+across runs and restarts). Before a round, nodes not seen before are sent a QUERY message; their
+replies state their ``client-id``. Nodes that left are forgotten; two nodes claiming one client
+id are reported and the newcomer is ignored (until a node leaves), as is a node whose client the
+strategy refuses (``refuse_client``).
+
+The identity query also returns what a client holds (its node config's ``capabilities``, e.g.
+``image,text,vqa``), kept in ``capabilities`` by client id, so a strategy can give a component
+only to the clients that have its modality or task, and the largest ``num-partitions`` a node
+reported (``num_partitions``: the number of clients, when the run does not set it).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+
+from flwr.app import ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+
+from fedfm_flower import protocol as P
+
+log = logging.getLogger(__name__)
+
+QUERY_TIMEOUT_S = 120.0
+
+
+class NodeDirectory:
+    """The node-to-client mapping learned by the identity query, and what each client holds."""
+
+    def __init__(self, run_name: str, client_holdings: Mapping[int, tuple[str, ...]]) -> None:
+        self.run_name = run_name
+        self.client_holdings = client_holdings  # client id -> what the task's data gives it
+        self.node_to_client: dict[int, int] = {}
+        self.capabilities: dict[int, frozenset[str]] = {}  # client id -> what it declares
+        self.num_partitions = 0  # largest num-partitions a node reported (0: none yet)
+        self.refused_nodes: set[int] = set()  # answered with a client id that is refused
+
+    def learn(self, grid: Grid, server_round: int, refuse: Callable[[int], str | None]) -> None:
+        """Query nodes not seen before for their client id; forget nodes that left.
+
+        ``refuse(client_id)`` says why a client cannot be served (None: it can); it is asked
+        after the node's ``num-partitions`` is counted.
+        """
+        present = set(grid.get_node_ids())
+        left = [n for n in self.node_to_client if n not in present]
+        for node_id in left:
+            log.info("node %s (client %s) left", node_id, self.node_to_client.pop(node_id))
+        # A node refused as a duplicate may be the rightful holder once the other one left.
+        self.refused_nodes = set() if left else self.refused_nodes & present
+        unknown = sorted(present - set(self.node_to_client) - self.refused_nodes)
+        if not unknown:
+            return
+        messages = [
+            Message(
+                RecordDict({P.CONFIG: ConfigRecord({P.RUN_NAME: self.run_name})}),
+                dst_node_id=node_id,
+                message_type=MessageType.QUERY,
+                group_id=f"query-{server_round}",
+            )
+            for node_id in unknown
+        ]
+        for reply in grid.send_and_receive(messages, timeout=QUERY_TIMEOUT_S):
+            self._identify(reply, refuse)
+        missing = [
+            n for n in unknown if n not in self.node_to_client and n not in self.refused_nodes
+        ]
+        if missing:
+            log.warning("nodes without a known client id this round: %s", missing)
+
+    def _identify(self, reply: Message, refuse: Callable[[int], str | None]) -> None:
+        """Map the node of an identity ``reply`` to its client, or say why it is left out."""
+        node_id = reply.metadata.src_node_id
+        if reply.has_error():
+            log.warning(
+                "node %s did not answer the identity query: %s", node_id, reply.error.reason
+            )
+            return
+        metrics = reply.content.metric_records.get(P.METRICS, MetricRecord())
+        if P.CLIENT_ID not in metrics:
+            log.warning("node %s answered the identity query without a client-id", node_id)
+            return
+        client_id = int(metrics[P.CLIENT_ID])
+        facts = reply.content.config_records.get(P.CONFIG, ConfigRecord())
+        declared = str(facts.get(P.CAPABILITIES, ""))
+        self.capabilities[client_id] = frozenset(c for c in declared.split(",") if c)
+        self.num_partitions = max(self.num_partitions, int(metrics.get(P.NUM_PARTITIONS, 0)))
+        refusal = refuse(client_id)
+        if refusal is not None:
+            log.warning("node %s is left out: %s", node_id, refusal)
+            self.refused_nodes.add(node_id)
+            return
+        holder = next((n for n, c in self.node_to_client.items() if c == client_id), None)
+        if holder is not None:
+            log.warning(
+                "two nodes claim client-id %s (node %s, node %s); ignoring node %s: give "
+                "every SuperNode its own client-id",
+                client_id,
+                holder,
+                node_id,
+                node_id,
+            )
+            self.refused_nodes.add(node_id)
+            return
+        self.node_to_client[node_id] = client_id
+
+    def clients(self) -> list[int]:
+        """Client ids of the nodes currently connected and identified."""
+        return sorted(self.node_to_client.values())
+
+    def client_of(self, node_id: int) -> int | None:
+        """The client id of ``node_id`` (None: not identified)."""
+        return self.node_to_client.get(node_id)
+
+    def nodes_by_client(self) -> dict[int, int]:
+        """Client id -> its node id, for the identified clients."""
+        return {c: n for n, c in self.node_to_client.items()}
+
+    def holdings_of(self, client_id: int) -> tuple[str, ...]:
+        """What ``client_id`` holds (its node config's ``capabilities``, else what the task's
+        data gives it); empty: every component is its."""
+        declared = self.capabilities.get(client_id)
+        if declared:
+            return tuple(sorted(declared))
+        return self.client_holdings.get(client_id, ())
