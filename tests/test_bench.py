@@ -225,7 +225,7 @@ def test_simulation_benchmark_fails_when_the_launcher_fails(tmp_path: Path) -> N
     from bench.simulation_overhead import run_flower_simulation
 
     with pytest.raises(RuntimeError, match=r"failed \(2\)"):
-        run_flower_simulation(2, 1, 1, {"method": "fedprox"}, tmp_path, "bad")
+        run_flower_simulation(2, 1, 1, {"method": "fedsgd"}, tmp_path, "bad")
 
 
 def test_feddpa_inference_benchmark_writes_all_three_rows(cache_dir: Path, tmp_path: Path) -> None:

@@ -151,7 +151,7 @@ def test_script_and_module_are_the_same_command():
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("method='fedprox'", "run config 'method' = 'fedprox' is invalid"),
+        ("method='fedsgd'", "run config 'method' = 'fedsgd' is invalid"),
         ("resume=true run-name='nope'", "resume=true but run directory .*/nope does not exist"),
         ("min-test-examples=100000", "fewer than min-train-examples = 10 / min-test-examples"),
     ],

@@ -154,7 +154,7 @@ def _launch(
 
 # The bad inputs of issue 13, each refused before Flower, Ray or a SuperLink starts.
 BAD_INPUTS = {
-    "unknown-method": ("method='fedprox'", "run config 'method' = 'fedprox' is invalid: allowed:"),
+    "unknown-method": ("method='fedsgd'", "run config 'method' = 'fedsgd' is invalid: allowed:"),
     "negative-rank": ("lora-rank=-1", "run config 'lora-rank' = -1 is invalid: must be > 0"),
     "resume-missing": (
         "resume=true run-name='does-not-exist'",
@@ -255,7 +255,7 @@ def test_launcher_timeout_stops_the_run_and_returns_124(tmp_path: Path, monkeypa
 def test_main_sh_exits_with_the_launchers_status(tmp_path: Path) -> None:
     env = {**os.environ, "FLWR_HOME": str(tmp_path / "flwr-home")}
     result = subprocess.run(
-        ["bash", "scripts/main.sh", "-c", "method='fedprox'"],
+        ["bash", "scripts/main.sh", "-c", "method='fedsgd'"],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -263,7 +263,7 @@ def test_main_sh_exits_with_the_launchers_status(tmp_path: Path) -> None:
         timeout=580,
     )
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
-    assert "error: run config 'method' = 'fedprox' is invalid" in result.stderr
+    assert "error: run config 'method' = 'fedsgd' is invalid" in result.stderr
 
 
 def test_setup_refuses_a_python_older_than_the_dependencies_need(tmp_path: Path) -> None:
