@@ -7,26 +7,24 @@ simulation device: in a deployment no node holds the others' data.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from client_apps.base import ClientRuntime
 from client_apps.split import SplitClient
 from fedfm_flower.models import TunedModel
-from fedfm_flower.training import TrainStats
 
 
 class CentralizedClient(SplitClient):
     """FedAvg's client, trained on the pooled data when the server picks it."""
 
-    def local_training(
+    def training_options(
         self,
         runtime: ClientRuntime,
         model: TunedModel,
+        shared: list[str],
         received: dict[str, torch.Tensor],
-        server_round: int,
-    ) -> TrainStats:
-        """Joint training of every trainable group on the pooled training data."""
-        shared, local = self.split(runtime, model)
-        return runtime.train(
-            model, shared + local, runtime.seed(server_round), data=runtime.pooled_train
-        )
+    ) -> dict[str, Any]:
+        """Every trainable group trains on the pooled training data."""
+        return {"data": runtime.pooled_train}

@@ -9,27 +9,27 @@ gradient of the shared parameters gains ``mu (w - w_global)``. The term is appli
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from client_apps.base import ClientRuntime
 from client_apps.split import SplitClient
 from fedfm_flower.methods.fedprox import FedProxSettings
 from fedfm_flower.models import TunedModel
-from fedfm_flower.training import TrainStats, proximal_term
+from fedfm_flower.training import proximal_term
 
 
 class FedProxClient(SplitClient):
     """FedAvg's client with the proximal term towards the received global tensors."""
 
-    def local_training(
+    def training_options(
         self,
         runtime: ClientRuntime,
         model: TunedModel,
+        shared: list[str],
         received: dict[str, torch.Tensor],
-        server_round: int,
-    ) -> TrainStats:
-        """Joint training of every shared and local group with the proximal penalty."""
-        shared, local = self.split(runtime, model)
+    ) -> dict[str, Any]:
+        """The proximal penalty on the shared parameters, added to every batch's loss."""
         mu = runtime.config.settings_of(FedProxSettings).mu
-        penalty = proximal_term(model.parameters_named(shared), received, mu)
-        return runtime.train(model, shared + local, runtime.seed(server_round), penalty=penalty)
+        return {"penalty": proximal_term(model.parameters_named(shared), received, mu)}

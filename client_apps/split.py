@@ -7,7 +7,8 @@ serve only some holdings: TAP's modality-task pairs). Shared groups come from th
 back; local groups live in client state. ``local``, ``fedavg``, ``fedvpt``, ``fedvpt-deep`` and
 ``fedperfix`` use ``SplitClient`` as it is; other methods subclass it for their schedule
 (``client_apps.fedrep``, ``client_apps.fedavg_ft``, ``client_apps.centralized``,
-``client_apps.fedprox``, ...) or what they send (``client_apps.updates``).
+``client_apps.fedprox``: its ``training_options``, ...) or what they send
+(``client_apps.updates``).
 
 Groups a model does not have select nothing: on a causal LM (no task head) ``fedavg`` shares
 the adapter only. With a trainable backbone (``train-backbone``) "the rest" includes the ViT's
@@ -15,6 +16,8 @@ own weights.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -53,10 +56,23 @@ class SplitClient(ClientLogic):
         received: dict[str, torch.Tensor],
         server_round: int,
     ) -> TrainStats:
-        """Joint training of every shared and local group, from the model holding ``received``
-        (a method whose objective depends on what it received reads it: FedProx)."""
+        """Joint training of every shared and local group, from the model holding ``received``,
+        with ``training_options``."""
         shared, local = self.split(runtime, model)
-        return runtime.train(model, shared + local, runtime.seed(server_round))
+        options = self.training_options(runtime, model, shared, received)
+        return runtime.train(model, shared + local, runtime.seed(server_round), **options)
+
+    def training_options(
+        self,
+        runtime: ClientRuntime,
+        model: TunedModel,
+        shared: list[str],
+        received: dict[str, torch.Tensor],
+    ) -> dict[str, Any]:
+        """Further ``runtime.train`` arguments of the joint training (none: FedAvg's); a method
+        that trains on other data (``centralized``) or adds to the loss what depends on the
+        received tensors (FedProx's ``penalty``) returns them."""
+        return {}
 
     def train(
         self, runtime: ClientRuntime, received: dict[str, torch.Tensor], server_round: int
