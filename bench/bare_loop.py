@@ -52,7 +52,7 @@ def run_bare_fedavg(config: ExperimentConfig, num_clients: int, rounds: int) -> 
         updates, weights = [], []
         for client in range(num_clients):
             model.load_tensors(global_tensors)
-            stats = train(
+            train(
                 task,
                 model,
                 data[client].train,
@@ -62,7 +62,7 @@ def run_bare_fedavg(config: ExperimentConfig, num_clients: int, rounds: int) -> 
                 device=device,
             )
             updates.append(model.group_tensors(SHARED))
-            weights.append(stats.num_examples)
+            weights.append(len(data[client].train))  # |D_i|, as the ClientApp reports
         global_tensors = weighted_average(updates, weights)
         model.load_tensors(global_tensors)
         accuracies = [

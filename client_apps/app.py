@@ -149,7 +149,8 @@ def _train_content(
     metrics = MetricRecord(
         {
             P.CLIENT_ID: runtime.identity.client_id,
-            P.NUM_EXAMPLES: stats.num_examples,
+            P.NUM_EXAMPLES: logic.data_size(runtime),
+            P.EXAMPLES_SEEN: stats.examples_seen,
             P.TRAIN_LOSS: stats.loss,
             **{P.train_metric(k): v for k, v in stats.metrics.items()},
             P.TRAIN_SECONDS: time.perf_counter() - started,

@@ -174,6 +174,12 @@ class ClientLogic:
         """
         raise NotImplementedError
 
+    def data_size(self, runtime: ClientRuntime) -> int:
+        """The weight of this client's training replies: its training-set size |D_i| (eq. 1
+        of FedAvg), whatever the local schedule (``local-steps`` sees steps x batch examples on
+        every client, ``TrainStats.examples_seen``)."""
+        return len(runtime.data.train)
+
     def post_train(
         self, runtime: ClientRuntime, received: dict[str, torch.Tensor], server_round: int
     ) -> tuple[dict[str, torch.Tensor], TrainStats]:

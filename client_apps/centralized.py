@@ -28,3 +28,7 @@ class CentralizedClient(SplitClient):
     ) -> dict[str, Any]:
         """Every trainable group trains on the pooled training data."""
         return {"data": runtime.pooled_train}
+
+    def data_size(self, runtime: ClientRuntime) -> int:
+        """The pooled training set's size: the data this reply was trained on."""
+        return len(runtime.pooled_train)

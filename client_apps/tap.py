@@ -6,21 +6,25 @@ X never leaves the client and lives, with its per-pair training losses h^(p), in
 
 **Stage 1, every round** (Algorithm 1):
 1. W~ := the received components; train W~ for the local schedule (tau iterations), recording
-   each seen pair's mean training loss h^(l)_o; send W~.
+   each seen pair's training loss h^(l)_o (on the ``tap-history`` scale: the authors'
+   share-weighted loss by default, or the pair's plain mean; ``fedfm_flower/methods/tap.py``
+   says why the margins belong to the first); send W~.
 2. For every pair o seen this round: R[o] = 1 if h^(l)_o + m_o < h^(p)_o (eq. 3; m_o by pair
    type, ``tap-margin-*``). A pair without an h^(p) yet (X has not trained on it) counts as
    h^(p) = +inf, so X starts from the first W~ that saw the pair.
 3. Replacement (eq. 4): X's parameters "responsible for task o" take W~'s. A component serves
    one or more of the client's pairs (``TunedModel.group_users``: a pair's expert and task
-   layer serve it alone; encoders, shared layers and shared decoders serve several). We replace
-   a component when *every* pair of the client that uses it has R = 1: a pair's own parts move
-   when it asks, a shared part only when none of its users would lose by it (our reading of
-   the paper's "minimizing interference from other modality-task pairings").
+   layer serve it alone; encoders, shared layers and shared decoders serve several).
+   ``tap-replacement = paper`` (default): every component that serves a pair with R = 1 moves,
+   shared ones included, as eq. 4 writes X_[i,o] := W~_[i,o] for each such o and as the
+   authors' ``replace_components`` does. ``all-pairs``: a component moves only when *every* pair
+   of the client that uses it has R = 1 (a shared part moves only when none of its users would
+   lose by it; our reading of "minimizing interference from other modality-task pairings").
 4. Train X for the local schedule, recording h^(p)_o of the pairs it saw; keep X and h^(p).
 
 The reply's metrics carry ``replaced-<pair>`` (1 or 0) for the seen pairs: the replacement
-counts of the paper's Fig. 3-4. W~'s example count is the client's training-set size, the
-weight of eq. 1.
+counts of the paper's Fig. 3-4. Its ``num-examples`` is the client's training-set size, the
+weight of eq. 1 (``ClientLogic.data_size``).
 
 **Stage 2, the post-training round** (sec. 3.3): W~ := the final received components, trained for
 P iterations (``tap-distill-steps``), then frozen as the teacher; X trains P iterations on eq. 6
@@ -38,7 +42,7 @@ import torch
 
 from client_apps.base import ClientLogic, ClientRuntime
 from fedfm_flower.data.multitask import PAIRS
-from fedfm_flower.methods.tap import TAPSettings
+from fedfm_flower.methods.tap import REPLACEMENTS, TAPSettings
 from fedfm_flower.models import TunedModel
 from fedfm_flower.training import EvalStats, TrainStats
 
@@ -54,14 +58,21 @@ def replacement(
 
 
 def replaced_components(
-    users: Mapping[str, frozenset[str]], holds: tuple[str, ...], replace: Mapping[str, bool]
+    users: Mapping[str, frozenset[str]],
+    holds: tuple[str, ...],
+    replace: Mapping[str, bool],
+    rule: str = "paper",
 ) -> set[str]:
-    """The components eq. 4 copies from W~ into X: those whose users among ``holds`` all have
-    R = 1 (a pair without R this round does not ask)."""
+    """The components eq. 4 copies from W~ into X (a pair without R this round does not ask):
+    ``paper``, those serving any of ``holds`` with R = 1; ``all-pairs``, those whose users
+    among ``holds`` all have R = 1."""
+    if rule not in REPLACEMENTS:
+        raise ValueError(f"replacement rule '{rule}' unknown; allowed: {', '.join(REPLACEMENTS)}")
     out = set()
     for group, serves in users.items():
         mine = serves & set(holds)
-        if mine and all(replace.get(o, False) for o in mine):
+        asks = [replace.get(o, False) for o in mine]
+        if mine and (any(asks) if rule == "paper" else all(asks)):
             out.add(group)
     return out
 
@@ -112,9 +123,9 @@ class TAPClient(ClientLogic):
         sent = model.tensors_named(names)
         x, history = self.personal(runtime, before=server_round)
         margins = {o: settings.margin(PAIRS[o].type) for o in PAIRS}
-        replace = replacement(task_losses(w_stats.metrics), history, margins)
+        replace = replacement(task_losses(w_stats, settings.history), history, margins)
         holds = runtime.task.holdings(runtime.data)
-        moved = replaced_components(model.group_users(), holds, replace)
+        moved = replaced_components(model.group_users(), holds, replace, settings.replacement)
         groups = model.parameter_groups()
         x = x if x is not None else initial
         model.load_tensors({n: sent[n] if groups[n] in moved else x[n] for n in names})
@@ -123,14 +134,10 @@ class TAPClient(ClientLogic):
             runtime,
             server_round,
             model.tensors_named(names),
-            {**history, **task_losses(x_stats.metrics)},
+            {**history, **task_losses(x_stats, settings.history)},
         )
         flags = {f"replaced-{o}": float(r) for o, r in replace.items()}
-        stats = dataclasses.replace(
-            w_stats.then(x_stats),
-            metrics={**w_stats.metrics, **flags},
-            num_examples=len(runtime.data.train),  # eq. 1 weighs by |D_i|
-        )
+        stats = dataclasses.replace(w_stats.then(x_stats), metrics={**w_stats.metrics, **flags})
         return sent, stats
 
     def evaluate(

@@ -21,8 +21,9 @@ RUN_NAME = "run-name"
 CLIENT_ID = "client-id"
 PARTITION_ID = "partition-id"
 NUM_PARTITIONS = "num-partitions"
+# Training reply: the client's data size, its aggregation weight; evaluate reply: test examples.
 NUM_EXAMPLES = "num-examples"
-NUM_TRAIN_EXAMPLES = "num-train-examples"
+EXAMPLES_SEEN = "examples-seen"  # training reply: examples the local loop trained on
 TRAIN_LOSS = "train-loss"
 TRAIN_SECONDS = "train-seconds"
 STATE_ROUND = "state-round"  # round of the personal state a training reply started from (0: none)

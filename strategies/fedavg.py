@@ -47,6 +47,11 @@ class FedAvgStrategy(PersonalizedStrategy):
         names = self.layout.names_for(self.nodes.holdings_of(client_id))
         return {n: self.global_tensors[n] for n in names if n in self.global_tensors}
 
+    def client_weighting(self) -> str:
+        """How replies are weighted (``fedfm_flower.aggregation.WEIGHTINGS``): the class's
+        ``weighting`` unless a method's setting chooses."""
+        return self.weighting
+
     def split(self, initial: TrainableTensors) -> tuple[list[str], list[str]]:
         """(shared, local) parameter names: the method's split (the clients read the same)."""
         return split_parameters(self.config, initial.groups)
@@ -64,7 +69,7 @@ class FedAvgStrategy(PersonalizedStrategy):
         server metrics."""
         if not self.global_tensors:
             return {}
-        weights = client_weights([r.num_examples for r in replies], self.weighting)
+        weights = client_weights([r.num_examples for r in replies], self.client_weighting())
         averaged = average_over_owners([r.arrays for r in replies], weights)
         self.global_tensors = {**self.global_tensors, **averaged}
         return {}

@@ -95,7 +95,7 @@ def test_training_changes_adapter_and_head_but_not_one_backbone_bit() -> None:
     assert backbone_fingerprint(model.backbone) == before_backbone
     after = model.group_tensors(["adapter", "head"])
     assert all(not torch.equal(before[k], after[k]) for k in before)
-    assert stats.num_examples == 5 * len(data)
+    assert stats.examples_seen == 5 * len(data)
     assert evaluate(model, data).loss < start.loss
 
 

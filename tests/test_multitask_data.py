@@ -397,23 +397,41 @@ def test_step_is_taps_weighted_loss(settings: mt.MultitaskSettings, tokenizer) -
     result.loss.backward()  # differentiable
 
 
-def test_task_losses_recover_each_pairs_mean(settings: mt.MultitaskSettings, tokenizer) -> None:  # noqa: ANN001
+def test_task_losses_recover_each_pairs_mean_and_share_weighted_loss(
+    settings: mt.MultitaskSettings,
+    tokenizer,  # noqa: ANN001
+) -> None:
+    """``pair-mean``: the pair's per-example mean; ``share-weighted`` (the authors'
+    ``train_client``): sum over batches of (n_o / B) * loss_o, over all batches, a batch
+    without the pair counting 0. Batches of 4 over the client's rows: the last one is short."""
+    import dataclasses
+
     data = _data(settings, tokenizer, 4)
     model = DoubleModel(tokenizer, S)
     task = get_task("multimodal-multitask")
-    tally, totals = StepTally(), {}
+    tally, totals, shares, batches = StepTally(), {}, {}, 0
     with torch.no_grad():
-        for batch in task.batches(data.train, 5, torch.Generator().manual_seed(2)):
+        for batch in task.batches(data.train, 4, torch.Generator().manual_seed(2)):
             tally.add(task.step(model, batch))
+            batches += 1
             for name, (loss, n) in _independent_losses(model, batch).items():
                 total, count = totals.get(name, (0.0, 0))
                 totals[name] = (total + loss * n, count + n)
-    recovered = mtask.task_losses(tally.stats().metrics)
+                shares[name] = shares.get(name, 0.0) + loss * n / len(batch[0])
+    stats = dataclasses.replace(tally.stats(), num_steps=batches)
+    assert len(data.train) % 4 != 0  # a short batch, whose B is its own length
+    recovered = mtask.task_losses(stats, "pair-mean")
     assert set(recovered) == set(data.tasks) == {"image-cls", "vqa", "text-gen"}
     for name, (total, count) in totals.items():
         assert recovered[name] == pytest.approx(total / count, rel=1e-5)
+    weighted = mtask.task_losses(stats, "share-weighted")
+    for name, share in shares.items():
+        assert weighted[name] == pytest.approx(share / batches, rel=1e-5)
+        assert weighted[name] < recovered[name]  # each pair is a share of the batch
+    with pytest.raises(ValueError, match="'mean'"):
+        mtask.task_losses(stats, "mean")
     stats = train(task, model, data.train, model.parameters(), ExperimentConfig(), seed=0)
-    assert set(mtask.task_losses(stats.metrics)) == set(data.tasks)
+    assert set(mtask.task_losses(stats, "share-weighted")) == set(data.tasks)
 
 
 # --- evaluation --------------------------------------------------------------------------------

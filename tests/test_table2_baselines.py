@@ -135,7 +135,7 @@ def test_fedbabu_head_is_frozen_never_sent_and_fine_tuned_only_to_evaluate(
 
     sent, stats = FedBABUClient().train(runtime, received, 1)
     assert set(sent) == {"body.weight", "body.bias"}
-    assert stats.num_examples == 22
+    assert stats.examples_seen == 22
     assert not torch.equal(sent["body.weight"], received["body.weight"])  # the body trained
     for name in ("head.weight", "head.bias"):  # the head after local training: bit-identical
         assert torch.equal(model.get_parameter(name).detach(), initial.tensors[name])
@@ -217,7 +217,7 @@ def test_apfl_keeps_v_and_alpha_off_the_messages_and_restores_them_from_disk(
 
     sent, stats = APFLClient().train(runtime, received, 1)
     assert list(sent) == names  # w only: no alpha, and v under w's names is never sent
-    assert stats.num_examples == 22 and stats.num_steps == 6
+    assert stats.examples_seen == 22 and stats.num_steps == 6
     saved = runtime.store.load(before=2)
     assert saved is not None and set(saved) == {*names, ALPHA_KEY}
     alpha = saved.pop(ALPHA_KEY).item()
@@ -298,7 +298,7 @@ def test_perfedavg_local_steps_take_two_halves_of_a_double_batch(tmp_path: Path)
     received = FedAvgStrategy(config, model.trainable()).train_payload(0, 1)
     sent, stats = PerFedAvgClient().train(runtime, received, 1)
     assert list(sent) == ["head.weight", "head.bias"]
-    assert stats.num_examples == 22 and stats.num_steps == 3  # batches of 8: 8, 8, 6
+    assert stats.examples_seen == 22 and stats.num_steps == 3  # batches of 8: 8, 8, 6
     assert not torch.equal(sent["head.weight"], received["head.weight"])
     batch = (torch.arange(5.0), torch.arange(5))
     first, second = halves(batch)

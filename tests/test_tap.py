@@ -29,25 +29,75 @@ def test_eq3_replaces_where_the_federated_loss_beats_the_personal_by_the_margin(
     assert replacement({}, personal, margins) == {}  # pairs not seen this round: no decision
 
 
-def test_eq4_moves_a_component_only_when_all_of_its_users_here_ask() -> None:
+USERS = {
+    "mote.vqa.attn": frozenset({"vqa"}),
+    "mote.text-gen.attn": frozenset({"text-gen"}),
+    "mote.image-cls.attn": frozenset({"image-cls"}),
+    "decoder.text-generation": frozenset({"vqa", "text-gen"}),
+    "encoder.image": frozenset({"vqa", "image-cls", "image-gen"}),
+    "mome.shared": frozenset({"vqa", "image-cls", "image-gen", "text-cls", "text-gen"}),
+}
+
+
+def test_eq4_paper_rule_copies_every_part_of_a_pair_that_asks_shared_ones_included() -> None:
     from client_apps.tap import replaced_components
 
-    users = {
-        "mote.vqa.attn": frozenset({"vqa"}),
-        "mote.text-gen.attn": frozenset({"text-gen"}),
-        "decoder.text-generation": frozenset({"vqa", "text-gen"}),
-        "encoder.image": frozenset({"vqa", "image-cls", "image-gen"}),
-        "mome.shared": frozenset({"vqa", "image-cls", "image-gen", "text-cls", "text-gen"}),
-    }
     holds = ("vqa", "text-gen")
-    only_vqa = replaced_components(users, holds, {"vqa": True, "text-gen": False})
-    assert only_vqa == {
+    only_vqa = replaced_components(USERS, holds, {"vqa": True, "text-gen": False})
+    # X_[i,vqa] := W~_[i,vqa]: everything vqa uses moves, the decoder and mome it shares too.
+    assert only_vqa == {"mote.vqa.attn", "decoder.text-generation", "encoder.image", "mome.shared"}
+    assert replaced_components(USERS, holds, {"vqa": True}) == only_vqa  # text-gen unseen
+    assert replaced_components(USERS, holds, {"vqa": False, "text-gen": False}) == set()
+    assert replaced_components(USERS, holds, {"vqa": True, "text-gen": True}) == {
         "mote.vqa.attn",
+        "mote.text-gen.attn",
+        "decoder.text-generation",
         "encoder.image",
-    }  # image encoder: vqa is its only user here
-    both = replaced_components(users, holds, {"vqa": True, "text-gen": True})
-    assert both == set(users)
-    assert replaced_components(users, holds, {"vqa": True}) == only_vqa  # text-gen unseen
+        "mome.shared",
+    }  # never a component of a pair the client does not hold
+
+
+def test_eq4_all_pairs_rule_moves_a_component_only_when_all_of_its_users_here_ask() -> None:
+    from client_apps.tap import replaced_components
+
+    holds = ("vqa", "text-gen")
+    only_vqa = replaced_components(USERS, holds, {"vqa": True, "text-gen": False}, "all-pairs")
+    assert only_vqa == {"mote.vqa.attn", "encoder.image"}  # image encoder: vqa its only user here
+    both = replaced_components(USERS, holds, {"vqa": True, "text-gen": True}, "all-pairs")
+    assert both == {
+        "mote.vqa.attn",
+        "mote.text-gen.attn",
+        "decoder.text-generation",
+        "encoder.image",
+        "mome.shared",
+    }
+    assert replaced_components(USERS, holds, {"vqa": True}, "all-pairs") == only_vqa
+
+
+def test_eq4_rules_against_the_union_of_the_asking_pairs_parts_for_every_assignment() -> None:
+    """Over all 8 assignments of R for a 3-pair client: ``paper`` is the union over pairs with
+    R = 1 of the parts that serve them (eq. 4 applied pair by pair, as the authors' loop does);
+    ``all-pairs`` is a subset of it, and the two differ in most assignments."""
+    import itertools
+
+    from client_apps.tap import replaced_components
+
+    holds = ("vqa", "image-cls", "text-gen")
+    differ = 0
+    for flags in itertools.product([False, True], repeat=3):
+        replace = dict(zip(holds, flags, strict=True))
+        by_pair = set()
+        for pair, asks in replace.items():
+            if asks:
+                by_pair |= {g for g, serves in USERS.items() if pair in serves}
+        paper = replaced_components(USERS, holds, replace, "paper")
+        strict = replaced_components(USERS, holds, replace, "all-pairs")
+        assert paper == by_pair
+        assert strict <= paper
+        differ += strict != paper
+    assert differ == 6  # all but none-ask and all-ask
+    with pytest.raises(ValueError, match="'some'"):
+        replaced_components(USERS, holds, {}, "some")
 
 
 def test_eq5_kd_is_the_softened_kl_for_classes_tokens_and_mse_for_images() -> None:
@@ -186,3 +236,46 @@ def test_each_tap_baseline_runs_and_sends_only_its_clients_components(
             assert not keys
         else:
             assert keys == set(initial.names_for(client_tasks(client, 4)))
+
+
+@pytest.mark.parametrize("aggregation", ["data-size", "uniform"])
+def test_eq1_averages_each_component_over_its_owners_by_the_chosen_weights(
+    aggregation: str,
+) -> None:
+    """data-size: sum_i |D_i| x_i / sum_i |D_i| over a component's owners (eq. 1); uniform:
+    1 / K_r each (App. B). The decoder has two owners, the encoder three."""
+    from fedfm_flower.config import ExperimentConfig
+    from fedfm_flower.models import TrainableTensors
+    from strategies.parts.replies import ClientReply
+    from strategies.tap import TAPStrategy
+
+    initial = TrainableTensors(
+        {"enc.w": torch.zeros(3), "dec.w": torch.zeros(2)},
+        {"enc.w": "encoder.image", "dec.w": "decoder.image-classification"},
+        {"encoder.image": frozenset({"a", "b"}), "decoder.image-classification": frozenset({"a"})},
+    )
+    config = ExperimentConfig(method="tap", dataset="multitask", backbone="mm-offline").replace(
+        tap_aggregation=aggregation
+    )
+    strategy = TAPStrategy(config, initial)
+    rng = np.random.default_rng(0)
+    sizes = {0: 30, 1: 10, 2: 20}
+    sent = {
+        0: {"enc.w": rng.normal(size=3), "dec.w": rng.normal(size=2)},
+        1: {"enc.w": rng.normal(size=3)},
+        2: {"enc.w": rng.normal(size=3), "dec.w": rng.normal(size=2)},
+    }
+    replies = [
+        ClientReply(
+            c, c + 1, {k: torch.tensor(v, dtype=torch.float32) for k, v in t.items()}, sizes[c], {}
+        )
+        for c, t in sent.items()
+    ]
+    strategy.aggregate(1, replies)
+    for name in ("enc.w", "dec.w"):
+        owners = [c for c in sent if name in sent[c]]
+        weights = [sizes[c] if aggregation == "data-size" else 1.0 for c in owners]
+        expected = sum(w * sent[c][name] for w, c in zip(weights, owners, strict=True)) / sum(
+            weights
+        )
+        np.testing.assert_allclose(strategy.global_tensors[name].numpy(), expected, rtol=1e-6)

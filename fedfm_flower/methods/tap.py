@@ -1,10 +1,26 @@
-"""TAP's run-config keys (``tap-*``): replacement margins, distillation weights, temperature, P.
+"""TAP's run-config keys (``tap-*``): replacement rule, loss scale and margins, distillation
+weights, temperature, P, and the aggregation weights.
 
 Light (no torch): the config reads it through the method registry in every process, the
 ClientApp's included. Defaults are the paper's FLAVA column (Tables 21-22). A pair's *type* is
 its kind with its input modality for classification: ``image-classification``,
 ``text-classification``, ``image-generation`` and ``text-generation`` (VQA answers in text, so
 it is a text-generation pair, as in the paper's Table 22).
+
+Choices (``client_apps/tap.py`` and ``strategies/tap.py`` say what each does):
+
+- ``tap-replacement``: ``paper`` (default) copies every component that serves a pair with
+  R = 1 (eq. 4 as written; the authors' ``replace_components``), ``all-pairs`` only those whose
+  users among the client's pairs all have R = 1.
+- ``tap-history``: the scale of h^(l) and h^(p). ``share-weighted`` (default) is the authors'
+  code: per batch the pair's loss times its share of the batch, n_o / B, averaged over all the
+  round's batches. ``pair-mean`` is the plain mean of the pair's per-example losses (the
+  paper's words, "the average local training loss ... for each task"). The margins of Table 22
+  were chosen on the authors' runs, so they belong to the share-weighted scale; on the
+  pair-mean scale the same margin is a smaller bar (by the factor n_o / B).
+- ``tap-aggregation``: ``data-size`` (default, eq. 1: each owner weighted by |D_i|, as the
+  authors' code does) or ``uniform`` (each of a component's K_r owners by 1 / K_r, the form of
+  the convergence proof, App. B).
 """
 
 from __future__ import annotations
@@ -14,6 +30,10 @@ from typing import ClassVar
 
 from fedfm_flower.methods import MethodSpec, ResourceProfile
 from fedfm_flower.settings import MethodSettings, setting
+
+REPLACEMENTS: tuple[str, ...] = ("paper", "all-pairs")
+HISTORIES: tuple[str, ...] = ("share-weighted", "pair-mean")
+AGGREGATIONS: tuple[str, ...] = ("data-size", "uniform")
 
 PAIR_TYPES: tuple[str, ...] = (
     "image-classification",
@@ -28,6 +48,13 @@ class TAPSettings(MethodSettings):
     """TAP's keys: field ``distill_steps`` is run-config key ``tap-distill-steps``."""
 
     prefix: ClassVar[str] = "tap"
+
+    # Which of X's components eq. 4 replaces (module docstring).
+    replacement: str = setting("paper", choices=REPLACEMENTS)
+    # The scale of the loss histories h that eq. 3 compares (module docstring).
+    history: str = setting("share-weighted", choices=HISTORIES)
+    # The weights of eq. 1's component-wise average (module docstring).
+    aggregation: str = setting("data-size", choices=AGGREGATIONS)
 
     # m_{i,o} of eq. 3 by pair type (Table 22, FLAVA).
     margin_image_classification: float = setting(0.01, non_negative=True)

@@ -45,21 +45,25 @@ class EvalStats:
 
 @dataclass(frozen=True)
 class TrainStats:
-    """What one local training call did; ``metrics`` are the task's training statistics."""
+    """What one local training call did; ``metrics`` are the task's training statistics.
+
+    ``examples_seen`` counts the examples the loop trained on (epochs x data, or steps x batch),
+    not the client's data size: a reply's aggregation weight is ``ClientLogic.data_size``.
+    """
 
     loss: float
     metrics: dict[str, float]
-    num_examples: int
+    examples_seen: int
     num_steps: int
     seconds: float
 
     def then(self, later: TrainStats) -> TrainStats:
-        """Two training calls in a row: ``later``'s loss, metrics and examples, summed steps
-        and seconds."""
+        """Two training calls in a row: ``later``'s loss and metrics, summed examples seen,
+        steps and seconds."""
         return TrainStats(
             later.loss,
             later.metrics,
-            later.num_examples,
+            self.examples_seen + later.examples_seen,
             self.num_steps + later.num_steps,
             self.seconds + later.seconds,
         )

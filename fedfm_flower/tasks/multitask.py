@@ -32,9 +32,10 @@ mean squared error over pixels; cross-entropy of every target token after ``<s>`
 included, padding masked), averaged over tokens. A batch's loss is TAP's eq. 2 with
 ``lambda_o = |H_o| / |H|`` (sec. 5.1): ``sum_o (n_o / B) * loss_o``. ``task_outputs`` exposes
 each pair's outputs, targets and loss on a batch, so TAP's distillation (eq. 5-6) works on the
-same outputs; ``StepResult.sums`` carries ``loss-<pair>`` (= loss_o * n_o) and
-``count-<pair>`` (= n_o), from which ``task_losses`` recovers each pair's mean training loss
-(TAP's replacement, eq. 3, compares them).
+same outputs; ``StepResult.sums`` carries ``loss-<pair>`` (= loss_o * n_o), ``count-<pair>``
+(= n_o) and ``share-loss-<pair>`` (= loss_o * n_o / B), from which ``task_losses`` recovers
+each pair's training loss on either scale TAP's replacement (eq. 3) may compare: the pair's mean,
+or the authors' share-weighted loss (``fedfm_flower/methods/tap.py``).
 
 Evaluation, per pair the client holds: ``accuracy-<pair>`` (classification), ``mse-<pair>``
 (image generation, mean over pixels), ``bertscore-<pair>`` (F1) and ``meteor-<pair>`` (text
@@ -71,7 +72,8 @@ from fedfm_flower.data.multitask import (
     client_examples,
     client_tasks,
 )
-from fedfm_flower.tasks.base import Batch, EvalStats, StepResult, Task
+from fedfm_flower.methods.tap import HISTORIES
+from fedfm_flower.tasks.base import Batch, EvalStats, StepResult, Task, TrainStats
 from fedfm_flower.tasks.classification import tensor_batches
 
 if TYPE_CHECKING:
@@ -332,14 +334,24 @@ def weighted_loss(outputs: Mapping[str, TaskOutput], batch_size: int) -> torch.T
     return sum(out.loss * (out.count / batch_size) for out in outputs.values())
 
 
-def task_losses(metrics: Mapping[str, float]) -> dict[str, float]:
-    """Each pair's mean training loss from ``TrainStats.metrics`` (``loss-<pair>`` divided by
-    ``count-<pair>``; the loop's division by all examples cancels)."""
-    losses = {}
+def task_losses(stats: TrainStats, scale: str = "pair-mean") -> dict[str, float]:
+    """Each seen pair's training loss over one local loop, on ``scale``.
+
+    ``pair-mean``: sum of the pair's per-example losses over its examples (``loss-<pair>`` over
+    ``count-<pair>``; the loop's division by all examples cancels). ``share-weighted``: the
+    authors' ``train_client``, sum over batches of (n_o / B) * loss_o over the number of batches
+    (``share-loss-<pair>`` times examples seen over steps; a batch without the pair adds 0).
+    """
+    if scale not in HISTORIES:
+        raise ValueError(f"loss scale '{scale}' unknown; allowed: {', '.join(HISTORIES)}")
+    metrics, losses = stats.metrics, {}
     for task in MULTITASK_TASKS:
-        count = metrics.get(f"count-{task}", 0.0)
-        if count > 0:
-            losses[task] = metrics[f"loss-{task}"] / count
+        if metrics.get(f"count-{task}", 0.0) <= 0:
+            continue
+        if scale == "pair-mean":
+            losses[task] = metrics[f"loss-{task}"] / metrics[f"count-{task}"]
+        else:
+            losses[task] = metrics[f"share-loss-{task}"] * stats.examples_seen / stats.num_steps
     return losses
 
 
@@ -423,13 +435,15 @@ class MultimodalMultitask(Task):
         return multitask_batches(data, batch_size, generator)
 
     def step(self, model: nn.Module, batch: Batch) -> StepResult:
-        """TAP's weighted loss; ``loss-<pair>`` and ``count-<pair>`` sums per pair."""
+        """TAP's weighted loss; ``loss-``, ``count-`` and ``share-loss-<pair>`` sums per pair."""
         outputs = task_outputs(model, batch)
         batch_size = len(batch[0])
         sums: dict[str, float] = {}
         for task, out in outputs.items():
-            sums[f"loss-{task}"] = out.loss.item() * out.count
+            loss = out.loss.item()
+            sums[f"loss-{task}"] = loss * out.count
             sums[f"count-{task}"] = float(out.count)
+            sums[f"share-loss-{task}"] = loss * out.count / batch_size
         return StepResult(weighted_loss(outputs, batch_size), batch_size, sums)
 
     @torch.no_grad()
