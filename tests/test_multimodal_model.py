@@ -137,6 +137,28 @@ def test_experts_start_as_the_pretrained_block(parts) -> None:
     assert not torch.allclose(mixed[:, 4:], expected[:, 4:])
 
 
+def test_the_image_encoder_sees_images_as_the_vit_was_pretrained_on_them(parts) -> None:
+    """The pairs' images are in [0, 1]; the offline ViT was pretrained on normalize()d ones
+    ([-1, 1]). With LoRA at its zero start, the encoder's tokens are the ViT's first block on
+    the normalised images, and not on the raw ones."""
+    from fedfm_flower.data.images import normalize
+    from fedfm_flower.models.multimodal import ImageEncoder
+
+    vit = parts[0]
+    encoder = ImageEncoder(vit, 4, 8.0, 0.0).eval()
+    images, _, _ = _inputs()
+
+    def vit_first_block(x: torch.Tensor) -> torch.Tensor:
+        tokens = vit.patch_embed(x)
+        tokens = torch.cat([vit.cls_token.expand(len(x), -1, -1), tokens], 1) + vit.pos_embed
+        return vit.blocks[0](tokens)
+
+    with torch.no_grad():
+        got = encoder(images)
+        torch.testing.assert_close(got, vit_first_block(normalize(images)))
+        assert not torch.allclose(got, vit_first_block(images), atol=1e-3)
+
+
 def test_decoders_shapes_and_greedy_generation(parts) -> None:
     model = _model(parts)
     images, ids, mask = _inputs()

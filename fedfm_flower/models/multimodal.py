@@ -6,8 +6,10 @@ decoders). Layout of ``mm-offline`` (the server model; a client uses the compone
 modality-task pairs need):
 
 * **Encoders** (frozen, LoRA-tuned): ``image`` = the offline ViT's patch embedding, class token,
-  position embedding and first block; ``text`` = the offline tiny LLaMA's token embedding and
-  first decoder layer (a linear projection, trained, when its width differs from the ViT's).
+  position embedding and first block, fed the pair's [0, 1] images mapped to [-1, 1]
+  (``data.images.normalize``), the range the ViT was pretrained on; ``text`` = the offline
+  tiny LLaMA's token embedding and first decoder layer (a linear projection, trained, when its
+  width differs from the ViT's).
 * **Backbone**, two stacks built from the next two ViT blocks (the paper loads FLAVA's first two
   multimodal layers): the *modality* stack has one layer per modality plus a shared one; a
   modality layer's FFN is a mixture of task experts (the input's task picks its expert). The
@@ -47,6 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedfm_flower.data.images import normalize
 from fedfm_flower.data.multitask import (
     CLASSIFICATION,
     IMAGE_GENERATION,
@@ -528,8 +531,8 @@ class ImageEncoder(nn.Module):
         self.block.attn.qkv = _with_lora(self.block.attn.qkv, rank, alpha, dropout)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        """(B, 1 + patches, d) tokens."""
-        x = self.patch_embed(images)
+        """(B, 1 + patches, d) tokens of [0, 1] images, normalised as in pretraining."""
+        x = self.patch_embed(normalize(images))
         x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], 1) + self.pos_embed
         return self.block(x)
 
