@@ -54,10 +54,18 @@ class ClientRuntime:
 
     @functools.cached_property
     def data(self):  # noqa: ANN201 - the task's client data, imported lazily
-        """This client's train/test (and validation) split, as the task prepares it."""
-        return self.task.client_data(
+        """This client's train/test (and validation) split, as the task prepares it; with
+        ``evaluation-split = val`` its test split is sealed (``fedfm_flower.data.sealed``)."""
+        data = self.task.client_data(
             self.config, self.identity.partition_id, self.identity.num_partitions
         )
+        if self.config.evaluation_split == "val":
+            import dataclasses
+
+            from fedfm_flower.data.sealed import SealedSplit
+
+            data = dataclasses.replace(data, test=SealedSplit("test", "evaluation-split = val"))
+        return data
 
     @functools.cached_property
     def pooled_train(self):  # noqa: ANN201 - the task's data, imported lazily
@@ -121,10 +129,12 @@ class ClientRuntime:
         )
 
     def evaluate(self, model: TunedModel) -> EvalStats:
-        """The task's loss and metrics of ``model`` on this client's test split."""
+        """The task's loss and metrics of ``model`` on this client's evaluation split (test,
+        or validation with ``evaluation-split = val``)."""
         from fedfm_flower.training import evaluate
 
-        return evaluate(self.task, model, self.data.test, device=self.device)
+        split = self.data.val if self.config.evaluation_split == "val" else self.data.test
+        return evaluate(self.task, model, split, device=self.device)
 
     def seed(self, server_round: int, salt: int = 0) -> int:
         """The seed of this client's work in ``server_round``."""

@@ -58,6 +58,7 @@ PARTITIONERS: tuple[str, ...] = (
 )
 NATURAL_ID_PARTITIONERS: tuple[str, ...] = ("natural-id", "domain-dirichlet")
 OPTIMIZERS: tuple[str, ...] = ("sgd", "adam", "adamw")
+EVALUATION_SPLITS: tuple[str, ...] = ("test", "val")  # the split every evaluation reads
 TUNER_CHOICES: tuple[str, ...] = ("auto", *TUNERS)
 PREFIX_FORMS: tuple[str, ...] = ("parallel", "concat")  # fedfm_flower.models.tuners.prefix
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
@@ -106,6 +107,7 @@ class ExperimentConfig:
     min_test_examples: int = 5
     test_fraction: float = 0.2
     val_fraction: float = 0.0
+    evaluation_split: str = "test"  # val: evaluate on the validation split (tuning); test unread
     public_fraction: float = 0.3
     # multitask: an image pair's holders each get one glyph style instead of a mix of all
     multitask_style_skew: bool = False
@@ -306,6 +308,7 @@ class ExperimentConfig:
             raise ConfigError(
                 "val-fraction", self.val_fraction, "must be >= 0 with val + test fraction < 1"
             )
+        self._check_evaluation_split()
         if not 0.0 <= self.lora_dropout < 1.0:
             raise ConfigError("lora-dropout", self.lora_dropout, "must lie in [0, 1)")
         if not self.target_modules:
@@ -373,6 +376,23 @@ class ExperimentConfig:
             if self.device == "cpu":
                 raise ConfigError("load-in-4bit", True, "needs a CUDA GPU; device is 'cpu'")
             require_package("load-in-4bit", True, "bitsandbytes", " and a CUDA GPU")
+
+    def _check_evaluation_split(self) -> None:
+        from fedfm_flower.data.registry import dataset_spec
+        from fedfm_flower.tasks import task_has_validation
+
+        _one_of("evaluation-split", self.evaluation_split, EVALUATION_SPLITS)
+        if self.evaluation_split != "val":
+            return
+        if self.val_fraction <= 0:
+            raise ConfigError("evaluation-split", "val", "needs val-fraction > 0")
+        task = dataset_spec(self.dataset).task
+        if not task_has_validation(task):
+            raise ConfigError(
+                "evaluation-split",
+                "val",
+                f"dataset '{self.dataset}' (task '{task}') has no validation split",
+            )
 
     def _check_modality(self) -> None:
         from fedfm_flower.data.registry import dataset_spec

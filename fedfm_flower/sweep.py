@@ -30,10 +30,13 @@ import time
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fedfm_flower.durable import atomic_write_text
 from fedfm_flower.overrides import parse_overrides
+
+if TYPE_CHECKING:
+    from fedfm_flower.pools import CellPool
 
 CONFIG_ROOT = Path(__file__).resolve().parent.parent / "configs"
 
@@ -170,37 +173,79 @@ def _earlier_records(out: Path) -> dict[str, dict[str, Any]]:
         return {}
 
 
-def run_sweep(cells: list[Cell], out: Path) -> list[dict[str, Any]]:
-    """Run every cell in order, recording each in ``<out>/sweep.json`` (kept with the records
-    of earlier sweeps into ``out``); returns this sweep's records."""
+def failed_record(cell: Cell, error: str) -> dict[str, Any]:
+    """The record of a cell that did not finish (``error`` says why)."""
+    record = {"label": cell.label, "setup": cell.setup, "seed": cell.seed, "run": str(cell.run_dir)}
+    return {**record, "state": "failed", "error": error[:2000]}
+
+
+def cell_record(cell: Cell) -> dict[str, Any]:
+    """Run (or resume, or reuse) ``cell``; its record: state before and after, the final value
+    of its primary metric, its seconds, or the error that stopped it."""
+    record = {"label": cell.label, "setup": cell.setup, "seed": cell.seed}
+    record["run"] = str(cell.run_dir)
+    record["state-before"] = cell_state(cell)
+    started = time.perf_counter()
+    try:
+        summary = run_cell(cell)
+    except Exception as err:  # noqa: BLE001 - report it, run the other cells
+        record.update(state="failed", error=f"{type(err).__name__}: {err}"[:2000])
+    else:
+        metric = summary.get("primary-metric", "accuracy")
+        value = summary.get(f"final-test-{metric}-mean", float("nan"))
+        record.update(state="done", metric=metric, final=value)
+    record["seconds"] = time.perf_counter() - started
+    return record
+
+
+def run_sweep(cells: list[Cell], out: Path, pool: CellPool | None = None) -> list[dict[str, Any]]:
+    """Run every cell in ``pool`` (default: one after another here), recording each as it
+    finishes in ``<out>/sweep.json`` (kept with the records of earlier sweeps into ``out``);
+    returns this sweep's records in the cells' order."""
+    from fedfm_flower.pools import SerialPool
+
+    pool = pool or SerialPool()
     out.mkdir(parents=True, exist_ok=True)
     everything = _earlier_records(out)
-    records: list[dict[str, Any]] = []
-    for index, cell in enumerate(cells, start=1):
-        record = {"label": cell.label, "setup": cell.setup, "seed": cell.seed}
-        record["run"] = str(cell.run_dir)
-        record["state-before"] = cell_state(cell)
-        started = time.perf_counter()
-        try:
-            summary = run_cell(cell)
-        except Exception as err:  # noqa: BLE001 - report it, run the other cells
-            record.update(state="failed", error=f"{type(err).__name__}: {err}"[:2000])
-            print(f"FAILED {cell.label} {cell.setup} seed {cell.seed}: {err}", file=sys.stderr)
-        else:
-            metric = summary.get("primary-metric", "accuracy")
-            value = summary.get(f"final-test-{metric}-mean", float("nan"))
-            record.update(state="done", metric=metric, final=value)
+    for cell in cells:
+        pool.submit(cell)
+    done: dict[Path, dict[str, Any]] = {}
+    while pool.pending():
+        cell, record = pool.next_done()
+        done[cell.run_dir] = record
+        if record["state"] == "failed":
             print(
-                f"[{index}/{len(cells)}] {cell.label} {cell.setup} seed {cell.seed}: "
-                f"{metric} {value:.4f} ({record['state-before']})",
+                f"FAILED {cell.label} {cell.setup} seed {cell.seed}: {record['error']}",
+                file=sys.stderr,
+            )
+        else:
+            print(
+                f"[{len(done)}/{len(cells)}] {cell.label} {cell.setup} seed {cell.seed}: "
+                f"{record['metric']} {record['final']:.4f} ({record['state-before']})",
                 flush=True,
             )
-        record["seconds"] = time.perf_counter() - started
-        records.append(record)
         everything[record["run"]] = record
         cells_json = json.dumps({"cells": list(everything.values())}, indent=2)
         atomic_write_text(out / "sweep.json", cells_json)
-    return records
+    return [done[cell.run_dir] for cell in cells]
+
+
+def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
+    """The command-line options of where cells run (``fedfm_flower.pools``)."""
+    group = parser.add_argument_group("parallel cells on Ray")
+    group.add_argument("--ray", action="store_true", help="run cells as Ray tasks on this machine")
+    group.add_argument(
+        "--ray-address", default="", help="join this Ray cluster: auto, host:port or ray://..."
+    )
+    group.add_argument("--cpus-per-cell", type=float, default=1.0, help="Ray num_cpus of a cell")
+    group.add_argument("--gpus-per-cell", type=float, default=0.0, help="Ray num_gpus of a cell")
+
+
+def pool_from_arguments(args: argparse.Namespace) -> CellPool:
+    """The pool the options ask for (``ValueError`` names a bad resource value)."""
+    from fedfm_flower.pools import make_pool
+
+    return make_pool(args.ray, args.ray_address, args.cpus_per_cell, args.gpus_per_cell)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -213,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE")
     parser.add_argument("--tag", default="", help="suffix of the setup names of --set runs")
     parser.add_argument("--configs", type=Path, default=CONFIG_ROOT, help=argparse.SUPPRESS)
+    add_pool_arguments(parser)
     args = parser.parse_args(argv)
     from fedfm_flower.logs import configure_logging
 
@@ -222,10 +268,14 @@ def main(argv: list[str] | None = None) -> int:
         cells = build_cells(
             args.methods, args.setups, args.seeds, args.out, overrides, args.tag, args.configs
         )
+        pool = pool_from_arguments(args)
     except (ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    records = run_sweep(cells, args.out)
+    try:
+        records = run_sweep(cells, args.out, pool)
+    finally:
+        pool.close()
     failed = [r for r in records if r["state"] == "failed"]
     if failed:
         print(

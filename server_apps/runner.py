@@ -231,8 +231,10 @@ def _run(
     summary = summarize(run, config, time.perf_counter() - started)
     summary["client-examples"] = client_examples
     run.write_summary(summary)
+    split = "" if config.evaluation_split == "test" else "validation "
     print(
-        f"[done] {run.name}: final {primary} {summary[f'final-test-{primary}-mean']:.4f} ± "
+        f"[done] {run.name}: final {split}{primary} "
+        f"{summary[f'final-test-{primary}-mean']:.4f} ± "
         f"{summary[f'final-test-{primary}-std']:.4f}; results in {run.path}",
         flush=True,
     )
@@ -479,6 +481,7 @@ def summarize(run: RunDirectory, config: ExperimentConfig, seconds: float) -> di
         "seed": config.seed,
         "rounds": len(rounds),
         "primary-metric": primary,
+        "evaluation-split": config.evaluation_split,  # val: every test-* value is validation's
         f"final-test-{primary}-mean": final.get(key, math.nan),
         f"final-test-{primary}-std": final.get(f"{P.test_metric(primary)}-std", math.nan),
         f"final-per-client-{primary}": {  # keyed by the stable client id, not the node id

@@ -14,12 +14,13 @@ every method's settings, in a fresh process per message.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from fedfm_flower.config import ExperimentConfig
+    from fedfm_flower.search import Range
     from fedfm_flower.settings import MethodSettings
 
 
@@ -69,6 +70,9 @@ class MethodSpec:
     modalities: tuple[str, ...] = ()  # input modalities it serves; () means every one
     split: Split | Callable[[ExperimentConfig], Split] = Split()
     profile: ResourceProfile = ResourceProfile()
+    # What tuning searches besides the common training keys (fedfm_flower.search): run-config
+    # key -> range; an entry for a common key (lr) replaces the common range.
+    search: Mapping[str, Range] = field(default_factory=dict, compare=False)
 
     def split_for(self, config: ExperimentConfig) -> Split:
         """The split of a run of this method (a function of ``config`` for some methods)."""

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from fedfm_flower.methods import MethodSpec, ResourceProfile
+from fedfm_flower.search import Uniform
 from fedfm_flower.settings import MethodSettings, setting
 
 
@@ -32,6 +33,10 @@ class APFLSettings(MethodSettings):
         return self.alpha_lr or lr
 
 
+# Tuned besides the common training keys (fedfm_flower.search): the mixing weight's whole range
+# (APFL, Deng et al. 2020).
+SEARCH = {"apfl-alpha": Uniform(0.0, 1.0)}
+
 SPECS = (
     MethodSpec(
         "apfl",
@@ -45,5 +50,6 @@ SPECS = (
         # w travels; v (a second copy of every trainable tensor) and alpha stay on the client,
         # and a step takes two forward-backward passes (at w and at the mixture).
         profile=ResourceProfile(copies=2, passes=2, extra=1),
+        search=SEARCH,
     ),
 )

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from fedfm_flower.methods import MethodSpec, ResourceProfile
+from fedfm_flower.search import LogUniform
 from fedfm_flower.settings import MethodSettings, setting
 
 
@@ -37,6 +38,10 @@ class FedDATSettings(MethodSettings):
 # The shared adapter A_s travels; A_c and the frozen global copy A_g stay on the client.
 _THREE_ADAPTERS = ResourceProfile(copies=3)
 
+# Tuned besides the common training keys (fedfm_flower.search): a decade each way of the mutual
+# distillation's weight.
+SEARCH = {"feddat-distill-weight": LogUniform(0.1, 10.0)}
+
 SPECS = (
     MethodSpec(
         "feddat",
@@ -47,6 +52,7 @@ SPECS = (
         settings=FedDATSettings,
         modalities=("multimodal",),
         profile=_THREE_ADAPTERS,
+        search=SEARCH,
     ),
     MethodSpec(
         "feddat-ft",
@@ -57,5 +63,6 @@ SPECS = (
         settings=FedDATSettings,
         modalities=("multimodal",),
         profile=_THREE_ADAPTERS,
+        search=SEARCH,
     ),
 )

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from fedfm_flower.methods import MethodSpec, Split
+from fedfm_flower.search import Uniform
 from fedfm_flower.settings import ConfigError, MethodSettings, setting
 
 WEIGHTINGS: tuple[str, ...] = ("dynamic", "fixed")
@@ -65,6 +66,10 @@ class FedDPASettings(MethodSettings):
 # The global adapter travels; the local one never leaves the client.
 _ADAPTERS = Split(shared=("adapter.global",), local=("adapter.local",))
 
+# Tuned besides the common training keys (fedfm_flower.search): the local adapter's weight in
+# training (FedDPA eq. 6).
+SEARCH = {"feddpa-alpha": Uniform(0.1, 0.9)}
+
 SPECS = (
     MethodSpec(
         "feddpa-t",
@@ -76,6 +81,7 @@ SPECS = (
         tuner="dual-lora",
         modalities=("text",),
         split=_ADAPTERS,
+        search=SEARCH,
     ),
     MethodSpec(
         "feddpa-f",
@@ -88,5 +94,6 @@ SPECS = (
         tuner="dual-lora",
         modalities=("text",),
         split=_ADAPTERS,
+        search=SEARCH,
     ),
 )

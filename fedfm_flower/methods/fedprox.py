@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from fedfm_flower.methods import MethodSpec, Split
+from fedfm_flower.search import LogUniform
 from fedfm_flower.settings import MethodSettings, setting
 
 
@@ -27,6 +28,10 @@ class FedProxSettings(MethodSettings):
     mu: float = setting(0.01, non_negative=True)
 
 
+# Tuned besides the common training keys (fedfm_flower.search): FedProx's grid of mu spans 0.001-1
+# (Li et al. 2020, Sec. 5).
+SEARCH = {"fedprox-mu": LogUniform(1e-3, 1.0)}
+
 SPECS = (
     MethodSpec(
         "fedprox",
@@ -36,5 +41,6 @@ SPECS = (
         "(Li et al. 2020)",
         settings=FedProxSettings,
         split=Split(shared=None, local=()),
+        search=SEARCH,
     ),
 )

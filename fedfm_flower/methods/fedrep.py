@@ -4,6 +4,11 @@ head epochs with the adapter fixed, then adapter epochs with the head fixed."""
 from __future__ import annotations
 
 from fedfm_flower.methods import MethodSpec, Split
+from fedfm_flower.search import IntRange
+
+# Tuned besides the common training keys (fedfm_flower.search): head epochs before the adapter's
+# (FedRep trains the head longest).
+SEARCH = {"head-epochs": IntRange(1, 5)}
 
 SPECS = (
     MethodSpec(
@@ -13,5 +18,6 @@ SPECS = (
         summary="adapter averaged, head local; head epochs then adapter epochs (Collins et al. "
         "2021)",
         split=Split(shared=None, local=("head",)),
+        search=SEARCH,
     ),
 )

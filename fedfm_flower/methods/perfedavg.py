@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from fedfm_flower.methods import MethodSpec, ResourceProfile
+from fedfm_flower.search import Around
 from fedfm_flower.settings import MethodSettings, setting
 
 
@@ -36,6 +37,10 @@ class PerFedAvgSettings(MethodSettings):
 # The meta-model w travels; a step takes two forward-backward passes (at w, then at temp).
 _TWO_PASSES = ResourceProfile(passes=2)
 
+# Tuned besides the common training keys (fedfm_flower.search): its steps are plain SGD without
+# momentum, which wants larger steps than the setups' momentum SGD: two decades up.
+SEARCH = {"lr": Around(10.0, 100.0)}
+
 SPECS = (
     MethodSpec(
         "per-fedavg",
@@ -47,6 +52,7 @@ SPECS = (
         tuner="none",
         trains_backbone=True,
         profile=_TWO_PASSES,
+        search=SEARCH,
     ),
     MethodSpec(
         "per-fedavg-ft",
@@ -58,5 +64,6 @@ SPECS = (
         tuner="none",
         trains_backbone=True,
         profile=_TWO_PASSES,
+        search=SEARCH,
     ),
 )

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from fedfm_flower.methods import MethodSpec, Split
+from fedfm_flower.search import LogUniform
 from fedfm_flower.settings import MethodSettings, setting
 
 GENERATORS: tuple[str, ...] = ("cross-attention", "basis", "mlp", "adain")
@@ -32,6 +33,10 @@ class PFedPGSettings(MethodSettings):
     hidden: int = setting(100, positive=True)  # the mlp generator's hidden width
 
 
+# Tuned besides the common training keys (fedfm_flower.search): the generator's Adam step, a decade
+# each way of the default.
+SEARCH = {"pfedpg-lr": LogUniform(1e-4, 1e-2)}
+
 SPECS = (
     MethodSpec(
         "pfedpg",
@@ -43,5 +48,6 @@ SPECS = (
         tuner="vpt",
         # Clients send the prompt change Delta P_n; the head is trained jointly and kept.
         split=Split(shared=("prompt",), local=("head",)),
+        search=SEARCH,
     ),
 )

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from fedfm_flower.methods import MethodSpec, Split
+from fedfm_flower.search import LogUniform
 from fedfm_flower.settings import MethodSettings, setting
 
 LEARNERS: tuple[str, ...] = ("mamba", "lstm", "mlp")  # sequence.SequenceLearner
@@ -48,6 +49,10 @@ class PFedSeqSettings(MethodSettings):
     scan_backend: str = setting("auto", choices=SCAN_BACKENDS)
 
 
+# Tuned besides the common training keys (fedfm_flower.search): the sequential learner's Adam step,
+# a decade each way of the paper's.
+SEARCH = {"pfedseq-lr": LogUniform(1e-4, 1e-2)}
+
 SPECS = (
     MethodSpec(
         "pfedseq",
@@ -58,5 +63,6 @@ SPECS = (
         settings=PFedSeqSettings,
         # Clients send the adapter update Delta_i^t; the head is trained jointly and kept.
         split=Split(shared=("adapter",), local=("head",)),
+        search=SEARCH,
     ),
 )

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from fedfm_flower.methods import MethodSpec, ResourceProfile
+from fedfm_flower.search import LogUniform
 from fedfm_flower.settings import MethodSettings, setting
 
 REPLACEMENTS: tuple[str, ...] = ("paper", "all-pairs")
@@ -80,6 +81,10 @@ class TAPSettings(MethodSettings):
         return getattr(self, f"distill_{pair_type.replace('-', '_')}")
 
 
+# Tuned besides the common training keys (fedfm_flower.search): the margins of Table 22
+# (0.005-0.01) with room each way.
+SEARCH = {f"tap-margin-{pair}": LogUniform(1e-3, 0.05) for pair in PAIR_TYPES}
+
 SPECS = (
     MethodSpec(
         "tap",
@@ -92,5 +97,6 @@ SPECS = (
         modalities=("multimodal",),
         # W~ (the client's components) travels; X, a second copy of them, stays.
         profile=ResourceProfile(copies=2),
+        search=SEARCH,
     ),
 )

@@ -8,8 +8,9 @@ for a setup with per-pair metrics ``pairs-<setup>.md`` (``pair_table``: TAP's pe
 Welch's t-test), for a setup with TAP's replacement flags ``replacements-<setup>.png``
 (``replacements``: TAP's Fig. 3-4), and ``report.json`` (every number in the tables and
 figures, per-seed headline values and the runs read).
-Unfinished runs are listed, not used; a setup without a finished run of the reference method
-gets its table cells and figures but no paired tests. Exit status 2 when no finished run is
+Unfinished runs are listed, not used; runs evaluated on validation data (tuning trials) are
+never read; a setup without a finished run of the reference method gets its table cells and
+figures but no paired tests. Exit status 2 when no finished run is
 found or no setup has the reference method.
 """
 
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from fedfm_flower.durable import atomic_write_text
-from fedfm_flower.report import figures, pair_table, replacements, tables, task_table
+from fedfm_flower.report import figures, pair_table, replacements, tables, task_table, tuning
 from fedfm_flower.report.runs import RunResult, load_runs
 
 
@@ -32,7 +33,11 @@ def _slug(text: str) -> str:
 
 
 def write_report(
-    runs: list[RunResult], out: Path, reference: str, unfinished: list[Path] | None = None
+    runs: list[RunResult],
+    out: Path,
+    reference: str,
+    unfinished: list[Path] | None = None,
+    tuning_documents: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Render every table and figure of ``runs`` into ``out``; returns the report's numbers."""
     setups = list(dict.fromkeys(run.setup for run in runs))
@@ -122,6 +127,10 @@ def write_report(
             }
             for (_, label), cell in setup_cells.items()
         }
+    for document in tuning_documents or []:
+        sections += [tuning.markdown_tuning(document), ""]
+    if tuning_documents:
+        numbers["tuning"] = tuning_documents
     if unfinished:
         sections += ["## Not reported (unfinished)", ""] + [f"- `{p}`" for p in unfinished] + [""]
     numbers["runs"] = [str(r.path) for r in runs]
@@ -149,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         runs, unfinished = load_runs(args.runs, args.metric)
         if not runs:
             raise ValueError(f"no finished run under {', '.join(map(str, args.runs))}")
-        write_report(runs, args.out, args.reference, unfinished)
+        write_report(runs, args.out, args.reference, unfinished, tuning.find_tuning(args.runs))
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -100,11 +100,23 @@ def _client_mean(record: dict[str, Any], key: str) -> float:
     return sum(values) / len(values)
 
 
+def is_validation_run(path: Path) -> bool:
+    """Whether the run at ``path`` evaluated on its validation split (a tuning trial), whose
+    ``test-*`` values are validation values and never belong in a results table."""
+    try:
+        config = json.loads((path / "config.json").read_text())["run-config"]
+    except (OSError, KeyError, ValueError):
+        return False
+    return config.get("evaluation-split", "test") == "val"
+
+
 def load_runs(paths: Iterable[Path], metric: str = "") -> tuple[list[RunResult], list[Path]]:
     """(finished runs, unfinished run directories) at or below ``paths``, reported on ``metric``
-    (default: each run's primary metric)."""
+    (default: each run's primary metric); validation runs (``is_validation_run``) are left out."""
     finished, unfinished = [], []
     for path in find_runs(paths):
+        if is_validation_run(path):
+            continue
         run = read_run(path, metric)
         (finished if run is not None else unfinished).append(run or path)
     return finished, unfinished

@@ -18,15 +18,17 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class TaskEntry:
-    """Where a task's class lives and the input modality its models take."""
+    """Where a task's class lives, the input modality its models take, and whether its client
+    data holds a validation split (``val-fraction``) that ``evaluation-split = val`` reads."""
 
     path: str
     modality: str
+    validation: bool = False
 
 
 TASKS: dict[str, TaskEntry] = {
     "image-classification": TaskEntry(
-        "fedfm_flower.tasks.classification:ImageClassification", "image"
+        "fedfm_flower.tasks.classification:ImageClassification", "image", validation=True
     ),
     "instruction-following": TaskEntry(
         "fedfm_flower.tasks.instructions:InstructionFollowing", "text"
@@ -40,6 +42,11 @@ TASKS: dict[str, TaskEntry] = {
 def task_modality(name: str) -> str:
     """The input modality of task ``name`` (no import of the task's module)."""
     return _entry(name).modality
+
+
+def task_has_validation(name: str) -> bool:
+    """Whether task ``name``'s client data holds a validation split (no import of the task)."""
+    return _entry(name).validation
 
 
 def _entry(name: str) -> TaskEntry:

@@ -1,0 +1,212 @@
+"""Search spaces: which run-config keys a method is tuned over, and over what ranges.
+
+A method declares the ranges of its own keys in its ``MethodSpec.search`` (next to its
+settings, ``fedfm_flower/methods/<method>.py``); the common training keys every method is tuned
+over are ``training_space`` here, so every method gets the same ones. A range is one of:
+
+- ``LogUniform(lo, hi)`` / ``Uniform(lo, hi)``: a float;
+- ``IntRange(lo, hi)``: an int, both ends included;
+- ``Choice(values)``: one of the values (any scalar type);
+- ``Around(down, up)``: log-uniform over ``[v / down, v * up]`` where ``v`` is the setup's own
+  value of the key (``lr``: a setup's learning rate sets the scale; an int key gives ints).
+
+``resolve_space`` turns a declared space into absolute ranges for one base run config and
+validates it: every key must be a run-config key of the right type, every range non-empty,
+and every extreme value (each end, each choice) must pass the run config's own validation, so
+a range that would give an invalid run fails before the first trial, naming key and value.
+
+Light: no torch, no flwr, no optuna (``suggest`` receives the trial object).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+
+class SearchSpaceError(ValueError):
+    """A search space that cannot be searched; the message names the key and the value."""
+
+
+class Trial(Protocol):
+    """What a range needs of a tuning library's trial (Optuna's ``Trial`` has these)."""
+
+    def suggest_float(self, name: str, low: float, high: float, *, log: bool = False) -> float:
+        """A float in [low, high]."""
+
+    def suggest_int(self, name: str, low: int, high: int, *, log: bool = False) -> int:
+        """An int in [low, high]."""
+
+    def suggest_categorical(self, name: str, choices: Any) -> Any:
+        """One of ``choices``."""
+
+
+@dataclass(frozen=True)
+class LogUniform:
+    """A float, log-uniform over [lo, hi] (lo > 0)."""
+
+    lo: float
+    hi: float
+
+    def suggest(self, trial: Trial, key: str) -> float:
+        """The trial's value of ``key``."""
+        return trial.suggest_float(key, self.lo, self.hi, log=True)
+
+    def extremes(self) -> tuple[Any, ...]:
+        """The values that bound the range."""
+        return (self.lo, self.hi)
+
+
+@dataclass(frozen=True)
+class Uniform:
+    """A float, uniform over [lo, hi]."""
+
+    lo: float
+    hi: float
+
+    def suggest(self, trial: Trial, key: str) -> float:
+        """The trial's value of ``key``."""
+        return trial.suggest_float(key, self.lo, self.hi)
+
+    def extremes(self) -> tuple[Any, ...]:
+        """The values that bound the range."""
+        return (self.lo, self.hi)
+
+
+@dataclass(frozen=True)
+class IntRange:
+    """An int in [lo, hi], both included; ``log``: log-uniform (lo >= 1)."""
+
+    lo: int
+    hi: int
+    log: bool = False
+
+    def suggest(self, trial: Trial, key: str) -> int:
+        """The trial's value of ``key``."""
+        return trial.suggest_int(key, self.lo, self.hi, log=self.log)
+
+    def extremes(self) -> tuple[Any, ...]:
+        """The values that bound the range."""
+        return (self.lo, self.hi)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One of ``values``."""
+
+    values: tuple[Any, ...]
+
+    def suggest(self, trial: Trial, key: str) -> Any:
+        """The trial's value of ``key``."""
+        return trial.suggest_categorical(key, list(self.values))
+
+    def extremes(self) -> tuple[Any, ...]:
+        """Every value."""
+        return self.values
+
+
+@dataclass(frozen=True)
+class Around:
+    """Log-uniform over [v / down, v * up] of the base config's value v (> 0) of the key."""
+
+    down: float = 10.0
+    up: float = 10.0
+
+
+Range = LogUniform | Uniform | IntRange | Choice | Around
+Resolved = LogUniform | Uniform | IntRange | Choice
+
+
+def training_space(base: Mapping[str, Any]) -> dict[str, Range]:
+    """The common training keys every method is tuned over: the learning rate (a decade each
+    way of the setup's) and the local schedule (epochs 1-3, or steps x/÷ 2 in step mode)."""
+    space: dict[str, Range] = {"lr": Around(10.0, 10.0)}
+    if int(base.get("local-steps", 0)) > 0:
+        space["local-steps"] = Around(2.0, 2.0)
+    else:
+        space["local-epochs"] = IntRange(1, 3)
+    return space
+
+
+def method_space(base: Mapping[str, Any]) -> dict[str, Range]:
+    """The whole declared space of the base config's method: ``training_space`` and then the
+    method's ``MethodSpec.search`` (whose entries win: a method may widen ``lr``)."""
+    from fedfm_flower.registry import method_spec
+
+    return {**training_space(base), **dict(method_spec(str(base["method"])).search)}
+
+
+def resolve_space(space: Mapping[str, Range], base: Mapping[str, Any]) -> dict[str, Resolved]:
+    """``space`` in absolute ranges for the run config ``base`` (its setup's values), validated
+    as the module docstring says; ``SearchSpaceError`` names the first bad key."""
+    from fedfm_flower.config import ConfigError, ExperimentConfig
+    from fedfm_flower.settings import coerce
+
+    defaults = ExperimentConfig().to_run_config()
+    full = {**defaults, **base}
+    resolved: dict[str, Resolved] = {}
+    for key, declared in space.items():
+        if key not in defaults:
+            raise SearchSpaceError(f"search space key '{key}' is not a run-config key")
+        kind = type(defaults[key])
+        rng = _absolute(key, declared, full[key], kind)
+        _check_range(key, rng, kind)
+        for value in rng.extremes():
+            try:
+                coerced = coerce(key, value, kind, source="search space")
+                ExperimentConfig.from_run_config({**full, key: coerced})
+            except ConfigError as err:
+                raise SearchSpaceError(
+                    f"search space '{key}' reaches {value!r}, which the run config refuses: {err}"
+                ) from err
+        resolved[key] = rng
+    return resolved
+
+
+def _absolute(key: str, declared: Range, value: Any, kind: type) -> Resolved:
+    if not isinstance(declared, Around):
+        return declared
+    if kind not in (int, float) or isinstance(value, bool) or not value > 0:
+        raise SearchSpaceError(
+            f"search space '{key}' = Around(...) needs the setup's value > 0, got {value!r}"
+        )
+    if not (declared.down >= 1 and declared.up >= 1):
+        raise SearchSpaceError(f"search space '{key}': Around factors must be >= 1: {declared}")
+    if kind is int:
+        lo, hi = max(1, math.floor(value / declared.down)), math.ceil(value * declared.up)
+        return IntRange(lo, hi, log=True)
+    return LogUniform(value / declared.down, value * declared.up)
+
+
+def _check_range(key: str, rng: Resolved, kind: type) -> None:
+    if isinstance(rng, Choice):
+        if not rng.values:
+            raise SearchSpaceError(f"search space '{key}' has no choices")
+        return
+    wanted = int if isinstance(rng, IntRange) else float
+    if kind is not wanted and not (kind is float and wanted is int):
+        raise SearchSpaceError(
+            f"search space '{key}' is a {type(rng).__name__} range, but the key holds "
+            f"{kind.__name__} values"
+        )
+    if not rng.lo < rng.hi:
+        raise SearchSpaceError(f"search space '{key}' is empty: [{rng.lo}, {rng.hi}]")
+    log = isinstance(rng, LogUniform) or (isinstance(rng, IntRange) and rng.log)
+    if log and not rng.lo > 0:
+        raise SearchSpaceError(f"search space '{key}' is log-scaled but starts at {rng.lo}")
+
+
+def suggest(trial: Trial, space: Mapping[str, Resolved]) -> dict[str, Any]:
+    """The trial's run-config values for every key of ``space`` (in declaration order)."""
+    return {key: rng.suggest(trial, key) for key, rng in space.items()}
+
+
+def describe(rng: Resolved) -> str:
+    """A short text of a range for reports (``log-uniform [0.002, 0.2]``)."""
+    if isinstance(rng, Choice):
+        return "one of " + ", ".join(map(str, rng.values))
+    scale = "log-" if isinstance(rng, LogUniform) or getattr(rng, "log", False) else ""
+    kind = "int" if isinstance(rng, IntRange) else "uniform"
+    return f"{scale}{kind} [{rng.lo:g}, {rng.hi:g}]"

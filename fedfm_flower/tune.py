@@ -1,0 +1,338 @@
+"""Tuning: every method searched with the same budget on validation data, then run over seeds.
+
+    python -m fedfm_flower.tune --methods fedavg fedprox fedrep --setups digits-label-skew \\
+        --trials 12 --seeds 0 1 2 --out runs/tuned [--ray | --ray-address auto]
+    python -m fedfm_flower.report runs/tuned --out reports/tuned
+
+For each (method label, setup) pair, an Optuna study (TPE by default, or random search) draws
+``--trials`` hyperparameter settings from the method's declared space (``fedfm_flower.search``:
+the common training keys and the method's own). Each trial is one run of the setup at the
+tuning seed with ``evaluation-split = val``: clients evaluate on their validation split
+(``val-fraction``, ``--val-fraction`` when the setup holds none) and their test split is sealed,
+so nothing read during tuning comes from test data. A trial's score is the final mean
+validation value of the task's primary metric; a run that fails or diverges (NaN) counts
+against the budget as a failed trial. The best trial's values then run at every ``--seeds``
+seed on the test split (same ``val-fraction``, so the training data is the tuning's), into
+``<out>/runs`` with ``<out>/sweep.json``: the report over ``<out>`` is the tuned table.
+
+``<out>/tuning.json`` holds, per study, the searched space, every trial (values, score, state,
+run directory) and the chosen values; ``<out>/tuning/`` holds the trials' runs and the studies'
+Optuna journal. Rerunning the command resumes: finished trials and runs are kept, a trial that
+was running is rerun from its checkpoint, and only the missing trials are drawn. Trials and
+final runs are cells of a pool (``fedfm_flower.pools``): serial, or parallel Ray tasks; with TPE,
+parallel trials are drawn before all earlier ones are scored (Optuna's constant liar), so the
+drawn values depend on the finishing order, while random search draws the same values either way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fedfm_flower.durable import atomic_write_text
+from fedfm_flower.overrides import parse_overrides
+from fedfm_flower.pools import CellPool
+from fedfm_flower.search import Resolved, describe, method_space, resolve_space, suggest
+from fedfm_flower.settings import require_package
+from fedfm_flower.sweep import (
+    CONFIG_ROOT,
+    Cell,
+    add_pool_arguments,
+    cell_config,
+    check_configs,
+    pool_from_arguments,
+    run_name,
+    run_sweep,
+)
+
+SAMPLERS: tuple[str, ...] = ("tpe", "random")
+DEFAULT_VAL_FRACTION = 0.15
+
+
+@dataclass
+class Study:
+    """One (method label, setup) search: its base run config, its space, its Optuna study."""
+
+    label: str
+    setup: str  # the setup file's name (without the tag)
+    tag: str
+    base: dict[str, Any]  # the tuning seed's run config, evaluation-split = val
+    space: dict[str, Resolved]
+    optuna_study: Any
+    trials: int  # the budget
+    running: dict[int, Cell] = field(default_factory=dict)  # trial number -> its cell
+
+    @property
+    def name(self) -> str:
+        """The Optuna study name (one journal holds every study of the directory)."""
+        return f"{self.label}@{self.setup}{self.tag}"
+
+    def finished(self) -> list[Any]:
+        """Trials scored or failed (they count against the budget)."""
+        import optuna
+
+        states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL)
+        return self.optuna_study.get_trials(deepcopy=False, states=states)
+
+    def left(self) -> int:
+        """Trials still to draw."""
+        return self.trials - len(self.finished()) - len(self.running)
+
+    def trial_cell(self, number: int, values: dict[str, Any]) -> Cell:
+        """The cell of trial ``number`` with ``values``."""
+        seed = int(self.base["seed"])
+        config = {**self.base, **values}
+        config["run-name"] = run_name(self.label, self.setup, f"{self.tag}-t{number:03d}", seed)
+        return Cell(self.label, self.setup + self.tag, seed, config)
+
+    def best(self) -> Any | None:
+        """The best scored trial (the lowest number among equals), None when none scored."""
+        import optuna
+
+        scored = self.optuna_study.get_trials(
+            deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)
+        )
+        return max(scored, key=lambda t: (t.value, -t.number), default=None)
+
+
+def make_sampler(name: str, seed: int, trials: int) -> Any:
+    """Optuna's sampler ``name`` seeded with ``seed``; TPE starts with a third of the budget
+    (at least 2) drawn at random and lies constant for trials in flight."""
+    import optuna
+
+    if name == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    if name == "tpe":
+        return optuna.samplers.TPESampler(
+            seed=seed, n_startup_trials=max(2, trials // 3), constant_liar=True
+        )
+    raise ValueError(f"sampler '{name}' unknown; known: {', '.join(SAMPLERS)}")
+
+
+def tuning_base(
+    label: str,
+    setup: str,
+    seed: int,
+    out: Path,
+    overrides: dict[str, Any],
+    val_fraction: float,
+    tag: str = "",
+    configs: Path = CONFIG_ROOT,
+) -> dict[str, Any]:
+    """The run config of ``label`` on ``setup`` at ``seed`` evaluated on validation data."""
+    config = cell_config(label, setup, seed, out / "tuning", overrides, tag, configs)
+    if float(config.get("val-fraction", 0.0)) <= 0:
+        config["val-fraction"] = val_fraction
+    config["evaluation-split"] = "val"
+    return config
+
+
+def open_studies(
+    labels: list[str],
+    setups: list[str],
+    args: argparse.Namespace,
+    overrides: dict[str, Any],
+) -> list[Study]:
+    """Every study of the command, validated (configs and spaces) before any trial runs."""
+    import optuna
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    tuning = args.out / "tuning"
+    tuning.mkdir(parents=True, exist_ok=True)
+    storage = JournalStorage(JournalFileBackend(str(tuning / "journal.log")))
+    studies = []
+    for setup in setups:
+        for label in labels:
+            base = tuning_base(
+                label,
+                setup,
+                args.tune_seed,
+                args.out,
+                overrides,
+                args.val_fraction,
+                args.tag,
+                args.configs,
+            )
+            check_configs([base])
+            space = resolve_space(method_space(base), base)
+            sampler = make_sampler(args.sampler, args.tune_seed, args.trials)
+            study = optuna.create_study(
+                study_name=f"{label}@{setup}{args.tag}",
+                storage=storage,
+                sampler=sampler,
+                direction="maximize",
+                load_if_exists=True,
+            )
+            studies.append(Study(label, setup, args.tag, base, space, study, args.trials))
+    return studies
+
+
+def run_trials(studies: list[Study], pool: CellPool) -> None:
+    """Draw and run every study's missing trials in ``pool``, as many at once as it holds."""
+    import optuna
+
+    by_run: dict[Path, tuple[Study, int]] = {}
+
+    def start(study: Study, number: int, values: dict[str, Any]) -> None:
+        cell = study.trial_cell(number, values)
+        study.running[number] = cell
+        by_run[cell.run_dir] = (study, number)
+        pool.submit(cell)
+
+    for study in studies:  # trials an interrupted command left running: rerun them first
+        for trial in study.optuna_study.get_trials(
+            deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)
+        ):
+            if len(study.finished()) + len(study.running) < study.trials:
+                start(study, trial.number, dict(trial.params))
+            else:
+                study.optuna_study.tell(trial.number, state=optuna.trial.TrialState.FAIL)
+    capacity = pool.capacity()
+    while True:
+        for study in studies:  # round-robin over studies while the pool has room
+            while study.left() > 0 and pool.pending() < capacity:
+                trial = study.optuna_study.ask()
+                start(study, trial.number, suggest(trial, study.space))
+        if not pool.pending():
+            return
+        cell, record = pool.next_done()
+        study, number = by_run.pop(cell.run_dir)
+        del study.running[number]
+        value = record.get("final", math.nan)
+        if record["state"] == "done" and math.isfinite(value):
+            study.optuna_study.set_user_attr("metric", record["metric"])
+            study.optuna_study.tell(number, value)
+            outcome = f"val {record['metric']} {value:.4f}"
+        else:
+            study.optuna_study.tell(number, state=optuna.trial.TrialState.FAIL)
+            outcome = f"failed: {record.get('error', f'final value {value}')}"
+        done = len(study.finished())
+        print(f"[{study.name} trial {number}, {done}/{study.trials}] {outcome}", flush=True)
+
+
+def study_record(study: Study) -> dict[str, Any]:
+    """What ``tuning.json`` says of one study."""
+    best = study.best()
+    trials = []
+    for trial in study.optuna_study.get_trials(deepcopy=False):
+        trials.append(
+            {
+                "number": trial.number,
+                "values": dict(trial.params),
+                "score": trial.value,
+                "state": trial.state.name.lower(),
+                "run": str(study.trial_cell(trial.number, dict(trial.params)).run_dir),
+            }
+        )
+    return {
+        "label": study.label,
+        "setup": study.setup,
+        "metric": study.optuna_study.user_attrs.get("metric", ""),
+        "val-fraction": study.base["val-fraction"],
+        "space": {key: describe(rng) for key, rng in study.space.items()},
+        "budget": study.trials,
+        "trials": trials,
+        "chosen": None if best is None else {"trial": best.number, "values": dict(best.params)},
+        "best-score": None if best is None else best.value,
+    }
+
+
+def final_cells(
+    studies: list[Study], seeds: list[int], out: Path, overrides: dict[str, Any], configs: Path
+) -> list[Cell]:
+    """The test runs of every study's chosen values at ``seeds`` (studies without a scored
+    trial have none)."""
+    cells = []
+    for study in studies:
+        best = study.best()
+        if best is None:
+            continue
+        values = {"val-fraction": study.base["val-fraction"], **best.params}
+        for seed in seeds:
+            config = cell_config(
+                study.label, study.setup, seed, out, {**overrides, **values}, study.tag, configs
+            )
+            cells.append(Cell(study.label, study.setup + study.tag, seed, config))
+    check_configs([cell.config for cell in cells])
+    return cells
+
+
+def write_tuning(studies: list[Study], out: Path, args: argparse.Namespace) -> None:
+    """``<out>/tuning.json``: the budget, the sampler and every study's record."""
+    document = {
+        "sampler": args.sampler,
+        "trials-per-study": args.trials,
+        "tuning-seed": args.tune_seed,
+        "final-seeds": args.seeds,
+        "selection": "final mean client value of the primary metric on the validation split",
+        "studies": [study_record(study) for study in studies],
+    }
+    atomic_write_text(out / "tuning.json", json.dumps(document, indent=2))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Tune, then run the chosen values; exit 0 (all done), 1 (a study or run failed), 2 (bad
+    arguments: nothing run)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--methods", nargs="+", required=True, help="method or method:variant")
+    parser.add_argument("--setups", nargs="+", required=True, help="configs/setups/<name>.toml")
+    parser.add_argument("--trials", type=int, required=True, help="budget per method x setup")
+    parser.add_argument("--sampler", choices=SAMPLERS, default="tpe")
+    parser.add_argument("--tune-seed", type=int, default=0, help="seed of the tuning runs")
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="final runs")
+    parser.add_argument(
+        "--val-fraction",
+        type=float,
+        default=DEFAULT_VAL_FRACTION,
+        help="validation share for setups that hold none (also in their final runs)",
+    )
+    parser.add_argument("--out", type=Path, required=True, help="tuning directory")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--tag", default="", help="suffix of the setup names of --set runs")
+    parser.add_argument("--configs", type=Path, default=CONFIG_ROOT, help=argparse.SUPPRESS)
+    add_pool_arguments(parser)
+    args = parser.parse_args(argv)
+    from fedfm_flower.logs import configure_logging
+
+    configure_logging()
+    try:
+        require_package("--sampler", args.sampler, "optuna", " (pip install 'fedfm-flower[tune]')")
+        if args.trials < 1:
+            raise ValueError(f"--trials must be >= 1, got {args.trials}")
+        overrides = parse_overrides(args.set)
+        studies = open_studies(args.methods, args.setups, args, overrides)
+        pool = pool_from_arguments(args)
+    except (ValueError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    try:
+        run_trials(studies, pool)
+        write_tuning(studies, args.out, args)
+        unscored = [s.name for s in studies if s.best() is None]
+        cells = final_cells(studies, args.seeds, args.out, overrides, args.configs)
+        records = run_sweep(cells, args.out, pool)
+    finally:
+        pool.close()
+    failed = [r for r in records if r["state"] == "failed"]
+    for name in unscored:
+        print(f"error: study {name} has no scored trial (see tuning.json)", file=sys.stderr)
+    if failed:
+        print(f"error: {len(failed)} final runs failed (see sweep.json)", file=sys.stderr)
+    if failed or unscored:
+        return 1
+    print(
+        f"tuning done: {len(studies)} studies, {len(records)} final runs in {args.out}; report: "
+        f"python -m fedfm_flower.report {args.out} --out <dir>"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,234 @@
+"""Tuning: declared search spaces, evaluation on validation data with the test split sealed,
+and ``fedfm_flower.tune`` end to end (trials, choice, final runs, report, resume)."""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+
+from fedfm_flower import search
+from fedfm_flower.config import ConfigError, ExperimentConfig
+from fedfm_flower.data.sealed import SealedSplit, SealedSplitError
+from fedfm_flower.registry import METHODS
+from fedfm_flower.search import (
+    Around,
+    Choice,
+    IntRange,
+    LogUniform,
+    SearchSpaceError,
+    Uniform,
+    resolve_space,
+)
+from fedfm_flower.sweep import CONFIG_ROOT, cell_config
+
+BASE = {"method": "fedprox", "dataset": "digits", "lr": 0.02, "local-epochs": 1}
+
+
+# --- search spaces ---------------------------------------------------------------------------
+
+
+def test_around_resolves_to_the_setups_own_scale() -> None:
+    space = resolve_space({"lr": Around(10.0, 100.0)}, BASE)
+    assert space["lr"] == LogUniform(pytest.approx(0.002), pytest.approx(2.0))
+    step_mode = {**BASE, "local-steps": 10}
+    steps = resolve_space(search.training_space(step_mode), step_mode)
+    assert steps["local-steps"] == IntRange(5, 20, log=True)
+    assert "local-epochs" not in steps
+    epochs = resolve_space(search.training_space(BASE), BASE)
+    assert epochs["local-epochs"] == IntRange(1, 3)
+
+
+@pytest.mark.parametrize(
+    ("space", "message"),
+    [
+        ({"learning-rate": LogUniform(0.001, 0.1)}, "'learning-rate' is not a run-config key"),
+        ({"lr": LogUniform(0.0, 0.1)}, "log-scaled but starts at 0.0"),
+        ({"lr": Uniform(0.1, 0.1)}, "'lr' is empty"),
+        ({"optimizer": Uniform(0.0, 1.0)}, "the key holds str values"),
+        ({"weight-decay": Around()}, "needs the setup's value > 0, got 0.0"),
+        ({"fedprox-mu": Uniform(-1.0, 1.0)}, "'fedprox-mu' reaches -1.0"),
+        ({"optimizer": Choice(("sgd", "rmsprop"))}, "reaches 'rmsprop'"),
+        ({"apfl-alpha": Uniform(0.0, 2.0)}, "'apfl-alpha' reaches 2.0"),
+        ({"local-epochs": Choice(())}, "no choices"),
+    ],
+)
+def test_a_bad_space_is_refused_naming_key_and_value(space: dict, message: str) -> None:
+    with pytest.raises(SearchSpaceError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        resolve_space(space, BASE)
+
+
+def test_every_methods_declared_space_resolves_on_its_setups() -> None:
+    checked = set()
+    for method, spec in METHODS.items():
+        for setup_file in sorted((CONFIG_ROOT / method).glob("*.toml")):
+            shared = (CONFIG_ROOT / "setups" / setup_file.name).is_file()
+            if not shared and "dataset" not in tomllib.loads(setup_file.read_text()):
+                continue  # a variant of the method, not a setup
+            base = cell_config(method, setup_file.stem, 0, Path("/tmp/unused"))
+            space = resolve_space(search.method_space(base), base)
+            assert "lr" in space and set(spec.search) <= set(space)
+            checked.add(method)
+    assert {"fedprox", "per-fedavg", "tap", "fedperfix", "pfedseq"} <= checked
+
+
+def test_a_trial_draws_inside_the_space_with_optuna() -> None:
+    optuna = pytest.importorskip("optuna")
+    space = resolve_space(
+        {
+            "lr": LogUniform(1e-3, 1e-1),
+            "local-epochs": IntRange(1, 3),
+            "optimizer": Choice(("sgd", "adam")),
+        },
+        BASE,
+    )
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    for _ in range(20):
+        values = search.suggest(study.ask(), space)
+        assert 1e-3 <= values["lr"] <= 1e-1 and values["local-epochs"] in (1, 2, 3)
+        assert values["optimizer"] in ("sgd", "adam")
+        ExperimentConfig.from_run_config({**BASE, **values})
+
+
+# --- the validation split and the sealed test split -------------------------------------------
+
+
+def test_a_sealed_split_refuses_every_use() -> None:
+    sealed = SealedSplit("test", "evaluation-split = val")
+    for use in (len, iter, bool, lambda s: s[0], lambda s: s.tensors):
+        with pytest.raises(SealedSplitError, match="the test split is sealed"):
+            use(sealed)
+
+
+def test_evaluation_on_val_needs_a_validation_split() -> None:
+    with pytest.raises(ConfigError, match="'evaluation-split' = 'val'.*val-fraction > 0"):
+        ExperimentConfig.from_run_config({"evaluation-split": "val"})
+    with pytest.raises(ConfigError, match="has no validation split"):
+        ExperimentConfig.from_run_config(
+            {
+                "evaluation-split": "val",
+                "val-fraction": 0.1,
+                "dataset": "instructions",
+                "backbone": "tiny-llama",
+                "method": "feddpa-t",
+            }
+        )
+    with pytest.raises(ConfigError, match="allowed: test, val"):
+        ExperimentConfig.from_run_config({"evaluation-split": "train"})
+
+
+def test_a_val_run_evaluates_the_validation_rows_only(
+    small_run_config: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fedfm_flower import training
+    from fedfm_flower.data.federated import load_client_data
+    from server_apps.inprocess import run_in_process
+
+    evaluated: list[torch.Tensor] = []
+    real = training.evaluate
+
+    def spy(task, model, data, **kwargs):  # noqa: ANN001, ANN202
+        evaluated.append(data.tensors[0])
+        return real(task, model, data, **kwargs)
+
+    monkeypatch.setattr(training, "evaluate", spy)
+    config = {
+        **small_run_config,
+        "method": "fedavg",
+        "num-clients": 2,
+        "val-fraction": 0.2,
+        "evaluation-split": "val",
+        "eval-every": 1,
+    }
+    summary, _ = run_in_process(config, 2)
+    assert summary["evaluation-split"] == "val"
+    parsed = ExperimentConfig.from_run_config(config)
+    splits = [load_client_data(parsed, c, 2) for c in range(2)]
+    assert len(evaluated) == 2 * 2  # two clients, two rounds
+    for images in evaluated:
+        assert any(torch.equal(images, s.val.tensors[0]) for s in splits)
+        assert not any(
+            images.shape == s.test.tensors[0].shape and torch.equal(images, s.test.tensors[0])
+            for s in splits
+        )
+
+
+# --- the tuning command ------------------------------------------------------------------------
+
+
+def _tune_argv(out: Path, cache_dir: Path) -> list[str]:
+    return [
+        "--methods", "fedprox",
+        "--setups", "digits-label-skew",
+        "--trials", "2",
+        "--sampler", "random",
+        "--seeds", "0",
+        "--out", str(out),
+        "--set", "num-server-rounds=2", "num-clients=2", f"cache-dir='{cache_dir}'",
+        "pretrain-epochs=30",
+    ]  # fmt: skip
+
+
+def test_tune_selects_on_validation_then_runs_the_choice_on_test(
+    tmp_path: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fedfm_flower import training, tune
+    from fedfm_flower.report.build import main as report_main
+
+    splits_read: list[str] = []
+    real = training.evaluate
+
+    def spy(task, model, data, **kwargs):  # noqa: ANN001, ANN202
+        splits_read.append("sealed" if isinstance(data, SealedSplit) else "data")
+        return real(task, model, data, **kwargs)
+
+    monkeypatch.setattr(training, "evaluate", spy)
+    out = tmp_path / "tuned"
+    assert tune.main(_tune_argv(out, cache_dir)) == 0
+
+    document = json.loads((out / "tuning.json").read_text())
+    (study,) = document["studies"]
+    assert study["budget"] == 2 and [t["state"] for t in study["trials"]] == ["complete"] * 2
+    assert set(study["space"]) == {"lr", "local-epochs", "fedprox-mu"}
+    best = max(study["trials"], key=lambda t: (t["score"], -t["number"]))
+    assert study["chosen"] == {"trial": best["number"], "values": best["values"]}
+    for trial in study["trials"]:  # every trial evaluated on validation data, test sealed
+        run_config = json.loads((Path(trial["run"]) / "config.json").read_text())["run-config"]
+        assert run_config["evaluation-split"] == "val" and run_config["val-fraction"] == 0.15
+        summary = json.loads((Path(trial["run"]) / "summary.json").read_text())
+        assert summary["final-test-accuracy-mean"] == pytest.approx(trial["score"])
+        assert all(run_config[k] == v for k, v in trial["values"].items())
+
+    final = out / "runs" / "fedprox-digits-label-skew-s0"
+    final_config = json.loads((final / "config.json").read_text())["run-config"]
+    assert final_config["evaluation-split"] == "test" and final_config["val-fraction"] == 0.15
+    assert all(final_config[k] == v for k, v in best["values"].items())
+    # 2 trials x 2 rounds x 2 clients on validation, then 2 x 2 on test; nothing sealed read
+    assert splits_read == ["data"] * (2 * 4 + 4)
+
+    report = tmp_path / "report"
+    assert report_main([str(out), "--out", str(report), "--reference", "fedprox"]) == 0
+    numbers = json.loads((report / "report.json").read_text())
+    assert numbers["runs"] == [str(final.resolve())]  # the trials' runs are not in the tables
+    assert "## Tuning" in (report / "report.md").read_text()
+
+    # rerunning resumes: no new trial is drawn, nothing is run again
+    (out / "tuning.json").unlink()
+    splits_read.clear()
+    assert tune.main(_tune_argv(out, cache_dir)) == 0
+    assert splits_read == []
+    again = json.loads((out / "tuning.json").read_text())["studies"][0]
+    assert again["trials"] == study["trials"] and again["chosen"] == study["chosen"]
+
+
+def test_tune_refuses_a_bad_space_before_any_trial(tmp_path: Path, capsys) -> None:
+    from fedfm_flower import tune
+
+    argv = ["--methods", "fedprox", "--setups", "digits-label-skew", "--trials", "2"]
+    assert tune.main([*argv, "--out", str(tmp_path / "o"), "--set", "lr=0"]) == 2
+    assert "'lr' = 0.0" in capsys.readouterr().err
+    assert tune.main([*argv[:-1], "0", "--out", str(tmp_path / "p")]) == 2
+    assert "--trials must be >= 1" in capsys.readouterr().err
