@@ -11,13 +11,16 @@ for ``method:variant`` (the papers' ablations), the ``--set`` overrides, and fin
 cell's identity: ``method``, ``seed``, ``label`` (``method:variant``), ``setup``, the output
 directory and the run name ``<method>-<variant>-<setup><tag>-s<seed>``.
 
-Each run is the real ServerApp loop and ClientApp in this process (``server_apps.inprocess``),
+Each run is the real ServerApp loop and ClientApp in one process (``server_apps.inprocess``),
 with client state on disk under ``<out>/client-state`` so that an interrupted run resumes
-exactly. Rerunning the same command skips finished runs (their ``summary.json`` exists),
-resumes interrupted ones from their newest checkpoint, and starts the rest. Every cell's config
+exactly. Runs go one after another in this process, or with ``--ray`` / ``--ray-address`` as
+parallel Ray tasks (``fedfm_flower.pools``), on this machine or a Ray cluster. Rerunning the
+same command skips finished runs (their ``summary.json`` exists), resumes interrupted ones from
+their newest checkpoint, and starts the rest. Every cell's config
 is validated before the first run (a bad one: exit status 2, nothing run); a run that fails is
 reported, the others still run, and the exit status is 1. ``<out>/sweep.json`` lists every cell
-run into ``<out>`` (this sweep's and earlier ones') with its state, time and error.
+run into ``<out>`` (this sweep's and earlier ones') with its state, time and error, as each
+finishes.
 """
 
 from __future__ import annotations
@@ -173,23 +176,24 @@ def _earlier_records(out: Path) -> dict[str, dict[str, Any]]:
         return {}
 
 
+def _identity(cell: Cell) -> dict[str, Any]:
+    return {"label": cell.label, "setup": cell.setup, "seed": cell.seed, "run": str(cell.run_dir)}
+
+
 def failed_record(cell: Cell, error: str) -> dict[str, Any]:
     """The record of a cell that did not finish (``error`` says why)."""
-    record = {"label": cell.label, "setup": cell.setup, "seed": cell.seed, "run": str(cell.run_dir)}
-    return {**record, "state": "failed", "error": error[:2000]}
+    return {**_identity(cell), "state": "failed", "error": error[:2000]}
 
 
 def cell_record(cell: Cell) -> dict[str, Any]:
     """Run (or resume, or reuse) ``cell``; its record: state before and after, the final value
     of its primary metric, its seconds, or the error that stopped it."""
-    record = {"label": cell.label, "setup": cell.setup, "seed": cell.seed}
-    record["run"] = str(cell.run_dir)
-    record["state-before"] = cell_state(cell)
+    record = {**_identity(cell), "state-before": cell_state(cell)}
     started = time.perf_counter()
     try:
         summary = run_cell(cell)
     except Exception as err:  # noqa: BLE001 - report it, run the other cells
-        record.update(state="failed", error=f"{type(err).__name__}: {err}"[:2000])
+        record.update(failed_record(cell, f"{type(err).__name__}: {err}"))
     else:
         metric = summary.get("primary-metric", "accuracy")
         value = summary.get(f"final-test-{metric}-mean", float("nan"))
@@ -230,8 +234,14 @@ def run_sweep(cells: list[Cell], out: Path, pool: CellPool | None = None) -> lis
     return [done[cell.run_dir] for cell in cells]
 
 
-def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
-    """The command-line options of where cells run (``fedfm_flower.pools``)."""
+def add_grid_arguments(parser: argparse.ArgumentParser) -> None:
+    """The command-line options of which cells to build and where they run (the sweep's and
+    the tuning command's)."""
+    parser.add_argument("--methods", nargs="+", required=True, help="method or method:variant")
+    parser.add_argument("--setups", nargs="+", required=True, help="configs/setups/<name>.toml")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--tag", default="", help="suffix of the setup names of --set runs")
+    parser.add_argument("--configs", type=Path, default=CONFIG_ROOT, help=argparse.SUPPRESS)
     group = parser.add_argument_group("parallel cells on Ray")
     group.add_argument("--ray", action="store_true", help="run cells as Ray tasks on this machine")
     group.add_argument(
@@ -251,14 +261,9 @@ def pool_from_arguments(args: argparse.Namespace) -> CellPool:
 def main(argv: list[str] | None = None) -> int:
     """Run the sweep; exit status 0 (all done), 1 (a run failed) or 2 (bad arguments)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--methods", nargs="+", required=True, help="method or method:variant")
-    parser.add_argument("--setups", nargs="+", required=True, help="configs/setups/<name>.toml")
+    add_grid_arguments(parser)
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--out", type=Path, required=True, help="sweep directory")
-    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--tag", default="", help="suffix of the setup names of --set runs")
-    parser.add_argument("--configs", type=Path, default=CONFIG_ROOT, help=argparse.SUPPRESS)
-    add_pool_arguments(parser)
     args = parser.parse_args(argv)
     from fedfm_flower.logs import configure_logging
 

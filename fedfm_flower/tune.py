@@ -42,7 +42,7 @@ from fedfm_flower.settings import require_package
 from fedfm_flower.sweep import (
     CONFIG_ROOT,
     Cell,
-    add_pool_arguments,
+    add_grid_arguments,
     cell_config,
     check_configs,
     pool_from_arguments,
@@ -281,8 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     """Tune, then run the chosen values; exit 0 (all done), 1 (a study or run failed), 2 (bad
     arguments: nothing run)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--methods", nargs="+", required=True, help="method or method:variant")
-    parser.add_argument("--setups", nargs="+", required=True, help="configs/setups/<name>.toml")
+    add_grid_arguments(parser)
     parser.add_argument("--trials", type=int, required=True, help="budget per method x setup")
     parser.add_argument("--sampler", choices=SAMPLERS, default="tpe")
     parser.add_argument("--tune-seed", type=int, default=0, help="seed of the tuning runs")
@@ -294,10 +293,6 @@ def main(argv: list[str] | None = None) -> int:
         help="validation share for setups that hold none (also in their final runs)",
     )
     parser.add_argument("--out", type=Path, required=True, help="tuning directory")
-    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--tag", default="", help="suffix of the setup names of --set runs")
-    parser.add_argument("--configs", type=Path, default=CONFIG_ROOT, help=argparse.SUPPRESS)
-    add_pool_arguments(parser)
     args = parser.parse_args(argv)
     from fedfm_flower.logs import configure_logging
 

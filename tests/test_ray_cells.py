@@ -4,6 +4,7 @@ checkpoint to the serial run's results."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -44,14 +45,22 @@ def _metrics(run: Path) -> list[dict]:
     return [strip(json.loads(line)) for line in (run / "metrics.jsonl").open() if line.strip()]
 
 
-def _ray_sweep(argv: list[str], address: str) -> subprocess.Popen:
-    """The sweep as its own Ray driver process, joining the cluster at ``address``."""
-    return subprocess.Popen(
+@contextlib.contextmanager
+def _ray_sweep(argv: list[str], address: str) -> Iterator[subprocess.Popen]:
+    """The sweep as its own Ray driver process, joining the cluster at ``address`` (killed if
+    the test fails before it ends)."""
+    process = subprocess.Popen(
         [sys.executable, "-m", "fedfm_flower.sweep", *argv, "--ray-address", address],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
+    try:
+        yield process
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
 
 
 @pytest.fixture(scope="module")
@@ -75,9 +84,9 @@ def test_cells_on_two_ray_nodes_equal_the_serial_sweep(
 ) -> None:
     serial, parallel = tmp_path / "serial", tmp_path / "ray"
     assert sweep.main(_sweep_argv(["fedavg", "local"], serial, cache_dir, 2)) == 0
-    process = _ray_sweep(_sweep_argv(["fedavg", "local"], parallel, cache_dir, 2), two_nodes)
-    output, _ = process.communicate(timeout=900)
-    assert process.returncode == 0, output[-3000:]
+    with _ray_sweep(_sweep_argv(["fedavg", "local"], parallel, cache_dir, 2), two_nodes) as p:
+        output, _ = p.communicate(timeout=900)
+    assert p.returncode == 0, output[-3000:]
 
     cells = json.loads((parallel / "sweep.json").read_text())["cells"]
     assert [c["state"] for c in cells] == ["done", "done"]
@@ -109,18 +118,18 @@ def test_a_cell_whose_worker_is_killed_resumes_from_its_checkpoint(
     rounds, name = 6, "fedavg-digits-label-skew-s0"
     serial, parallel = tmp_path / "serial", tmp_path / "ray"
     assert sweep.main(_sweep_argv(["fedavg"], serial, cache_dir, rounds)) == 0
-    process = _ray_sweep(_sweep_argv(["fedavg"], parallel, cache_dir, rounds), two_nodes)
     run = RunDirectory(parallel / "runs" / name)
-    deadline = time.monotonic() + 600
-    while not run.checkpoint_rounds() and process.poll() is None:
-        assert time.monotonic() < deadline, "no checkpoint within 600 s"
-        time.sleep(0.1)
-    pids = _worker_pids("_ray_cell")
-    assert len(pids) == 1 and process.poll() is None, "the cell should still be running"
-    os.kill(pids[0], signal.SIGKILL)
-    killed_after = max(run.checkpoint_rounds())
-    output, _ = process.communicate(timeout=900)
-    assert process.returncode == 0, output[-3000:]
+    with _ray_sweep(_sweep_argv(["fedavg"], parallel, cache_dir, rounds), two_nodes) as p:
+        deadline = time.monotonic() + 600
+        while not run.checkpoint_rounds() and p.poll() is None:
+            assert time.monotonic() < deadline, "no checkpoint within 600 s"
+            time.sleep(0.1)
+        pids = _worker_pids("_ray_cell")
+        assert len(pids) == 1 and p.poll() is None, "the cell should still be running"
+        os.kill(pids[0], signal.SIGKILL)
+        killed_after = max(run.checkpoint_rounds())
+        output, _ = p.communicate(timeout=900)
+    assert p.returncode == 0, output[-3000:]
 
     assert killed_after < rounds
     (record,) = json.loads((parallel / "sweep.json").read_text())["cells"]
