@@ -509,3 +509,27 @@ def test_meteor_by_hand(monkeypatch: pytest.MonkeyPatch) -> None:
         (1 - 0.5 * 1.0) / 2  # one exact single-word match (penalty 0.5), one miss
     )
     assert tg.meteor_tokens("Ann, a baker.") == ["ann", ",", "a", "baker", "."]
+
+
+def test_validation_split_comes_out_of_train_and_leaves_test_alone(
+    settings: mt.MultitaskSettings,
+    everyone: dict,
+    tokenizer,  # noqa: ANN001
+) -> None:
+    import dataclasses
+    import math
+
+    with_val = dataclasses.replace(settings, val_fraction=0.25)
+    for p in range(N):
+        for task, (rest, test, val) in mt.client_splits(with_val, p, N).items():
+            old_train, old_test = everyone[p][task]
+            assert test.ids == old_test.ids  # the test split does not move
+            assert set(rest.ids) | set(val.ids) == set(old_train.ids)
+            assert not set(rest.ids) & set(val.ids)
+            share = len(old_train.ids) + len(old_test.ids)
+            assert len(val.ids) == max(1, math.floor(0.25 * share))
+    data = _data(with_val, tokenizer, 2)
+    held = mt.client_splits(with_val, 2, N)
+    assert len(data.val) == sum(len(v.ids) for _, _, v in held.values())
+    assert data.val.references == tuple(t for _, _, v in held.values() for t in v.targets)
+    assert _data(settings, tokenizer, 2).val is None  # val-fraction 0: no validation split

@@ -195,6 +195,7 @@ class MultitaskSettings:
     seed: int = 0
     public_fraction: float = 0.3
     test_fraction: float = 0.2
+    val_fraction: float = 0.0  # of each share, after the test part; 0: no validation split
     image_size: int = NATIVE_SIZE
     sizes: MultitaskSizes = field(default_factory=MultitaskSizes)
     style_skew: bool = False  # an image pair's holders each get one style (module docstring)
@@ -207,6 +208,7 @@ class MultitaskSettings:
             seed=config.seed,
             public_fraction=config.public_fraction,
             test_fraction=config.test_fraction,
+            val_fraction=config.val_fraction,
             image_size=config.image_size,
             style_skew=config.multitask_style_skew,
         )
@@ -273,8 +275,10 @@ def task_holders(task: str, num_partitions: int) -> tuple[int, ...]:
 
 def _split_positions(
     settings: MultitaskSettings, task: str, partition_id: int, num_partitions: int
-) -> tuple[list[int], list[int]]:
-    """(train, test) positions in ``task``'s pool of the client's share."""
+) -> tuple[list[int], list[int], list[int]]:
+    """(train, test, validation) positions in ``task``'s pool of the client's share: the
+    shuffled share's first ``test_fraction`` is test, the next ``val_fraction`` validation (so
+    the test split does not depend on ``val_fraction``), the rest train."""
     if not 0.0 < settings.test_fraction < 1.0:
         raise ValueError(f"test_fraction must be in (0, 1), got {settings.test_fraction}")
     holders = task_holders(task, num_partitions)
@@ -282,7 +286,9 @@ def _split_positions(
     share = list(range(total * rank // len(holders), total * (rank + 1) // len(holders)))
     random.Random(f"fedfm-multitask-test:{settings.seed}:{task}:{partition_id}").shuffle(share)
     test_size = max(1, math.floor(settings.test_fraction * len(share))) if share else 0
-    return share[test_size:], share[:test_size]
+    val_size = max(1, math.floor(settings.val_fraction * len(share))) if share else 0
+    val_end = test_size + (val_size if settings.val_fraction > 0 else 0)
+    return share[val_end:], share[:test_size], share[test_size:val_end]
 
 
 def client_counts(
@@ -291,7 +297,7 @@ def client_counts(
     """{pair: (train, test) example counts} of a client, without building any example."""
     counts = {}
     for task in client_tasks(partition_id, num_partitions):
-        train, test = _split_positions(settings, task, partition_id, num_partitions)
+        train, test, _ = _split_positions(settings, task, partition_id, num_partitions)
         counts[task] = (len(train), len(test))
     return counts
 
@@ -300,6 +306,17 @@ def client_examples(
     settings: MultitaskSettings, partition_id: int, num_partitions: int
 ) -> dict[str, tuple[TaskExamples, TaskExamples]]:
     """{pair: (train, test)} raw examples of client ``partition_id``, pairs in order."""
+    return {
+        task: (train, test)
+        for task, (train, test, _) in client_splits(settings, partition_id, num_partitions).items()
+    }
+
+
+def client_splits(
+    settings: MultitaskSettings, partition_id: int, num_partitions: int
+) -> dict[str, tuple[TaskExamples, TaskExamples, TaskExamples]]:
+    """{pair: (train, test, validation)} raw examples of client ``partition_id``, pairs in
+    order (validation empty when ``val_fraction`` is 0)."""
     pools = task_pools(
         settings.cache_dir,
         settings.seed,
@@ -310,10 +327,9 @@ def client_examples(
     arrays = _glyph_arrays(settings.cache_dir, settings.sizes.glyphs)
     examples = {}
     for task in client_tasks(partition_id, num_partitions):
-        train, test = _split_positions(settings, task, partition_id, num_partitions)
         examples[task] = tuple(
             _take(task, pools[task], positions, arrays, settings.image_size)
-            for positions in (train, test)
+            for positions in _split_positions(settings, task, partition_id, num_partitions)
         )
     return examples
 

@@ -34,7 +34,7 @@ TASKS: dict[str, TaskEntry] = {
         "fedfm_flower.tasks.instructions:InstructionFollowing", "text"
     ),
     "multimodal-multitask": TaskEntry(
-        "fedfm_flower.tasks.multitask:MultimodalMultitask", "multimodal"
+        "fedfm_flower.tasks.multitask:MultimodalMultitask", "multimodal", validation=True
     ),
 }
 

@@ -69,7 +69,7 @@ from fedfm_flower.data.multitask import (
     MultitaskSettings,
     TaskExamples,
     client_counts,
-    client_examples,
+    client_splits,
     client_tasks,
 )
 from fedfm_flower.methods.tap import HISTORIES
@@ -106,6 +106,7 @@ class MultitaskData:
     train: TensorDataset
     test: MultitaskTest
     tasks: tuple[str, ...]
+    val: MultitaskTest | None = None  # None when val-fraction is 0
 
 
 @dataclass(frozen=True)
@@ -364,19 +365,24 @@ def build_client_data(
     max_length: int,
     max_new_tokens: int,
 ) -> MultitaskData:
-    """A client's encoded train rows and test split (``client_data`` without a run config)."""
-    splits = client_examples(settings, partition_id, num_partitions)
+    """A client's encoded train rows, test and validation splits (``client_data`` without a
+    run config)."""
+    splits = client_splits(settings, partition_id, num_partitions)
 
     def encode(parts: list[TaskExamples]) -> TensorDataset:
         return encode_examples(tokenizer, parts, settings.image_size, max_length)
 
-    tests = [test for _, test in splits.values()]
+    def evaluation_split(parts: list[TaskExamples]) -> MultitaskTest:
+        targets = tuple(t for part in parts for t in part.targets)
+        return MultitaskTest(encode(parts), targets, max_new_tokens)
+
     return MultitaskData(
-        encode([train for train, _ in splits.values()]),
-        MultitaskTest(
-            encode(tests), tuple(t for test in tests for t in test.targets), max_new_tokens
-        ),
+        encode([train for train, _, _ in splits.values()]),
+        evaluation_split([test for _, test, _ in splits.values()]),
         tuple(splits),
+        evaluation_split([val for _, _, val in splits.values()])
+        if settings.val_fraction > 0
+        else None,
     )
 
 
