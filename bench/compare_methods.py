@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fedfm_flower import sweep
+from fedfm_flower import cells, sweep
 from fedfm_flower.overrides import parse_overrides
 from fedfm_flower.results import RunDirectory
 
@@ -50,8 +50,8 @@ def run_one(config: dict[str, Any], method: str, setup: str) -> dict:
     """One in-process experiment of a ``cell_config`` (reused when finished, resumed when
     interrupted); returns its summary plus the method, the setup (with its tag) and the bytes
     each client sends per round."""
-    cell = sweep.Cell(method, setup, int(config["seed"]), config)
-    summary = sweep.run_cell(cell)
+    cell = cells.Cell(method, setup, int(config["seed"]), config)
+    summary = cells.run_cell(cell)
     records = RunDirectory(cell.run_dir).rounds()
     up = statistics.fmean(r["bytes-up-train"] / max(r["clients-reported"], 1) for r in records)
     return {

@@ -2,7 +2,7 @@
 
 A pool takes cells (``submit``) and hands back each finished cell with its record
 (``next_done``), in the order they finish. Both pools run the same function,
-``fedfm_flower.sweep.cell_record``, so a cell's results do not depend on where it ran.
+``fedfm_flower.cells.cell_record``, so a cell's results do not depend on where it ran.
 
 ``RayPool`` makes each cell a Ray task with declared resources (``num_cpus``, ``num_gpus``,
 fractions allowed), on a Ray instance it starts on this machine or on an existing cluster
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from fedfm_flower.sweep import Cell
+    from fedfm_flower.cells import Cell
 
 
 class CellPool(Protocol):
@@ -64,7 +64,7 @@ class SerialPool:
 
     def next_done(self) -> tuple[Cell, dict[str, Any]]:
         """Run the oldest queued cell now."""
-        from fedfm_flower.sweep import cell_record
+        from fedfm_flower.cells import cell_record
 
         cell = self._queue.popleft()
         return cell, cell_record(cell)
@@ -94,8 +94,8 @@ def _ray_cell(cell: Cell) -> dict[str, Any]:
     """A cell's record, computed in a Ray worker, with the id of the node it ran on."""
     import ray
 
+    from fedfm_flower.cells import cell_record
     from fedfm_flower.logs import configure_logging
-    from fedfm_flower.sweep import cell_record
 
     configure_logging()
     return {**cell_record(cell), "node": ray.get_runtime_context().get_node_id()}
@@ -148,7 +148,7 @@ class RayPool:
         try:
             return cell, ray.get(ref)
         except ray.exceptions.RayError as err:  # the worker died more often than max_retries
-            from fedfm_flower.sweep import failed_record
+            from fedfm_flower.cells import failed_record
 
             return cell, failed_record(cell, f"Ray task lost: {err}")
 

@@ -27,14 +27,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
-import time
 import tomllib
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fedfm_flower.cells import Cell
 from fedfm_flower.durable import atomic_write_text
 from fedfm_flower.overrides import parse_overrides
 
@@ -42,21 +40,6 @@ if TYPE_CHECKING:
     from fedfm_flower.pools import CellPool
 
 CONFIG_ROOT = Path(__file__).resolve().parent.parent / "configs"
-
-
-@dataclass(frozen=True)
-class Cell:
-    """One run of the sweep: a method label, a setup, a seed and its full run config."""
-
-    label: str  # method or method:variant
-    setup: str
-    seed: int
-    config: dict[str, Any]
-
-    @property
-    def run_dir(self) -> Path:
-        """Where the run writes its results."""
-        return Path(self.config["output-dir"]) / self.config["run-name"]
 
 
 def run_name(label: str, setup: str, tag: str, seed: int) -> str:
@@ -138,68 +121,12 @@ def check_configs(configs: list[dict[str, Any]]) -> None:
             raise ValueError(f"run {config['run-name']}: {err}") from err
 
 
-def cell_state(cell: Cell) -> str:
-    """'done' (summary written), 'interrupted' (a checkpoint to resume from) or 'new'."""
-    from fedfm_flower.results import RunDirectory
-
-    if (cell.run_dir / "summary.json").is_file():
-        return "done"
-    if RunDirectory(cell.run_dir).checkpoint_rounds():
-        return "interrupted"
-    return "new"
-
-
-def run_cell(cell: Cell) -> dict[str, Any]:
-    """Run (or resume, or reuse) one cell; returns its summary."""
-    state = cell_state(cell)
-    if state == "done":
-        return json.loads((cell.run_dir / "summary.json").read_text())
-    from server_apps.inprocess import run_in_process
-
-    config = dict(cell.config)
-    if state == "interrupted":
-        config["resume"] = True
-    elif cell.run_dir.exists():
-        shutil.rmtree(cell.run_dir)  # started but never checkpointed: start it over
-    clients = int(config.get("num-clients", 0))
-    if clients < 1:
-        raise ValueError(f"run {config['run-name']}: the sweep needs num-clients >= 1")
-    summary, _ = run_in_process(config, clients)
-    return summary
-
-
 def _earlier_records(out: Path) -> dict[str, dict[str, Any]]:
     """Records of earlier sweeps into ``out`` (by run directory); none if unreadable."""
     try:
         return {r["run"]: r for r in json.loads((out / "sweep.json").read_text())["cells"]}
     except (OSError, ValueError, KeyError, TypeError):
         return {}
-
-
-def _identity(cell: Cell) -> dict[str, Any]:
-    return {"label": cell.label, "setup": cell.setup, "seed": cell.seed, "run": str(cell.run_dir)}
-
-
-def failed_record(cell: Cell, error: str) -> dict[str, Any]:
-    """The record of a cell that did not finish (``error`` says why)."""
-    return {**_identity(cell), "state": "failed", "error": error[:2000]}
-
-
-def cell_record(cell: Cell) -> dict[str, Any]:
-    """Run (or resume, or reuse) ``cell``; its record: state before and after, the final value
-    of its primary metric, its seconds, or the error that stopped it."""
-    record = {**_identity(cell), "state-before": cell_state(cell)}
-    started = time.perf_counter()
-    try:
-        summary = run_cell(cell)
-    except Exception as err:  # noqa: BLE001 - report it, run the other cells
-        record.update(failed_record(cell, f"{type(err).__name__}: {err}"))
-    else:
-        metric = summary.get("primary-metric", "accuracy")
-        value = summary.get(f"final-test-{metric}-mean", float("nan"))
-        record.update(state="done", metric=metric, final=value)
-    record["seconds"] = time.perf_counter() - started
-    return record
 
 
 def run_sweep(cells: list[Cell], out: Path, pool: CellPool | None = None) -> list[dict[str, Any]]:

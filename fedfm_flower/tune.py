@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fedfm_flower.cells import Cell
 from fedfm_flower.durable import atomic_write_text
 from fedfm_flower.overrides import parse_overrides
 from fedfm_flower.pools import CellPool
@@ -41,7 +42,6 @@ from fedfm_flower.search import Resolved, describe, method_space, resolve_space,
 from fedfm_flower.settings import require_package
 from fedfm_flower.sweep import (
     CONFIG_ROOT,
-    Cell,
     add_grid_arguments,
     cell_config,
     check_configs,

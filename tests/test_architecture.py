@@ -261,7 +261,9 @@ def test_every_method_is_one_unit():
     from strategies.base import PersonalizedStrategy
 
     modules = module_files()
-    light = {"fedfm_flower.methods", "fedfm_flower.settings"}
+    light = {"fedfm_flower.methods", "fedfm_flower.settings", "fedfm_flower.search"}
+    search = modules["fedfm_flower.search"].read_text()
+    assert "import torch" not in search and "import flwr" not in search
     for name, path in modules.items():
         if name.startswith("fedfm_flower.methods."):
             assert imports_of(name, path, modules) <= light, name
