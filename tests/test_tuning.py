@@ -103,19 +103,21 @@ def test_a_sealed_split_refuses_every_use() -> None:
             use(sealed)
 
 
-def test_evaluation_on_val_needs_a_validation_split() -> None:
+def test_evaluation_on_val_needs_a_validation_split(monkeypatch: pytest.MonkeyPatch) -> None:
+    import dataclasses
+
+    from fedfm_flower import tasks
+
     with pytest.raises(ConfigError, match="'evaluation-split' = 'val'.*val-fraction > 0"):
         ExperimentConfig.from_run_config({"evaluation-split": "val"})
-    with pytest.raises(ConfigError, match="has no validation split"):
-        ExperimentConfig.from_run_config(
-            {
-                "evaluation-split": "val",
-                "val-fraction": 0.1,
-                "dataset": "instructions",
-                "backbone": "tiny-llama",
-                "method": "feddpa-t",
-            }
-        )
+    val_run = {"evaluation-split": "val", "val-fraction": 0.1}
+    ExperimentConfig.from_run_config(val_run)
+    entry = tasks.TASKS["image-classification"]
+    monkeypatch.setitem(
+        tasks.TASKS, "image-classification", dataclasses.replace(entry, validation=False)
+    )
+    with pytest.raises(ConfigError, match="task 'image-classification'\\) has no validation"):
+        ExperimentConfig.from_run_config(val_run)
     with pytest.raises(ConfigError, match="allowed: test, val"):
         ExperimentConfig.from_run_config({"evaluation-split": "train"})
 
@@ -154,6 +156,21 @@ def test_a_val_run_evaluates_the_validation_rows_only(
             images.shape == s.test.tensors[0].shape and torch.equal(images, s.test.tensors[0])
             for s in splits
         )
+
+
+def test_instruction_validation_comes_out_of_train_and_leaves_test_alone() -> None:
+    from fedfm_flower.tasks import get_task
+
+    task = get_task("instruction-following")
+    for client in range(8):
+        plain = ExperimentConfig(dataset="instructions", backbone="tiny-llama")
+        with_val = ExperimentConfig(dataset="instructions", backbone="tiny-llama", val_fraction=0.2)
+        train, test, val = task._splits(plain, client, 8)
+        rest, test_again, held = task._splits(with_val, client, 8)
+        assert val == () and test_again == test
+        assert len(held) == max(1, int(0.2 * (len(train) + len(test))))
+        assert sorted(map(repr, rest + held)) == sorted(map(repr, train))
+        assert not set(map(repr, rest)) & set(map(repr, held))
 
 
 # --- the tuning command ------------------------------------------------------------------------

@@ -31,7 +31,7 @@ TASKS: dict[str, TaskEntry] = {
         "fedfm_flower.tasks.classification:ImageClassification", "image", validation=True
     ),
     "instruction-following": TaskEntry(
-        "fedfm_flower.tasks.instructions:InstructionFollowing", "text"
+        "fedfm_flower.tasks.instructions:InstructionFollowing", "text", validation=True
     ),
     "multimodal-multitask": TaskEntry(
         "fedfm_flower.tasks.multitask:MultimodalMultitask", "multimodal", validation=True

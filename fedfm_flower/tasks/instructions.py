@@ -20,6 +20,8 @@ test-time tasks" (sec. 5.2).
 from __future__ import annotations
 
 import functools
+import math
+import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -44,6 +46,7 @@ class InstructionData:
     train: TensorDataset  # (input_ids, attention_mask, labels), right-padded
     test: InstructionTest
     task: str  # the instruction task of this client
+    val: InstructionTest | None = None  # None when val-fraction is 0
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,22 @@ class InstructionFollowing(Task):
 
     def _splits(
         self, config: ExperimentConfig, partition_id: int, num_partitions: int
+    ) -> tuple[tuple[Example, ...], tuple[Example, ...], tuple[Example, ...]]:
+        """(train, test, validation) of a client: the source's train and test split, and
+        ``val-fraction`` of the client's examples drawn out of its train split (seeded; the test
+        split does not depend on it; validation empty when ``val-fraction`` is 0)."""
+        train, test = self._source_splits(config, partition_id, num_partitions)
+        if config.val_fraction <= 0 or not train:
+            return train, test, ()
+        size = max(1, math.floor(config.val_fraction * (len(train) + len(test))))
+        order = list(range(len(train)))
+        random.Random(f"fedfm-instructions-val:{config.seed}:{partition_id}").shuffle(order)
+        val = set(order[:size])
+        kept = tuple(e for i, e in enumerate(train) if i not in val)
+        return kept, test, tuple(train[i] for i in sorted(val))
+
+    def _source_splits(
+        self, config: ExperimentConfig, partition_id: int, num_partitions: int
     ) -> tuple[tuple[Example, ...], tuple[Example, ...]]:
         if config.dataset == "flan":  # FedDPA's Flan files under data-dir (or a Hub id)
             from fedfm_flower.data.flan import flan_client_split
@@ -109,18 +128,23 @@ class InstructionFollowing(Task):
         from fedfm_flower.models.causal_lm import tokenizer_of
         from fedfm_flower.models.language.encoding import encode_for_training
 
-        train, test = self._splits(config, partition_id, num_partitions)
+        train, test, val = self._splits(config, partition_id, num_partitions)
         tokenizer = tokenizer_of(config)
-        return InstructionData(
-            encode_for_training(tokenizer, train, config.max_length),
-            InstructionTest(
-                test,
-                encode_for_training(tokenizer, test, config.max_length),
+
+        def evaluation_split(examples: tuple[Example, ...], which: int) -> InstructionTest:
+            return InstructionTest(
+                examples,
+                encode_for_training(tokenizer, examples, config.max_length),
                 config.max_new_tokens,
                 config.batch_size,
-                self._other_tasks_tests(config, partition_id, num_partitions),
-            ),
+                self._other_tasks_tests(config, partition_id, num_partitions, which),
+            )
+
+        return InstructionData(
+            encode_for_training(tokenizer, train, config.max_length),
+            evaluation_split(test, 1),
             self._client_task(config, partition_id),
+            evaluation_split(val, 2) if config.val_fraction > 0 else None,
         )
 
     def _client_task(self, config: ExperimentConfig, partition_id: int) -> str:
@@ -137,12 +161,13 @@ class InstructionFollowing(Task):
         return {str(p): self._client_task(config, p) for p in range(num_clients)}
 
     def _other_tasks_tests(
-        self, config: ExperimentConfig, partition_id: int, num_partitions: int
+        self, config: ExperimentConfig, partition_id: int, num_partitions: int, which: int = 1
     ) -> tuple[tuple[Example, ...], ...]:
-        """Every other task's test examples (all its clients'), when test-time evaluation is on."""
+        """Every other task's test examples (all its clients'; ``which`` = 2: their validation
+        examples), when test-time evaluation is on."""
         if not config.test_time_evaluation:
             return ()
-        tests = [self._splits(config, p, num_partitions)[1] for p in range(num_partitions)]
+        tests = [self._splits(config, p, num_partitions)[which] for p in range(num_partitions)]
         own = {e.task for e in tests[partition_id]}
         by_task: dict[str, list[Example]] = {}
         for test in tests:
@@ -157,8 +182,8 @@ class InstructionFollowing(Task):
 
         counts = []
         for client in range(num_clients):
-            train, test = self._splits(config, client, num_clients)
-            counts.append(ClientExamples(len(train), len(test), 0))
+            train, test, val = self._splits(config, client, num_clients)
+            counts.append(ClientExamples(len(train), len(test), len(val)))
         return counts
 
     def batches(
