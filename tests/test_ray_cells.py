@@ -79,12 +79,23 @@ def two_nodes() -> Iterator[str]:
         cluster.shutdown()
 
 
+ROUNDS = 3
+
+
+@pytest.fixture(scope="module")
+def serial(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> Path:
+    """The serial sweep of fedavg and local (the reference of both tests)."""
+    out = tmp_path_factory.mktemp("serial")
+    assert sweep.main(_sweep_argv(["fedavg", "local"], out, cache_dir, ROUNDS)) == 0
+    return out
+
+
 def test_cells_on_two_ray_nodes_equal_the_serial_sweep(
-    two_nodes: str, tmp_path: Path, cache_dir: Path
+    two_nodes: str, serial: Path, tmp_path: Path, cache_dir: Path
 ) -> None:
-    serial, parallel = tmp_path / "serial", tmp_path / "ray"
-    assert sweep.main(_sweep_argv(["fedavg", "local"], serial, cache_dir, 2)) == 0
-    with _ray_sweep(_sweep_argv(["fedavg", "local"], parallel, cache_dir, 2), two_nodes) as p:
+    parallel = tmp_path / "ray"
+    argv = _sweep_argv(["fedavg", "local"], parallel, cache_dir, ROUNDS)
+    with _ray_sweep(argv, two_nodes) as p:
         output, _ = p.communicate(timeout=900)
     assert p.returncode == 0, output[-3000:]
 
@@ -93,7 +104,7 @@ def test_cells_on_two_ray_nodes_equal_the_serial_sweep(
     assert len({c["node"] for c in cells}) == 2  # one cell per node: both nodes worked
     for name in ("fedavg-digits-label-skew-s0", "local-digits-label-skew-s0"):
         ours, theirs = _metrics(parallel / "runs" / name), _metrics(serial / "runs" / name)
-        assert len(ours) == 2 and ours == theirs  # every value of every round, bit for bit
+        assert len(ours) == ROUNDS and ours == theirs  # every value of every round, bit for bit
 
 
 def _worker_pids(task: str) -> list[int]:
@@ -111,15 +122,13 @@ def _worker_pids(task: str) -> list[int]:
 
 
 def test_a_cell_whose_worker_is_killed_resumes_from_its_checkpoint(
-    two_nodes: str, tmp_path: Path, cache_dir: Path
+    two_nodes: str, serial: Path, tmp_path: Path, cache_dir: Path
 ) -> None:
     from fedfm_flower.results import RunDirectory
 
-    rounds, name = 6, "fedavg-digits-label-skew-s0"
-    serial, parallel = tmp_path / "serial", tmp_path / "ray"
-    assert sweep.main(_sweep_argv(["fedavg"], serial, cache_dir, rounds)) == 0
+    name, parallel = "fedavg-digits-label-skew-s0", tmp_path / "ray"
     run = RunDirectory(parallel / "runs" / name)
-    with _ray_sweep(_sweep_argv(["fedavg"], parallel, cache_dir, rounds), two_nodes) as p:
+    with _ray_sweep(_sweep_argv(["fedavg"], parallel, cache_dir, ROUNDS), two_nodes) as p:
         deadline = time.monotonic() + 600
         while not run.checkpoint_rounds() and p.poll() is None:
             assert time.monotonic() < deadline, "no checkpoint within 600 s"
@@ -131,9 +140,9 @@ def test_a_cell_whose_worker_is_killed_resumes_from_its_checkpoint(
         output, _ = p.communicate(timeout=900)
     assert p.returncode == 0, output[-3000:]
 
-    assert killed_after < rounds
+    assert killed_after < ROUNDS
     (record,) = json.loads((parallel / "sweep.json").read_text())["cells"]
     assert record["state"] == "done" and record["state-before"] == "interrupted"  # the retry
     ours, theirs = _metrics(parallel / "runs" / name), _metrics(serial / "runs" / name)
-    assert [r["round"] for r in ours] == list(range(1, rounds + 1))  # each round once
+    assert [r["round"] for r in ours] == list(range(1, ROUNDS + 1))  # each round once
     assert ours == theirs

@@ -4,6 +4,7 @@ and ``fedfm_flower.tune`` end to end (trials, choice, final runs, report, resume
 from __future__ import annotations
 
 import json
+import math
 import tomllib
 from pathlib import Path
 
@@ -249,3 +250,85 @@ def test_tune_refuses_a_bad_space_before_any_trial(tmp_path: Path, capsys) -> No
     assert "'lr' = 0.0" in capsys.readouterr().err
     assert tune.main([*argv[:-1], "0", "--out", str(tmp_path / "p")]) == 2
     assert "--trials must be >= 1" in capsys.readouterr().err
+
+
+class _OutOfOrderPool:
+    """A pool that holds ``capacity`` cells and finishes the newest first, scoring each cell by
+    a known function of its values (no run): the scheduling of ``run_trials`` alone."""
+
+    def __init__(self, capacity: int, score) -> None:  # noqa: ANN001
+        self.held: list = []
+        self.most_held = 0
+        self.submitted: list = []
+        self._capacity, self._score = capacity, score
+
+    def capacity(self) -> int:
+        return self._capacity
+
+    def submit(self, cell) -> None:  # noqa: ANN001
+        self.held.append(cell)
+        self.submitted.append(cell)
+        self.most_held = max(self.most_held, len(self.held))
+
+    def pending(self) -> int:
+        return len(self.held)
+
+    def next_done(self):  # noqa: ANN201
+        cell = self.held.pop()
+        value = self._score(cell.config)
+        return cell, {"state": "done", "metric": "accuracy", "final": value}
+
+    def close(self) -> None:
+        pass
+
+
+def _studies(tmp_path: Path, trials: int):  # noqa: ANN202
+    import argparse
+
+    from fedfm_flower import tune
+
+    args = argparse.Namespace(
+        out=tmp_path, tune_seed=0, val_fraction=0.15, tag="", configs=CONFIG_ROOT,
+        sampler="random", trials=trials,
+    )  # fmt: skip
+    return tune.open_studies(["fedavg", "fedprox"], ["digits-label-skew"], args, {})
+
+
+def test_parallel_trials_keep_the_budget_and_score_every_trial(tmp_path: Path) -> None:
+    pytest.importorskip("optuna")
+    from fedfm_flower import tune
+
+    def score(config: dict) -> float:  # best at lr = 0.02, whatever else
+        return -abs(math.log(config["lr"] / 0.02))
+
+    studies = _studies(tmp_path, trials=5)
+    pool = _OutOfOrderPool(capacity=3, score=score)
+    tune.run_trials(studies, pool)
+    assert pool.most_held == 3 and len(pool.submitted) == 2 * 5
+    for study in studies:
+        trials = study.optuna_study.get_trials()
+        assert [t.state.name for t in trials] == ["COMPLETE"] * 5
+        for trial in trials:  # each trial scored by its own values
+            assert trial.value == pytest.approx(score({**study.base, **trial.params}))
+        assert study.best().value == max(t.value for t in trials)
+    record = tune.study_record(studies[1])
+    assert set(record["space"]) == {"lr", "local-epochs", "fedprox-mu"}
+    assert record["chosen"]["values"] == studies[1].best().params
+
+
+def test_a_trial_left_running_is_rerun_with_its_values(tmp_path: Path) -> None:
+    pytest.importorskip("optuna")
+    from fedfm_flower import search, tune
+
+    (first, _) = _studies(tmp_path, trials=2)
+    orphan = first.optuna_study.ask()  # a command died while this trial ran
+    values = search.suggest(orphan, first.space)
+    studies = _studies(tmp_path, trials=2)  # the rerun opens the same journal
+    pool = _OutOfOrderPool(capacity=1, score=lambda config: config["lr"])
+    tune.run_trials(studies, pool)
+    reran = pool.submitted[0]
+    assert reran.config["run-name"].endswith(f"-t{orphan.number:03d}-s0")
+    assert all(reran.config[k] == v for k, v in values.items())
+    trials = studies[0].optuna_study.get_trials()
+    assert [t.state.name for t in trials] == ["COMPLETE", "COMPLETE"]
+    assert trials[orphan.number].params == values
