@@ -1,7 +1,7 @@
 """Wall time of one sweep run serially and as parallel Ray cells on this machine.
 
     python -m bench.parallel_sweep [--methods fedavg local fedrep fedavg-ft] [--seeds 0 1]
-        [--rounds 5] [--out bench/results/parallel_sweep]
+        [--rounds 5] [--clients 10] [--out bench/results/parallel_sweep]
 
 Both runs build the same cells (``fedfm_flower.sweep.build_cells``) into fresh directories: the
 serial pool in this process (torch's default threads), then a Ray instance started here with one
@@ -38,7 +38,11 @@ def _metrics(run: Path) -> list[Any]:
 
 
 def _timed_sweep(args: argparse.Namespace, out: Path, pool: Any) -> tuple[float, list[Any]]:
-    overrides = {"num-server-rounds": args.rounds, "cache-dir": args.cache_dir}
+    overrides = {
+        "num-server-rounds": args.rounds,
+        "num-clients": args.clients,
+        "cache-dir": args.cache_dir,
+    }
     cells = build_cells(args.methods, [args.setup], args.seeds, out, overrides)
     started = time.perf_counter()
     try:
@@ -59,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--setup", default="digits-label-skew")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--clients", type=int, default=10)
     parser.add_argument("--cache-dir", default=str(Path(tempfile.gettempdir()) / "fedfm-cache"))
     parser.add_argument("--out", type=Path, default=Path("bench/results/parallel_sweep"))
     args = parser.parse_args(argv)
@@ -83,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         "setup": args.setup,
         "seeds": args.seeds,
         "rounds": args.rounds,
+        "clients": args.clients,
         "serial-seconds": round(serial_s, 1),
         "ray-seconds": round(ray_s, 1),
         "speedup": round(serial_s / ray_s, 2),
