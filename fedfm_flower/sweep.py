@@ -115,6 +115,11 @@ def check_configs(configs: list[dict[str, Any]]) -> None:
 
     defaults = ExperimentConfig().to_run_config()
     for config in configs:
+        if int(config.get("num-clients", 0)) < 1:  # in process, no node config gives the count
+            raise ValueError(
+                f"run {config['run-name']}: num-clients = {config.get('num-clients', 0)}; a "
+                "sweep runs in process and needs num-clients >= 1 (--set num-clients=N)"
+            )
         try:
             ExperimentConfig.from_run_config({**defaults, **config})
         except ConfigError as err:

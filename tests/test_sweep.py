@@ -96,3 +96,12 @@ def test_sweep_runs_resumes_and_feeds_the_report(tmp_path: Path, cache_dir: Path
     assert report_main([str(out), "--out", str(report)]) == 0
     table = (report / "table.md").read_text()
     assert "local (reference)" in table and "| fedrep |" in table
+
+
+def test_a_cell_without_a_client_count_fails_before_any_run(tmp_path: Path, capsys) -> None:
+    configs = _configs(tmp_path / "configs")
+    (configs / "setups" / "toy.toml").write_text('dataset = "digits"\n')  # no num-clients
+    argv = ["--methods", "local", "--setups", "toy", "--seeds", "0", "--out", str(tmp_path / "o")]
+    assert sweep.main([*argv, "--configs", str(configs)]) == 2
+    assert "num-clients = 0" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
