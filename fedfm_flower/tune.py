@@ -260,8 +260,27 @@ def final_cells(
                 study.label, study.setup, seed, out, {**overrides, **values}, study.tag, configs
             )
             cells.append(Cell(study.label, study.setup + study.tag, seed, config))
+            _refuse_stale_run(cells[-1], values)
     check_configs([cell.config for cell in cells])
     return cells
+
+
+def _refuse_stale_run(cell: Cell, values: dict[str, Any]) -> None:
+    """A ``ValueError`` when the cell's run directory holds a run made with other values (the
+    choice changed since, e.g. with a larger ``--trials``): resuming or reusing it would report
+    values that were not chosen."""
+    try:
+        made = json.loads((cell.run_dir / "config.json").read_text())["run-config"]
+    except (OSError, ValueError, KeyError):
+        return
+    differ = {k: (made.get(k), v) for k, v in values.items() if made.get(k) != v}
+    if differ:
+        said = ", ".join(f"{k} = {old!r}, now {new!r}" for k, (old, new) in differ.items())
+        raise ValueError(
+            f"final run {cell.run_dir} was made with other values ({said}); move it (and "
+            f"{cell.config['client-state-dir']}/{cell.run_dir.name}, if there) away, or tune "
+            "into a new --out"
+        )
 
 
 def write_tuning(studies: list[Study], out: Path, args: argparse.Namespace) -> None:
@@ -311,7 +330,11 @@ def main(argv: list[str] | None = None) -> int:
         run_trials(studies, pool)
         write_tuning(studies, args.out, args)
         unscored = [s.name for s in studies if s.best() is None]
-        cells = final_cells(studies, args.seeds, args.out, overrides, args.configs)
+        try:
+            cells = final_cells(studies, args.seeds, args.out, overrides, args.configs)
+        except ValueError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 1
         records = run_sweep(cells, args.out, pool)
     finally:
         pool.close()
