@@ -23,18 +23,12 @@ from typing import Any
 
 from fedfm_flower.durable import atomic_write_text
 from fedfm_flower.pools import RayPool, RayResources, SerialPool
+from fedfm_flower.results import RunDirectory
 from fedfm_flower.sweep import build_cells, run_sweep
-
-VOLATILE = ("seconds", "time", "started", "finished")
 
 
 def _metrics(run: Path) -> list[Any]:
-    def strip(value: Any) -> Any:
-        if isinstance(value, dict):
-            return {k: strip(v) for k, v in value.items() if not any(w in k for w in VOLATILE)}
-        return value
-
-    return [strip(json.loads(line)) for line in (run / "metrics.jsonl").open() if line.strip()]
+    return RunDirectory(run).rounds_without_times()
 
 
 def _timed_sweep(args: argparse.Namespace, out: Path, pool: Any) -> tuple[float, list[Any]]:

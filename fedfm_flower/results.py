@@ -40,6 +40,9 @@ def default_run_name(config: ExperimentConfig) -> str:
     return f"{config.method}-{config.dataset}-s{config.seed}-{stamp}"
 
 
+_WALL_CLOCK = re.compile("seconds|time|started|finished")
+
+
 class RunDirectory:
     """Reads and writes one run's results."""
 
@@ -88,6 +91,17 @@ class RunDirectory:
             return []
         with open(self.metrics_path) as handle:
             return [json.loads(line) for line in handle if line.strip()]
+
+    def rounds_without_times(self) -> list[dict[str, Any]]:
+        """The round records without their wall-clock values (keys naming seconds, times,
+        starts or ends, at any depth): what two runs of the same work must share bit for bit."""
+
+        def strip(value: Any) -> Any:
+            if isinstance(value, dict):
+                return {k: strip(v) for k, v in value.items() if not _WALL_CLOCK.search(k)}
+            return value
+
+        return [strip(record) for record in self.rounds()]
 
     def replace_round(self, record: dict[str, Any]) -> None:
         """Rewrite metrics.jsonl atomically with ``record`` in place of the record of its round

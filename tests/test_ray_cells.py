@@ -20,8 +20,6 @@ from fedfm_flower import sweep
 
 ray = pytest.importorskip("ray")
 
-VOLATILE = ("seconds", "time", "started", "finished")  # wall-clock facts of a round
-
 
 def _sweep_argv(methods: list[str], out: Path, cache_dir: Path, rounds: int) -> list[str]:
     return [
@@ -35,14 +33,9 @@ def _sweep_argv(methods: list[str], out: Path, cache_dir: Path, rounds: int) -> 
 
 
 def _metrics(run: Path) -> list[dict]:
-    """A run's per-round records without their wall-clock values."""
+    from fedfm_flower.results import RunDirectory
 
-    def strip(value: object) -> object:
-        if isinstance(value, dict):
-            return {k: strip(v) for k, v in value.items() if not any(w in k for w in VOLATILE)}
-        return value
-
-    return [strip(json.loads(line)) for line in (run / "metrics.jsonl").open() if line.strip()]
+    return RunDirectory(run).rounds_without_times()
 
 
 @contextlib.contextmanager
