@@ -41,7 +41,7 @@ def cell_state(cell: Cell) -> str:
 
 
 def run_cell(cell: Cell) -> dict[str, Any]:
-    """Run (or resume, or reuse) one cell; returns its summary."""
+    """Run (or resume, or reuse) one cell checked by ``sweep.check_configs``; its summary."""
     state = cell_state(cell)
     if state == "done":
         return json.loads((cell.run_dir / "summary.json").read_text())
@@ -52,10 +52,7 @@ def run_cell(cell: Cell) -> dict[str, Any]:
         config["resume"] = True
     elif cell.run_dir.exists():
         shutil.rmtree(cell.run_dir)  # started but never checkpointed: start it over
-    clients = int(config.get("num-clients", 0))
-    if clients < 1:
-        raise ValueError(f"run {config['run-name']}: the sweep needs num-clients >= 1")
-    summary, _ = run_in_process(config, clients)
+    summary, _ = run_in_process(config, int(config["num-clients"]))  # sweep.check_configs
     return summary
 
 

@@ -44,39 +44,41 @@ class Trial(Protocol):
 
 
 @dataclass(frozen=True)
-class LogUniform:
-    """A float, log-uniform over [lo, hi] (lo > 0)."""
+class _Interval:
+    """A range between two ends, both included; ``log``: log-scaled."""
 
     lo: float
     hi: float
+
+    log = False
+
+    def extremes(self) -> tuple[Any, ...]:
+        """The values that bound the range."""
+        return (self.lo, self.hi)
+
+
+@dataclass(frozen=True)
+class LogUniform(_Interval):
+    """A float, log-uniform over [lo, hi] (lo > 0)."""
+
+    log = True
 
     def suggest(self, trial: Trial, key: str) -> float:
         """The trial's value of ``key``."""
         return trial.suggest_float(key, self.lo, self.hi, log=True)
 
-    def extremes(self) -> tuple[Any, ...]:
-        """The values that bound the range."""
-        return (self.lo, self.hi)
-
 
 @dataclass(frozen=True)
-class Uniform:
+class Uniform(_Interval):
     """A float, uniform over [lo, hi]."""
-
-    lo: float
-    hi: float
 
     def suggest(self, trial: Trial, key: str) -> float:
         """The trial's value of ``key``."""
         return trial.suggest_float(key, self.lo, self.hi)
 
-    def extremes(self) -> tuple[Any, ...]:
-        """The values that bound the range."""
-        return (self.lo, self.hi)
-
 
 @dataclass(frozen=True)
-class IntRange:
+class IntRange(_Interval):
     """An int in [lo, hi], both included; ``log``: log-uniform (lo >= 1)."""
 
     lo: int
@@ -86,10 +88,6 @@ class IntRange:
     def suggest(self, trial: Trial, key: str) -> int:
         """The trial's value of ``key``."""
         return trial.suggest_int(key, self.lo, self.hi, log=self.log)
-
-    def extremes(self) -> tuple[Any, ...]:
-        """The values that bound the range."""
-        return (self.lo, self.hi)
 
 
 @dataclass(frozen=True)
@@ -193,8 +191,7 @@ def _check_range(key: str, rng: Resolved, kind: type) -> None:
         )
     if not rng.lo < rng.hi:
         raise SearchSpaceError(f"search space '{key}' is empty: [{rng.lo}, {rng.hi}]")
-    log = isinstance(rng, LogUniform) or (isinstance(rng, IntRange) and rng.log)
-    if log and not rng.lo > 0:
+    if rng.log and not rng.lo > 0:
         raise SearchSpaceError(f"search space '{key}' is log-scaled but starts at {rng.lo}")
 
 

@@ -65,23 +65,17 @@ class Study:
     space: dict[str, Resolved]
     optuna_study: Any
     trials: int  # the budget
-    running: dict[int, Cell] = field(default_factory=dict)  # trial number -> its cell
+    finished: int = 0  # trials scored or failed (they count against the budget)
+    running: dict[Path, int] = field(default_factory=dict)  # run directory -> trial number
 
     @property
     def name(self) -> str:
         """The Optuna study name (one journal holds every study of the directory)."""
-        return f"{self.label}@{self.setup}{self.tag}"
-
-    def finished(self) -> list[Any]:
-        """Trials scored or failed (they count against the budget)."""
-        import optuna
-
-        states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL)
-        return self.optuna_study.get_trials(deepcopy=False, states=states)
+        return study_name(self.label, self.setup, self.tag)
 
     def left(self) -> int:
         """Trials still to draw."""
-        return self.trials - len(self.finished()) - len(self.running)
+        return self.trials - self.finished - len(self.running)
 
     def trial_cell(self, number: int, values: dict[str, Any]) -> Cell:
         """The cell of trial ``number`` with ``values``."""
@@ -98,6 +92,11 @@ class Study:
             deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)
         )
         return max(scored, key=lambda t: (t.value, -t.number), default=None)
+
+
+def study_name(label: str, setup: str, tag: str) -> str:
+    """The Optuna study name of ``label`` on ``setup`` (with the sweep's tag)."""
+    return f"{label}@{setup}{tag}"
 
 
 def make_sampler(name: str, seed: int, trials: int) -> Any:
@@ -164,13 +163,15 @@ def open_studies(
             space = resolve_space(method_space(base), base)
             sampler = make_sampler(args.sampler, args.tune_seed, args.trials)
             study = optuna.create_study(
-                study_name=f"{label}@{setup}{args.tag}",
+                study_name=study_name(label, setup, args.tag),
                 storage=storage,
                 sampler=sampler,
                 direction="maximize",
                 load_if_exists=True,
             )
-            studies.append(Study(label, setup, args.tag, base, space, study, args.trials))
+            ended = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL)
+            finished = len(study.get_trials(deepcopy=False, states=ended))
+            studies.append(Study(label, setup, args.tag, base, space, study, args.trials, finished))
     return studies
 
 
@@ -178,22 +179,20 @@ def run_trials(studies: list[Study], pool: CellPool) -> None:
     """Draw and run every study's missing trials in ``pool``, as many at once as it holds."""
     import optuna
 
-    by_run: dict[Path, tuple[Study, int]] = {}
-
     def start(study: Study, number: int, values: dict[str, Any]) -> None:
         cell = study.trial_cell(number, values)
-        study.running[number] = cell
-        by_run[cell.run_dir] = (study, number)
+        study.running[cell.run_dir] = number
         pool.submit(cell)
 
     for study in studies:  # trials an interrupted command left running: rerun them first
         for trial in study.optuna_study.get_trials(
             deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)
         ):
-            if len(study.finished()) + len(study.running) < study.trials:
+            if study.left() > 0:
                 start(study, trial.number, dict(trial.params))
             else:
                 study.optuna_study.tell(trial.number, state=optuna.trial.TrialState.FAIL)
+                study.finished += 1
     capacity = pool.capacity()
     while True:
         for study in studies:  # round-robin over studies while the pool has room
@@ -203,8 +202,8 @@ def run_trials(studies: list[Study], pool: CellPool) -> None:
         if not pool.pending():
             return
         cell, record = pool.next_done()
-        study, number = by_run.pop(cell.run_dir)
-        del study.running[number]
+        study = next(s for s in studies if cell.run_dir in s.running)
+        number = study.running.pop(cell.run_dir)
         value = record.get("final", math.nan)
         if record["state"] == "done" and math.isfinite(value):
             study.optuna_study.set_user_attr("metric", record["metric"])
@@ -213,8 +212,11 @@ def run_trials(studies: list[Study], pool: CellPool) -> None:
         else:
             study.optuna_study.tell(number, state=optuna.trial.TrialState.FAIL)
             outcome = f"failed: {record.get('error', f'final value {value}')}"
-        done = len(study.finished())
-        print(f"[{study.name} trial {number}, {done}/{study.trials}] {outcome}", flush=True)
+        study.finished += 1
+        print(
+            f"[{study.name} trial {number}, {study.finished}/{study.trials}] {outcome}",
+            flush=True,
+        )
 
 
 def study_record(study: Study) -> dict[str, Any]:
