@@ -21,6 +21,10 @@ On a GPU (``--gpu-fractions 1 0.25``) (b) runs once per GPU share: with share f,
 comparison with the bare loop (one client at a time); smaller shares show what concurrency buys.
 The accuracies then agree only to within the GPU's non-deterministic kernels (reported as the
 difference of the final mean accuracies).
+
+``--engines prompt flower`` runs (b) twice per N, with the simulation engine's prompt hand-offs
+(``fedfm_flower.prompt_engine``, the default) and with Flower's own 0.1 s ones
+(``FEDFM_PROMPT_ENGINE=0``), one after the other against the same bare loop.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from fedfm_flower.processes import exit_on_sigterm, stop_tagged
 from fedfm_flower.results import RunDirectory
 
 ROOT = Path(__file__).resolve().parent.parent
+ENGINES = ("prompt", "flower")
 # A timing benchmark, not an experiment: 100 clients of the digits hold a handful of examples
 # each, below the run config's default minimum partition size.
 TIMING_MINIMUMS = {"min-train-examples": 1, "min-test-examples": 1}
@@ -129,8 +134,10 @@ def run_flower_simulation(
     workdir: Path,
     name: str,
     gpu_fraction: float = 0.0,
+    engine: str = "prompt",
 ) -> dict:
-    """`flwr run` simulation in fresh processes; timings from the run's metrics.jsonl."""
+    """`flwr run` simulation in fresh processes; timings from the run's metrics.jsonl.
+    ``engine``: the simulation engine's hand-offs, ``prompt`` (ours) or ``flower`` (0.1 s)."""
     output = workdir / "runs"
     run_config = {
         **TIMING_MINIMUMS,
@@ -153,7 +160,11 @@ def run_flower_simulation(
         "--run-config",
         toml_pairs(run_config),
     ]
-    env = {**os.environ, "FLWR_HOME": str(workdir / "flwr-home")}
+    env = {
+        **os.environ,
+        "FLWR_HOME": str(workdir / "flwr-home"),
+        "FEDFM_PROMPT_ENGINE": "1" if engine == "prompt" else "0",
+    }
     shutil.rmtree(output / name, ignore_errors=True)  # results of an earlier invocation
     wall, memory = run_tagged(command, env, workdir / f"{name}.log")
     records = RunDirectory(output / name).rounds()
@@ -203,15 +214,17 @@ def measure(
     config: dict,
     workdir: Path,
     gpu_fractions: tuple[float, ...] = (0.0,),
+    engines: tuple[str, ...] = ("prompt",),
 ) -> list[dict]:
-    """Both sides for each client count (and GPU share); one row per (N, share)."""
+    """Both sides for each client count (and GPU share, engine); a row per (N, share, engine)."""
     cpus = usable_cpus()
     rows = []
     for num_clients in clients:
         bare = run_bare(num_clients, rounds, cpus, config, workdir)
-        for fraction in gpu_fractions:
+        for fraction, engine in [(f, e) for f in gpu_fractions for e in engines]:
             parallel, client_cpus = share_resources(fraction, cpus)
             name = f"fedavg-{num_clients}" + (f"-gpu{fraction:g}" if fraction else "")
+            name += "" if engine == "prompt" else f"-{engine}"
             flower = run_flower_simulation(
                 num_clients,
                 rounds,
@@ -220,6 +233,7 @@ def measure(
                 workdir,
                 name,
                 fraction,
+                engine,
             )
             difference = abs(flower["final-accuracy"] - bare["final-accuracy"])
             rows.append(
@@ -228,6 +242,7 @@ def measure(
                     "rounds": rounds,
                     "backbone": config.get("backbone", "tiny-vit"),
                     "gpu-fraction": fraction,
+                    "engine": engine,
                     "parallel-clients": parallel,
                     "threads-per-client": client_cpus,
                     "bare": bare,
@@ -251,12 +266,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--gpu-fractions", type=float, nargs="+", default=[0.0], help="GPU share per client"
     )
+    parser.add_argument(
+        "--engines",
+        nargs="+",
+        choices=ENGINES,
+        default=["prompt"],
+        help="the simulation engine's hand-offs: prompt (ours), flower (its 0.1 s tick)",
+    )
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args(argv)
     exit_on_sigterm()
     config: dict[str, Any] = {"num-server-rounds": args.rounds, "seed": 0}
     config.update(parse_overrides(args.set))
-    measure(args.clients, args.rounds, config, args.workdir, tuple(args.gpu_fractions))
+    measure(
+        args.clients,
+        args.rounds,
+        config,
+        args.workdir,
+        tuple(args.gpu_fractions),
+        tuple(args.engines),
+    )
     return 0
 
 

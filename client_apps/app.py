@@ -29,6 +29,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.clientapp import ClientApp
 
 from client_apps.warm import warm_worker_mod
+from fedfm_flower import prompt_engine
 from fedfm_flower import protocol as P
 
 if TYPE_CHECKING:
@@ -40,6 +41,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 app = ClientApp(mods=[warm_worker_mod])
+
+# The simulation engine loads this module before it starts its threads: give it prompt hand-offs.
+prompt_engine.install()
 
 
 def _runtime_and_logic(message: Message, context: Context):  # noqa: ANN202

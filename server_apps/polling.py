@@ -10,7 +10,9 @@ reaching the SuperLink. A pull that brings replies starts the pauses over: repli
 after another (clients share the cores, or finish at similar times), so once one is in the
 next is likely near, and the round's last reply is seen within a short pause rather than a
 grown one. A pull is one small request to the SuperLink on the ServerApp's own machine.
-Everything else is the wrapped grid's.
+In simulation the engine's prompt hand-offs (``fedfm_flower.prompt_engine``) cut both waits
+short: a push sets ``PUSHED`` (the engine picks the messages up at once) and a pause ends when
+the engine stores a reply (``REPLIED``). Everything else is the wrapped grid's.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from flwr.proto.node_pb2 import NodeInfo  # pylint: disable=E0611
 from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 
+from fedfm_flower.prompt_engine import PUSHED, REPLIED
 from fedfm_flower.waits import GrowingWait
 
 FIRST_PAUSE_S = 0.01
@@ -35,21 +38,29 @@ def pauses(first: float = FIRST_PAUSE_S, limit: float = MAX_PAUSE_S) -> GrowingW
     return GrowingWait(first, limit, GROWTH)
 
 
+def until_replied(seconds: float) -> None:
+    """Wait ``seconds``, or less when the simulation engine stores a reply meanwhile
+    (``fedfm_flower.prompt_engine``; elsewhere nothing sets it and this is a sleep)."""
+    REPLIED.wait(seconds)
+
+
 def push_and_pull(
     grid: Grid,
     messages: Iterable[Message],
     timeout: float | None,
     *,
     clock: Callable[[], float] = time.monotonic,
-    sleep: Callable[[float], None] = time.sleep,
+    sleep: Callable[[float], None] = until_replied,
 ) -> list[Message]:
     """Push ``messages``, then pull until every one has a reply or ``timeout`` seconds have
     passed (None: no limit); returns the replies received, as ``Grid.send_and_receive``."""
     waiting = set(grid.push_messages(messages))
+    PUSHED.set()
     deadline = None if timeout is None else clock() + timeout
     replies: list[Message] = []
     schedule = pauses()
     while True:
+        REPLIED.clear()  # a reply stored from here on ends the pause after this pull
         pulled = list(grid.pull_messages(waiting))
         replies.extend(pulled)
         waiting.difference_update(m.metadata.reply_to_message_id for m in pulled)
@@ -95,8 +106,10 @@ class PromptGrid(Grid):
         return self.grid.get_nodes()
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        """As the wrapped grid."""
-        return self.grid.push_messages(messages)
+        """As the wrapped grid; then wakes the simulation engine's pickup (``PUSHED``)."""
+        ids = list(self.grid.push_messages(messages))
+        PUSHED.set()
+        return ids
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
         """As the wrapped grid."""

@@ -12,21 +12,25 @@ from pathlib import Path
 import pytest
 
 from fedfm_flower.processes import pids_with_environment
+from fedfm_flower.results import RunDirectory
 from fedfm_flower.simulation import local_superlink_pids
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(420)
-def test_flwr_run_simulation_writes_a_run_and_leaves_nothing_running(
-    cache_dir: Path, tmp_path: Path
-) -> None:
-    flwr_home = tmp_path / "flwr-home"
-    env = {**os.environ, "FLWR_HOME": str(flwr_home), "HF_HUB_OFFLINE": "1"}
+def simulate(cache_dir: Path, tmp_path: Path, name: str, prompt_engine: bool) -> list[dict]:
+    """``flwr run`` of 2 FedAvg rounds on 3 SuperNodes through the launcher; its rounds without
+    their wall-clock values."""
+    flwr_home = tmp_path / f"flwr-home-{name}"
+    env = {
+        **os.environ,
+        "FLWR_HOME": str(flwr_home),
+        "HF_HUB_OFFLINE": "1",
+        "FEDFM_PROMPT_ENGINE": "1" if prompt_engine else "0",
+    }
     out = tmp_path / "runs"
     overrides = (
-        f"method='fedavg' num-server-rounds=2 run-name='sim' cache-dir='{cache_dir}' "
+        f"method='fedavg' num-server-rounds=2 run-name='{name}' cache-dir='{cache_dir}' "
         f"output-dir='{out}' pretrain-epochs=30"
     )
     result = subprocess.run(
@@ -49,12 +53,42 @@ def test_flwr_run_simulation_writes_a_run_and_leaves_nothing_running(
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-3000:]
     assert "[round   2/2] acc" in output  # the per-round progress line reaches the user
-    rounds = [json.loads(x) for x in (out / "sim" / "metrics.jsonl").read_text().splitlines()]
+    assert "keeps Flower's 0.1 s hand-offs" not in output  # the installed Flower is known
+    rounds = RunDirectory(out / name).rounds_without_times()
     assert [r["round"] for r in rounds] == [1, 2]
     assert all(r["clients-reported"] == 3 for r in rounds)
-    summary = json.loads((out / "sim" / "summary.json").read_text())
+    summary = json.loads((out / name / "summary.json").read_text())
     assert summary["final-test-accuracy-mean"] > 0.2
     assert local_superlink_pids(flwr_home) == []
+    return rounds
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(800)
+def test_flwr_run_simulation_writes_a_run_and_leaves_nothing_running(
+    cache_dir: Path, tmp_path: Path
+) -> None:
+    """A simulated run, with the engine's prompt hand-offs (the default) and with Flower's own
+    0.1 s ones: the same results, every value of every round (times aside)."""
+    prompt = simulate(cache_dir, tmp_path, "prompt", prompt_engine=True)
+    flower = simulate(cache_dir, tmp_path, "flower", prompt_engine=False)
+    assert prompt == flower
+
+
+def test_loading_the_clientapp_in_the_simulation_process_installs_the_prompt_hand_offs() -> None:
+    """The engine imports the ClientApp's module before it starts its threads (Flower 1.41's
+    ``start_vce``); that import puts the prompt functions in place (a fresh process)."""
+    script = (
+        "import flwr.server.superlink.fleet.vce.vce_api as engine\n"
+        "import client_apps.app\n"
+        "print(engine.add_messages_to_queue.__module__, engine.put_message_into_state.__module__)"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "FEDFM_PROMPT_ENGINE"}
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["fedfm_flower.prompt_engine"] * 2
 
 
 def test_sigterm_runs_the_clean_ups(tmp_path: Path) -> None:
