@@ -59,6 +59,7 @@ from fedfm_flower.models.build import prepare_foundation
 from fedfm_flower.records import record_dict_nbytes
 from fedfm_flower.results import RunDirectory, progress_line
 from fedfm_flower.tasks import task_of
+from fedfm_flower.waits import GrowingWait
 from strategies.base import PersonalizedStrategy
 from strategies.parts.context import NO_CONTEXT, RunContext
 from strategies.parts.outcome import PhaseOutcome
@@ -68,7 +69,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("fedfm_flower")
 
-NODE_WAIT_POLL_S = 1.0
+NODE_WAIT_FIRST_S, NODE_WAIT_LONGEST_S = 0.05, 1.0  # growing looks for the nodes at launch
 MAX_REASONS = 3  # rejection reasons quoted in a failure message
 
 
@@ -96,11 +97,12 @@ def wait_for_nodes(grid: Grid, config: ExperimentConfig) -> list[int]:
     """Wait until ``num-clients`` nodes (or at least one, when 0) are connected."""
     wanted = max(config.num_clients, 1)
     deadline = time.monotonic() + config.round_timeout
+    pauses = GrowingWait(NODE_WAIT_FIRST_S, NODE_WAIT_LONGEST_S)
     while True:
         nodes = list(grid.get_node_ids())
         if len(nodes) >= wanted or time.monotonic() > deadline:
             break
-        time.sleep(NODE_WAIT_POLL_S)
+        time.sleep(next(pauses))
     if len(nodes) < wanted:
         log.warning(
             "only %d of %d nodes connected after %.0fs; starting anyway",
