@@ -32,12 +32,15 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import logging
 import os
 import sys
 import threading
 from collections import Counter
 from queue import Empty, Queue
 from typing import Any
+
+log = logging.getLogger("fedfm_flower")
 
 ENGINE_MODULE = "flwr.server.superlink.fleet.vce.vce_api"
 ENV_SWITCH = "FEDFM_PROMPT_ENGINE"
@@ -130,4 +133,5 @@ def install() -> bool:
         return False
     for name, ours in REPLACEMENTS.items():
         setattr(engine, name, ours)
+    log.debug("simulation engine: prompt hand-offs in place")
     return True

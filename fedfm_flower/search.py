@@ -56,6 +56,10 @@ class _Interval:
         """The values that bound the range."""
         return (self.lo, self.hi)
 
+    def contains(self, value: Any) -> bool:
+        """Whether the range can give ``value``."""
+        return isinstance(value, int | float) and self.lo <= value <= self.hi
+
 
 @dataclass(frozen=True)
 class LogUniform(_Interval):
@@ -89,6 +93,10 @@ class IntRange(_Interval):
         """The trial's value of ``key``."""
         return trial.suggest_int(key, self.lo, self.hi, log=self.log)
 
+    def contains(self, value: Any) -> bool:
+        """Whether the range can give ``value`` (an int)."""
+        return isinstance(value, int) and self.lo <= value <= self.hi
+
 
 @dataclass(frozen=True)
 class Choice:
@@ -103,6 +111,10 @@ class Choice:
     def extremes(self) -> tuple[Any, ...]:
         """Every value."""
         return self.values
+
+    def contains(self, value: Any) -> bool:
+        """Whether ``value`` is one of the choices."""
+        return value in self.values
 
 
 @dataclass(frozen=True)
@@ -198,6 +210,15 @@ def _check_range(key: str, rng: Resolved, kind: type) -> None:
 def suggest(trial: Trial, space: Mapping[str, Resolved]) -> dict[str, Any]:
     """The trial's run-config values for every key of ``space`` (in declaration order)."""
     return {key: rng.suggest(trial, key) for key, rng in space.items()}
+
+
+def setup_values(space: Mapping[str, Resolved], base: Mapping[str, Any]) -> dict[str, Any]:
+    """The base run config's own values of the keys of ``space`` that their ranges can give
+    (a tuning study's first trial: the untuned run, on validation data)."""
+    from fedfm_flower.config import ExperimentConfig
+
+    full = {**ExperimentConfig().to_run_config(), **base}
+    return {key: full[key] for key, rng in space.items() if rng.contains(full[key])}
 
 
 def describe(rng: Resolved) -> str:

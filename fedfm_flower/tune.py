@@ -38,7 +38,14 @@ from fedfm_flower.cells import Cell
 from fedfm_flower.durable import atomic_write_text
 from fedfm_flower.overrides import parse_overrides
 from fedfm_flower.pools import CellPool
-from fedfm_flower.search import Resolved, describe, method_space, resolve_space, suggest
+from fedfm_flower.search import (
+    Resolved,
+    describe,
+    method_space,
+    resolve_space,
+    setup_values,
+    suggest,
+)
 from fedfm_flower.settings import require_package
 from fedfm_flower.sweep import (
     CONFIG_ROOT,
@@ -169,6 +176,8 @@ def open_studies(
                 direction="maximize",
                 load_if_exists=True,
             )
+            if args.setup_first and not study.get_trials(deepcopy=False):
+                study.enqueue_trial(setup_values(space, base))  # a new study: the untuned run
             ended = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL)
             finished = len(study.get_trials(deepcopy=False, states=ended))
             studies.append(Study(label, setup, args.tag, base, space, study, args.trials, finished))
@@ -290,6 +299,7 @@ def write_tuning(studies: list[Study], out: Path, args: argparse.Namespace) -> N
     document = {
         "sampler": args.sampler,
         "trials-per-study": args.trials,
+        "setup-first": args.setup_first,
         "tuning-seed": args.tune_seed,
         "final-seeds": args.seeds,
         "selection": "final mean client value of the primary metric on the validation split",
@@ -305,6 +315,12 @@ def main(argv: list[str] | None = None) -> int:
     add_grid_arguments(parser)
     parser.add_argument("--trials", type=int, required=True, help="budget per method x setup")
     parser.add_argument("--sampler", choices=SAMPLERS, default="tpe")
+    parser.add_argument(
+        "--no-setup-first",
+        dest="setup_first",
+        action="store_false",
+        help="draw every trial; default: a study's first trial is the setup's own values",
+    )
     parser.add_argument("--tune-seed", type=int, default=0, help="seed of the tuning runs")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="final runs")
     parser.add_argument(

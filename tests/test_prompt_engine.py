@@ -116,7 +116,10 @@ def test_the_prompt_extractor_queues_what_flowers_queues_in_the_same_order() -> 
     assert [partition for partition, _ in results["flower"]] == [0, 2, 4, 5, 2]
 
 
-def test_a_push_through_the_prompt_grid_wakes_the_extractor_and_counts_are_kept() -> None:
+def test_a_push_through_the_prompt_grid_wakes_the_extractor_and_counts_are_kept(
+    monkeypatch,
+) -> None:
+    monkeypatch.setattr(prompt_engine, "TICK_S", 3600.0)  # only a push can wake it in time
     state, grid, mapping = federation()
     nodes = list(mapping)
     queue, stop, thread = run_extractor(prompt_add_messages_to_queue, state, mapping)
@@ -127,14 +130,26 @@ def test_a_push_through_the_prompt_grid_wakes_the_extractor_and_counts_are_kept(
         got = drain(queue, 3)
         assert sorted(tags(got)) == sorted(f"b-{node}" for node in nodes[:3])
         assert undelivered_nodes(state) == {}  # all delivered, none asked for twice
-        # a push that does not set PUSHED (another grid) is still seen within Flower's tick
+        prompt.push_messages(messages(grid, [nodes[3], nodes[3]], "c"))  # two for one node
+        assert tags(drain(queue, 2)) == [f"c-{nodes[3]}"] * 2
+    finally:
+        stop.set()
+        PUSHED.set()  # the pause ends, the loop sees the stop
+        thread.join(timeout=5)
+    assert not thread.is_alive()
+
+
+def test_a_push_that_does_not_signal_is_seen_on_flowers_tick() -> None:
+    state, grid, mapping = federation()
+    nodes = list(mapping)
+    queue, stop, thread = run_extractor(prompt_add_messages_to_queue, state, mapping)
+    try:
         PUSHED.clear()
-        grid.push_messages(messages(grid, nodes[3:4], "c"))
-        assert tags(drain(queue, 1)) == [f"c-{nodes[3]}"]
+        grid.push_messages(messages(grid, nodes[:1], "d"))  # Flower's grid: no PUSHED
+        assert tags(drain(queue, 1)) == [f"d-{nodes[0]}"]
     finally:
         stop.set()
         thread.join(timeout=5)
-    assert not thread.is_alive()
 
 
 def test_the_prompt_injector_stores_each_reply_and_signals_it() -> None:

@@ -214,6 +214,12 @@ def test_tune_selects_on_validation_then_runs_the_choice_on_test(
     assert set(study["space"]) == {"lr", "local-epochs", "fedprox-mu"}
     best = max(study["trials"], key=lambda t: (t["score"], -t["number"]))
     assert study["chosen"] == {"trial": best["number"], "values": best["values"]}
+    # the first trial is the untuned run: the setup's own values (pyproject defaults, setup file)
+    untuned = ExperimentConfig.from_run_config(
+        cell_config("fedprox", "digits-label-skew", 0, out, {"num-clients": 2})
+    ).to_run_config()
+    assert study["trials"][0]["values"] == {k: untuned[k] for k in study["space"]}
+    assert study["trials"][1]["values"] != study["trials"][0]["values"]
     for trial in study["trials"]:  # every trial evaluated on validation data, test sealed
         run_config = json.loads((Path(trial["run"]) / "config.json").read_text())["run-config"]
         assert run_config["evaluation-split"] == "val" and run_config["val-fraction"] == 0.15
@@ -290,7 +296,7 @@ def _studies(tmp_path: Path, trials: int):  # noqa: ANN202
 
     args = argparse.Namespace(
         out=tmp_path, tune_seed=0, val_fraction=0.15, tag="", configs=CONFIG_ROOT,
-        sampler="random", trials=trials,
+        sampler="random", trials=trials, setup_first=True,
     )  # fmt: skip
     return tune.open_studies(["fedavg", "fedprox"], ["digits-label-skew"], args, {"num-clients": 2})
 

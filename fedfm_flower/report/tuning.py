@@ -30,11 +30,12 @@ def _value(value: Any) -> str:
 
 def markdown_tuning(document: dict[str, Any]) -> str:
     """Per study: its space, the chosen values, and every trial's values and score."""
+    first = "; the first at the setup's own values" if document.get("setup-first") else ""
     lines = [
         "## Tuning",
         "",
         f"{document['trials-per-study']} trials per method x setup ({document['sampler']} "
-        f"search, tuning seed {document['tuning-seed']}), each scored by the "
+        f"search, tuning seed {document['tuning-seed']}{first}), each scored by the "
         f"{document['selection']}; the chosen values ran at seeds "
         f"{', '.join(map(str, document['final-seeds']))} on the test split (the tables above).",
         "",
