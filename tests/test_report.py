@@ -169,3 +169,31 @@ def test_a_setup_without_the_reference_gets_no_tests(runs_dir: Path, tmp_path: P
     assert not (out / "gain-partial.png").exists() and (out / "curves-partial.png").exists()
     numbers = json.loads((out / "report.json").read_text())
     assert numbers["setups"]["partial"]["fedrep"]["versus-reference"] is None
+
+
+def test_against_pairs_each_method_with_its_own_other_runs(runs_dir: Path, tmp_path: Path) -> None:
+    """``--against``: this set's fedrep against the other set's fedrep (written under the
+    fedavg numbers), by seed and client id; a method the other set lacks is left out."""
+    other = tmp_path / "other"
+    for seed in (0, 1):
+        path = write_run(other, "fedavg", seed)
+        config = json.loads((path / "config.json").read_text())
+        config["run-config"].update(method="fedrep", label="fedrep")
+        (path / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "report"
+    argv = [str(runs_dir), "--out", str(out), "--against", str(other), "--against-name", "before"]
+    assert report_main(argv) == 0
+    (row,) = json.loads((out / "report.json").read_text())["against"]["rows"]
+    assert row["method"] == "fedrep" and row["seeds"] == [0, 1]
+    a = [100 * v for s in (0, 1) for v in FINAL["fedrep"][s]]
+    b = [100 * v for s in (0, 1) for v in FINAL["fedavg"][s]]
+    expected = stats.ttest_rel(a, b)
+    assert row["units"] == 8
+    assert row["mean-difference"] == pytest.approx(np.mean(np.subtract(a, b)))
+    assert row["p-value"] == pytest.approx(expected.pvalue)
+    per_seed = [100 * np.mean(FINAL["fedrep"][s]) for s in (0, 1)]
+    assert row["mean"] == pytest.approx(np.mean(per_seed))
+    assert row["verdict"] == ("higher" if expected.pvalue < 0.05 else "n.s.")
+    assert "## Against before" in (out / "report.md").read_text()
+    # nothing to compare with: exit 2 naming the path
+    assert report_main([str(runs_dir), "--out", str(out), "--against", str(tmp_path / "no")]) == 2

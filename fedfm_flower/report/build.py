@@ -7,7 +7,9 @@ with per-client ROUGE-1 ``feddpa-table-<setup>.md`` (``task_table``: FedDPA's Ta
 for a setup with per-pair metrics ``pairs-<setup>.md`` (``pair_table``: TAP's per-pair table,
 Welch's t-test), for a setup with TAP's replacement flags ``replacements-<setup>.png``
 (``replacements``: TAP's Fig. 3-4), and ``report.json`` (every number in the tables and
-figures, per-seed headline values and the runs read).
+figures, per-seed headline values and the runs read). With ``--against DIR`` the report adds
+each method against its own runs in DIR (``against``: tuned against untuned, after against
+before).
 Unfinished runs are listed, not used; runs evaluated on validation data (tuning trials) are
 never read; a setup without a finished run of the reference method gets its table cells and
 figures but no paired tests. Exit status 2 when no finished run is
@@ -24,7 +26,15 @@ from pathlib import Path
 from typing import Any
 
 from fedfm_flower.durable import atomic_write_text
-from fedfm_flower.report import figures, pair_table, replacements, tables, task_table, tuning
+from fedfm_flower.report import (
+    against,
+    figures,
+    pair_table,
+    replacements,
+    tables,
+    task_table,
+    tuning,
+)
 from fedfm_flower.report.runs import RunResult, load_runs
 
 
@@ -38,6 +48,7 @@ def write_report(
     reference: str,
     unfinished: list[Path] | None = None,
     tuning_documents: list[dict[str, Any]] | None = None,
+    others: tuple[str, list[RunResult]] | None = None,
 ) -> dict[str, Any]:
     """Render every table and figure of ``runs`` into ``out``; returns the report's numbers."""
     setups = list(dict.fromkeys(run.setup for run in runs))
@@ -127,6 +138,11 @@ def write_report(
             }
             for (_, label), cell in setup_cells.items()
         }
+    if others is not None:
+        name, other_runs = others
+        rows = against.build_against(runs, other_runs)
+        sections += [against.markdown_against(rows, name), ""]
+        numbers["against"] = against.against_numbers(rows, name)
     for document in tuning_documents or []:
         sections += [tuning.markdown_tuning(document), ""]
     if tuning_documents:
@@ -153,12 +169,33 @@ def main(argv: list[str] | None = None) -> int:
         default="",
         help="client test metric to report, e.g. ttp-rouge-1 (default: the task's primary one)",
     )
+    parser.add_argument(
+        "--against",
+        nargs="+",
+        type=Path,
+        default=[],
+        help="other runs: each method against its own runs there (e.g. untuned)",
+    )
+    parser.add_argument("--against-name", default="other", help="what to call those runs")
     args = parser.parse_args(argv)
     try:
         runs, unfinished = load_runs(args.runs, args.metric)
         if not runs:
             raise ValueError(f"no finished run under {', '.join(map(str, args.runs))}")
-        write_report(runs, args.out, args.reference, unfinished, tuning.find_tuning(args.runs))
+        others = None
+        if args.against:
+            other_runs, _ = load_runs(args.against, args.metric)
+            if not other_runs:
+                raise ValueError(f"no finished run under {', '.join(map(str, args.against))}")
+            others = (args.against_name, other_runs)
+        write_report(
+            runs,
+            args.out,
+            args.reference,
+            unfinished,
+            tuning.find_tuning(args.runs),
+            others,
+        )
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -47,13 +47,19 @@ def paired_units(a: RunResult, b: RunResult) -> tuple[list[float], list[float]]:
     return [a.final[c] for c in shared], [b.final[c] for c in shared]
 
 
+def by_cell(runs: Sequence[RunResult]) -> dict[tuple[str, str], dict[int, RunResult]]:
+    """``runs`` as {(setup, label): {seed: run}}, in the order they come."""
+    grouped: dict[tuple[str, str], dict[int, RunResult]] = {}
+    for run in runs:
+        grouped.setdefault((run.setup, run.label), {})[run.seed] = run
+    return grouped
+
+
 def build_cells(
     runs: Sequence[RunResult], reference: str, scale: float = 100.0
 ) -> dict[tuple[str, str], Cell]:
     """{(setup, label): Cell} over every setup and method present in ``runs``."""
-    grouped: dict[tuple[str, str], dict[int, RunResult]] = {}
-    for run in runs:
-        grouped.setdefault((run.setup, run.label), {})[run.seed] = run
+    grouped = by_cell(runs)
     cells = {}
     for (setup, label), by_seed in grouped.items():
         seeds = tuple(sorted(by_seed))
