@@ -15,7 +15,9 @@ each mode (``MODES``), then in ``flwr run`` simulation with N SuperNodes:
 * ``flower-waits``: the warm worker and prompt replies, with plain ``flower-supernode`` and its
   fixed waits (3 s between empty pulls, SuperExec 1 s);
 * ``warm``: the defaults: warm worker, ``server_apps.polling.PromptGrid`` and SuperNodes started
-  by ``fedfm_flower.deploy.supernode`` (idle waits from 0.1 s growing to 1 s).
+  by ``fedfm_flower.deploy.supernode`` (idle waits from 0.1 s growing to 1 s);
+* ``warm-executor``: ``warm`` with each node's ClientApp tasks in one kept process
+  (``fedfm_flower.deploy.superexec``): no ``flwr-clientapp`` process per message.
 
 Reported: steady-state round time (median of rounds 2..R-1) of each, their ratios to simulation,
 whether the modes gave the same metrics, and from the SuperNodes' logs the warm workers' handling
@@ -45,6 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 WORKER_LINE = re.compile(r"warm-worker\[\d+\].* (train|evaluate) message handled in ([0-9.]+) s")
+EXECUTOR_LINE = re.compile(r"warm executor: task \d+ \((\w+)\) completed in ([0-9.]+) s")
 STAMP = re.compile(r"^\S+ \+\s*([0-9.]+)s (.*)$")
 SENDING = re.compile(r"Sending: (\w+) message")
 
@@ -58,6 +61,7 @@ class Mode:
     warm_worker: bool
     prompt_replies: bool = True
     short_waits: bool = True
+    warm_executor: bool = False
 
 
 MODES = {
@@ -81,6 +85,12 @@ MODES = {
         short_waits=False,
     ),
     "warm": Mode("warm-worker", "warm worker and prompt replies (the defaults)", warm_worker=True),
+    "warm-executor": Mode(
+        "warm-executor",
+        "prompt replies, each node's tasks in one kept process (--warm-executor)",
+        warm_worker=True,
+        warm_executor=True,
+    ),
 }
 
 
@@ -120,6 +130,7 @@ def run_deployment(num_nodes: int, config: dict, workdir: Path, mode: Mode) -> d
         run_timeout=1800,
         node_config={"warm-worker": mode.warm_worker},
         poll_interval=DEFAULT_POLL_INTERVAL if mode.short_waits else None,
+        warm_executor=mode.warm_executor,
     )
     shutil.rmtree(output / name, ignore_errors=True)  # results of an earlier invocation
     run_config = {**config, "prompt-replies": mode.prompt_replies}
@@ -141,6 +152,9 @@ def run_deployment(num_nodes: int, config: dict, workdir: Path, mode: Mode) -> d
     for log in logs:
         for kind, times in clientapp_seconds(log).items():
             per_message.setdefault(kind, []).extend(times)
+        for match in map(EXECUTOR_LINE.search, log.splitlines()):
+            if match:
+                per_message.setdefault(match.group(1), []).append(float(match.group(2)))
     return {
         "mode": mode.label,
         "round-s": seconds,
@@ -186,12 +200,13 @@ def measure(
         for key, result in deployed.items():
             row[key] = result
             row[f"ratio-{key}"] = result["steady-round-s"] / simulation_s
-        main = deployed[modes[-1].key]  # the last mode: the defaults when they ran
+        main = deployed[modes[-1].key]  # the last mode given
         row["deployment"], row["ratio"] = main, main["steady-round-s"] / simulation_s
         for name, (before, after) in {
             "speedup": ("per-message-process", "warm-worker"),
             "polling-speedup": ("warm-worker-flower-polling", "warm-worker"),
             "waits-speedup": ("warm-worker-flower-waits", "warm-worker"),
+            "executor-speedup": ("warm-worker", "warm-executor"),
         }.items():
             if before in deployed and after in deployed:
                 row[name] = deployed[before]["steady-round-s"] / deployed[after]["steady-round-s"]

@@ -62,13 +62,15 @@ def base_config(cache_dir: Path, output_dir: Path, **extra: Any) -> dict[str, An
 
 
 def make_options(tmp_path: Path, num_supernodes: int) -> Any:
-    """Secure (default) deployment options in a private work directory."""
+    """Secure (default) deployment options in a private work directory, each node's ClientApp
+    tasks in its warm SuperExec (``--warm-executor``)."""
     return DeployOptions(
         num_supernodes=num_supernodes,
         workdir=tmp_path / "work",
         startup_timeout=120.0,
         run_timeout=400.0,
         echo=False,
+        warm_executor=True,
     )
 
 
@@ -98,15 +100,15 @@ def test_supernode_killed_mid_round_rejoins_with_identical_state(cache_dir, tmp_
         deployment.start()
         ids_before = {n["node-id"] for n in deployment.online_nodes()}
         run = deployment.start_run(config)
-        # Round 1 is recorded, so the next ClientApp process of node 1 handles round 2's training.
+        # Round 1 is recorded, so the next task of node 1 is round 2's training.
         wait_until(
             lambda: len(read_rounds(run_dir)) == 1 if (run_dir / "metrics.jsonl").exists() else 0,
             300,
             "round 1",
         )
-        finishing = deployment.clientapp_pids(1)  # round 1's evaluation may still be exiting
+        finishing = deployment.tasks_in_flight(1)  # round 1's evaluation may still be ending
         wait_until(
-            lambda: deployment.clientapp_pids(1) - finishing, 60, "node 1's round-2 ClientApp"
+            lambda: deployment.tasks_in_flight(1) - finishing, 60, "node 1's round-2 task"
         )
         killed = deployment.kill_supernode(1)
         at_kill = hash_files(node_dir)
@@ -119,7 +121,7 @@ def test_supernode_killed_mid_round_rejoins_with_identical_state(cache_dir, tmp_
     finally:
         deployment.stop()
     log = completed_log(deployment, result)
-    assert len(killed) >= 2  # the SuperNode and the ClientApp it had started
+    assert len(killed) >= 2  # the SuperNode and the SuperExec running its task
     assert ids_after == ids_before  # with SuperNode authentication the node id survives
 
     rounds = read_rounds(run_dir)

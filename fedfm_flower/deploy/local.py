@@ -49,7 +49,7 @@ from fedfm_flower.deploy.runs import (
     run_dir_from_lines,
     write_toml,
 )
-from fedfm_flower.deploy.supernode import SUPEREXEC_POLL_VAR
+from fedfm_flower.deploy.supernode import SUPEREXEC_POLL_VAR, TASKS_DIR_VAR
 from fedfm_flower.launch import final_run_status, run_id_from_lines
 from fedfm_flower.processes import flower_environment, pid_alive, signal_process
 from fedfm_flower.tracebacks import StreamFilter
@@ -349,7 +349,7 @@ class LocalDeployment:
                 "--auth-supernode-private-key",
                 str(key),
             ]
-        env = {**self.env(), NODE_VAR: str(index)}
+        env = {**self.env(), NODE_VAR: str(index), TASKS_DIR_VAR: str(self.tasks_dir(index))}
         process = self._start(name or f"supernode_{index}", command, env=env)
         self.nodes[index] = process
         return process
@@ -368,6 +368,7 @@ class LocalDeployment:
             repr(interval),
             "--max-poll-interval",
             repr(self.options.max_poll_interval),
+            *(["--warm-executor"] if self.options.warm_executor else []),
         ]
 
     def kill_supernode(self, index: int, timeout: float = 10.0) -> list[int]:
@@ -416,6 +417,19 @@ class LocalDeployment:
     def clientapp_pids(self, index: int) -> set[int]:
         """Live ClientApp processes of SuperNode ``index`` (one per message in flight)."""
         return tagged_pids(self.tag, node=index, command="flwr-clientapp")
+
+    def tasks_dir(self, index: int) -> Path:
+        """Where SuperNode ``index``'s warm SuperExec marks the tasks it is running."""
+        return self.options.workdir / f"node_{index}" / "tasks"
+
+    def tasks_in_flight(self, index: int) -> set[str]:
+        """SuperNode ``index``'s messages being handled: its ClientApp processes (``pid:<n>``)
+        and the tasks its warm SuperExec is running (``task:<id>``)."""
+        running = {f"pid:{pid}" for pid in self.clientapp_pids(index)}
+        directory = self.tasks_dir(index)
+        if directory.is_dir():
+            running |= {f"task:{path.stem}" for path in directory.glob("*.running")}
+        return running
 
     def serverapp_pids(self) -> set[int]:
         """Live ServerApp processes of this deployment."""

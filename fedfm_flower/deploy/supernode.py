@@ -27,6 +27,13 @@ and results are Flower's.
 The change replaces the ``time`` name inside that one Flower module by a view of ``time``
 with these sleeps; it is applied only to the Flower versions it was written against. With any
 other version the SuperNode runs with Flower's own waits and says so on stderr.
+
+``--warm-executor`` runs the node's ClientApp tasks without a process per message: the SuperNode
+starts with ``--isolation process`` and this process keeps ``fedfm_flower.deploy.superexec``
+running beside it (started again when it exits, Flower's ``flower-superexec`` after
+``EXECUTOR_FAILURES`` quick failures). On a Flower that SuperExec does not know, or with TLS on
+the node's runtime API (``--appio-ssl-*``), the node keeps Flower's subprocess isolation and
+says so on stderr.
 """
 
 from __future__ import annotations
@@ -36,9 +43,13 @@ import importlib
 import importlib.metadata
 import math
 import os
+import signal
+import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from fedfm_flower.waits import GrowingWait
@@ -51,6 +62,10 @@ DEFAULT_POLL_INTERVAL = 0.1
 DEFAULT_MAX_POLL_INTERVAL = 1.0
 GROWTH = 1.5
 REPLY_WAIT_S = 0.5  # Flower's wait between looks for the ClientApp's reply
+TASKS_DIR_VAR = "FEDFM_TASKS_DIR"  # where the warm SuperExec marks its running tasks
+EXECUTOR_FAILURES = 3  # quick exits of the warm SuperExec before Flower's takes over
+QUICK_EXIT_S = 10.0
+STOPPED = (0, -signal.SIGTERM, -signal.SIGINT)  # a SuperExec's exits that are no crash
 # Flower's own bounds for FLWR_SUPEREXEC_TASK_POLL_INTERVAL.
 MIN_POLL_INTERVAL, MAX_POLL_INTERVAL = 0.01, 60.0
 
@@ -121,6 +136,92 @@ def shorten_waits(first: float, longest: float) -> bool:
     return True
 
 
+def _option(arguments: Sequence[str], name: str, default: str) -> str:
+    """The value of ``name`` in ``arguments`` (``--name value`` or ``--name=value``)."""
+    for position, argument in enumerate(arguments):
+        if argument == name and position + 1 < len(arguments):
+            return arguments[position + 1]
+        if argument.startswith(name + "="):
+            return argument.split("=", 1)[1]
+    return default
+
+
+def warm_executor_refusal(arguments: Sequence[str]) -> str | None:
+    """Why the node must keep Flower's subprocess isolation, or None when it can run the warm
+    SuperExec."""
+    from fedfm_flower.deploy.superexec import unsupported_flower
+
+    if any(a.startswith("--isolation") for a in arguments):
+        return "the command line sets --isolation itself"
+    if any(a.startswith("--appio-ssl") for a in arguments):
+        return "the runtime API uses TLS (--appio-ssl-*), which it does not pass on"
+    return unsupported_flower()
+
+
+class ExecutorKeeper:
+    """Keeps a SuperExec running for this SuperNode: ours, and Flower's after repeated quick
+    failures of ours."""
+
+    def __init__(self, runtime_address: str) -> None:
+        self.runtime_address = runtime_address
+        self.failures = 0
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def command(self) -> list[str]:
+        """Ours while it has not failed ``EXECUTOR_FAILURES`` times in a row, else Flower's."""
+        common = ["--insecure", "--runtime-api-address", self.runtime_address]
+        common += ["--parent-pid", str(os.getpid())]
+        if self.failures < EXECUTOR_FAILURES:
+            return [sys.executable, "-m", "fedfm_flower.deploy.superexec", *common]
+        flower = Path(sys.executable).with_name("flower-superexec")
+        return [str(flower) if flower.exists() else "flower-superexec", *common]
+
+    def keep(self) -> None:
+        """Start the SuperExec, and again whenever it crashes (a thread of the SuperNode)."""
+        while True:
+            started = time.monotonic()
+            self.process = subprocess.Popen(self.command())
+            code = self.process.wait()
+            if code in STOPPED:  # stopped on purpose, or its SuperNode is gone: not a crash
+                return
+            quick = time.monotonic() - started < QUICK_EXIT_S
+            self.failures = self.failures + 1 if quick else 0
+            print(
+                f"fedfm_flower.deploy.supernode: the SuperExec exited ({code}); starting "
+                + ("Flower's" if self.failures >= EXECUTOR_FAILURES else "it again"),
+                file=sys.stderr,
+                flush=True,
+            )
+            time.sleep(0.5 if quick else 0.0)
+
+    def start(self) -> threading.Thread:
+        """Keep the SuperExec running from a daemon thread."""
+        thread = threading.Thread(target=self.keep, name="superexec-keeper", daemon=True)
+        thread.start()
+        return thread
+
+
+def with_warm_executor(arguments: list[str]) -> list[str]:
+    """``arguments`` with ``--isolation process`` and a kept warm SuperExec, or unchanged (with
+    the reason on stderr) when the node must keep Flower's isolation."""
+    refusal = warm_executor_refusal(arguments)
+    if refusal is not None:
+        print(
+            f"fedfm_flower.deploy.supernode: no warm executor ({refusal}); the node starts a "
+            "flwr-clientapp process per message",
+            file=sys.stderr,
+            flush=True,
+        )
+        return arguments
+    from flwr.supercore.address import resolve_bind_address
+    from flwr.supercore.constant import SUPERNODE_UVICORN_DEFAULT_PORT, UVICORN_DEFAULT_HOST
+
+    host = _option(arguments, "--host", UVICORN_DEFAULT_HOST)
+    port = _option(arguments, "--port", str(SUPERNODE_UVICORN_DEFAULT_PORT))
+    ExecutorKeeper(resolve_bind_address(f"{host}:{port}")).start()
+    return [*arguments, "--isolation", "process"]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse the two intervals, shorten the waits, then run ``flower-supernode`` on the rest."""
     parser = argparse.ArgumentParser(
@@ -140,6 +241,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=DEFAULT_MAX_POLL_INTERVAL,
         help=f"longest idle wait in seconds (default {DEFAULT_MAX_POLL_INTERVAL})",
     )
+    parser.add_argument(
+        "--warm-executor",
+        action="store_true",
+        help="run the ClientApp tasks in one kept process (fedfm_flower.deploy.superexec)",
+    )
     args, rest = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
     try:
         first, longest = check_poll_intervals(args.poll_interval, args.max_poll_interval)
@@ -147,6 +253,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--poll-interval/--max-poll-interval: {err}")
     os.environ.setdefault(SUPEREXEC_POLL_VAR, repr(first))  # inherited by its SuperExec
     shorten_waits(first, longest)
+    if args.warm_executor:
+        rest = with_warm_executor(rest)
     from flwr.supernode.cli import flower_supernode
 
     sys.argv = ["flower-supernode", *rest]

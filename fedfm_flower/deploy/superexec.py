@@ -1,0 +1,312 @@
+"""A SuperExec that runs its SuperNode's ClientApp tasks in one long-lived process.
+
+    python -m fedfm_flower.deploy.superexec --runtime-api-address HOST:PORT --insecure
+        [--parent-pid PID]
+
+Flower 1.41's SuperNode hands each message to its SuperExec as a task with a one-use token; the
+SuperExec's executor starts a ``flwr-clientapp`` process for it, which pays Python's start,
+Flower's imports and the FAB's installation on every message (about half of a deployed round
+on loopback, ``docs/benchmarks.md``). This command is Flower's own SuperExec loop
+(``run_superexec``: task acquisition, tracing, signals, the parent-pid watch) with one change,
+made through the loop's executor factory: ``WarmExecutor`` runs every ClientApp task in a thread
+of this process, doing what ``flwr-clientapp`` does with the token (heartbeats, pull the task
+input, run the ClientApp, push the reply and the final context) with Flower's own functions, and
+keeps the ClientApp and everything it loaded (torch, the model, the data) from one task to the
+next. Other task types go to Flower's executor.
+
+* **One task at a time.** While a ClientApp task runs, the executor offers no capacity for
+  another (Flower's SuperNode sends one message at a time anyway).
+* **A new FAB.** The ClientApp is loaded from the installed FAB's directory, like Flower's; when a
+  task brings another FAB, the modules loaded from the old one are dropped first, so no code of
+  an old FAB serves a new run.
+* **Errors.** An exception in the ClientApp becomes Flower's error reply, in Flower's words, and
+  the task ends failed; the process serves the next task. A crash of the process (SIGKILL, out of
+  memory) loses the task in flight as a crashed ``flwr-clientapp`` would (the SuperNode replies
+  ``CLIENT_APP_CRASHED`` once its heartbeats stop); ``fedfm_flower.deploy.supernode``, which
+  starts this command, starts it again.
+* **Guarded.** It runs only on the Flower it was written against (``KNOWN_FLOWER`` and the
+  functions and fields it uses, ``unsupported_flower``); on any other it says why on stderr and
+  runs Flower's ``flower-superexec`` with the same arguments. ``--allow-runtime-dependency-
+  installation`` tasks also go to Flower's executor.
+* **Tracking.** With ``FEDFM_TASKS_DIR`` set, a task in progress is a file
+  ``<task id>.running`` there (``fedfm_flower.deploy.local`` uses it to see messages in flight).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from fedfm_flower.deploy.supernode import TASKS_DIR_VAR
+
+KNOWN_FLOWER = ("1.41.",)
+SPEC_FIELDS = ("task_type", "runtime_api_address", "token", "insecure", "task_id")
+RUNTIME_FUNCTIONS = ("pull_task_input", "push_message", "push_task_output")
+
+log = logging.getLogger("fedfm_flower.superexec")
+
+
+def unsupported_flower() -> str | None:
+    """Why this SuperExec cannot run on the installed Flower, or None when it can."""
+    version = importlib.metadata.version("flwr")
+    if not version.startswith(KNOWN_FLOWER):
+        return f"Flower {version} is not one it knows ({', '.join(v + 'x' for v in KNOWN_FLOWER)})"
+    try:
+        from flwr.supercore.constant import TaskType
+        from flwr.supercore.superexec import run_superexec
+        from flwr.supercore.superexec.executor.types import ExecutionSpec
+        from flwr.supernode.runtime import run_clientapp
+    except ImportError as err:
+        return f"Flower {version} lacks a module it uses ({err})"
+    missing = [name for name in RUNTIME_FUNCTIONS if not hasattr(run_clientapp, name)]
+    loop_names = ("run_superexec", "get_executor")
+    missing += [name for name in loop_names if not hasattr(run_superexec, name)]
+    spec_fields = {field.name for field in fields(ExecutionSpec)}
+    missing += [f"ExecutionSpec.{name}" for name in SPEC_FIELDS if name not in spec_fields]
+    if getattr(TaskType, "CLIENT_APP", None) != "flwr-clientapp":
+        missing.append("TaskType.CLIENT_APP")
+    return f"Flower {version} lacks {', '.join(missing)}" if missing else None
+
+
+class AppCache:
+    """The ClientApp of the last FAB a task brought, installed and loaded once."""
+
+    def __init__(self) -> None:
+        self.fab_hash: str | None = None
+        self.app_dir: Path | None = None
+        self.app: Any = None
+
+    def load(self, run: Any, fab: Any) -> Any:
+        """The ClientApp of ``fab`` (installing it and dropping an older FAB's modules first)."""
+        if fab.hash_str == self.fab_hash and self.app is not None:
+            return self.app
+        from flwr.cli.install import install_from_fab
+        from flwr.clientapp.utils import get_load_client_app_fn
+        from flwr.common.config import get_project_dir
+
+        if self.app_dir is not None:
+            self.forget(self.app_dir)
+        install_from_fab(fab.content, skip_prompt=True)
+        self.app_dir = Path(get_project_dir(run.fab_id, run.fab_version, fab.hash_str))
+        load = get_load_client_app_fn(default_app_ref="", app_path=None, multi_app=True)
+        self.app = load(run.fab_id, run.fab_version, fab.hash_str)
+        self.fab_hash = fab.hash_str
+        return self.app
+
+    @staticmethod
+    def forget(app_dir: Path) -> None:
+        """Drop every module loaded from ``app_dir`` and the directory from ``sys.path``."""
+        root = str(app_dir.resolve())
+        for name, module in list(sys.modules.items()):
+            path = getattr(module, "__file__", None)
+            if path and os.path.realpath(path).startswith(root + os.sep):
+                del sys.modules[name]
+        sys.path[:] = [entry for entry in sys.path if os.path.realpath(entry or ".") != root]
+
+
+def run_task(spec: Any, apps: AppCache) -> None:
+    """What ``flwr-clientapp`` does with one token, in this process: heartbeats, the task input,
+    the ClientApp, the reply and the final context (Flower's functions and error replies)."""
+    from flwr.app import Message
+    from flwr.app.error import Error
+    from flwr.clientapp.client_app import LoadClientAppError
+    from flwr.common.constant import ErrorCode, SubStatus
+    from flwr.supercore.heartbeat import HeartbeatSender, make_task_heartbeat_fn_http
+    from flwr.supercore.interceptors import (
+        RuntimeTokenHttpInterceptor,
+        RuntimeVersionHttpInterceptor,
+    )
+    from flwr.supercore.retry import make_simple_http_retry_invoker
+    from flwr.supercore.runtime import RuntimeHttpClient
+    from flwr.supercore.runtime.tracing import RuntimeTracingInterceptor
+    from flwr.supercore.tls import validate_and_resolve_root_certificates
+    from flwr.supernode.runtime.run_clientapp import (
+        pull_task_input,
+        push_message,
+        push_task_output,
+    )
+
+    started = time.perf_counter()
+    retry = make_simple_http_retry_invoker()
+    client = RuntimeHttpClient.from_server_address(
+        server_address=spec.runtime_api_address,
+        insecure=spec.insecure,
+        root_certificates=validate_and_resolve_root_certificates(
+            spec.root_certificates_path, spec.insecure
+        ),
+        interceptors=[
+            RuntimeTracingInterceptor(),
+            RuntimeVersionHttpInterceptor(component_name="flwr-clientapp"),
+            RuntimeTokenHttpInterceptor(spec.token),
+        ],
+        retry_invoker=retry,
+    )
+    heartbeat = None
+    message = reply = context = None
+    sub_status, details = SubStatus.FAILED, "ClientApp task failed due to unknown reason"
+    marker = _marker(spec.task_id)
+    try:
+        heartbeat = HeartbeatSender(make_task_heartbeat_fn_http(client))
+        heartbeat.start()
+        message, context, run, fab = pull_task_input(client)
+        client_app = apps.load(run, fab)
+        reply = client_app(message=message, context=context)
+        sub_status, details = SubStatus.COMPLETED, ""
+    except Exception as ex:  # noqa: BLE001 - Flower's reply to any exception of the ClientApp
+        code = ErrorCode.CLIENT_APP_RAISED_EXCEPTION
+        reason = str(type(ex)) + ":<'" + str(ex) + "'>"  # Flower's words, as flwr-clientapp
+        if isinstance(ex, LoadClientAppError):
+            code = ErrorCode.LOAD_CLIENT_APP_EXCEPTION
+            reason = "An exception was raised when attempting to load `ClientApp`"
+        log.error("ClientApp raised an exception", exc_info=ex)
+        details = reason
+        if message is not None:
+            reply = Message(Error(code=code, reason=reason), reply_to=message)
+    finally:
+        try:
+            if reply is not None and context is not None:
+                push_message(client, reply, context)
+        except Exception as ex:  # noqa: BLE001 - the node may be gone; the task still ends
+            log.error("failed to push the reply", exc_info=ex)
+        retry.max_tries = 1
+        push_task_output(client=client, context=context, sub_status=sub_status, details=details)
+        if heartbeat is not None and heartbeat.is_running:
+            heartbeat.stop()
+        client.close()
+        if marker is not None:
+            marker.unlink(missing_ok=True)
+    kind = message.metadata.message_type if message is not None else "?"
+    print(
+        f"warm executor: task {spec.task_id} ({kind}) {sub_status} in "
+        f"{time.perf_counter() - started:.3f} s",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def _marker(task_id: int) -> Path | None:
+    directory = os.environ.get(TASKS_DIR_VAR)
+    if not directory:
+        return None
+    path = Path(directory) / f"{task_id}.running"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(str(os.getpid()))
+    return path
+
+
+class WarmExecutor:
+    """Flower's ``Executor`` protocol: ClientApp tasks in a thread of this process, the rest in
+    ``fallback`` (Flower's own executor)."""
+
+    def __init__(self, fallback: Any) -> None:
+        from flwr.supercore.constant import TaskType
+
+        self.fallback = fallback
+        self.client_app = TaskType.CLIENT_APP
+        self.apps = AppCache()
+        self.thread: threading.Thread | None = None
+        directory = os.environ.get(TASKS_DIR_VAR)
+        if directory:  # marks a killed predecessor left: no task runs before this one starts
+            for stale in Path(directory).glob("*.running"):
+                stale.unlink(missing_ok=True)
+
+    def busy(self) -> bool:
+        """Whether a ClientApp task is running."""
+        return self.thread is not None and self.thread.is_alive()
+
+    def get_eligible_capacity(
+        self,
+        supported_task_types: set[Any],
+        *,
+        insecure: bool = False,
+        root_certificates_path: str | None = None,
+    ) -> tuple[set[Any], set[str]]:
+        """Flower's, without ClientApp tasks while one runs."""
+        types, fabs = self.fallback.get_eligible_capacity(
+            supported_task_types, insecure=insecure, root_certificates_path=root_certificates_path
+        )
+        if self.busy():
+            types = {t for t in types if t != self.client_app}
+        return types, fabs
+
+    def wait_for_capacity(self, task_type: Any = None, **kwargs: Any) -> None:
+        """Flower's."""
+        self.fallback.wait_for_capacity(task_type, **kwargs)
+
+    def launch(self, spec: Any) -> Any:
+        """A ClientApp task on this process's thread; anything else on Flower's executor."""
+        from flwr.supercore.superexec.executor.types import LaunchResult
+
+        if spec.task_type != self.client_app or spec.runtime_dependency_install or self.busy():
+            return self.fallback.launch(spec)
+        self.thread = threading.Thread(
+            target=run_task, args=(spec, self.apps), name=f"task-{spec.task_id}"
+        )
+        self.thread.start()
+        return LaunchResult.accepted()
+
+    def reconcile(self) -> None:
+        """Flower's."""
+        self.fallback.reconcile()
+
+    def close(self) -> None:
+        """Flower's."""
+        self.fallback.close()
+
+
+def install(run_superexec_module: Any) -> None:
+    """Make Flower's SuperExec loop build a ``WarmExecutor`` around the executor it asks for."""
+    flower_factory = run_superexec_module.get_executor
+
+    def get_executor(*args: Any, **kwargs: Any) -> WarmExecutor:
+        return WarmExecutor(flower_factory(*args, **kwargs))
+
+    run_superexec_module.get_executor = get_executor
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run Flower's SuperExec loop with ``WarmExecutor``; Flower's own on another Flower."""
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(
+        prog="python -m fedfm_flower.deploy.superexec", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--runtime-api-address", required=True)
+    parser.add_argument("--insecure", action="store_true")
+    parser.add_argument("--root-certificates", default=None)
+    parser.add_argument("--parent-pid", type=int, default=None)
+    args = parser.parse_args(arguments)
+    problem = unsupported_flower()
+    if problem is not None:
+        print(
+            f"fedfm_flower.deploy.superexec: {problem}; running flower-superexec instead",
+            file=sys.stderr,
+            flush=True,
+        )
+        flower = Path(sys.executable).with_name("flower-superexec")
+        command = str(flower) if flower.exists() else "flower-superexec"
+        os.execvp(command, [command, *arguments])
+        return 127  # execvp does not return; here only when it is replaced (tests)
+    from flwr.supercore.superexec import run_superexec as loop
+
+    install(loop)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    loop.run_superexec(
+        runtime_api_address=args.runtime_api_address,
+        insecure=args.insecure,
+        root_certificates_path=args.root_certificates,
+        parent_pid=args.parent_pid,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,199 @@
+"""The warm SuperExec (``fedfm_flower.deploy.superexec``) and how the SuperNode launcher keeps
+it (``fedfm_flower.deploy.supernode --warm-executor``): the parts that need no deployment. The
+loopback fault tests (``test_faults.py``) run their deployments through it."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from flwr.supercore.constant import TaskType
+from flwr.supercore.superexec.executor.types import ExecutionSpec, LaunchResultStatus
+
+from fedfm_flower.deploy import DeployOptions, LocalDeployment, superexec
+from fedfm_flower.deploy import supernode as launcher
+
+
+def spec(task_type: TaskType = TaskType.CLIENT_APP, **extra) -> ExecutionSpec:
+    values = {
+        "task_type": task_type,
+        "runtime_api_address": "127.0.0.1:9094",
+        "token": "t",
+        "insecure": True,
+        "root_certificates_path": None,
+        "runtime_dependency_install": False,
+        "parent_pid": None,
+        "suppress_output": False,
+        "task_id": 7,
+        **extra,
+    }
+    return ExecutionSpec(**values)
+
+
+class FlowerExecutor:
+    """Stands in for Flower's executor: records what it is asked to launch."""
+
+    def __init__(self) -> None:
+        self.launched: list[ExecutionSpec] = []
+        self.closed = False
+
+    def get_eligible_capacity(self, types, *, insecure=False, root_certificates_path=None):
+        return set(types), set()
+
+    def wait_for_capacity(self, task_type=None, **kwargs) -> None:
+        pass
+
+    def launch(self, spec):
+        from flwr.supercore.superexec.executor.types import LaunchResult
+
+        self.launched.append(spec)
+        return LaunchResult.accepted()
+
+    def reconcile(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_the_installed_flower_is_the_one_it_knows() -> None:
+    assert superexec.unsupported_flower() is None
+
+
+def test_another_flower_runs_flowers_superexec_with_the_same_arguments(monkeypatch, capsys):
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "9.0.0")
+    assert "Flower 9.0.0 is not one it knows" in superexec.unsupported_flower()
+    executed = []
+    monkeypatch.setattr(superexec.os, "execvp", lambda path, argv: executed.append(argv))
+    argv = ["--runtime-api-address", "127.0.0.1:9094", "--insecure", "--parent-pid", "1"]
+    superexec.main(argv)
+    assert executed and Path(executed[0][0]).name == "flower-superexec"
+    assert executed[0][1:] == argv
+    assert "running flower-superexec instead" in capsys.readouterr().err
+
+
+def test_clientapp_tasks_run_here_one_at_a_time_and_the_rest_go_to_flower(monkeypatch):
+    gate, ran = threading.Event(), []
+
+    def fake_run_task(task, apps) -> None:
+        ran.append(task.task_id)
+        gate.wait(10)
+
+    monkeypatch.setattr(superexec, "run_task", fake_run_task)
+    flower = FlowerExecutor()
+    executor = superexec.WarmExecutor(flower)
+    every = {TaskType.CLIENT_APP, TaskType.SERVER_APP}
+    assert executor.get_eligible_capacity(every)[0] == every
+
+    assert executor.launch(spec(task_id=1)).status == LaunchResultStatus.ACCEPTED
+    assert executor.busy() and flower.launched == []
+    # while it runs: no capacity for another ClientApp task, other types still go to Flower
+    assert executor.get_eligible_capacity(every)[0] == {TaskType.SERVER_APP}
+    executor.launch(spec(TaskType.SERVER_APP, task_id=2))
+    executor.launch(spec(task_id=3))  # one that arrives anyway: Flower's own process
+    executor.launch(spec(task_id=4, runtime_dependency_install=True))
+    assert [s.task_id for s in flower.launched] == [2, 3, 4]
+    gate.set()
+    executor.thread.join(10)
+    assert not executor.busy() and ran == [1]
+    executor.close()
+    assert flower.closed
+
+
+def test_stale_task_marks_of_a_killed_predecessor_are_cleared(tmp_path, monkeypatch):
+    monkeypatch.setenv(launcher.TASKS_DIR_VAR, str(tmp_path))
+    (tmp_path / "5.running").write_text("1")
+    superexec.WarmExecutor(FlowerExecutor())
+    assert not list(tmp_path.glob("*.running"))
+    mark = superexec._marker(9)
+    assert mark == tmp_path / "9.running" and mark.is_file()
+    deployment = LocalDeployment(DeployOptions(workdir=tmp_path / "w", warm_executor=True))
+    deployment.tasks_dir(0).mkdir(parents=True)
+    (deployment.tasks_dir(0) / "11.running").write_text("1")
+    assert "task:11" in deployment.tasks_in_flight(0)
+
+
+def test_a_new_fab_drops_the_modules_of_the_old_one(tmp_path, monkeypatch):
+    old = tmp_path / "fab-old"
+    (old / "pkg_fab_probe").mkdir(parents=True)
+    (old / "pkg_fab_probe" / "__init__.py").write_text("VERSION = 1\n")
+    monkeypatch.syspath_prepend(str(old))
+    import pkg_fab_probe
+
+    assert pkg_fab_probe.VERSION == 1
+    superexec.AppCache.forget(old)
+    assert "pkg_fab_probe" not in sys.modules
+    assert str(old) not in sys.path
+
+
+def test_the_launcher_starts_the_node_in_process_isolation_beside_a_kept_superexec(monkeypatch):
+    started = []
+    monkeypatch.setattr(
+        launcher.ExecutorKeeper, "start", lambda self: started.append(self.runtime_address)
+    )
+    args = ["--superlink", "127.0.0.1:9092", "--host", "127.0.0.1", "--port", "9111"]
+    assert launcher.with_warm_executor(args) == [*args, "--isolation", "process"]
+    assert started == ["127.0.0.1:9111"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "reason"),
+    [
+        (["--isolation", "subprocess"], "sets --isolation itself"),
+        (["--appio-ssl-certfile", "c.pem"], "runtime API uses TLS"),
+    ],
+)
+def test_the_launcher_keeps_flowers_isolation_when_it_must(extra, reason, monkeypatch, capsys):
+    monkeypatch.setattr(launcher.ExecutorKeeper, "start", lambda self: pytest.fail("started"))
+    args = ["--superlink", "127.0.0.1:9092", *extra]
+    assert launcher.with_warm_executor(args) == args
+    assert reason in capsys.readouterr().err
+
+
+class Exits:
+    """Popen stand-in: each process 'exits' at once with the next code."""
+
+    def __init__(self, codes: list[int]) -> None:
+        self.codes, self.commands = list(codes), []
+
+    def __call__(self, command):
+        self.commands.append(command)
+        code = self.codes.pop(0)
+        return SimpleNamespace(wait=lambda: code, pid=0)
+
+
+def test_the_keeper_restarts_a_crashed_superexec_and_falls_back_to_flowers(monkeypatch, capsys):
+    exits = Exits([-signal.SIGKILL, 1, 1, -signal.SIGKILL, 0])
+    monkeypatch.setattr(launcher.subprocess, "Popen", exits)
+    monkeypatch.setattr(launcher.time, "sleep", lambda s: None)
+    launcher.ExecutorKeeper("127.0.0.1:9111").keep()  # returns on the clean exit (0)
+    ours = [c for c in exits.commands if "fedfm_flower.deploy.superexec" in c]
+    theirs = [c for c in exits.commands if Path(c[0]).name == "flower-superexec"]
+    assert len(ours) == 3 and len(theirs) == 2  # three quick crashes, then Flower's
+    assert theirs[0][1:] == ours[0][3:]  # the same arguments
+    assert "--runtime-api-address" in theirs[0] and "127.0.0.1:9111" in theirs[0]
+    assert "starting Flower's" in capsys.readouterr().err
+
+
+def test_a_superexec_stopped_on_purpose_is_not_restarted(monkeypatch):
+    exits = Exits([-signal.SIGTERM])
+    monkeypatch.setattr(launcher.subprocess, "Popen", exits)
+    started = time.monotonic()
+    launcher.ExecutorKeeper("127.0.0.1:9111").keep()
+    assert len(exits.commands) == 1 and time.monotonic() - started < 5
+
+
+def test_the_options_and_command_line_pass_it_on(tmp_path):
+    from fedfm_flower.deploy.cli import build_parser
+
+    assert build_parser("deploy").parse_args(["--warm-executor"]).warm_executor is True
+    deployment = LocalDeployment(DeployOptions(workdir=tmp_path, warm_executor=True))
+    assert deployment.supernode_command()[-1] == "--warm-executor"
+    with pytest.raises(ValueError, match="--warm-executor needs the short waits"):
+        DeployOptions(workdir=tmp_path, warm_executor=True, poll_interval=None)
