@@ -107,9 +107,7 @@ def test_supernode_killed_mid_round_rejoins_with_identical_state(cache_dir, tmp_
             "round 1",
         )
         finishing = deployment.tasks_in_flight(1)  # round 1's evaluation may still be ending
-        wait_until(
-            lambda: deployment.tasks_in_flight(1) - finishing, 60, "node 1's round-2 task"
-        )
+        wait_until(lambda: deployment.tasks_in_flight(1) - finishing, 60, "node 1's round-2 task")
         killed = deployment.kill_supernode(1)
         at_kill = hash_files(node_dir)
         state_at_kill = load_file(state_file)
