@@ -14,9 +14,10 @@ each mode (``MODES``), then in ``flwr run`` simulation with N SuperNodes:
   SuperNode waits;
 * ``flower-waits``: the warm worker and prompt replies, with plain ``flower-supernode`` and its
   fixed waits (3 s between empty pulls, SuperExec 1 s);
-* ``warm``: the defaults: warm worker, ``server_apps.polling.PromptGrid`` and SuperNodes started
-  by ``fedfm_flower.deploy.supernode`` (idle waits from 0.1 s growing to 1 s);
-* ``warm-executor``: ``warm`` with each node's ClientApp tasks in one kept process
+* ``warm``: warm worker, ``server_apps.polling.PromptGrid`` and SuperNodes started by
+  ``fedfm_flower.deploy.supernode`` (idle waits from 0.1 s growing to 1 s), a ``flwr-clientapp``
+  process per message (``--no-warm-executor``);
+* ``warm-executor``: the defaults: ``warm`` with each node's ClientApp tasks in one kept process
   (``fedfm_flower.deploy.superexec``): no ``flwr-clientapp`` process per message.
 
 Reported: steady-state round time (median of rounds 2..R-1) of each, their ratios to simulation,
@@ -84,10 +85,14 @@ MODES = {
         warm_worker=True,
         short_waits=False,
     ),
-    "warm": Mode("warm-worker", "warm worker and prompt replies (the defaults)", warm_worker=True),
+    "warm": Mode(
+        "warm-worker",
+        "warm worker and prompt replies, a process per message (--no-warm-executor)",
+        warm_worker=True,
+    ),
     "warm-executor": Mode(
         "warm-executor",
-        "prompt replies, each node's tasks in one kept process (--warm-executor)",
+        "prompt replies, each node's tasks in one kept process (the defaults)",
         warm_worker=True,
         warm_executor=True,
     ),

@@ -139,6 +139,7 @@ def test_the_local_deployment_starts_supernodes_through_it(tmp_path, monkeypatch
         "0.1",
         "--max-poll-interval",
         "1.0",
+        "--warm-executor",
     ]
     assert short.env()[launcher.SUPEREXEC_POLL_VAR] == "0.1"  # the SuperLink's SuperExec too
 

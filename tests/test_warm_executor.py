@@ -192,8 +192,12 @@ def test_a_superexec_stopped_on_purpose_is_not_restarted(monkeypatch):
 def test_the_options_and_command_line_pass_it_on(tmp_path):
     from fedfm_flower.deploy.cli import build_parser
 
-    assert build_parser("deploy").parse_args(["--warm-executor"]).warm_executor is True
-    deployment = LocalDeployment(DeployOptions(workdir=tmp_path, warm_executor=True))
+    parser = build_parser("deploy")
+    assert parser.parse_args([]).no_warm_executor is False
+    assert parser.parse_args(["--no-warm-executor"]).no_warm_executor is True
+    deployment = LocalDeployment(DeployOptions(workdir=tmp_path))  # the default
     assert deployment.supernode_command()[-1] == "--warm-executor"
-    with pytest.raises(ValueError, match="--warm-executor needs the short waits"):
-        DeployOptions(workdir=tmp_path, warm_executor=True, poll_interval=None)
+    off = LocalDeployment(DeployOptions(workdir=tmp_path, warm_executor=False))
+    assert "--warm-executor" not in off.supernode_command()
+    # plain flower-supernode (Flower's waits) is Flower's path throughout
+    assert DeployOptions(workdir=tmp_path, poll_interval=None).warm_executor is False

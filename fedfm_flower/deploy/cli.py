@@ -101,10 +101,10 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         help="node config warm-worker=false: a fresh ClientApp process does every message",
     )
     parser.add_argument(
-        "--warm-executor",
+        "--no-warm-executor",
         action="store_true",
-        help="run each node's ClientApp tasks in one kept process (fedfm_flower.deploy."
-        "superexec) instead of a flwr-clientapp process per message; needs the short waits",
+        help="a flwr-clientapp process per message (Flower's SuperExec) instead of each node's "
+        "tasks in one kept process (fedfm_flower.deploy.superexec); --flower-waits implies it",
     )
     waits = parser.add_mutually_exclusive_group()
     waits.add_argument(
@@ -152,7 +152,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
             node_config={"warm-worker": False} if args.no_warm_worker else {},
             poll_interval=None if args.flower_waits else args.poll_interval,
             max_poll_interval=args.max_poll_interval,
-            warm_executor=args.warm_executor,
+            warm_executor=not args.no_warm_executor,
         )
     except ValueError as err:
         parser.error(str(err))

@@ -49,8 +49,9 @@ class DeployOptions:
     poll_interval: float | None = DEFAULT_POLL_INTERVAL
     max_poll_interval: float = DEFAULT_MAX_POLL_INTERVAL
     # Each node's ClientApp tasks in one kept process (fedfm_flower.deploy.superexec) instead of
-    # a flwr-clientapp process per message; needs the short waits' SuperNode (poll_interval).
-    warm_executor: bool = False
+    # a flwr-clientapp process per message; with the short waits' SuperNode only (poll_interval
+    # None: plain flower-supernode, Flower's path throughout).
+    warm_executor: bool = True
 
     def __post_init__(self) -> None:
         self.workdir = Path(self.workdir).expanduser().resolve()
@@ -62,8 +63,8 @@ class DeployOptions:
             and not 1024 <= self.base_port <= 65535 - 1 - self.num_supernodes
         ):
             raise ValueError(f"--base-port must leave room for {self.num_supernodes + 1} ports")
-        if self.warm_executor and self.poll_interval is None:
-            raise ValueError("--warm-executor needs the short waits (not --flower-waits)")
+        if self.poll_interval is None:
+            self.warm_executor = False
         if self.poll_interval is not None:
             try:
                 check_poll_intervals(self.poll_interval, self.max_poll_interval)

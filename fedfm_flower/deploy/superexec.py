@@ -153,8 +153,9 @@ def run_task(spec: Any, apps: AppCache) -> None:
     heartbeat = None
     message = reply = context = None
     sub_status, details = SubStatus.FAILED, "ClientApp task failed due to unknown reason"
-    marker = _marker(spec.task_id)
+    marker = None
     try:
+        marker = _marker(spec.task_id)
         heartbeat = HeartbeatSender(make_task_heartbeat_fn_http(client))
         heartbeat.start()
         message, context, run, fab = pull_task_input(client)
