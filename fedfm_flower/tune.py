@@ -8,7 +8,8 @@ For each (method label, setup) pair, an Optuna study (TPE by default, or random 
 ``--trials`` hyperparameter settings from the method's declared space (``fedfm_flower.search``:
 the common training keys and the method's own). Each trial is one run of the setup at the
 tuning seed with ``evaluation-split = val``: clients evaluate on their validation split
-(``val-fraction``, ``--val-fraction`` when the setup holds none) and their test split is sealed,
+(the setup's ``val-fraction``, or ``--val-fraction`` of each client's training examples when
+the setup holds none: ``val_share``) and their test split is sealed,
 so nothing read during tuning comes from test data. A trial's score is the final mean
 validation value of the task's primary metric; a run that fails or diverges (NaN) counts
 against the budget as a failed trial. The best trial's values then run at every ``--seeds``
@@ -130,12 +131,25 @@ def tuning_base(
     tag: str = "",
     configs: Path = CONFIG_ROOT,
 ) -> dict[str, Any]:
-    """The run config of ``label`` on ``setup`` at ``seed`` evaluated on validation data."""
+    """The run config of ``label`` on ``setup`` at ``seed`` evaluated on validation data; a
+    setup without a validation split holds out ``val_fraction`` of each client's training
+    examples (``val_share``)."""
     config = cell_config(label, setup, seed, out / "tuning", overrides, tag, configs)
     if float(config.get("val-fraction", 0.0)) <= 0:
-        config["val-fraction"] = val_fraction
+        config["val-fraction"] = val_share(val_fraction, config)
     config["evaluation-split"] = "val"
     return config
+
+
+def val_share(of_training: float, config: dict[str, Any]) -> float:
+    """The run config's ``val-fraction`` (a share of all of a client's examples, as
+    ``test-fraction``) that holds out ``of_training`` of the client's training examples."""
+    from fedfm_flower.config import ExperimentConfig
+
+    if not 0.0 < of_training < 1.0:
+        raise ValueError(f"--val-fraction must lie in (0, 1), got {of_training}")
+    test = float(config.get("test-fraction", ExperimentConfig().test_fraction))
+    return round(of_training * (1.0 - test), 6)
 
 
 def open_studies(
@@ -327,7 +341,8 @@ def main(argv: list[str] | None = None) -> int:
         "--val-fraction",
         type=float,
         default=DEFAULT_VAL_FRACTION,
-        help="validation share for setups that hold none (also in their final runs)",
+        help="share of each client's training examples held out for validation, for setups "
+        "that hold none (the final runs hold out the same examples)",
     )
     parser.add_argument("--out", type=Path, required=True, help="tuning directory")
     args = parser.parse_args(argv)

@@ -191,6 +191,24 @@ def _tune_argv(out: Path, cache_dir: Path) -> list[str]:
     ]  # fmt: skip
 
 
+def study_test_fraction(out: Path) -> float:
+    """The test share of the tuned runs' clients (the setup's, or the default's)."""
+    (trial, *_) = json.loads((out / "tuning.json").read_text())["studies"][0]["trials"]
+    return json.loads((Path(trial["run"]) / "config.json").read_text())["run-config"][
+        "test-fraction"
+    ]
+
+
+def test_a_validation_share_of_the_training_examples_becomes_the_configs_share() -> None:
+    from fedfm_flower.tune import val_share
+
+    assert val_share(0.15, {"test-fraction": 0.8}) == pytest.approx(0.03)  # glyph feature skew
+    assert val_share(0.15, {}) == pytest.approx(0.15 * (1 - ExperimentConfig().test_fraction))
+    for bad in (0.0, 1.0, -0.1):
+        with pytest.raises(ValueError, match=f"--val-fraction must lie in \\(0, 1\\), got {bad}"):
+            val_share(bad, {})
+
+
 def test_tune_selects_on_validation_then_runs_the_choice_on_test(
     tmp_path: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -220,16 +238,18 @@ def test_tune_selects_on_validation_then_runs_the_choice_on_test(
     ).to_run_config()
     assert study["trials"][0]["values"] == {k: untuned[k] for k in study["space"]}
     assert study["trials"][1]["values"] != study["trials"][0]["values"]
+    # --val-fraction 0.15 of the training examples: of all examples, 0.15 x (1 - test share)
+    share = pytest.approx(0.15 * (1 - study_test_fraction(out)))
     for trial in study["trials"]:  # every trial evaluated on validation data, test sealed
         run_config = json.loads((Path(trial["run"]) / "config.json").read_text())["run-config"]
-        assert run_config["evaluation-split"] == "val" and run_config["val-fraction"] == 0.15
+        assert run_config["evaluation-split"] == "val" and run_config["val-fraction"] == share
         summary = json.loads((Path(trial["run"]) / "summary.json").read_text())
         assert summary["final-test-accuracy-mean"] == pytest.approx(trial["score"])
         assert all(run_config[k] == v for k, v in trial["values"].items())
 
     final = out / "runs" / "fedprox-digits-label-skew-s0"
     final_config = json.loads((final / "config.json").read_text())["run-config"]
-    assert final_config["evaluation-split"] == "test" and final_config["val-fraction"] == 0.15
+    assert final_config["evaluation-split"] == "test" and final_config["val-fraction"] == share
     assert all(final_config[k] == v for k, v in best["values"].items())
     # 2 trials x 2 rounds x 2 clients on validation, then 2 x 2 on test; nothing sealed read
     assert splits_read == ["data"] * (2 * 4 + 4)
