@@ -25,6 +25,7 @@ def loop(monkeypatch):
     """Flower's SuperNode loop module, its ``time`` restored after the test."""
     module = importlib.import_module(launcher.LOOP_MODULE)
     monkeypatch.setattr(module, "time", time)
+    monkeypatch.setattr(module, "pull_objects", module.pull_objects)
     return module
 
 
@@ -55,21 +56,29 @@ def test_the_waits_it_shortens_are_flowers_sleeps_in_that_module(loop):
 
 
 def test_shorten_waits_patches_the_loop_on_a_known_flower(loop, monkeypatch):
+    from flwr.supercore.inflatable.inflatable_utils import pull_objects
+
     slept: list[float] = []
     monkeypatch.setattr(time, "sleep", slept.append)
+    assert loop.pull_objects is pull_objects
     assert launcher.shorten_waits(0.2, 2.0) is True
+    assert loop.pull_objects.func is pull_objects  # the message objects' pulls: short pauses
+    assert loop.pull_objects.keywords == {"initial_backoff": 0.2, "backoff_cap": 2.0}
     assert isinstance(loop.time, launcher.ShortWaits)
     loop.time.sleep(3)
     assert slept == [0.2]
     assert launcher.shorten_waits(0.05, 0.5) is True  # again: new intervals, no double wrap
     assert (loop.time.first, loop.time.longest, loop.time.next_idle) == (0.05, 0.5, 0.05)
+    assert loop.pull_objects.func is pull_objects
+    assert loop.pull_objects.keywords == {"initial_backoff": 0.05, "backoff_cap": 0.5}
     assert not isinstance(time, launcher.ShortWaits)
 
 
 def test_an_unknown_flower_keeps_its_own_waits_and_says_so(loop, monkeypatch, capsys):
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "9.0.0")
+    pulls = loop.pull_objects
     assert launcher.shorten_waits(0.1, 1.0) is False
-    assert loop.time is time
+    assert loop.time is time and loop.pull_objects is pulls
     assert "Flower 9.0.0" in capsys.readouterr().err
 
 

@@ -28,6 +28,13 @@ next. Other task types go to Flower's executor.
   functions and fields it uses, ``unsupported_flower``); on any other it says why on stderr and
   runs Flower's ``flower-superexec`` with the same arguments. ``--allow-runtime-dependency-
   installation`` tasks also go to Flower's executor.
+* **Prompt pulls.** A task can reach this process before its SuperNode holds every object of the
+  message; Flower's object pull then waits 1 s, then 2 s, ... (its ``PULL_INITIAL_BACKOFF``,
+  sized for a ``flwr-clientapp`` that starts a second later). ``pull_task_input`` here is
+  Flower's, with the pauses from ``PULL_FIRST_PAUSE_S`` doubling up to ``PULL_LONGEST_PAUSE_S``
+  (measured on loopback: 1.2-3.3 s of a 1.3-3.9 s training task was that wait; what is left is
+  the SuperNode's own download of the objects from the SuperLink, about 1 s on the busy 2-core
+  machine).
 * **Tracking.** With ``FEDFM_TASKS_DIR`` set, a task in progress is a file
   ``<task id>.running`` there (``fedfm_flower.deploy.local`` uses it to see messages in flight).
 """
@@ -36,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import inspect
 import logging
 import os
 import sys
@@ -49,8 +57,11 @@ from typing import Any
 from fedfm_flower.deploy.supernode import TASKS_DIR_VAR
 
 KNOWN_FLOWER = ("1.41.",)
+# Between looks for a message's objects at the SuperNode (a local request): they come from the
+# SuperLink in about a second here, and a doubling pause would overshoot their arrival.
+PULL_FIRST_PAUSE_S, PULL_LONGEST_PAUSE_S = 0.01, 0.05
 SPEC_FIELDS = ("task_type", "runtime_api_address", "token", "insecure", "task_id")
-RUNTIME_FUNCTIONS = ("pull_task_input", "push_message", "push_task_output")
+RUNTIME_FUNCTIONS = ("push_message", "push_task_output")
 
 log = logging.getLogger("fedfm_flower.superexec")
 
@@ -68,6 +79,18 @@ def unsupported_flower() -> str | None:
     except ImportError as err:
         return f"Flower {version} lacks a module it uses ({err})"
     missing = [name for name in RUNTIME_FUNCTIONS if not hasattr(run_clientapp, name)]
+    try:
+        from flwr.supercore.inflatable import inflatable_utils
+
+        parameters = inspect.signature(inflatable_utils.pull_and_inflate_object_from_tree)
+    except (ImportError, AttributeError) as err:
+        missing.append(f"pull_and_inflate_object_from_tree ({err})")
+    else:
+        missing += [
+            f"pull_and_inflate_object_from_tree({name}=)"
+            for name in ("initial_backoff", "backoff_cap")
+            if name not in parameters.parameters
+        ]
     loop_names = ("run_superexec", "get_executor")
     missing += [name for name in loop_names if not hasattr(run_superexec, name)]
     spec_fields = {field.name for field in fields(ExecutionSpec)}
@@ -113,6 +136,48 @@ class AppCache:
         sys.path[:] = [entry for entry in sys.path if os.path.realpath(entry or ".") != root]
 
 
+def pull_task_input(client: Any) -> tuple[Any, Any, Any, Any]:
+    """Flower's ``pull_task_input`` (the task's context, run and FAB, then its message), with
+    short pauses while the message's objects are not yet at the SuperNode."""
+    from flwr.app import Message
+    from flwr.common.serde import context_from_proto, fab_from_proto, run_from_proto
+    from flwr.proto.node_pb2 import Node  # pylint: disable=E0611
+    from flwr.proto.runtime_pb2 import (  # pylint: disable=E0611
+        PullAppMessagesRequest,
+        PullTaskInputRequest,
+    )
+    from flwr.supercore.inflatable.inflatable_protobuf_utils import (
+        make_confirm_message_received_fn_protobuf,
+        make_pull_object_fn_protobuf,
+    )
+    from flwr.supercore.inflatable.inflatable_utils import pull_and_inflate_object_from_tree
+    from flwr.supercore.task_identity import TaskIdentity
+
+    response = client.PullTaskInput(PullTaskInputRequest())
+    TaskIdentity.task_id = response.task_id
+    TaskIdentity.run_id = response.run.run_id
+    TaskIdentity.node_id = response.context.node_id
+    context = context_from_proto(response.context)
+    run, fab = run_from_proto(response.run), fab_from_proto(response.fab)
+    pulled = client.PullMessages(PullAppMessagesRequest())
+    if not pulled.messages_list:
+        raise RuntimeError("No messages received from Runtime API")
+    node = Node(node_id=context.node_id)
+    tree = pulled.message_object_trees[0]
+    message = pull_and_inflate_object_from_tree(
+        tree,
+        make_pull_object_fn_protobuf(client.PullObject, node, context.run_id),
+        make_confirm_message_received_fn_protobuf(
+            client.ConfirmMessageReceived, node, context.run_id
+        ),
+        return_type=Message,
+        initial_backoff=PULL_FIRST_PAUSE_S,
+        backoff_cap=PULL_LONGEST_PAUSE_S,
+    )
+    message.metadata.__dict__["_message_id"] = tree.object_id  # the deflated message lacks it
+    return message, context, run, fab
+
+
 def run_task(spec: Any, apps: AppCache) -> None:
     """What ``flwr-clientapp`` does with one token, in this process: heartbeats, the task input,
     the ClientApp, the reply and the final context (Flower's functions and error replies)."""
@@ -129,13 +194,10 @@ def run_task(spec: Any, apps: AppCache) -> None:
     from flwr.supercore.runtime import RuntimeHttpClient
     from flwr.supercore.runtime.tracing import RuntimeTracingInterceptor
     from flwr.supercore.tls import validate_and_resolve_root_certificates
-    from flwr.supernode.runtime.run_clientapp import (
-        pull_task_input,
-        push_message,
-        push_task_output,
-    )
+    from flwr.supernode.runtime.run_clientapp import push_message, push_task_output
 
     started = time.perf_counter()
+    phases: dict[str, float] = {}
     retry = make_simple_http_retry_invoker()
     client = RuntimeHttpClient.from_server_address(
         server_address=spec.runtime_api_address,
@@ -159,8 +221,10 @@ def run_task(spec: Any, apps: AppCache) -> None:
         heartbeat = HeartbeatSender(make_task_heartbeat_fn_http(client))
         heartbeat.start()
         message, context, run, fab = pull_task_input(client)
+        phases["pull"] = time.perf_counter() - started
         client_app = apps.load(run, fab)
         reply = client_app(message=message, context=context)
+        phases["app"] = time.perf_counter() - started - phases["pull"]
         sub_status, details = SubStatus.COMPLETED, ""
     except Exception as ex:  # noqa: BLE001 - Flower's reply to any exception of the ClientApp
         code = ErrorCode.CLIENT_APP_RAISED_EXCEPTION
@@ -186,9 +250,10 @@ def run_task(spec: Any, apps: AppCache) -> None:
         if marker is not None:
             marker.unlink(missing_ok=True)
     kind = message.metadata.message_type if message is not None else "?"
+    total = time.perf_counter() - started
+    parts = ", ".join(f"{name} {seconds:.3f} s" for name, seconds in phases.items())
     print(
-        f"warm executor: task {spec.task_id} ({kind}) {sub_status} in "
-        f"{time.perf_counter() - started:.3f} s",
+        f"warm executor: task {spec.task_id} ({kind}) {sub_status} in {total:.3f} s ({parts})",
         file=sys.stderr,
         flush=True,
     )
@@ -300,6 +365,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     install(loop)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per runtime request otherwise
     loop.run_superexec(
         runtime_api_address=args.runtime_api_address,
         insecure=args.insecure,

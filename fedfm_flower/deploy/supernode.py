@@ -10,6 +10,10 @@ Flower's SuperNode (1.41, 1.42) waits in fixed steps that its command line canno
   average, up to 3 s, before the node sees it;
 * 0.5 s between looks for its ClientApp's reply.
 
+Its pulls of a message's objects from the SuperLink, when one is not there yet (the ServerApp
+may still be pushing them), wait 1 s, then twice as long each time up to 10 s; here they wait
+``--poll-interval``, doubling up to ``--max-poll-interval``.
+
 Its SuperExec then looks for the message's task every ``FLWR_SUPEREXEC_TASK_POLL_INTERVAL``
 seconds (Flower's own setting, default 1 s). On loopback these waits are a third of a round.
 
@@ -39,8 +43,10 @@ says so on stderr.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import importlib.metadata
+import inspect
 import math
 import os
 import signal
@@ -133,6 +139,12 @@ def shorten_waits(first: float, longest: float) -> bool:
         )
         return False
     loop.time = ShortWaits(first, longest)
+    pulls = getattr(loop, "pull_objects", None)
+    pulls = pulls.func if isinstance(pulls, functools.partial) else pulls
+    if pulls is not None and {"initial_backoff", "backoff_cap"} <= set(
+        inspect.signature(pulls).parameters
+    ):
+        loop.pull_objects = functools.partial(pulls, initial_backoff=first, backoff_cap=longest)
     return True
 
 
