@@ -81,12 +81,15 @@ def prompt_add_messages_to_queue(
     while not f_stop.is_set():
         PUSHED.clear()  # a push during the pass sets it again: no pause before the next pass
         waiting = undelivered_nodes(state)
+        queued, more = 0, False
         for node_id in nodes_mapping.keys():
             if waiting is not None and not waiting.get(node_id):
                 continue
             for message in state.get_message_ins(node_id=node_id, limit=1):
                 queue.put(message)
-        if waiting is not None and any(count > 1 for count in waiting.values()):
+                queued += 1
+            more = more or (waiting is not None and waiting.get(node_id, 0) > 1)
+        if queued and more:
             continue  # a node had more than one: its next one now, not after a tick
         PUSHED.wait(TICK_S)
 

@@ -206,3 +206,26 @@ def test_install_replaces_only_the_known_flower_code(monkeypatch, capsys) -> Non
     assert vce_api.add_messages_to_queue is prompt_add_messages_to_queue
     assert vce_api.put_message_into_state is prompt_put_message_into_state
     assert install()  # twice: still in place
+
+
+def test_messages_for_nodes_outside_the_mapping_do_not_keep_it_busy(monkeypatch) -> None:
+    """Undelivered messages the extractor never asks for (a node it does not serve) leave it
+    pausing between passes, as Flower's does, not spinning."""
+    state, grid, mapping = federation()
+    nodes = list(mapping)
+    grid.push_messages(messages(grid, [nodes[5], nodes[5]], "x"))  # two for the last node
+    served = {node: mapping[node] for node in nodes[:5]}
+    passes = []
+    real = prompt_engine.undelivered_nodes
+
+    def counting(state):  # noqa: ANN001, ANN202
+        passes.append(1)
+        return real(state)
+
+    monkeypatch.setattr(prompt_engine, "undelivered_nodes", counting)
+    queue, stop, thread = run_extractor(prompt_add_messages_to_queue, state, served)
+    time.sleep(0.35)
+    stop.set()
+    thread.join(timeout=5)
+    assert queue.empty()
+    assert len(passes) <= 6  # a pass per 0.1 s tick, not a spin
