@@ -107,7 +107,7 @@ def test_clientapp_tasks_run_here_one_at_a_time_and_the_rest_go_to_flower(monkey
 
 
 def test_stale_task_marks_of_a_killed_predecessor_are_cleared(tmp_path, monkeypatch):
-    monkeypatch.setenv(launcher.TASKS_DIR_VAR, str(tmp_path))
+    monkeypatch.setenv(superexec.TASKS_DIR_VAR, str(tmp_path))
     (tmp_path / "5.running").write_text("1")
     superexec.WarmExecutor(FlowerExecutor())
     assert not list(tmp_path.glob("*.running"))

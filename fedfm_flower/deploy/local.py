@@ -49,7 +49,7 @@ from fedfm_flower.deploy.runs import (
     run_dir_from_lines,
     write_toml,
 )
-from fedfm_flower.deploy.supernode import SUPEREXEC_POLL_VAR, TASKS_DIR_VAR
+from fedfm_flower.deploy.supernode import SUPEREXEC_POLL_VAR
 from fedfm_flower.launch import final_run_status, run_id_from_lines
 from fedfm_flower.processes import flower_environment, pid_alive, signal_process
 from fedfm_flower.tracebacks import StreamFilter
@@ -349,6 +349,9 @@ class LocalDeployment:
                 "--auth-supernode-private-key",
                 str(key),
             ]
+        # Imported here: the package must not load the SuperExec module that `python -m` runs.
+        from fedfm_flower.deploy.superexec import TASKS_DIR_VAR
+
         env = {**self.env(), NODE_VAR: str(index), TASKS_DIR_VAR: str(self.tasks_dir(index))}
         process = self._start(name or f"supernode_{index}", command, env=env)
         self.nodes[index] = process

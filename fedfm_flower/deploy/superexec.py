@@ -54,9 +54,8 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from fedfm_flower.deploy.supernode import TASKS_DIR_VAR
-
 KNOWN_FLOWER = ("1.41.",)
+TASKS_DIR_VAR = "FEDFM_TASKS_DIR"  # where the running tasks are marked (LocalDeployment sets it)
 # Between looks for a message's objects at the SuperNode (a local request): they come from the
 # SuperLink in about a second here, and a doubling pause would overshoot their arrival.
 PULL_FIRST_PAUSE_S, PULL_LONGEST_PAUSE_S = 0.01, 0.05

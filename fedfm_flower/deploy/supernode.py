@@ -68,7 +68,6 @@ DEFAULT_POLL_INTERVAL = 0.1
 DEFAULT_MAX_POLL_INTERVAL = 1.0
 GROWTH = 1.5
 REPLY_WAIT_S = 0.5  # Flower's wait between looks for the ClientApp's reply
-TASKS_DIR_VAR = "FEDFM_TASKS_DIR"  # where the warm SuperExec marks its running tasks
 EXECUTOR_FAILURES = 3  # quick exits of the warm SuperExec before Flower's takes over
 QUICK_EXIT_S = 10.0
 STOPPED = (0, -signal.SIGTERM, -signal.SIGINT)  # a SuperExec's exits that are no crash
