@@ -30,8 +30,6 @@ against (Flower 1.41.0, ``FLOWER_SOURCES``); on any other source it warns and le
 
 from __future__ import annotations
 
-import hashlib
-import inspect
 import logging
 import os
 import sys
@@ -57,6 +55,9 @@ REPLIED = threading.Event()  # set after the engine stored a reply
 
 def source_digest(function: Any) -> str:
     """The first 16 hex digits of the sha256 of ``function``'s source."""
+    import hashlib
+    import inspect  # here: the ClientApp's module imports this one in every deployed process
+
     return hashlib.sha256(inspect.getsource(function).encode()).hexdigest()[:16]
 
 

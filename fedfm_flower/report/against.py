@@ -8,13 +8,14 @@ t-test over the units both sets evaluated, in the metric's units x ``scale``.
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from fedfm_flower.report.runs import RunResult
 from fedfm_flower.report.tables import ALPHA, by_cell, paired_units
-from fedfm_flower.statistics import PairedTest, mean_ci, paired_test
+from fedfm_flower.statistics import PairedTest, paired_test
 
 
 @dataclass(frozen=True)
@@ -54,8 +55,8 @@ def build_against(
             x, y = paired_units(by_seed[seed], theirs[key][seed])
             a += [scale * v for v in x]
             b += [scale * v for v in y]
-        mean, _ = mean_ci([scale * by_seed[s].final_mean for s in seeds])
-        other, _ = mean_ci([scale * theirs[key][s].final_mean for s in seeds])
+        mean = statistics.fmean(scale * by_seed[s].final_mean for s in seeds)
+        other = statistics.fmean(scale * theirs[key][s].final_mean for s in seeds)
         test = paired_test(a, b) if len(a) >= 2 else None
         rows.append(Against(key[0], key[1], seeds, mean, other, test))
     return rows
