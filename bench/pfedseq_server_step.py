@@ -13,10 +13,13 @@ N in {10, 100}, L in {5, 20}). The adapter is ``--layers`` layers of D / layers 
 (tensors ``blocks.<k>.lora.weight``; default one layer, so one learner and the numbers are per
 layer).
 
-Both server paths are measured in the same run (``--paths``, default both), cell by cell, each
-in its own child process: ``loop`` is the per-layer reference (one learner and one chunk at a
-time, ``PFedSeqServer(batch_layers=False)``), ``batched`` the default (all layers' learners in
-one batched call per chunk). The table puts them side by side with the ratio loop / batched and
+The server paths are measured in the same run (``--paths``, default loop and batched), cell by
+cell, each in its own child process: ``loop`` is the per-layer reference (one learner and one
+chunk at a time, ``PFedSeqServer(batch_layers=False)``), ``batched`` the default (all layers'
+learners in one batched call per chunk), ``compiled`` the batched path with the scan's steps
+compiled (``pfedseq-scan-backend = compiled``; its child's construction compiles them, so the
+timed steps do not). The table puts the first two paths of ``--paths`` side by side with their
+ratio and
 the learner calls per pass (chunks over all layers). ``--round-rest S`` adds each path's share
 of a round, step / (S + step), where S is the rest of a round (a measured round minus its
 server step; the benchmark runs no clients, so it has to be given).
@@ -87,7 +90,7 @@ from fedfm_flower.durable import atomic_write_text
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "bench" / "results" / "pfedseq_server_step"
 LAYER_NAME = "blocks.{k}.lora.weight"
-PATHS = ("loop", "batched")
+PATHS = ("loop", "batched", "compiled")
 QUICK_CELLS = ((4096, 10, 5), (4096, 100, 5), (16384, 10, 5), (4096, 10, 10))
 QUICK_LAYERS = 4
 UPDATE_STD = 1e-3
@@ -216,10 +219,10 @@ def run_cell(args: argparse.Namespace) -> dict[str, Any]:
         seq_len,
         device,
         args.learner,
-        args.backend,
+        "compiled" if args.path == "compiled" else args.backend,
         args.chunk_size,
         args.layers,
-        args.path == "batched",
+        args.path != "loop",
     )
     generator = torch.Generator().manual_seed(2)
     updates = {c: torch.empty(d).normal_(0.0, UPDATE_STD, generator=generator) for c in range(n)}
@@ -401,25 +404,28 @@ def share(record: dict[str, Any] | None, round_rest: float | None) -> str:
     return f"{100 * step / (round_rest + step):.1f}%"
 
 
-def table(records: list[dict[str, Any]], device: str, round_rest: float | None = None) -> str:
-    """The markdown table: one row per (D, N, L, layers), the two paths side by side."""
+def table(
+    records: list[dict[str, Any]],
+    device: str,
+    round_rest: float | None = None,
+    pair: tuple[str, str] = ("loop", "batched"),
+) -> str:
+    """The markdown table: one row per (D, N, L, layers), the ``pair`` of paths side by side."""
     rows: dict[tuple, dict[str, dict[str, Any]]] = {}
     for record in map(with_defaults, records):
         key = (record["d"], record["n"], record["l"], record["layers"])
         rows.setdefault(key, {})[record["path"]] = record
-    header = ["D", "N", "L", "layers", "loop step s", "batched step s", "loop / batched"]
+    first, second = pair
+    both = f"{first} / {second}"
+    header = ["D", "N", "L", "layers", f"{first} step s", f"{second} step s", both]
     if round_rest is not None:
-        header += ["loop share of a round", "batched share of a round"]
-    header += [
-        "learner calls x rows, loop / batched",
-        "peak working memory MiB, loop / batched",
-        "history MiB",
-    ]
+        header += [f"{first} share of a round", f"{second} share of a round"]
+    header += [f"learner calls x rows, {both}", f"peak working memory MiB, {both}", "history MiB"]
     if device == "cuda":
-        header.append("host peak RSS MiB, loop / batched")
+        header.append(f"host peak RSS MiB, {both}")
     lines = ["| " + " | ".join(header) + " |", "|" + "---:|" * len(header)]
     for (d, n, seq_len, layers), paths in rows.items():
-        loop, batched = paths.get("loop"), paths.get("batched")
+        loop, batched = paths.get(first), paths.get(second)
         a, b = path_cells(loop, device), path_cells(batched, device)
         both_ok = loop and batched and loop["status"] == batched["status"] == "ok"
         ratio = fmt(loop["step_seconds"] / batched["step_seconds"]) if both_ok else "-"
@@ -559,6 +565,8 @@ def parent_main(args: argparse.Namespace) -> int:
     earlier, machines = load_earlier(json_path, args.merge, settings, must_match)
     earlier = [with_defaults(r) for r in earlier]
     records: list[dict[str, Any]] = []
+    first, second = (args.paths + [p for p in PATHS if p not in args.paths])[:2]
+    pair = (first, second)
     failed: dict[str, list[tuple[int, int, int]]] = {path: [] for path in args.paths}
     title = (
         f"pFedSeq server step, {args.device}, learner {args.learner}, backend {args.backend}, "
@@ -583,10 +591,10 @@ def parent_main(args: argparse.Namespace) -> int:
                 payload["earlier_machines"] = machines
             # Atomic, not durable: a kill mid-write must not lose the earlier cells.
             atomic_write_text(json_path, json.dumps(payload, indent=2) + "\n", durable=False)
-            text = table(cells, args.device, args.round_rest)
+            text = table(cells, args.device, args.round_rest, pair)
             atomic_write_text(table_path, f"{title}\n\n{text}", durable=False)
     print()
-    print(table(merged(earlier, records, KEY), args.device, args.round_rest), end="")
+    print(table(merged(earlier, records, KEY), args.device, args.round_rest, pair), end="")
     print(f"\nwrote {json_path} and {table_path}")
     return 0
 
@@ -608,8 +616,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--paths",
         choices=PATHS,
         nargs="+",
-        default=list(PATHS),
-        help="server paths to measure: the per-layer loop, the layer-batched default",
+        default=["loop", "batched"],
+        help="server paths to measure: the per-layer loop, the layer-batched default, the "
+        "batched path with compiled scan steps (the table compares the first two)",
     )
     parser.add_argument(
         "--quick",
@@ -623,7 +632,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="seconds of a round outside the server step; adds each path's share of a round",
     )
     parser.add_argument("--learner", choices=["mamba", "lstm", "mlp"], default="mamba")
-    parser.add_argument("--backend", choices=["auto", "torch", "cuda"], default="auto")
+    parser.add_argument("--backend", choices=["auto", "torch", "cuda", "compiled"], default="auto")
     parser.add_argument("--chunk-size", type=int, default=0, help="rows of D per chunk; 0 = auto")
     parser.add_argument("--repeats", type=count, default=3, help="timed steps (median)")
     parser.add_argument(

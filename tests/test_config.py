@@ -225,7 +225,7 @@ def test_methods_match_the_registry() -> None:
         ("pfedseq_lr", 0.1, "unknown key"),
         ("method-values", "", "unknown key"),
         ("pfedseq-learner", "gru", "allowed: mamba, lstm, mlp"),
-        ("pfedseq-scan-backend", "triton", "allowed: auto, torch, cuda"),
+        ("pfedseq-scan-backend", "triton", "allowed: auto, torch, cuda, compiled"),
         ("pfedseq-conv-kernel", 5, "must lie in [2, 4]"),
         ("pfedseq-lr", 0.0, "must be > 0"),
         ("pfedseq-warmup-rounds", -1, "must be >= 0"),

@@ -157,6 +157,68 @@ def test_cuda_backend_without_kernels_is_a_clear_error() -> None:
     assert not scan.use_kernel("selective_scan", torch.zeros(1), "auto")  # CPU tensor
 
 
+def compiled_graphs() -> int:
+    """Graphs torch.compile has made in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def test_compiled_scan_matches_the_eager_scan_and_compiles_once_per_shape() -> None:
+    """The compiled steps give the eager loop's values and gradients within float32 rounding;
+    other batch sizes (chunks) and window lengths (early rounds) reuse the compiled graphs."""
+    groups, channels, n = 2, 8, 16  # the shape of ``make_server(scan_backend='compiled')``
+    scan.check_compiled(groups, channels, n)
+    made = compiled_graphs()
+    g = torch.Generator().manual_seed(3)
+    for batch, steps in ((5, 3), (9, 6), (9, 6)):
+        dim = groups * channels
+        inputs = [
+            torch.randn(batch, dim, steps, generator=g),
+            0.2 * torch.rand(batch, dim, steps, generator=g),
+            -torch.rand(dim, n, generator=g) - 0.1,
+            torch.randn(batch, groups, n, steps, generator=g),
+            torch.randn(batch, groups, n, steps, generator=g),
+        ]
+        for last_only in (False, True):
+            results = []
+            for compiled in (False, True):
+                leaves = [t.clone().requires_grad_() for t in inputs]
+                out = scan._grouped_scan(*leaves, last_only=last_only, compiled=compiled)
+                grads = torch.autograd.grad((out * out.detach()).sum(), leaves)
+                with torch.no_grad():
+                    inference = scan._grouped_scan(*inputs, last_only=last_only, compiled=compiled)
+                results.append((out.detach(), inference, *grads))
+            for got, want in zip(results[1], results[0], strict=True):
+                assert_close_to_scale(got, want)
+    assert compiled_graphs() == made
+
+
+def test_compiled_server_steps_match_the_eager_server() -> None:
+    """pfedseq-scan-backend = 'compiled': adapters, calibrations and learners as with 'torch'."""
+    eager, compiled = (make_server(scan_backend=backend) for backend in ("torch", "compiled"))
+    start = {name: p.detach().clone() for name, p in eager.learners.named_parameters()}
+    for server in (eager, compiled):
+        run_mixed_rounds(server, range(6))
+    assert_same_servers(compiled, eager, start)
+
+
+def test_a_compiled_backend_that_cannot_compile_is_refused_at_start(monkeypatch) -> None:
+    def broken():
+        def fail(*args):
+            raise OSError("no C++ compiler found")
+
+        return fail
+
+    monkeypatch.setattr(scan, "_compiled_step", broken)
+    scan.check_compiled.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match="'compiled' but torch.compile failed.*C\\+\\+"):
+            make_server(scan_backend="compiled")
+    finally:
+        scan.check_compiled.cache_clear()
+
+
 @pytest.mark.parametrize(
     ("changes", "key"),
     [

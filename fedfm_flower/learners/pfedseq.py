@@ -69,6 +69,7 @@ import torch
 from torch import nn
 
 from fedfm_flower.learners.layout import LayerRange, ParameterLayout
+from fedfm_flower.learners.selective_scan import check_compiled
 from fedfm_flower.learners.sequence import LearnerSpec, SequenceLearner
 from fedfm_flower.learners.stacked import StackedLearners
 from fedfm_flower.learners.state import (
@@ -118,6 +119,10 @@ class PFedSeqServer:
         )
         self.batch_layers = batch_layers
         self.stacked = StackedLearners(self.learners)
+        if settings.learner == "mamba" and settings.scan_backend == "compiled":
+            # the width is N with or without cross-client modelling (variant C embeds to N)
+            groups = len(self.layout.layers) if batch_layers else 1
+            check_compiled(groups, settings.expand * num_clients, settings.state_dim)
         start = self.layout.flatten(initial_adapter)
         self.global_adapter = start.clone()
         self.personal = start.repeat(num_clients, 1)  # (N, D): theta_i of the last round
