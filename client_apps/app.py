@@ -150,6 +150,10 @@ def _train_content(
         sent, stats = logic.post_train(runtime, received, server_round)
     else:
         sent, stats = logic.train(runtime, received, server_round)
+        if runtime.config.dp == "central":  # the update leaves clipped (fedfm_flower.privacy)
+            from fedfm_flower.privacy.mechanism import clip_update
+
+            sent = clip_update(sent, received, runtime.config.dp_clipping_norm)
     metrics = MetricRecord(
         {
             P.CLIENT_ID: runtime.identity.client_id,

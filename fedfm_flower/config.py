@@ -158,6 +158,11 @@ class ExperimentConfig:
     label: str = ""  # the method's name in reports (e.g. pfedpg:basis-only); "" -> method
     setup: str = ""  # the setup's name in reports (e.g. glyphs-feature-skew); "" -> dataset
     tensorboard: bool = False  # also log each round's metrics to <run-dir>/tensorboard
+    # differential privacy of the shared updates (fedfm_flower.privacy): none or central
+    dp: str = "none"
+    dp_clipping_norm: float = 1.0  # C: L2 bound of each client's shared update
+    dp_noise_multiplier: float = 1.0  # sigma: noise std on the sum of updates, in units of C
+    dp_delta: float = 1e-5  # delta of the (epsilon, delta) reported per round
     resume: bool = False
     keep_checkpoints: int = 2
     client_state_dir: str = ""
@@ -290,6 +295,7 @@ class ExperimentConfig:
         ):
             if value < 0:
                 raise ConfigError(key, value, "must be >= 0")
+        self._check_privacy()
         if self.local_epochs == 0 and self.local_steps == 0:
             raise ConfigError("local-epochs", 0, "must be > 0 unless local-steps > 0")
         for key, value in (
@@ -344,6 +350,21 @@ class ExperimentConfig:
                 True,
                 f"applies to dataset 'multitask' only, not '{self.dataset}'",
             )
+
+    def _check_privacy(self) -> None:
+        from fedfm_flower.privacy.support import DP_MODES, central_dp_refusal
+
+        _one_of("dp", self.dp, DP_MODES)
+        _positive("dp-clipping-norm", self.dp_clipping_norm)
+        if self.dp_noise_multiplier < 0:
+            raise ConfigError("dp-noise-multiplier", self.dp_noise_multiplier, "must be >= 0")
+        if not 0.0 < self.dp_delta < 1.0:
+            raise ConfigError("dp-delta", self.dp_delta, "must lie in (0, 1)")
+        if self.dp == "none":
+            return
+        refusal = central_dp_refusal(self)
+        if refusal is not None:
+            raise ConfigError("dp", self.dp, f"method {self.method!r} cannot take it: {refusal}")
 
     def _check_model_loading(self) -> None:
         """model-dtype, device-map, load-in-4bit: hf-causal-lm only, their packages installed.

@@ -496,6 +496,23 @@ def summarize(run: RunDirectory, config: ExperimentConfig, seconds: float) -> di
         "total-bytes-up": sum(r["bytes-up"] for r in rounds),
         "total-round-seconds": sum(r["round-seconds"] for r in rounds),
         "wall-seconds-this-session": seconds,
+        **_privacy_spent(rounds, config),
+    }
+
+
+def _privacy_spent(rounds: list[dict[str, Any]], config: ExperimentConfig) -> dict[str, Any]:
+    """Under central DP: the epsilon spent by the last noised round, at ``dp-delta``."""
+    if config.dp == "none":
+        return {}
+    released = [r["server"] for r in rounds if "dp-epsilon" in r.get("server", {})]
+    last = released[-1] if released else {}
+    return {
+        "dp": config.dp,
+        "dp-delta": config.dp_delta,
+        "dp-noise-multiplier": config.dp_noise_multiplier,
+        "dp-clipping-norm": config.dp_clipping_norm,
+        "dp-releases": int(last.get("dp-releases", 0)),
+        "dp-epsilon": last.get("dp-epsilon", 0.0),
     }
 
 

@@ -1,0 +1,22 @@
+"""Differential privacy of what travels: central DP with client-side fixed clipping.
+
+The mechanism is DP-FedAvg's (McMahan et al. 2018, "Learning differentially private recurrent
+language models"), as Flower's ``DifferentialPrivacyClientSideFixedClipping`` and
+``fixedclipping_mod`` build it:
+
+* each client clips its update of the shared tensors, Delta_i = (sent) - (received), to an L2
+  norm of at most C over all its shared tensors together (``mechanism.clip_update``), and sends
+  received + clipped Delta_i;
+* the server averages the clipped updates with equal weights over the m clients it sampled
+  (a fixed denominator: a client that does not reply adds a zero update) and adds Gaussian
+  noise of standard deviation sigma * C / m to every coordinate of the average
+  (``mechanism.noise_std``, ``mechanism.add_gaussian_noise``);
+* the privacy spent is client-level (epsilon, delta) after T noised rounds, from Opacus' RDP
+  accountant (``accountant.epsilon_spent``).
+
+Modules: ``support`` (which methods can take it, and why not; light, read by the config),
+``mechanism`` (clipping and noise), ``accountant`` (epsilon). Flower's strategy wrapper and
+client mod are not used as they are: our strategies aggregate per tensor over owners and keep
+their state keyed by client id, and the noise must be added where ``FedAvgStrategy`` averages
+(``strategies.fedavg``); the client clips in ``client_apps.app`` before the reply is built.
+"""

@@ -1,0 +1,34 @@
+"""Client-level privacy spent by central DP, from Opacus' RDP accountant.
+
+Each noised round is one release of the Gaussian mechanism with noise multiplier sigma on the
+sum of clipped updates (sensitivity C, one client added or removed). Clients are sampled as a
+fixed-size seeded draw (``strategies.parts.sampling``), not by Poisson sampling, so no
+amplification by subsampling is claimed: each round counts with sampling rate 1, as Flower's
+accountant does for its DP strategies (``SamplingMethod.NO_AMPLIFICATION``). The epsilon is
+then an upper bound for every client, sampled or not.
+"""
+
+from __future__ import annotations
+
+
+def epsilon_spent(noise_multiplier: float, rounds: int, delta: float) -> float:
+    """epsilon after ``rounds`` noised rounds at ``noise_multiplier``, for ``delta``
+    (Opacus' ``RDPAccountant``; infinite without noise)."""
+    if rounds < 0:
+        raise ValueError(f"rounds must be >= 0, got {rounds}")
+    if not 0.0 < delta < 1.0:
+        raise ValueError(f"delta must lie in (0, 1), got {delta}")
+    if rounds == 0:
+        return 0.0
+    if noise_multiplier <= 0:
+        return float("inf")
+    try:
+        from opacus.accountants import RDPAccountant
+    except ImportError as error:
+        raise ImportError(
+            "dp = 'central' reports the privacy spent with Opacus' accountant: "
+            "pip install 'fedfm-flower[dp]' (or pip install opacus)"
+        ) from error
+    accountant = RDPAccountant()
+    accountant.history = [(noise_multiplier, 1.0, rounds)]
+    return float(accountant.get_epsilon(delta))

@@ -1,0 +1,61 @@
+"""The Gaussian mechanism of central DP: clip each client's update, noise the average."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+
+
+def update_norm(sent: Mapping[str, torch.Tensor], received: Mapping[str, torch.Tensor]) -> float:
+    """The L2 norm of (sent - received) over every tensor of ``sent`` together (float64)."""
+    total = 0.0
+    for name, tensor in sent.items():
+        delta = tensor.detach().to(torch.float64) - received[name].detach().to(torch.float64)
+        total += float(delta.pow(2).sum())
+    return math.sqrt(total)
+
+
+def clip_update(
+    sent: Mapping[str, torch.Tensor], received: Mapping[str, torch.Tensor], clipping_norm: float
+) -> dict[str, torch.Tensor]:
+    """received + (sent - received) * min(1, C / ||sent - received||), in ``sent``'s dtypes.
+
+    The norm is over all of ``sent``'s tensors together (one client's whole shared update);
+    every tensor of ``sent`` must have been received.
+    """
+    if clipping_norm <= 0:
+        raise ValueError(f"clipping norm must be > 0, got {clipping_norm}")
+    missing = sorted(set(sent) - set(received))
+    if missing:
+        raise KeyError(f"cannot clip an update of tensors that were not received: {missing[:3]}")
+    norm = update_norm(sent, received)
+    scale = min(1.0, clipping_norm / norm) if norm > 0 else 1.0
+    out = {}
+    for name, tensor in sent.items():
+        base = received[name].detach().to(torch.float64)
+        delta = tensor.detach().to(torch.float64) - base
+        out[name] = (base + delta * scale).to(tensor.dtype)
+    return out
+
+
+def noise_std(noise_multiplier: float, clipping_norm: float, num_sampled: int) -> float:
+    """Standard deviation of the noise on the average of ``num_sampled`` clipped updates:
+    sigma * C / m (the sum's sensitivity C, divided by the fixed denominator m)."""
+    if num_sampled < 1:
+        raise ValueError(f"need at least one sampled client, got {num_sampled}")
+    return noise_multiplier * clipping_norm / num_sampled
+
+
+def add_gaussian_noise(
+    tensors: Mapping[str, torch.Tensor], std: float, generator: torch.Generator
+) -> dict[str, torch.Tensor]:
+    """Each tensor plus independent N(0, std^2) noise per coordinate, drawn in sorted name order
+    from ``generator`` (so a seeded round is reproducible), in the tensors' dtypes."""
+    out = {}
+    for name in sorted(tensors):
+        tensor = tensors[name]
+        noise = torch.randn(tensor.shape, generator=generator, dtype=torch.float64) * std
+        out[name] = (tensor.to(torch.float64) + noise).to(tensor.dtype)
+    return out

@@ -1,0 +1,222 @@
+"""Central differential privacy: clipping, noise, accounting, refusal, and a run end to end."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Message, RecordDict
+
+from fedfm_flower import protocol as P
+from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.privacy import accountant, mechanism
+from fedfm_flower.privacy.support import REFUSALS, central_dp_refusal
+from fedfm_flower.records import from_array_record, to_array_record
+from fedfm_flower.registry import method_spec
+from fedfm_flower.settings import ConfigError
+
+
+def tensors(seed: int, scale: float = 1.0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "adapter.a": scale * torch.randn(6, 5, generator=g),
+        "head.weight": scale * torch.randn(3, 7, generator=g),
+    }
+
+
+def delta_norm(sent: dict, received: dict) -> float:
+    return math.sqrt(
+        sum(float((sent[n].double() - received[n].double()).pow(2).sum()) for n in sent)
+    )
+
+
+# ---------------------------------------------------------------- clipping
+def test_clipping_bounds_the_update_norm_over_all_tensors_together() -> None:
+    received = tensors(0)
+    sent = {n: t + d for (n, t), d in zip(received.items(), tensors(1).values(), strict=True)}
+    before = delta_norm(sent, received)
+    assert before > 2.0
+    clipped = mechanism.clip_update(sent, received, 2.0)
+    assert delta_norm(clipped, received) == pytest.approx(2.0, rel=1e-6)
+    # one scale for the whole update: every tensor's delta shrinks by the same factor
+    for name in sent:
+        ratio = (clipped[name] - received[name]) / (sent[name] - received[name])
+        torch.testing.assert_close(ratio, torch.full_like(ratio, 2.0 / before), rtol=1e-4, atol=0)
+    small = mechanism.clip_update(sent, received, 10 * before)
+    assert all(torch.equal(small[n], sent[n]) for n in sent)  # within the bound: unchanged
+    with pytest.raises(KeyError, match="not received"):
+        mechanism.clip_update({"other": torch.zeros(1)}, received, 1.0)
+    with pytest.raises(ValueError, match="clipping norm"):
+        mechanism.clip_update(sent, received, 0.0)
+
+
+# ---------------------------------------------------------------- noise
+def test_the_noise_has_the_set_standard_deviation_and_is_seeded() -> None:
+    std = mechanism.noise_std(noise_multiplier=1.5, clipping_norm=0.4, num_sampled=3)
+    assert std == pytest.approx(0.2)
+    zeros = {"a": torch.zeros(400, 500), "b": torch.zeros(1000)}
+    noised = mechanism.add_gaussian_noise(zeros, std, torch.Generator().manual_seed(7))
+    sample = torch.cat([t.flatten() for t in noised.values()]).double()
+    assert sample.numel() == 201_000
+    # the sample std of 201k normals is within 0.5% of the true one with overwhelming odds
+    assert float(sample.std()) == pytest.approx(std, rel=0.005)
+    assert abs(float(sample.mean())) < 5 * std / math.sqrt(sample.numel())
+    again = mechanism.add_gaussian_noise(zeros, std, torch.Generator().manual_seed(7))
+    assert all(torch.equal(again[n], noised[n]) for n in zeros)
+
+
+# ---------------------------------------------------------------- accounting
+def rdp_epsilon(noise_multiplier: float, rounds: int, delta: float, orders: list[float]) -> float:
+    """The Gaussian mechanism's RDP (alpha T / (2 sigma^2)) converted to (epsilon, delta) with
+    Balle et al. (2020)'s bound, minimised over ``orders``: written out here, not Opacus'."""
+    best = math.inf
+    for alpha in orders:
+        rdp = alpha * rounds / (2 * noise_multiplier**2)
+        eps = rdp + math.log1p(-1 / alpha) - (math.log(delta) + math.log(alpha)) / (alpha - 1)
+        best = min(best, eps)
+    return best
+
+
+@pytest.mark.parametrize(("sigma", "rounds"), [(1.0, 20), (2.0, 100), (0.8, 1)])
+def test_the_epsilon_is_opacus_rdp_accountants_and_the_gaussian_mechanisms(
+    sigma: float, rounds: int
+) -> None:
+    from opacus.accountants import RDPAccountant
+    from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
+
+    got = accountant.epsilon_spent(sigma, rounds, 1e-5)
+    orders = RDPAccountant.DEFAULT_ALPHAS
+    rdp = compute_rdp(q=1.0, noise_multiplier=sigma, steps=rounds, orders=orders)
+    library, _ = get_privacy_spent(orders=orders, rdp=rdp, delta=1e-5)
+    assert got == pytest.approx(library, rel=1e-12)
+    assert got == pytest.approx(rdp_epsilon(sigma, rounds, 1e-5, orders), rel=1e-9)
+    assert accountant.epsilon_spent(sigma, rounds + 1, 1e-5) > got  # it only grows
+    assert accountant.epsilon_spent(sigma, 0, 1e-5) == 0.0
+    assert accountant.epsilon_spent(0.0, rounds, 1e-5) == math.inf
+
+
+# ---------------------------------------------------------------- who can take it
+@pytest.mark.parametrize(
+    "method", ["pfedseq", "pfedpg", "tap", "feddpa-t", "feddpa-f", "feddat", "centralized"]
+)
+def test_methods_whose_server_reads_more_than_the_average_have_a_reason(method: str) -> None:
+    reason = central_dp_refusal(SimpleNamespace(method=method))
+    assert reason == REFUSALS[method_spec(method).strategy]
+
+
+@pytest.mark.parametrize("method", ["pfedseq", "pfedpg"])
+def test_a_method_that_cannot_take_central_dp_is_refused_at_start(method: str) -> None:
+    with pytest.raises(ConfigError, match="'dp'") as refused:
+        ExperimentConfig.from_run_config({"method": method, "dp": "central"})
+    assert REFUSALS[method_spec(method).strategy] in str(refused.value)
+    ExperimentConfig.from_run_config({"method": method, "dp": "none"})  # the default is fine
+
+
+@pytest.mark.parametrize("method", ["fedavg", "fedrep", "fedprox", "fedvpt", "fedperfix", "local"])
+def test_fedavg_family_methods_take_central_dp(method: str) -> None:
+    config = ExperimentConfig.from_run_config({"method": method, "dp": "central"})
+    assert central_dp_refusal(config) is None
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "rule"),
+    [
+        ("dp", "local", "allowed: none, central"),
+        ("dp-clipping-norm", 0.0, "must be > 0"),
+        ("dp-noise-multiplier", -1.0, "must be >= 0"),
+        ("dp-delta", 1.0, "must lie in"),
+    ],
+)
+def test_bad_privacy_settings_name_the_key(key: str, value: object, rule: str) -> None:
+    with pytest.raises(ConfigError, match=f"'{key}'.*{rule}"):
+        ExperimentConfig.from_run_config({"method": "fedavg", key: value})
+
+
+# ---------------------------------------------------------------- a run
+def test_a_central_dp_run_clips_what_travels_noises_the_average_and_reports_epsilon(
+    small_run_config: dict,
+) -> None:
+    """FedAvg, 4 clients, 2 rounds: each training reply's update is within C (checked on the
+    reply as it leaves the client); a client that sends a 100x update is clipped again by the
+    server; round 2's global tensors are round 1's plus the clipped updates' sum over the 4
+    sampled clients plus noise of std sigma C / 4 from the (seed, round) generator; every
+    round records the epsilon of Opacus' accountant, and the summary the last one."""
+    from client_apps.app import app as client_app
+    from server_apps.inprocess import InProcessGrid, simulation_node_configs
+    from server_apps.runner import run_experiment
+
+    clip, sigma, delta = 0.05, 0.7, 1e-4
+    run_config = {
+        **ExperimentConfig().to_run_config(),
+        **small_run_config,
+        "method": "fedavg",
+        "run-name": "dp",
+        "dp": "central",
+        "dp-clipping-norm": clip,
+        "dp-noise-multiplier": sigma,
+        "dp-delta": delta,
+    }
+    grid = InProcessGrid(client_app, run_config, simulation_node_configs(4))
+    replies: dict[str, dict[str, torch.Tensor]] = {}  # message id -> the reply's arrays used
+
+    def hook(client_id: int, reply: Message) -> Message:
+        message = grid.sent[-1]  # the grid calls the hook on the reply to its last message
+        if message.metadata.message_type != "train" or reply.has_error():
+            return reply
+        arrays = from_array_record(reply.content[P.ARRAYS])
+        received = from_array_record(message.content[P.ARRAYS])
+        assert delta_norm(arrays, received) <= clip * (1 + 1e-5)  # as it leaves the client
+        if client_id == 3:  # a client that does not clip: 100x its update
+            arrays = {n: received[n] + 100 * (t - received[n]) for n, t in arrays.items()}
+            content = RecordDict(
+                {P.ARRAYS: to_array_record(arrays), P.METRICS: reply.content[P.METRICS]}
+            )
+            reply = Message(content, reply_to=message)
+        replies[message.metadata.message_id] = arrays
+        return reply
+
+    grid.reply_hook = hook
+    summary = run_experiment(grid, ExperimentConfig.from_run_config(run_config))
+
+    train = [m for m in grid.sent if m.metadata.message_type == "train"]
+    rounds = {int(m.metadata.group_id) for m in train}
+    assert rounds == {1, 2} and len(train) == 8
+    assert len(replies) == 8
+    # round 2's payload, recomputed from round 1's payload and replies
+    first = [m for m in train if m.metadata.group_id == "1"]
+    start = from_array_record(first[0].content[P.ARRAYS])
+    total = {n: torch.zeros_like(t, dtype=torch.float64) for n, t in start.items()}
+    for message in first:
+        clipped = mechanism.clip_update(replies[message.metadata.message_id], start, clip)
+        for n in total:
+            total[n] += clipped[n].double() - start[n].double()
+    second = from_array_record(
+        next(m for m in train if m.metadata.group_id == "2").content[P.ARRAYS]
+    )
+    std = sigma * clip / 4
+    noise = mechanism.add_gaussian_noise(
+        {n: torch.zeros_like(t, dtype=torch.float64) for n, t in start.items()},
+        std,
+        torch.Generator().manual_seed(0 * 1_000_003 + 1),
+    )
+    expected = torch.cat([noise[n].flatten() for n in sorted(start)])
+    ordered = torch.cat(
+        [(second[n].double() - start[n].double() - total[n] / 4).flatten() for n in sorted(start)]
+    )
+    assert ordered.numel() > 100
+    np.testing.assert_allclose(ordered.numpy(), expected.numpy(), atol=1e-6 * max(1.0, std))
+
+    lines = (Path(run_config["output-dir"]) / "dp" / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    for t, record in enumerate(records, start=1):
+        assert record["server"]["dp-epsilon"] == pytest.approx(
+            accountant.epsilon_spent(sigma, t, delta)
+        )
+        assert record["server"]["dp-noise-std"] == pytest.approx(std)
+    assert summary["dp-epsilon"] == pytest.approx(accountant.epsilon_spent(sigma, 2, delta))
+    assert summary["dp-releases"] == 2
