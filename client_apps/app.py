@@ -150,10 +150,7 @@ def _train_content(
         sent, stats = logic.post_train(runtime, received, server_round)
     else:
         sent, stats = logic.train(runtime, received, server_round)
-        if runtime.config.dp == "central":  # the update leaves clipped (fedfm_flower.privacy)
-            from fedfm_flower.privacy.mechanism import clip_update
-
-            sent = clip_update(sent, received, runtime.config.dp_clipping_norm)
+        sent = _privatized(runtime, logic, sent, received, server_round)
     metrics = MetricRecord(
         {
             P.CLIENT_ID: runtime.identity.client_id,
@@ -171,6 +168,32 @@ def _train_content(
         log.warning("inject-fault: corrupting this reply (%s)", faults[server_round])
         content = inject_fault(content, faults[server_round])
     return content
+
+
+def _privatized(
+    runtime: ClientRuntime,
+    logic: ClientLogic,
+    sent: dict[str, torch.Tensor],
+    received: dict[str, torch.Tensor],
+    server_round: int,
+) -> dict[str, torch.Tensor]:
+    """``sent`` as it may leave the client under ``dp`` (``fedfm_flower.privacy``): the update
+    clipped (central), or clipped and noised from a (seed, round, client) generator (local)."""
+    config = runtime.config
+    if config.dp == "none":
+        return sent
+    import torch
+
+    from fedfm_flower.privacy import mechanism
+
+    base = {n: torch.zeros_like(t) for n, t in sent.items()} if logic.sends_updates else received
+    if config.dp == "central":
+        return mechanism.clip_update(sent, base, config.dp_clipping_norm)
+    seed = (config.seed * 1_000_003 + server_round) * 10_007 + runtime.identity.client_id
+    generator = torch.Generator().manual_seed(seed)
+    return mechanism.privatize_locally(
+        sent, base, config.dp_clipping_norm, config.dp_noise_multiplier, generator
+    )
 
 
 def _evaluation_metrics(runtime: ClientRuntime, stats: EvalStats) -> MetricRecord:

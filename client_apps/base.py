@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from flwr.app import Context
@@ -164,6 +164,9 @@ def _parsed_run_config(items: tuple[tuple[str, type, Any], ...]) -> ExperimentCo
 
 class ClientLogic:
     """One method's client half: tensors in, tensors and statistics out."""
+
+    # Whether ``train`` returns updates (trained - received) rather than the trained tensors.
+    sends_updates: ClassVar[bool] = False
 
     def train(
         self, runtime: ClientRuntime, received: dict[str, torch.Tensor], server_round: int

@@ -8,6 +8,8 @@ jointly with it and never leaves the client (the methods' split: ``fedfm_flower/
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 from client_apps.base import ClientRuntime
@@ -17,6 +19,8 @@ from fedfm_flower.training import TrainStats
 
 class UpdateClient(SplitClient):
     """Shared group from the server, head in client state; replies with the shared update."""
+
+    sends_updates: ClassVar[bool] = True
 
     def train(
         self, runtime: ClientRuntime, received: dict[str, torch.Tensor], server_round: int

@@ -158,7 +158,7 @@ class ExperimentConfig:
     label: str = ""  # the method's name in reports (e.g. pfedpg:basis-only); "" -> method
     setup: str = ""  # the setup's name in reports (e.g. glyphs-feature-skew); "" -> dataset
     tensorboard: bool = False  # also log each round's metrics to <run-dir>/tensorboard
-    # differential privacy of the shared updates (fedfm_flower.privacy): none or central
+    # differential privacy of the shared updates (fedfm_flower.privacy): none, central, local
     dp: str = "none"
     dp_clipping_norm: float = 1.0  # C: L2 bound of each client's shared update
     dp_noise_multiplier: float = 1.0  # sigma: noise std on the sum of updates, in units of C
@@ -352,7 +352,7 @@ class ExperimentConfig:
             )
 
     def _check_privacy(self) -> None:
-        from fedfm_flower.privacy.support import DP_MODES, central_dp_refusal
+        from fedfm_flower.privacy.support import DP_MODES, dp_refusal
 
         _one_of("dp", self.dp, DP_MODES)
         _positive("dp-clipping-norm", self.dp_clipping_norm)
@@ -362,7 +362,7 @@ class ExperimentConfig:
             raise ConfigError("dp-delta", self.dp_delta, "must lie in (0, 1)")
         if self.dp == "none":
             return
-        refusal = central_dp_refusal(self)
+        refusal = dp_refusal(self)
         if refusal is not None:
             raise ConfigError("dp", self.dp, f"method {self.method!r} cannot take it: {refusal}")
 

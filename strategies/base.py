@@ -32,6 +32,7 @@ from flwr.serverapp.strategy import Strategy
 
 from fedfm_flower.config import ExperimentConfig
 from fedfm_flower.models import TrainableTensors
+from fedfm_flower.privacy import accountant
 from strategies.parts.context import NO_CONTEXT, RunContext
 from strategies.parts.fused import FusedRound
 from strategies.parts.messages import Payload, per_node_messages
@@ -60,6 +61,8 @@ class PersonalizedStrategy(Strategy):
         self.current_round = 0  # the round configure_train was last called for
         self._training = FusedRound(RoundReport())  # the training phase in flight
         self._evaluation = RoundReport()  # the evaluation phase in flight
+        if config.dp != "none":  # Opacus missing fails now, not after the first round
+            accountant.epsilon_spent(config.dp_noise_multiplier, 1, config.dp_delta)
 
     # ----------------------------------------------------------------- to implement
     def train_payload(self, client_id: int, server_round: int) -> dict[str, torch.Tensor]:
@@ -161,6 +164,11 @@ class PersonalizedStrategy(Strategy):
         server_metrics: dict[str, float] = {}
         if valid:
             server_metrics = self.aggregate(server_round, valid)
+            if self.config.dp == "local":
+                server_metrics = {
+                    **server_metrics,
+                    **accountant.local_dp_metrics(self.config, server_round),
+                }
         else:
             log.warning("round %s: no valid training reply; state unchanged", server_round)
         train = PhaseOutcome.of(flight.train)

@@ -50,8 +50,6 @@ class FedAvgStrategy(PersonalizedStrategy):
         # Which tensors serve which holdings (TAP's components); the values are not kept.
         self.layout = TrainableTensors({}, initial.groups, initial.users)
         self.private_releases = 0  # rounds noised under dp = "central"
-        if config.dp == "central":  # Opacus missing fails now, not after the first round
-            accountant.epsilon_spent(config.dp_noise_multiplier, 1, config.dp_delta)
 
     def owned(self, client_id: int) -> dict[str, torch.Tensor]:
         """The global tensors of the components ``client_id`` owns (all, for most models)."""

@@ -126,7 +126,7 @@ def test_fedavg_family_methods_take_central_dp(method: str) -> None:
 @pytest.mark.parametrize(
     ("key", "value", "rule"),
     [
-        ("dp", "local", "allowed: none, central"),
+        ("dp", "global", "allowed: none, central, local"),
         ("dp-clipping-norm", 0.0, "must be > 0"),
         ("dp-noise-multiplier", -1.0, "must be >= 0"),
         ("dp-delta", 1.0, "must lie in"),
@@ -220,3 +220,105 @@ def test_a_central_dp_run_clips_what_travels_noises_the_average_and_reports_epsi
         assert record["server"]["dp-noise-std"] == pytest.approx(std)
     assert summary["dp-epsilon"] == pytest.approx(accountant.epsilon_spent(sigma, 2, delta))
     assert summary["dp-releases"] == 2
+
+
+# ---------------------------------------------------------------- local DP
+def test_local_dp_clips_then_adds_noise_of_sigma_c_to_each_coordinate() -> None:
+    received = {"a": torch.zeros(300, 400), "b": torch.zeros(50)}
+    g = torch.Generator().manual_seed(5)
+    sent = {n: 3.0 * torch.randn(t.shape, generator=g) for n, t in received.items()}
+    clip, sigma = 2.0, 0.5
+    out = mechanism.privatize_locally(sent, received, clip, sigma, torch.Generator().manual_seed(9))
+    clipped = mechanism.clip_update(sent, received, clip)
+    noise = torch.cat([(out[n].double() - clipped[n].double()).flatten() for n in sorted(out)])
+    assert float(noise.std()) == pytest.approx(sigma * clip, rel=0.005)
+    without_noise = mechanism.privatize_locally(sent, received, clip, 0.0, torch.Generator())
+    assert all(torch.equal(without_noise[n], clipped[n]) for n in sent)
+
+
+def test_a_client_that_sends_updates_is_clipped_and_noised_around_zero(tmp_path: Path) -> None:
+    """pFedSeq's and pFedPG's clients send Delta itself: the base is zero, not what they got."""
+    from client_apps.app import _privatized
+    from client_apps.updates import UpdateClient
+
+    config = ExperimentConfig().replace(
+        method="pfedpg", dp="local", dp_clipping_norm=0.1, dp_noise_multiplier=0.0, seed=3
+    )
+    runtime = SimpleNamespace(config=config, identity=SimpleNamespace(client_id=2))
+    update = {"adapter.a": torch.full((10,), 1.0)}
+    received = {"adapter.a": torch.full((10,), 50.0)}
+    sent = _privatized(runtime, UpdateClient(), update, received, server_round=4)
+    assert delta_norm(sent, {"adapter.a": torch.zeros(10)}) == pytest.approx(0.1, rel=1e-6)
+    noisy = config.replace(dp_noise_multiplier=1.0)
+    runtime.config = noisy
+    first = _privatized(runtime, UpdateClient(), update, received, server_round=4)
+    again = _privatized(runtime, UpdateClient(), update, received, server_round=4)
+    other = _privatized(runtime, UpdateClient(), update, received, server_round=5)
+    assert torch.equal(first["adapter.a"], again["adapter.a"])  # seeded by (seed, round, client)
+    assert not torch.equal(first["adapter.a"], other["adapter.a"])
+
+
+@pytest.mark.parametrize(
+    ("method", "allowed"),
+    [("fedavg", True), ("pfedseq", True), ("pfedpg", True), ("fedrep", True)]
+    + [(m, False) for m in ("tap", "feddpa-f", "feddat", "centralized")],
+)
+def test_local_dp_fits_methods_whose_clients_send_only_in_the_federated_rounds(
+    method: str, allowed: bool
+) -> None:
+    from fedfm_flower.privacy.support import local_dp_refusal
+
+    reason = local_dp_refusal(SimpleNamespace(method=method))
+    assert (reason is None) == allowed, reason
+
+
+def test_a_local_dp_run_sends_noised_clipped_updates_and_reports_epsilon(
+    small_run_config: dict,
+) -> None:
+    """FedAvg, 4 clients, 2 rounds: each training reply minus what the client received, minus
+    its (seed, round, client) noise, is within C; every round records the epsilon of that many
+    Gaussian releases."""
+    from client_apps.app import app as client_app
+    from server_apps.inprocess import InProcessGrid, simulation_node_configs
+    from server_apps.runner import run_experiment
+
+    clip, sigma, delta = 0.05, 2.0, 1e-5
+    run_config = {
+        **ExperimentConfig().to_run_config(),
+        **small_run_config,
+        "method": "fedavg",
+        "run-name": "ldp",
+        "dp": "local",
+        "dp-clipping-norm": clip,
+        "dp-noise-multiplier": sigma,
+        "dp-delta": delta,
+    }
+    grid = InProcessGrid(client_app, run_config, simulation_node_configs(4))
+    checked = []
+
+    def hook(client_id: int, reply: Message) -> Message:
+        message = grid.sent[-1]
+        if message.metadata.message_type == "train" and not reply.has_error():
+            sent = from_array_record(reply.content[P.ARRAYS])
+            received = from_array_record(message.content[P.ARRAYS])
+            server_round = int(message.metadata.group_id)
+            seed = (0 * 1_000_003 + server_round) * 10_007 + client_id
+            zeros = {n: torch.zeros_like(t, dtype=torch.float64) for n, t in sent.items()}
+            noise = mechanism.add_gaussian_noise(
+                zeros, sigma * clip, torch.Generator().manual_seed(seed)
+            )
+            update = {n: sent[n].double() - noise[n] for n in sent}
+            assert delta_norm(update, received) <= clip * (1 + 1e-4)
+            assert delta_norm(sent, received) > 10 * clip  # the noise is there
+            checked.append(client_id)
+        return reply
+
+    grid.reply_hook = hook
+    summary = run_experiment(grid, ExperimentConfig.from_run_config(run_config))
+    assert sorted(checked) == [0, 0, 1, 1, 2, 2, 3, 3]
+    lines = (Path(run_config["output-dir"]) / "ldp" / "metrics.jsonl").read_text().splitlines()
+    for t, line in enumerate(lines, start=1):
+        server = json.loads(line)["server"]
+        assert server["dp-epsilon"] == pytest.approx(accountant.epsilon_spent(sigma, t, delta))
+        assert server["dp-noise-std"] == pytest.approx(sigma * clip)
+    assert summary["dp-epsilon"] == pytest.approx(accountant.epsilon_spent(sigma, 2, delta))

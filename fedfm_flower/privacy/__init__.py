@@ -14,7 +14,13 @@ language models"), as Flower's ``DifferentialPrivacyClientSideFixedClipping`` an
 * the privacy spent is client-level (epsilon, delta) after T noised rounds, from Opacus' RDP
   accountant (``accountant.epsilon_spent``).
 
-Modules: ``support`` (which methods can take it, and why not; light, read by the config),
+Local DP (``dp = "local"``, Flower's ``LocalDpMod`` in spirit) moves the noise to the client:
+each client clips its update to C and adds N(0, (sigma C)^2) per coordinate before sending
+(``mechanism.privatize_locally``), so the server sees only privatized updates and aggregates
+them as without DP. Each round is one Gaussian release per participating client; the epsilon
+reported after round t is that of t releases, a bound for every client.
+
+Modules: ``support`` (which methods can take which mode, and why not; light, read by the config),
 ``mechanism`` (clipping and noise), ``accountant`` (epsilon). Flower's strategy wrapper and
 client mod are not used as they are: our strategies aggregate per tensor over owners and keep
 their state keyed by client id, and the noise must be added where ``FedAvgStrategy`` averages

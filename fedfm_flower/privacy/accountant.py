@@ -10,6 +10,11 @@ then an upper bound for every client, sampled or not.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fedfm_flower.config import ExperimentConfig
+
 
 def epsilon_spent(noise_multiplier: float, rounds: int, delta: float) -> float:
     """epsilon after ``rounds`` noised rounds at ``noise_multiplier``, for ``delta``
@@ -32,3 +37,13 @@ def epsilon_spent(noise_multiplier: float, rounds: int, delta: float) -> float:
     accountant = RDPAccountant()
     accountant.history = [(noise_multiplier, 1.0, rounds)]
     return float(accountant.get_epsilon(delta))
+
+
+def local_dp_metrics(config: ExperimentConfig, server_round: int) -> dict[str, float]:
+    """Round ``server_round``'s server metrics under local DP: every client has released at most
+    once per round, so the epsilon of ``server_round`` releases bounds them all."""
+    return {
+        "dp-noise-std": config.dp_noise_multiplier * config.dp_clipping_norm,
+        "dp-releases": float(server_round),
+        "dp-epsilon": epsilon_spent(config.dp_noise_multiplier, server_round, config.dp_delta),
+    }

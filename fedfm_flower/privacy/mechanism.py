@@ -1,4 +1,5 @@
-"""The Gaussian mechanism of central DP: clip each client's update, noise the average."""
+"""The Gaussian mechanism: clip each client's update; noise the average (central DP) or each
+client's update before it leaves the client (local DP)."""
 
 from __future__ import annotations
 
@@ -59,3 +60,19 @@ def add_gaussian_noise(
         noise = torch.randn(tensor.shape, generator=generator, dtype=torch.float64) * std
         out[name] = (tensor.to(torch.float64) + noise).to(tensor.dtype)
     return out
+
+
+def privatize_locally(
+    sent: Mapping[str, torch.Tensor],
+    base: Mapping[str, torch.Tensor],
+    clipping_norm: float,
+    noise_multiplier: float,
+    generator: torch.Generator,
+) -> dict[str, torch.Tensor]:
+    """Local DP: base + clip(sent - base) + N(0, (sigma C)^2) per coordinate.
+
+    ``base`` is what the client received for parameters, zeros for a reply that is itself an
+    update (pFedSeq's and pFedPG's clients).
+    """
+    clipped = clip_update(sent, base, clipping_norm)
+    return add_gaussian_noise(clipped, noise_multiplier * clipping_norm, generator)
