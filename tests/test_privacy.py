@@ -138,6 +138,24 @@ def test_bad_privacy_settings_name_the_key(key: str, value: object, rule: str) -
 
 
 # ---------------------------------------------------------------- a run
+def fedavg_grid(small: dict, mode: str, clip: float, sigma: float, delta: float):  # noqa: ANN201
+    """(run config, in-process grid) of a 4-client FedAvg run under ``dp = mode``."""
+    from client_apps.app import app as client_app
+    from server_apps.inprocess import InProcessGrid, simulation_node_configs
+
+    run_config = {
+        **ExperimentConfig().to_run_config(),
+        **small,
+        "method": "fedavg",
+        "run-name": mode,
+        "dp": mode,
+        "dp-clipping-norm": clip,
+        "dp-noise-multiplier": sigma,
+        "dp-delta": delta,
+    }
+    return run_config, InProcessGrid(client_app, run_config, simulation_node_configs(4))
+
+
 def test_a_central_dp_run_clips_what_travels_noises_the_average_and_reports_epsilon(
     small_run_config: dict,
 ) -> None:
@@ -146,22 +164,8 @@ def test_a_central_dp_run_clips_what_travels_noises_the_average_and_reports_epsi
     server; round 2's global tensors are round 1's plus the clipped updates' sum over the 4
     sampled clients plus noise of std sigma C / 4 from the (seed, round) generator; every
     round records the epsilon of Opacus' accountant, and the summary the last one."""
-    from client_apps.app import app as client_app
-    from server_apps.inprocess import InProcessGrid, simulation_node_configs
-    from server_apps.runner import run_experiment
-
     clip, sigma, delta = 0.05, 0.7, 1e-4
-    run_config = {
-        **ExperimentConfig().to_run_config(),
-        **small_run_config,
-        "method": "fedavg",
-        "run-name": "dp",
-        "dp": "central",
-        "dp-clipping-norm": clip,
-        "dp-noise-multiplier": sigma,
-        "dp-delta": delta,
-    }
-    grid = InProcessGrid(client_app, run_config, simulation_node_configs(4))
+    run_config, grid = fedavg_grid(small_run_config, "central", clip, sigma, delta)
     replies: dict[str, dict[str, torch.Tensor]] = {}  # message id -> the reply's arrays used
 
     def hook(client_id: int, reply: Message) -> Message:
@@ -181,6 +185,8 @@ def test_a_central_dp_run_clips_what_travels_noises_the_average_and_reports_epsi
         return reply
 
     grid.reply_hook = hook
+    from server_apps.runner import run_experiment
+
     summary = run_experiment(grid, ExperimentConfig.from_run_config(run_config))
 
     train = [m for m in grid.sent if m.metadata.message_type == "train"]
@@ -211,7 +217,7 @@ def test_a_central_dp_run_clips_what_travels_noises_the_average_and_reports_epsi
     assert ordered.numel() > 100
     np.testing.assert_allclose(ordered.numpy(), expected.numpy(), atol=1e-6 * max(1.0, std))
 
-    lines = (Path(run_config["output-dir"]) / "dp" / "metrics.jsonl").read_text().splitlines()
+    lines = (Path(run_config["output-dir"]) / "central" / "metrics.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in lines]
     for t, record in enumerate(records, start=1):
         assert record["server"]["dp-epsilon"] == pytest.approx(
@@ -278,22 +284,8 @@ def test_a_local_dp_run_sends_noised_clipped_updates_and_reports_epsilon(
     """FedAvg, 4 clients, 2 rounds: each training reply minus what the client received, minus
     its (seed, round, client) noise, is within C; every round records the epsilon of that many
     Gaussian releases."""
-    from client_apps.app import app as client_app
-    from server_apps.inprocess import InProcessGrid, simulation_node_configs
-    from server_apps.runner import run_experiment
-
     clip, sigma, delta = 0.05, 2.0, 1e-5
-    run_config = {
-        **ExperimentConfig().to_run_config(),
-        **small_run_config,
-        "method": "fedavg",
-        "run-name": "ldp",
-        "dp": "local",
-        "dp-clipping-norm": clip,
-        "dp-noise-multiplier": sigma,
-        "dp-delta": delta,
-    }
-    grid = InProcessGrid(client_app, run_config, simulation_node_configs(4))
+    run_config, grid = fedavg_grid(small_run_config, "local", clip, sigma, delta)
     checked = []
 
     def hook(client_id: int, reply: Message) -> Message:
@@ -314,9 +306,11 @@ def test_a_local_dp_run_sends_noised_clipped_updates_and_reports_epsilon(
         return reply
 
     grid.reply_hook = hook
+    from server_apps.runner import run_experiment
+
     summary = run_experiment(grid, ExperimentConfig.from_run_config(run_config))
     assert sorted(checked) == [0, 0, 1, 1, 2, 2, 3, 3]
-    lines = (Path(run_config["output-dir"]) / "ldp" / "metrics.jsonl").read_text().splitlines()
+    lines = (Path(run_config["output-dir"]) / "local" / "metrics.jsonl").read_text().splitlines()
     for t, line in enumerate(lines, start=1):
         server = json.loads(line)["server"]
         assert server["dp-epsilon"] == pytest.approx(accountant.epsilon_spent(sigma, t, delta))
