@@ -184,16 +184,15 @@ def _privatized(
         return sent
     import torch
 
-    from fedfm_flower.privacy import mechanism
+    from fedfm_flower.privacy import accountant, mechanism
 
     base = {n: torch.zeros_like(t) for n, t in sent.items()} if logic.sends_updates else received
     if config.dp == "central":
         return mechanism.clip_update(sent, base, config.dp_clipping_norm)
     seed = (config.seed * 1_000_003 + server_round) * 10_007 + runtime.identity.client_id
     generator = torch.Generator().manual_seed(seed)
-    return mechanism.privatize_locally(
-        sent, base, config.dp_clipping_norm, config.dp_noise_multiplier, generator
-    )
+    sigma = accountant.noise_multiplier(config)
+    return mechanism.privatize_locally(sent, base, config.dp_clipping_norm, sigma, generator)
 
 
 def _evaluation_metrics(runtime: ClientRuntime, stats: EvalStats) -> MetricRecord:

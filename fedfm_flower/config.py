@@ -163,6 +163,7 @@ class ExperimentConfig:
     dp_clipping_norm: float = 1.0  # C: L2 bound of each client's shared update
     dp_noise_multiplier: float = 1.0  # sigma: noise std on the sum of updates, in units of C
     dp_delta: float = 1e-5  # delta of the (epsilon, delta) reported per round
+    dp_target_epsilon: float = 0.0  # > 0: sigma chosen to spend this over num-server-rounds
     resume: bool = False
     keep_checkpoints: int = 2
     client_state_dir: str = ""
@@ -360,6 +361,8 @@ class ExperimentConfig:
             raise ConfigError("dp-noise-multiplier", self.dp_noise_multiplier, "must be >= 0")
         if not 0.0 < self.dp_delta < 1.0:
             raise ConfigError("dp-delta", self.dp_delta, "must lie in (0, 1)")
+        if self.dp_target_epsilon < 0:
+            raise ConfigError("dp-target-epsilon", self.dp_target_epsilon, "must be >= 0")
         if self.dp == "none":
             return
         refusal = dp_refusal(self)

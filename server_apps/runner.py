@@ -504,12 +504,15 @@ def _privacy_spent(rounds: list[dict[str, Any]], config: ExperimentConfig) -> di
     """Under central DP: the epsilon spent by the last noised round, at ``dp-delta``."""
     if config.dp == "none":
         return {}
+    from fedfm_flower.privacy import accountant
+
     released = [r["server"] for r in rounds if "dp-epsilon" in r.get("server", {})]
     last = released[-1] if released else {}
     return {
         "dp": config.dp,
         "dp-delta": config.dp_delta,
-        "dp-noise-multiplier": config.dp_noise_multiplier,
+        "dp-noise-multiplier": accountant.noise_multiplier(config),
+        "dp-target-epsilon": config.dp_target_epsilon,
         "dp-clipping-norm": config.dp_clipping_norm,
         "dp-releases": int(last.get("dp-releases", 0)),
         "dp-epsilon": last.get("dp-epsilon", 0.0),

@@ -62,7 +62,7 @@ class PersonalizedStrategy(Strategy):
         self._training = FusedRound(RoundReport())  # the training phase in flight
         self._evaluation = RoundReport()  # the evaluation phase in flight
         if config.dp != "none":  # Opacus missing fails now, not after the first round
-            accountant.epsilon_spent(config.dp_noise_multiplier, 1, config.dp_delta)
+            accountant.epsilon_spent(accountant.noise_multiplier(config), 1, config.dp_delta)
 
     # ----------------------------------------------------------------- to implement
     def train_payload(self, client_id: int, server_round: int) -> dict[str, torch.Tensor]:

@@ -101,7 +101,8 @@ class FedAvgStrategy(PersonalizedStrategy):
             clipped = mechanism.clip_update(own, base, config.dp_clipping_norm)
             for name, tensor in clipped.items():
                 totals[name] += tensor.to(torch.float64) - base[name].to(torch.float64)
-        std = mechanism.noise_std(config.dp_noise_multiplier, config.dp_clipping_norm, sampled)
+        sigma = accountant.noise_multiplier(config)
+        std = mechanism.noise_std(sigma, config.dp_clipping_norm, sampled)
         generator = torch.Generator().manual_seed(config.seed * 1_000_003 + server_round)
         noised = mechanism.add_gaussian_noise(
             {n: total / sampled for n, total in totals.items()}, std, generator
@@ -111,9 +112,7 @@ class FedAvgStrategy(PersonalizedStrategy):
             for n, step in noised.items()
         }
         self.private_releases += 1
-        epsilon = accountant.epsilon_spent(
-            config.dp_noise_multiplier, self.private_releases, config.dp_delta
-        )
+        epsilon = accountant.epsilon_spent(sigma, self.private_releases, config.dp_delta)
         return {
             "dp-noise-std": std,
             "dp-releases": float(self.private_releases),

@@ -316,3 +316,16 @@ def test_a_local_dp_run_sends_noised_clipped_updates_and_reports_epsilon(
         assert server["dp-epsilon"] == pytest.approx(accountant.epsilon_spent(sigma, t, delta))
         assert server["dp-noise-std"] == pytest.approx(sigma * clip)
     assert summary["dp-epsilon"] == pytest.approx(accountant.epsilon_spent(sigma, 2, delta))
+
+
+def test_a_target_epsilon_sets_the_noise_multiplier_that_spends_it_over_the_rounds() -> None:
+    config = ExperimentConfig().replace(
+        method="fedavg", dp="central", dp_target_epsilon=8.0, num_server_rounds=20
+    )
+    sigma = accountant.noise_multiplier(config)
+    spent = accountant.epsilon_spent(sigma, 20, config.dp_delta)
+    assert 8.0 - 0.01 <= spent <= 8.0  # Opacus' tolerance, from below
+    assert accountant.epsilon_spent(sigma * 0.98, 20, config.dp_delta) > 8.0  # the smallest
+    assert accountant.noise_multiplier(config.replace(dp_target_epsilon=0.0)) == 1.0
+    with pytest.raises(ConfigError, match="'dp-target-epsilon'"):
+        config.replace(dp_target_epsilon=-1.0).validate()
