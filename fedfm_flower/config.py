@@ -60,6 +60,7 @@ NATURAL_ID_PARTITIONERS: tuple[str, ...] = ("natural-id", "domain-dirichlet")
 OPTIMIZERS: tuple[str, ...] = ("sgd", "adam", "adamw")
 EVALUATION_SPLITS: tuple[str, ...] = ("test", "val")  # the split every evaluation reads
 TUNER_CHOICES: tuple[str, ...] = ("auto", *TUNERS)
+WANDB_MODES: tuple[str, ...] = ("online", "offline")  # fedfm_flower.trackers.wandb
 PREFIX_FORMS: tuple[str, ...] = ("parallel", "concat")  # fedfm_flower.models.tuners.prefix
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
 MODEL_DTYPES: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16")  # hf-causal-lm only
@@ -158,6 +159,13 @@ class ExperimentConfig:
     label: str = ""  # the method's name in reports (e.g. pfedpg:basis-only); "" -> method
     setup: str = ""  # the setup's name in reports (e.g. glyphs-feature-skew); "" -> dataset
     tensorboard: bool = False  # also log each round's metrics to <run-dir>/tensorboard
+    wandb: bool = False  # also log to Weights & Biases (fedfm_flower.trackers.wandb)
+    wandb_project: str = "fedfm-flower"
+    wandb_entity: str = ""  # "": the account's default entity
+    wandb_mode: str = "online"  # offline: files under <run-dir>/wandb, no network
+    mlflow: bool = False  # also log to MLflow (fedfm_flower.trackers.mlflow)
+    mlflow_tracking_uri: str = ""  # "": a file store in <output-dir>/mlruns
+    mlflow_experiment: str = "fedfm-flower"
     # differential privacy of the shared updates (fedfm_flower.privacy): none, central, local
     dp: str = "none"
     dp_clipping_norm: float = 1.0  # C: L2 bound of each client's shared update
@@ -297,6 +305,7 @@ class ExperimentConfig:
             if value < 0:
                 raise ConfigError(key, value, "must be >= 0")
         self._check_privacy()
+        self._check_trackers()
         if self.local_epochs == 0 and self.local_steps == 0:
             raise ConfigError("local-epochs", 0, "must be > 0 unless local-steps > 0")
         for key, value in (
@@ -351,6 +360,13 @@ class ExperimentConfig:
                 True,
                 f"applies to dataset 'multitask' only, not '{self.dataset}'",
             )
+
+    def _check_trackers(self) -> None:
+        _one_of("wandb-mode", self.wandb_mode, WANDB_MODES)
+        if self.wandb and not self.wandb_project:
+            raise ConfigError("wandb-project", self.wandb_project, "must not be empty")
+        if self.mlflow and not self.mlflow_experiment:
+            raise ConfigError("mlflow-experiment", self.mlflow_experiment, "must not be empty")
 
     def _check_privacy(self) -> None:
         from fedfm_flower.privacy.support import DP_MODES, dp_refusal

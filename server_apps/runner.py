@@ -65,7 +65,7 @@ from strategies.parts.context import NO_CONTEXT, RunContext
 from strategies.parts.outcome import PhaseOutcome
 
 if TYPE_CHECKING:
-    from fedfm_flower.tensorboard import TensorBoardLog
+    from fedfm_flower.trackers.run import Trackers
 
 log = logging.getLogger("fedfm_flower")
 
@@ -120,14 +120,15 @@ def run_experiment(grid: Grid, config: ExperimentConfig) -> dict[str, Any]:
 
     Any exception is also recorded in the run directory's ``failure.json`` before it propagates.
     """
-    run = RunDirectory.open(config)
-    board = None
-    if config.tensorboard:
-        from fedfm_flower.tensorboard import TensorBoardLog
+    from fedfm_flower.trackers.run import open_trackers
 
-        board = TensorBoardLog(run.path)
+    run = RunDirectory.open(config)
+    trackers = open_trackers(config, run.path, run.name)
+    failed = True
     try:
-        return _run(grid, config, run, board)
+        summary = _run(grid, config, run, trackers)
+        failed = False
+        return summary
     except Exception as err:
         run.write_failure(
             {
@@ -139,12 +140,11 @@ def run_experiment(grid: Grid, config: ExperimentConfig) -> dict[str, Any]:
         log.error("run %s failed: %s", run.name, err)
         raise
     finally:
-        if board is not None:
-            board.close()
+        trackers.close(failed)
 
 
 def _run(
-    grid: Grid, config: ExperimentConfig, run: RunDirectory, board: TensorBoardLog | None
+    grid: Grid, config: ExperimentConfig, run: RunDirectory, trackers: Trackers
 ) -> dict[str, Any]:
     card = prepare_foundation(config)
     nodes = wait_for_nodes(grid, config)
@@ -199,7 +199,7 @@ def _run(
     )
     started = time.perf_counter()
     round_times: list[float] = [r["round-seconds"] for r in run.rounds()]
-    ledger = FailureLedger(run, config, board)
+    ledger = FailureLedger(run, config, trackers)
     if pending is not None and (not fused or start_round > total):
         evaluate_alone(grid, strategy, config, pending)  # a fused run resumed without fusing
         ledger.complete(pending)
@@ -216,8 +216,8 @@ def _run(
         else:
             ledger.settle(record, last)  # may raise RunFailed (after recording the round)
         run.append_round(record)
-        if board is not None and pending is None:
-            board.log_round(record)
+        if pending is None:
+            trackers.log_round(record)
         tensors, meta = strategy.state_dict()
         run.save_checkpoint(
             server_round,
@@ -233,6 +233,7 @@ def _run(
     summary = summarize(run, config, time.perf_counter() - started)
     summary["client-examples"] = client_examples
     run.write_summary(summary)
+    trackers.log_summary(summary)
     split = "" if config.evaluation_split == "test" else "validation "
     print(
         f"[done] {run.name}: final {split}{primary} "
@@ -249,12 +250,10 @@ EVALUATION_PENDING = "evaluation-pending"  # checkpoint mark: the round's evalua
 class FailureLedger:
     """Counts failed rounds in a row, in round order, and stops the run past the limit."""
 
-    def __init__(
-        self, run: RunDirectory, config: ExperimentConfig, board: TensorBoardLog | None
-    ) -> None:
+    def __init__(self, run: RunDirectory, config: ExperimentConfig, trackers: Trackers) -> None:
         self.run = run
         self.config = config
-        self.board = board
+        self.trackers = trackers
         self.failed_in_a_row = 0
 
     def settle(self, record: dict[str, Any], last: bool, written: bool = False) -> None:
@@ -287,8 +286,7 @@ class FailureLedger:
         """A written round's evaluation came in: settle it and rewrite its line."""
         self.settle(record, last=False, written=True)
         self.run.replace_round(record)
-        if self.board is not None:
-            self.board.log_round(record)
+        self.trackers.log_round(record)
 
 
 def evaluation_due(server_round: int, config: ExperimentConfig, last: bool) -> bool:
