@@ -499,7 +499,8 @@ def summarize(run: RunDirectory, config: ExperimentConfig, seconds: float) -> di
 
 
 def _privacy_spent(rounds: list[dict[str, Any]], config: ExperimentConfig) -> dict[str, Any]:
-    """Under central DP: the epsilon spent by the last noised round, at ``dp-delta``."""
+    """Under central or local DP: the settings and the epsilon spent by the last noised round,
+    at ``dp-delta``."""
     if config.dp == "none":
         return {}
     from fedfm_flower.privacy import accountant

@@ -329,3 +329,60 @@ def test_a_target_epsilon_sets_the_noise_multiplier_that_spends_it_over_the_roun
     assert accountant.noise_multiplier(config.replace(dp_target_epsilon=0.0)) == 1.0
     with pytest.raises(ConfigError, match="'dp-target-epsilon'"):
         config.replace(dp_target_epsilon=-1.0).validate()
+
+
+def test_a_resumed_central_dp_strategy_counts_on_and_draws_the_same_noise() -> None:
+    """Three rounds straight, and two rounds, a checkpoint, a fresh strategy restored from it
+    and the third round: the same global tensors and the same epsilon."""
+    from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
+
+    from fedfm_flower.halves import strategy_class
+    from fedfm_flower.models import TrainableTensors
+    from server_apps.inprocess import InProcessGrid, identity_app
+
+    initial = TrainableTensors(
+        {"adapter.a": torch.zeros(4, 3), "head.w": torch.zeros(2)},
+        {"adapter.a": "adapter", "head.w": "head"},
+    )
+    config = ExperimentConfig(
+        method="fedavg", num_clients=3, dp="central", dp_clipping_norm=0.5, seed=4
+    )
+
+    def fresh():  # noqa: ANN202
+        grid = InProcessGrid(
+            identity_app(), config.to_run_config(), [{"client-id": i} for i in range(3)]
+        )
+        return strategy_class("fedavg")(config, initial), grid
+
+    def play(strategy, grid, rounds) -> dict:  # noqa: ANN001
+        metrics = {}
+        for t in rounds:
+            messages = list(strategy.configure_train(t, ArrayRecord(), ConfigRecord(), grid))
+            replies = []
+            for m in messages:
+                client = int(m.content[P.CONFIG][P.CLIENT_ID])
+                sent = {
+                    n: a + (client + t) for n, a in from_array_record(m.content[P.ARRAYS]).items()
+                }
+                content = RecordDict(
+                    {
+                        P.ARRAYS: to_array_record(sent),
+                        P.METRICS: MetricRecord({P.CLIENT_ID: client, P.NUM_EXAMPLES: 5}),
+                    }
+                )
+                replies.append(Message(content, reply_to=m))
+            metrics = strategy.aggregate_round(t, None, replies).server_metrics
+        return metrics
+
+    straight, grid = fresh()
+    last = play(straight, grid, [1, 2, 3])
+    first, grid = fresh()
+    play(first, grid, [1, 2])
+    tensors, meta = first.state_dict()
+    assert int(tensors["dp.releases"]) == 2
+    resumed, grid = fresh()
+    resumed.load_state_dict(tensors, meta)
+    again = play(resumed, grid, [3])
+    assert again == last and last["dp-releases"] == 3.0
+    for name, tensor in straight.global_tensors.items():
+        assert torch.equal(resumed.global_tensors[name], tensor)
