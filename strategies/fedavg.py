@@ -21,6 +21,7 @@ the round's server metrics (``dp-epsilon`` at ``dp-delta``).
 
 from __future__ import annotations
 
+import statistics
 from typing import ClassVar
 
 import torch
@@ -74,16 +75,24 @@ class FedAvgStrategy(PersonalizedStrategy):
         return tensor_spec(self.owned(client_id))
 
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, float]:
-        """Average of the replies per tensor over its senders (eq. 1 of pFedSeq, FedAvg); no
-        server metrics."""
+        """Average of the replies per tensor over its senders (eq. 1 of pFedSeq, FedAvg); the
+        median norm of the clients' updates of the shared tensors (not under DP: a statistic of
+        unnoised updates)."""
         if not self.global_tensors:
             return {}
         if self.config.dp == "central":
             return self.aggregate_privately(server_round, replies)
         weights = client_weights([r.num_examples for r in replies], self.client_weighting())
+        norms = [
+            mechanism.update_norm(own, self.global_tensors)
+            for own in (
+                {n: t for n, t in r.arrays.items() if n in self.global_tensors} for r in replies
+            )
+        ]
         averaged = average_over_owners([r.arrays for r in replies], weights)
         self.global_tensors = {**self.global_tensors, **averaged}
-        return {}
+        # the size of the clients' updates: what a dp-clipping-norm is chosen against
+        return {"update-norm-median": statistics.median(norms)}
 
     def aggregate_privately(
         self, server_round: int, replies: list[ClientReply]

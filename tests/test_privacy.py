@@ -331,58 +331,73 @@ def test_a_target_epsilon_sets_the_noise_multiplier_that_spends_it_over_the_roun
         config.replace(dp_target_epsilon=-1.0).validate()
 
 
-def test_a_resumed_central_dp_strategy_counts_on_and_draws_the_same_noise() -> None:
-    """Three rounds straight, and two rounds, a checkpoint, a fresh strategy restored from it
-    and the third round: the same global tensors and the same epsilon."""
-    from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
+TINY = {"adapter.a": (4, 3), "head.w": (2,)}
 
+
+def tiny_strategy(config: ExperimentConfig):  # noqa: ANN201
+    """A FedAvg-family strategy over a tiny adapter and head, and a grid of 3 identity nodes."""
     from fedfm_flower.halves import strategy_class
     from fedfm_flower.models import TrainableTensors
     from server_apps.inprocess import InProcessGrid, identity_app
 
     initial = TrainableTensors(
-        {"adapter.a": torch.zeros(4, 3), "head.w": torch.zeros(2)},
+        {n: torch.zeros(shape) for n, shape in TINY.items()},
         {"adapter.a": "adapter", "head.w": "head"},
     )
+    grid = InProcessGrid(
+        identity_app(), config.to_run_config(), [{"client-id": i} for i in range(3)]
+    )
+    return strategy_class(config.method)(config, initial), grid
+
+
+def play(strategy, grid, rounds) -> dict:  # noqa: ANN001
+    """Rounds where client c sends what it got plus (c + t) everywhere; the last round's
+    server metrics."""
+    from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
+
+    metrics = {}
+    for t in rounds:
+        messages = list(strategy.configure_train(t, ArrayRecord(), ConfigRecord(), grid))
+        replies = []
+        for m in messages:
+            client = int(m.content[P.CONFIG][P.CLIENT_ID])
+            got = from_array_record(m.content[P.ARRAYS])
+            sent = {n: a + (client + t) for n, a in got.items()}
+            content = RecordDict(
+                {
+                    P.ARRAYS: to_array_record(sent),
+                    P.METRICS: MetricRecord({P.CLIENT_ID: client, P.NUM_EXAMPLES: 5}),
+                }
+            )
+            replies.append(Message(content, reply_to=m))
+        metrics = strategy.aggregate_round(t, None, replies).server_metrics
+    return metrics
+
+
+def test_a_resumed_central_dp_strategy_counts_on_and_draws_the_same_noise() -> None:
+    """Three rounds straight, and two rounds, a checkpoint, a fresh strategy restored from it
+    and the third round: the same global tensors and the same epsilon."""
     config = ExperimentConfig(
         method="fedavg", num_clients=3, dp="central", dp_clipping_norm=0.5, seed=4
     )
-
-    def fresh():  # noqa: ANN202
-        grid = InProcessGrid(
-            identity_app(), config.to_run_config(), [{"client-id": i} for i in range(3)]
-        )
-        return strategy_class("fedavg")(config, initial), grid
-
-    def play(strategy, grid, rounds) -> dict:  # noqa: ANN001
-        metrics = {}
-        for t in rounds:
-            messages = list(strategy.configure_train(t, ArrayRecord(), ConfigRecord(), grid))
-            replies = []
-            for m in messages:
-                client = int(m.content[P.CONFIG][P.CLIENT_ID])
-                sent = {
-                    n: a + (client + t) for n, a in from_array_record(m.content[P.ARRAYS]).items()
-                }
-                content = RecordDict(
-                    {
-                        P.ARRAYS: to_array_record(sent),
-                        P.METRICS: MetricRecord({P.CLIENT_ID: client, P.NUM_EXAMPLES: 5}),
-                    }
-                )
-                replies.append(Message(content, reply_to=m))
-            metrics = strategy.aggregate_round(t, None, replies).server_metrics
-        return metrics
-
-    straight, grid = fresh()
+    straight, grid = tiny_strategy(config)
     last = play(straight, grid, [1, 2, 3])
-    first, grid = fresh()
+    first, grid = tiny_strategy(config)
     play(first, grid, [1, 2])
     tensors, meta = first.state_dict()
     assert int(tensors["dp.releases"]) == 2
-    resumed, grid = fresh()
+    resumed, grid = tiny_strategy(config)
     resumed.load_state_dict(tensors, meta)
     again = play(resumed, grid, [3])
     assert again == last and last["dp-releases"] == 3.0
+    assert "update-norm-median" not in last  # not a statistic to release under DP
     for name, tensor in straight.global_tensors.items():
         assert torch.equal(resumed.global_tensors[name], tensor)
+
+
+def test_without_dp_the_median_update_norm_is_reported() -> None:
+    """Client c's update is (c + 1) in each of the 14 shared entries: norm (c + 1) sqrt(14)."""
+    config = ExperimentConfig(method="fedavg", num_clients=3)
+    strategy, grid = tiny_strategy(config)
+    metrics = play(strategy, grid, [1])
+    assert metrics["update-norm-median"] == pytest.approx(2 * math.sqrt(14))
