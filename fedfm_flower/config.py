@@ -164,7 +164,7 @@ class ExperimentConfig:
     wandb_entity: str = ""  # "": the account's default entity
     wandb_mode: str = "online"  # offline: files under <run-dir>/wandb, no network
     mlflow: bool = False  # also log to MLflow (fedfm_flower.trackers.mlflow)
-    mlflow_tracking_uri: str = ""  # "": a file store in <output-dir>/mlruns
+    mlflow_tracking_uri: str = ""  # "": a SQLite store <output-dir>/mlflow.db
     mlflow_experiment: str = "fedfm-flower"
     # differential privacy of the shared updates (fedfm_flower.privacy): none, central, local
     dp: str = "none"

@@ -120,12 +120,12 @@ def run_experiment(grid: Grid, config: ExperimentConfig) -> dict[str, Any]:
 
     Any exception is also recorded in the run directory's ``failure.json`` before it propagates.
     """
-    from fedfm_flower.trackers.run import open_trackers
+    from fedfm_flower.trackers.run import Trackers, open_trackers
 
     run = RunDirectory.open(config)
-    trackers = open_trackers(config, run.path, run.name)
-    failed = True
+    trackers, failed = Trackers({}), True
     try:
+        trackers = open_trackers(config, run.path, run.name)
         summary = _run(grid, config, run, trackers)
         failed = False
         return summary

@@ -185,3 +185,21 @@ def test_bad_tracker_settings_name_the_key() -> None:
         ExperimentConfig.from_run_config({"wandb-mode": "cloud"})
     with pytest.raises(ConfigError, match="'wandb-project'"):
         ExperimentConfig.from_run_config({"wandb": True, "wandb-project": ""})
+
+
+def test_a_tracker_that_cannot_start_closes_the_ones_already_open(monkeypatch, tmp_path) -> None:
+    import fedfm_flower.trackers.tensorboard as tensorboard_module
+    import fedfm_flower.trackers.wandb as wandb_module
+    from fedfm_flower.config import ExperimentConfig
+
+    board = Recorder()
+
+    def no_login(*args: Any) -> None:
+        raise PermissionError("wandb: not logged in")
+
+    monkeypatch.setattr(tensorboard_module, "TensorBoardLog", lambda path: board)
+    monkeypatch.setattr(wandb_module, "WandbLog", no_login)
+    config = ExperimentConfig().replace(tensorboard=True, wandb=True)
+    with pytest.raises(PermissionError, match="not logged in"):
+        open_trackers(config, tmp_path, "run")
+    assert board.calls == ["close failed=True"]

@@ -65,7 +65,8 @@ def kernels() -> dict[str, Any]:
 
 
 def use_kernel(name: str, tensor: torch.Tensor, backend: str) -> bool:
-    """Whether kernel ``name`` runs for ``tensor`` under ``backend`` (auto, torch, cuda)."""
+    """Whether kernel ``name`` runs for ``tensor`` under ``backend`` (auto, torch, cuda,
+    compiled: the last two never and always try the kernels)."""
     if backend not in BACKENDS:
         raise ValueError(f"scan backend {backend!r} unknown; allowed: {', '.join(BACKENDS)}")
     if backend in ("torch", "compiled"):
@@ -184,7 +185,7 @@ def check_compiled(groups: int, channels: int, state_dim: int) -> None:
     except Exception as error:  # noqa: BLE001 - any compiler failure: refuse with its reason
         raise RuntimeError(
             "pfedseq-scan-backend = 'compiled' but torch.compile failed here "
-            f"({type(error).__name__}: {str(error).strip().splitlines()[0][:300]}); "
+            f"({type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:300]}); "
             "it needs a C++ compiler on the CPU, Triton on a GPU; use 'auto' or 'torch'"
         ) from error
 

@@ -59,17 +59,21 @@ def open_trackers(config: ExperimentConfig, run_path: Path, run_name: str) -> Tr
     for key, package in (("wandb", "wandb"), ("mlflow", "mlflow")):
         if getattr(config, key):
             require(package, key)
-    opened: dict[str, Tracker] = {}
-    if config.tensorboard:
-        from fedfm_flower.trackers.tensorboard import TensorBoardLog
+    opened = Trackers({})
+    try:
+        if config.tensorboard:
+            from fedfm_flower.trackers.tensorboard import TensorBoardLog
 
-        opened["tensorboard"] = TensorBoardLog(run_path)
-    if config.wandb:
-        from fedfm_flower.trackers.wandb import WandbLog
+            opened.trackers["tensorboard"] = TensorBoardLog(run_path)
+        if config.wandb:
+            from fedfm_flower.trackers.wandb import WandbLog
 
-        opened["wandb"] = WandbLog(config, run_path, run_name)
-    if config.mlflow:
-        from fedfm_flower.trackers.mlflow import MlflowLog
+            opened.trackers["wandb"] = WandbLog(config, run_path, run_name)
+        if config.mlflow:
+            from fedfm_flower.trackers.mlflow import MlflowLog
 
-        opened["mlflow"] = MlflowLog(config, run_path, run_name)
-    return Trackers(opened)
+            opened.trackers["mlflow"] = MlflowLog(config, run_path, run_name)
+    except Exception:
+        opened.close(failed=True)  # the ones that did open
+        raise
+    return opened
