@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 
 import numpy as np
 import pytest
@@ -247,7 +248,10 @@ def test_bad_reply_is_dropped_and_round_completes(kind: str, caplog) -> None:
     assert str(bad_client) in outcome.train.report.rejected
     assert bad_client not in outcome.train.report.accepted
     assert outcome.train.metrics["num-clients"] == len(messages) - 1
-    assert outcome.evaluation is None and outcome.server_metrics == {}
+    assert outcome.evaluation is None
+    # the good replies all sent ones: each update is ones - the initial shared tensors
+    update = sum(float((torch.ones_like(v) - v).pow(2).sum()) for v in INITIAL.tensors.values())
+    assert outcome.server_metrics == {"update-norm-median": pytest.approx(math.sqrt(update))}
     for tensor in strategy.global_tensors.values():  # only the good replies were averaged
         torch.testing.assert_close(tensor, torch.ones_like(tensor))
     assert "rejected reply" in caplog.text
@@ -374,7 +378,7 @@ def test_a_fused_round_returns_both_phases_outcomes() -> None:
         outcome.train.report.sent == trainers and sorted(outcome.train.report.accepted) == trainers
     )
     assert outcome.train.metrics is not None and outcome.train.metrics["num-clients"] == 2
-    assert outcome.server_metrics == {}
+    assert set(outcome.server_metrics) == {"update-norm-median"}  # FedAvg's only server metric
     assert outcome.evaluation is not None
     assert sorted(outcome.evaluation.report.accepted) == [10, 11, 12]
     assert outcome.evaluation.metrics["test-accuracy-mean"] == pytest.approx(2 / 3)
