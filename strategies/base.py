@@ -61,8 +61,9 @@ class PersonalizedStrategy(Strategy):
         self.current_round = 0  # the round configure_train was last called for
         self._training = FusedRound(RoundReport())  # the training phase in flight
         self._evaluation = RoundReport()  # the evaluation phase in flight
-        if config.dp != "none":  # Opacus missing fails now, not after the first round
-            accountant.epsilon_spent(accountant.noise_multiplier(config), 1, config.dp_delta)
+        if config.dp != "none":  # Opacus missing (or a bad target epsilon) fails now
+            accountant.require_opacus()
+            accountant.noise_multiplier(config)
 
     # ----------------------------------------------------------------- to implement
     def train_payload(self, client_id: int, server_round: int) -> dict[str, torch.Tensor]:

@@ -83,12 +83,7 @@ class FedAvgStrategy(PersonalizedStrategy):
         if self.config.dp == "central":
             return self.aggregate_privately(server_round, replies)
         weights = client_weights([r.num_examples for r in replies], self.client_weighting())
-        norms = [
-            mechanism.update_norm(own, self.global_tensors)
-            for own in (
-                {n: t for n, t in r.arrays.items() if n in self.global_tensors} for r in replies
-            )
-        ]
+        norms = [mechanism.update_norm(r.arrays, self.global_tensors) for r in replies]
         averaged = average_over_owners([r.arrays for r in replies], weights)
         self.global_tensors = {**self.global_tensors, **averaged}
         # the size of the clients' updates: what a dp-clipping-norm is chosen against
@@ -104,12 +99,12 @@ class FedAvgStrategy(PersonalizedStrategy):
         totals = {
             n: torch.zeros(t.shape, dtype=torch.float64) for n, t in self.global_tensors.items()
         }
-        for reply in replies:
-            own = {n: t for n, t in reply.arrays.items() if n in totals}
-            base = {n: self.global_tensors[n] for n in own}
-            clipped = mechanism.clip_update(own, base, config.dp_clipping_norm)
+        for reply in replies:  # validated: only global tensors' names (reply_spec)
+            clipped = mechanism.clip_update(
+                reply.arrays, self.global_tensors, config.dp_clipping_norm
+            )
             for name, tensor in clipped.items():
-                totals[name] += tensor.to(torch.float64) - base[name].to(torch.float64)
+                totals[name] += tensor.double() - self.global_tensors[name].double()
         sigma = accountant.noise_multiplier(config)
         std = mechanism.noise_std(sigma, config.dp_clipping_norm, sampled)
         generator = torch.Generator().manual_seed(config.seed * 1_000_003 + server_round)

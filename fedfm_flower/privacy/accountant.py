@@ -28,12 +28,13 @@ def epsilon_spent(noise_multiplier: float, rounds: int, delta: float) -> float:
         return 0.0
     if noise_multiplier <= 0:
         return float("inf")
-    accountant = _opacus().RDPAccountant()
+    accountant = require_opacus().RDPAccountant()
     accountant.history = [(noise_multiplier, 1.0, rounds)]
     return float(accountant.get_epsilon(delta))
 
 
-def _opacus():  # noqa: ANN202 - the opacus.accountants module
+def require_opacus():  # noqa: ANN201 - the opacus.accountants module
+    """Opacus' accountants, or an ImportError that says how to install them."""
     try:
         from opacus import accountants
     except ImportError as error:
@@ -55,7 +56,7 @@ def noise_multiplier(config: ExperimentConfig) -> float:
 
 @functools.cache
 def _calibrated(target_epsilon: float, delta: float, releases: int) -> float:
-    _opacus()
+    require_opacus()
     from opacus.accountants.utils import get_noise_multiplier
 
     return float(
