@@ -14,9 +14,10 @@
 
 Imports are lazy (torch, timm and peft load inside the handlers) because deployment starts a
 fresh ``flwr-clientapp`` process for every message and pays the import time each time. There
-the ClientApp's one mod, ``warm_worker_mod``, hands train and evaluate messages to the node's
+the ClientApp's inner mod, ``warm_worker_mod``, hands train and evaluate messages to the node's
 long-lived worker process, which runs these same handlers with everything loaded
-(``client_apps.warm``; node config ``warm-worker``).
+(``client_apps.warm``; node config ``warm-worker``). The outer mod, ``secagg_mod``, runs
+SecAgg+'s client side on the messages of a ``secagg = true`` run (``client_apps.secagg``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from client_apps.secagg import secagg_mod
 from client_apps.warm import warm_worker_mod
 from fedfm_flower import prompt_engine
 from fedfm_flower import protocol as P
@@ -40,7 +42,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-app = ClientApp(mods=[warm_worker_mod])
+app = ClientApp(mods=[secagg_mod, warm_worker_mod])
 
 # The simulation engine loads this module before it starts its threads: give it prompt hand-offs.
 prompt_engine.install()

@@ -172,6 +172,13 @@ class ExperimentConfig:
     dp_noise_multiplier: float = 1.0  # sigma: noise std on the sum of updates, in units of C
     dp_delta: float = 1e-5  # delta of the (epsilon, delta) reported per round
     dp_target_epsilon: float = 0.0  # > 0: sigma chosen to spend this over num-server-rounds
+    # secure aggregation of the shared updates (fedfm_flower.privacy.secagg): Flower's SecAgg+
+    secagg: bool = False
+    secagg_num_shares: float = 1.0  # <= 1: fraction of the sampled clients; > 1: a count
+    secagg_threshold: float = 0.5  # shares that rebuild a secret: <= 1 fraction; > 1 count
+    secagg_clipping_range: float = 8.0  # |update value| bound before quantization
+    secagg_quantization_range: int = 4194304  # 2**22 levels over [-range, range]
+    secagg_max_weight: float = 1000.0  # the largest client weight (example count)
     resume: bool = False
     keep_checkpoints: int = 2
     client_state_dir: str = ""
@@ -305,6 +312,7 @@ class ExperimentConfig:
             if value < 0:
                 raise ConfigError(key, value, "must be >= 0")
         self._check_privacy()
+        self._check_secagg()
         self._check_trackers()
         if self.local_epochs == 0 and self.local_steps == 0:
             raise ConfigError("local-epochs", 0, "must be > 0 unless local-steps > 0")
@@ -384,6 +392,36 @@ class ExperimentConfig:
         refusal = dp_refusal(self)
         if refusal is not None:
             raise ConfigError("dp", self.dp, f"method {self.method!r} cannot take it: {refusal}")
+
+    def _check_secagg(self) -> None:
+        from fedfm_flower.privacy.secagg import MODULUS_RANGE, secagg_refusal
+
+        _positive("secagg-num-shares", self.secagg_num_shares)
+        if self.secagg_num_shares > 1 and self.secagg_num_shares < 3:
+            raise ConfigError(
+                "secagg-num-shares", self.secagg_num_shares, "as a count must be >= 3"
+            )
+        _positive("secagg-threshold", self.secagg_threshold)
+        if self.secagg_num_shares > 1 and self.secagg_threshold >= self.secagg_num_shares:
+            raise ConfigError(
+                "secagg-threshold", self.secagg_threshold, "must be below secagg-num-shares"
+            )
+        _positive("secagg-clipping-range", self.secagg_clipping_range)
+        _positive("secagg-max-weight", self.secagg_max_weight)
+        if not 1 < self.secagg_quantization_range <= MODULUS_RANGE // 1024:
+            raise ConfigError(
+                "secagg-quantization-range",
+                self.secagg_quantization_range,
+                f"must lie in (1, {MODULUS_RANGE // 1024}] so the sum of up to 1,023 clients' "
+                "values stays below the masks' 2**32 modulus",
+            )
+        if not self.secagg:
+            return
+        refusal = secagg_refusal(self)
+        if refusal is not None:
+            raise ConfigError(
+                "secagg", self.secagg, f"method {self.method!r} cannot take it: {refusal}"
+            )
 
     def _check_model_loading(self) -> None:
         """model-dtype, device-map, load-in-4bit: hf-causal-lm only, their packages installed.

@@ -37,6 +37,10 @@ EVALUATE_ROUND = "evaluate-round"  # config of a fused training message: the rou
 EVALUATE_METRICS = "evaluate-metrics"  # fused training reply: the evaluation's metrics record
 TRAIN_ERROR = "train-error"  # fused training reply config: why training failed ("Type: message")
 EVALUATE_ERROR = "evaluate-error"  # fused training reply config: why the evaluation failed
+# SecAgg+ training message (fedfm_flower.privacy.secagg): how the client weighs its masked
+# update, "examples" (its num-examples) or "uniform" (1).
+SECAGG_WEIGHTING = "secagg-weighting"
+SECAGG_CLIPPED = "secagg-clipped"  # SecAgg+ training reply: update values beyond the range
 
 
 def train_metric(name: str) -> str:

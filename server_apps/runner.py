@@ -56,6 +56,7 @@ from fedfm_flower import __version__
 from fedfm_flower import protocol as P
 from fedfm_flower.config import ExperimentConfig
 from fedfm_flower.models.build import prepare_foundation
+from fedfm_flower.privacy import secagg
 from fedfm_flower.records import record_dict_nbytes
 from fedfm_flower.results import RunDirectory, progress_line
 from fedfm_flower.tasks import task_of
@@ -369,10 +370,22 @@ def run_round(
     messages = strategy.configure_round(server_round, evaluate_round, grid)
     server_seconds = time.perf_counter() - started
     bytes_down, carried_down = _split_bytes(messages)
-    replies = list(grid.send_and_receive(messages, timeout=config.round_timeout))
+    secure = None
+    if config.secagg and strategy.phase(server_round) == "train":
+        secure = secagg.secure_exchange(
+            grid,
+            messages,
+            secagg.SecAggSettings.of(config),
+            config.round_timeout,
+            strategy.client_weighting(),
+        )
+        replies = secure.replies
+    else:
+        replies = list(grid.send_and_receive(messages, timeout=config.round_timeout))
     bytes_up, carried_up = _split_bytes(r for r in replies if not r.has_error())
     aggregate_started = time.perf_counter()
-    outcome = strategy.aggregate_round(server_round, evaluate_round, replies)
+    mean = secure.mean if secure is not None else None
+    outcome = strategy.aggregate_round(server_round, evaluate_round, replies, mean)
     aggregate_seconds = time.perf_counter() - aggregate_started
     server_seconds += aggregate_seconds
     if carried is not None and outcome.evaluation is not None:  # evaluate_round's evaluation
@@ -391,6 +404,11 @@ def run_round(
         "bytes-down-train": bytes_down,
         "bytes-up-train": bytes_up,
         "aggregate-seconds": aggregate_seconds,
+        **(
+            {"bytes-down-secagg": secure.bytes_down, "bytes-up-secagg": secure.bytes_up}
+            if secure is not None
+            else {}
+        ),
         "server": dict(outcome.server_metrics),
     }
     record.update(_means(outcome.train.metrics, "train-", ("-mean",)))
@@ -458,9 +476,12 @@ def _record_evaluation(record: dict[str, Any], evaluation: PhaseOutcome) -> None
 
 
 def _record_bytes(record: dict[str, Any], eval_down: int, eval_up: int) -> None:
-    """A round's bytes both ways: its training phase's plus its evaluation's."""
-    record["bytes-down"] = record["bytes-down-train"] + eval_down
-    record["bytes-up"] = record["bytes-up-train"] + eval_up
+    """A round's bytes both ways: its training phase's plus its evaluation's (plus, under
+    SecAgg+, the protocol's keys, shares and masked vectors)."""
+    record["bytes-down"] = (
+        record["bytes-down-train"] + eval_down + record.get("bytes-down-secagg", 0)
+    )
+    record["bytes-up"] = record["bytes-up-train"] + eval_up + record.get("bytes-up-secagg", 0)
 
 
 def summarize(run: RunDirectory, config: ExperimentConfig, seconds: float) -> dict[str, Any]:

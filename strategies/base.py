@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord
@@ -38,7 +38,10 @@ from strategies.parts.fused import FusedRound
 from strategies.parts.messages import Payload, per_node_messages
 from strategies.parts.nodes import NodeDirectory
 from strategies.parts.outcome import PhaseOutcome, RoundOutcome, RoundReport
-from strategies.parts.replies import ClientReply, reply_part, validate
+from strategies.parts.replies import NO_ARRAYS, ClientReply, reply_part, validate
+
+if TYPE_CHECKING:
+    from fedfm_flower.privacy.secagg import SecureMean
 from strategies.parts.sampling import ClientSampler
 
 log = logging.getLogger(__name__)
@@ -77,6 +80,18 @@ class PersonalizedStrategy(Strategy):
     def reply_spec(self, client_id: int) -> dict[str, tuple[tuple[int, ...], str]]:
         """Names, shapes and dtypes a training reply of ``client_id`` must have."""
         raise NotImplementedError
+
+    def client_weighting(self) -> str:
+        """How the strategy weighs clients where it averages their replies
+        (``fedfm_flower.aggregation.WEIGHTINGS``)."""
+        return "examples"
+
+    def aggregate_secure(
+        self, server_round: int, replies: list[ClientReply], secure: SecureMean
+    ) -> dict[str, float]:
+        """Update the state from a SecAgg+ round's mean update (``replies`` hold no tensors);
+        returns server metrics. Only strategies that ``secagg_refusal`` admits implement it."""
+        raise NotImplementedError(f"{type(self).__name__} does not take SecAgg+")
 
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, float]:
         """Update the strategy state from the validated training replies; the server's own
@@ -154,24 +169,35 @@ class PersonalizedStrategy(Strategy):
         )
 
     def aggregate_round(
-        self, server_round: int, evaluate_round: int | None, replies: Iterable[Message]
+        self,
+        server_round: int,
+        evaluate_round: int | None,
+        replies: Iterable[Message],
+        secure: SecureMean | None = None,
     ) -> RoundOutcome:
         """Validate and aggregate the replies to ``configure_round(server_round,
         evaluate_round)``'s messages: the training outcome, ``evaluate_round``'s evaluation
-        (None when it is None) and the server metrics of the aggregation."""
+        (None when it is None) and the server metrics of the aggregation. ``secure``: the
+        round's SecAgg+ mean update, whose training replies hold no tensors."""
         flight, client_of = self._training, self.nodes.node_to_client
         training, evaluation = flight.sort(replies, client_of)
-        valid = validate(training, flight.train, client_of, self)
+        under_secagg = self.config.secagg and self.phase(server_round) == "train"
+        valid = validate(training, flight.train, client_of, NO_ARRAYS if under_secagg else self)
         server_metrics: dict[str, float] = {}
-        if valid:
+        if under_secagg and valid:
+            if secure is None:
+                log.warning("round %s: SecAgg+ gave no aggregate; state unchanged", server_round)
+            else:
+                server_metrics = self.aggregate_secure(server_round, valid, secure)
+        elif valid:
             server_metrics = self.aggregate(server_round, valid)
-            if self.config.dp == "local":
-                server_metrics = {
-                    **server_metrics,
-                    **accountant.local_dp_metrics(self.config, server_round),
-                }
         else:
             log.warning("round %s: no valid training reply; state unchanged", server_round)
+        if valid and self.config.dp == "local":
+            server_metrics = {
+                **server_metrics,
+                **accountant.local_dp_metrics(self.config, server_round),
+            }
         train = PhaseOutcome.of(flight.train)
         if evaluate_round is None or flight.evaluation is None:
             return RoundOutcome(train, None, server_metrics)

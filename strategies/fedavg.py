@@ -17,12 +17,17 @@ on the clients), summed with equal weights, divided by the number of clients sam
 round and noised with N(0, (sigma C / m)^2) per coordinate from a generator seeded by (seed,
 round); each such round is a release, counted in the state, and the privacy spent so far is in
 the round's server metrics (``dp-epsilon`` at ``dp-delta``).
+
+With ``secagg = true`` (``fedfm_flower.privacy.secagg``) the replies hold no tensors: the round's
+SecAgg+ protocol gives the weighted mean of the clients' updates, which is added to the global
+tensors (``aggregate_secure``), the same as averaging the trained tensors up to quantization.
 """
 
 from __future__ import annotations
 
+import logging
 import statistics
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
@@ -35,6 +40,11 @@ from fedfm_flower.registry import split_parameters
 from strategies.base import PersonalizedStrategy
 from strategies.parts.context import NO_CONTEXT, RunContext
 from strategies.parts.replies import ClientReply
+
+if TYPE_CHECKING:
+    from fedfm_flower.privacy.secagg import SecureMean
+
+log = logging.getLogger(__name__)
 
 
 class FedAvgStrategy(PersonalizedStrategy):
@@ -88,6 +98,29 @@ class FedAvgStrategy(PersonalizedStrategy):
         self.global_tensors = {**self.global_tensors, **averaged}
         # the size of the clients' updates: what a dp-clipping-norm is chosen against
         return {"update-norm-median": statistics.median(norms)}
+
+    def aggregate_secure(
+        self, server_round: int, replies: list[ClientReply], secure: SecureMean
+    ) -> dict[str, float]:
+        """global + the SecAgg+ weighted mean update; kept only when the sum holds exactly the
+        validated replies' clients (a rejected reply's update cannot be taken out of it)."""
+        accepted = {r.node_id for r in replies}
+        if set(secure.nodes) != accepted:
+            log.warning(
+                "round %s: SecAgg+ summed nodes %s but the valid replies came from %s; the sum "
+                "is discarded, state unchanged",
+                server_round,
+                sorted(secure.nodes),
+                sorted(accepted),
+            )
+            return {"secagg-clients": 0.0}
+        if set(secure.update) != set(self.global_tensors):
+            raise ValueError("SecAgg+ aggregate does not hold the global tensors")
+        self.global_tensors = {
+            n: (t.to(torch.float64) + secure.update[n]).to(t.dtype)
+            for n, t in self.global_tensors.items()
+        }
+        return {"secagg-clients": float(len(accepted))}
 
     def aggregate_privately(
         self, server_round: int, replies: list[ClientReply]

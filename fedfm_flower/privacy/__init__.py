@@ -20,9 +20,14 @@ each client clips its update to C and adds N(0, (sigma C)^2) per coordinate befo
 them as without DP. Each round is one Gaussian release per participating client; the epsilon
 reported after round t is that of t releases, a bound for every client.
 
+Secure aggregation (``secagg = true``, ``secagg``): Flower's SecAgg+ client mod behind
+``client_apps.secagg`` and our driver of its four stages on the server; the server learns only
+the weighted mean of the clients' updates.
+
 Modules: ``support`` (which methods can take which mode, and why not; light, read by the config),
-``mechanism`` (clipping and noise), ``accountant`` (epsilon). Flower's strategy wrapper and
-client mod are not used as they are: our strategies aggregate per tensor over owners and keep
-their state keyed by client id, and the noise must be added where ``FedAvgStrategy`` averages
-(``strategies.fedavg``); the client clips in ``client_apps.app`` before the reply is built.
+``mechanism`` (clipping and noise), ``accountant`` (epsilon), ``secagg`` (SecAgg+'s server
+side). Flower's DP strategy wrapper and client mod are not used as they are: our strategies
+aggregate per tensor over owners and keep their state keyed by client id, and the noise must be
+added where ``FedAvgStrategy`` averages (``strategies.fedavg``); the client clips in
+``client_apps.app`` before the reply is built.
 """

@@ -73,6 +73,21 @@ class ReplySpec(Protocol):
         ...
 
 
+class NoArrays:
+    """The spec of a training reply that must hold no tensors (SecAgg+: they travel masked)."""
+
+    def reply_spec(self, client_id: int) -> dict[str, tuple[tuple[int, ...], str]]:
+        """No names."""
+        return {}
+
+    def required_reply_keys(self, client_id: int) -> set[str] | None:
+        """None required."""
+        return set()
+
+
+NO_ARRAYS = NoArrays()
+
+
 def _part(reply: Message, error_key: str, metrics_key: str, arrays_key: str = "") -> ReplyPart:
     """One part of ``reply``: its Flower error, the client's ``error_key`` in its config (that
     part raised), or its ``metrics_key`` metrics (and ``arrays_key`` arrays)."""

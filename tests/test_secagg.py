@@ -1,0 +1,358 @@
+"""SecAgg+: the server's mean equals the plain weighted mean within the quantization error, the
+updates never travel in the clear, dropped clients are unmasked, refusals name the reason."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
+
+from client_apps.secagg import secagg_mod
+from fedfm_flower import protocol as P
+from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.privacy.secagg import (
+    SecAggSettings,
+    SecureMean,
+    SecureRound,
+    secagg_refusal,
+    secure_exchange,
+)
+from fedfm_flower.records import from_array_record, to_array_record
+from fedfm_flower.settings import ConfigError
+from server_apps.inprocess import InProcessGrid
+
+SETTINGS = SecAggSettings(
+    num_shares=1.0, threshold=0.5, clipping_range=1.0, quantization_range=2**22, max_weight=100.0
+)
+
+
+def received_tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return {"adapter.a": torch.randn(5, 4, generator=g), "adapter.b": torch.randn(9, generator=g)}
+
+
+class FixedUpdates:
+    """A ClientApp stand-in: client i replies received + its update (seeded), weight 10 (i + 1);
+    ``failing`` clients raise in training."""
+
+    def __init__(self, failing: frozenset[int] = frozenset()) -> None:
+        self.failing = failing
+        self.sent_up: dict[int, dict[str, torch.Tensor]] = {}  # what each client trained
+
+    def update(self, client_id: int, received: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(100 + client_id)
+        return {n: 0.3 * torch.randn(t.shape, generator=g) for n, t in received.items()}
+
+    def __call__(self, message: Message, context: Context) -> Message:
+        client_id = int(context.node_config["partition-id"])
+        if client_id in self.failing:
+            raise RuntimeError(f"client {client_id} crashed mid-training")
+        received = from_array_record(message.content[P.ARRAYS])
+        trained = {n: t + self.update(client_id, received)[n] for n, t in received.items()}
+        self.sent_up[client_id] = trained
+        metrics = MetricRecord({P.CLIENT_ID: client_id, P.NUM_EXAMPLES: 10 * (client_id + 1)})
+        content = RecordDict({P.ARRAYS: to_array_record(trained), P.METRICS: metrics})
+        return Message(content, reply_to=message)
+
+
+def unpack(outcome: SecureRound) -> tuple[list[Message], SecureMean | None]:
+    return outcome.replies, outcome.mean
+
+
+def with_mod(inner: FixedUpdates):  # noqa: ANN201
+    def app(message: Message, context: Context) -> Message:
+        return secagg_mod(message, context, inner)
+
+    return app
+
+
+def training_messages(clients: int) -> list[Message]:
+    payload = received_tensors()
+    return [
+        Message(
+            RecordDict(
+                {
+                    P.ARRAYS: to_array_record(payload),
+                    P.CONFIG: ConfigRecord({P.CLIENT_ID: c, P.SERVER_ROUND: 1}),
+                }
+            ),
+            dst_node_id=1001 + c,
+            message_type=MessageType.TRAIN,
+            group_id="1",
+        )
+        for c in range(clients)
+    ]
+
+
+def plain_mean(inner: FixedUpdates, clients: list[int], weighting: str) -> dict[str, np.ndarray]:
+    received = received_tensors()
+    weights = [1.0 if weighting == "uniform" else 10.0 * (c + 1) for c in clients]
+    return {
+        n: sum(
+            w * (inner.sent_up[c][n] - received[n]).double().numpy()
+            for w, c in zip(weights, clients, strict=True)
+        )
+        / sum(weights)
+        for n in received
+    }
+
+
+def quantization_bound(clients: list[int], weighting: str) -> float:
+    """Each client's w/W * update is rounded to a step of 2 range / levels (stochastically,
+    so by less than one step); the mean divides the sum of k such errors by sum(w/W)."""
+    step = 2 * SETTINGS.clipping_range / SETTINGS.quantization_range
+    weights = [SETTINGS.max_weight if weighting == "uniform" else 10.0 * (c + 1) for c in clients]
+    ratio = sum(w / SETTINGS.max_weight for w in weights)
+    # the weights themselves are rounded to 1/levels: a relative error of ~k / (levels * ratio)
+    return (len(clients) * step + 1e-6) / ratio
+
+
+@pytest.mark.parametrize("weighting", ["examples", "uniform"])
+def test_secure_mean_equals_the_plain_weighted_mean_and_no_update_travels(weighting: str) -> None:
+    """5 clients through Flower's client mod and our server driver: the unmasked mean is the
+    weighted mean of the updates within the quantization error, and no reply holds an array."""
+    inner = FixedUpdates()
+    grid = InProcessGrid(with_mod(inner), {}, [{"partition-id": c} for c in range(5)])
+    replies, secure = unpack(secure_exchange(grid, training_messages(5), SETTINGS, None, weighting))
+    assert secure is not None and secure.nodes == frozenset(range(1001, 1006))
+    expected = plain_mean(inner, list(range(5)), weighting)
+    bound = quantization_bound(list(range(5)), weighting)
+    for name, mean in expected.items():
+        error = np.abs(secure.update[name].numpy() - mean).max()
+        assert error <= bound, (name, error, bound)
+        assert np.abs(mean).max() > 100 * bound  # the comparison is not trivial
+    trains = [r for r in replies if not r.has_error()]
+    assert len(trains) == 5
+    for reply in trains:
+        assert all(len(record) == 0 for record in reply.content.array_records.values())
+        assert not any(name.startswith("fitres.") for name in reply.content)
+        assert reply.content[P.METRICS][P.SECAGG_CLIPPED] == 0
+    # the protocol's own traffic is counted: 5 masked vectors of 1 + 29 int64 values up at least
+    outcome = secure_exchange(grid, training_messages(5), SETTINGS, None, weighting)
+    assert outcome.bytes_up > 5 * 30 * 8 and outcome.bytes_down > 0
+    # every message the server sent in the clear holds only the payload: the sum is all it saw
+    assert all(len(m.content.array_records.get(P.ARRAYS, {})) in (0, 2) for m in grid.sent)
+
+
+def test_a_client_that_drops_mid_training_is_unmasked_out_of_the_sum() -> None:
+    """Client 2 raises after the keys were shared: the others' pairwise masks with it are rebuilt
+    from its shares and removed; the mean is the other 4's."""
+    inner = FixedUpdates(failing=frozenset({2}))
+    grid = InProcessGrid(with_mod(inner), {}, [{"partition-id": c} for c in range(5)])
+    replies, secure = unpack(
+        secure_exchange(grid, training_messages(5), SETTINGS, None, "examples")
+    )
+    assert secure is not None and secure.nodes == frozenset({1001, 1002, 1004, 1005})
+    survivors = [0, 1, 3, 4]
+    expected = plain_mean(inner, survivors, "examples")
+    for name, mean in expected.items():
+        assert np.abs(secure.update[name].numpy() - mean).max() <= quantization_bound(
+            survivors, "examples"
+        )
+    assert sum(r.has_error() for r in replies) == 1
+
+
+def test_too_few_survivors_give_no_aggregate() -> None:
+    """3 clients, threshold 2 of 3 shares: with 2 of them crashing, the masks cannot be removed."""
+    inner = FixedUpdates(failing=frozenset({0, 1}))
+    grid = InProcessGrid(with_mod(inner), {}, [{"partition-id": c} for c in range(3)])
+    replies, secure = unpack(
+        secure_exchange(grid, training_messages(3), SETTINGS, None, "examples")
+    )
+    assert secure is None
+
+
+def test_values_beyond_the_clipping_range_are_counted_and_a_weight_beyond_max_refused() -> None:
+    inner = FixedUpdates()
+    small = SecAggSettings(1.0, 0.5, 0.1, 2**22, 100.0)
+    grid = InProcessGrid(with_mod(inner), {}, [{"partition-id": c} for c in range(3)])
+    replies = secure_exchange(grid, training_messages(3), small, None, "examples").replies
+    received = received_tensors()
+    for reply in replies:
+        client_id = int(reply.content[P.METRICS][P.CLIENT_ID])
+        update = inner.update(client_id, received)
+        beyond = sum(int((t.abs() > 0.1).sum()) for t in update.values())
+        assert beyond > 0 and reply.content[P.METRICS][P.SECAGG_CLIPPED] == beyond
+    light = SecAggSettings(1.0, 0.5, 1.0, 2**22, 15.0)  # client 1 has 20 examples
+    grid = InProcessGrid(with_mod(FixedUpdates()), {}, [{"partition-id": c} for c in range(3)])
+    replies, secure = unpack(secure_exchange(grid, training_messages(3), light, None, "examples"))
+    errors = [r.error.reason for r in replies if r.has_error()]
+    assert len(errors) == 2 and all("secagg-max-weight" in e for e in errors)
+    assert secure is None  # one survivor of 3: below the threshold
+
+
+# ---------------------------------------------------------------- refusals and config
+@pytest.mark.parametrize(
+    "method", ["pfedseq", "pfedpg", "tap", "feddpa-t", "feddpa-f", "feddat", "centralized"]
+)
+def test_methods_whose_server_needs_more_than_the_sum_have_a_reason(method: str) -> None:
+    reason = secagg_refusal(SimpleNamespace(method=method, dataset="digits", dp="none"))
+    assert reason is not None and "SecAgg+ reveals only that sum" in reason
+
+
+@pytest.mark.parametrize("method", ["pfedseq", "pfedpg"])
+def test_a_method_that_cannot_take_secagg_is_refused_at_start(method: str) -> None:
+    with pytest.raises(ConfigError, match="'secagg'.*cannot take it"):
+        ExperimentConfig.from_run_config({"method": method, "secagg": True})
+
+
+@pytest.mark.parametrize("method", ["fedavg", "fedrep", "fedprox", "fedvpt", "fedperfix"])
+def test_fedavg_family_methods_take_secagg(method: str) -> None:
+    assert ExperimentConfig.from_run_config({"method": method, "secagg": True}).secagg
+
+
+def test_secagg_is_refused_with_central_dp_and_on_multitask() -> None:
+    with pytest.raises(ConfigError, match="central DP clips each client's update"):
+        ExperimentConfig.from_run_config({"method": "fedavg", "secagg": True, "dp": "central"})
+    with pytest.raises(ConfigError, match="owners"):
+        ExperimentConfig.from_run_config(
+            {"method": "fedavg", "secagg": True, "dataset": "multitask", "backbone": "mm-offline"}
+        )
+    ExperimentConfig.from_run_config({"method": "fedavg", "secagg": True, "dp": "local"})
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("secagg-num-shares", 2.0),
+        ("secagg-threshold", 0.0),
+        ("secagg-clipping-range", -1.0),
+        ("secagg-quantization-range", 2**23),
+        ("secagg-max-weight", 0.0),
+    ],
+)
+def test_bad_secagg_settings_name_the_key(key: str, value: float) -> None:
+    with pytest.raises(ConfigError, match=key):
+        ExperimentConfig.from_run_config({"method": "fedavg", "secagg": True, key: value})
+
+
+# ---------------------------------------------------------------- a run
+def test_a_secagg_fedavg_run_equals_the_plain_run_within_quantization(
+    small_run_config: dict,
+) -> None:
+    """FedAvg, 4 clients, 2 rounds in process, with and without SecAgg+: the round-2 payload (the
+    global after round 1) agrees within the quantization error, every training reply left its
+    client without arrays, and the rounds record the clients in the sum."""
+    from client_apps.app import app as client_app
+    from server_apps.inprocess import simulation_node_configs
+    from server_apps.runner import run_experiment
+
+    payloads = {}
+    for secagg in (False, True):
+        run_config = {
+            **ExperimentConfig().to_run_config(),
+            **small_run_config,
+            "method": "fedavg",
+            "run-name": f"secagg-{secagg}",
+            "secagg": secagg,
+            "secagg-clipping-range": 1.0,
+        }
+        grid = InProcessGrid(client_app, run_config, simulation_node_configs(4))
+        up: list[Message] = []
+
+        def hook(client_id: int, reply: Message, up: list[Message] = up) -> Message:
+            up.append(reply)
+            return reply
+
+        grid.reply_hook = hook
+        run_experiment(grid, ExperimentConfig.from_run_config(run_config))
+        second = next(
+            m
+            for m in grid.sent
+            if m.metadata.message_type == "train"
+            and m.metadata.group_id == "2"
+            and P.ARRAYS in m.content.array_records
+        )
+        payloads[secagg] = from_array_record(second.content[P.ARRAYS])
+        if secagg:
+            trained = [r for r in up if P.METRICS in r.content.metric_records]
+            assert trained and all(
+                all(len(a) == 0 for a in r.content.array_records.values()) for r in trained
+            )
+            lines = (Path(run_config["output-dir"]) / "secagg-True" / "metrics.jsonl").read_text()
+            records = [json.loads(line) for line in lines.splitlines()]
+            assert [r["server"]["secagg-clients"] for r in records] == [4.0, 4.0]
+            assert all(r["bytes-up-train"] == 0 and r["bytes-up-secagg"] > 0 for r in records)
+    # 4 clients, each w/W * update rounded to a step of 2 / 2**22 (w: ~340 examples, W: 1,000):
+    # the mean is off by at most 4 steps / sum(w/W) ~ 1.4e-6, plus float32 rounding of the global
+    step = 2 * 1.0 / 2**22
+    for name, plain in payloads[False].items():
+        error = (payloads[True][name].double() - plain.double()).abs().max().item()
+        assert 0 < error <= 4 * step / 1.0 + 1e-6, (name, error)
+
+
+# ---------------------------------------------------------------- on a loopback deployment
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_secagg_on_a_secure_loopback_deployment_equals_the_plain_run(cache_dir, tmp_path) -> None:
+    """3 SuperNodes (TLS, authentication, warm executors), FedAvg with SecAgg+ for 2 rounds: the
+    protocol's 4 stages run through Flower's SuperLink, every training reply leaves without
+    arrays, and the global after round 1 equals the plain in-process run's within the
+    quantization error (the clients' round-1 training is the same, so are their losses)."""
+    from deploy_support import completed_log, read_rounds
+    from safetensors.torch import load_file
+
+    from fedfm_flower.deploy import DeployOptions, LocalDeployment
+    from server_apps.inprocess import run_in_process
+
+    options = DeployOptions(
+        num_supernodes=3,
+        workdir=tmp_path / "work",
+        startup_timeout=120.0,
+        run_timeout=400.0,
+        echo=False,
+        warm_executor=True,
+    )
+    config = {
+        "cache-dir": str(cache_dir),
+        "output-dir": str(tmp_path / "runs"),
+        "pretrain-epochs": 30,
+        "seed": 0,
+        "method": "fedavg",
+        "num-server-rounds": 2,
+        "secagg": True,
+        "secagg-clipping-range": 1.0,
+        "run-name": "secagg",
+    }
+    deployment = LocalDeployment(options)
+    try:
+        deployment.start()
+        result = deployment.run(config)
+    finally:
+        deployment.stop()
+    log = completed_log(deployment, result)
+    assert "no aggregate" not in log and "SecAgg+ round" not in log  # no stage lost a node
+    rounds = read_rounds(tmp_path / "runs" / "secagg")
+    assert [r["server"]["secagg-clients"] for r in rounds] == [3.0, 3.0]
+    assert all(r["bytes-up-train"] == 0 and r["bytes-up-secagg"] > 0 for r in rounds)
+    assert all(r["rejected"] == {} for r in rounds)
+
+    node_configs = [
+        {
+            "client-id": i,
+            "partition-id": i,
+            "num-partitions": 3,
+            "state-dir": str(tmp_path / f"p{i}"),
+        }
+        for i in range(3)
+    ]
+    plain = {**config, "secagg": False, "run-name": "plain", "num-clients": 3}
+    run_in_process(plain, 3, node_configs=node_configs)
+    plain_rounds = read_rounds(tmp_path / "runs" / "plain")
+    for client in ("0", "1", "2"):
+        assert (
+            rounds[0]["train"][client]["train-loss"]
+            == plain_rounds[0]["train"][client]["train-loss"]
+        )
+    secure = load_file(tmp_path / "runs" / "secagg" / "checkpoints" / "round_00001.safetensors")
+    reference = load_file(tmp_path / "runs" / "plain" / "checkpoints" / "round_00001.safetensors")
+    assert set(secure) == set(reference)
+    step = 2 * 1.0 / 2**22
+    for name, tensor in reference.items():
+        error = (secure[name].double() - tensor.double()).abs().max().item()
+        assert error <= 3 * step + 1e-6, (name, error)
