@@ -120,6 +120,10 @@ def test_wandb_mlflow_and_tensorboard_runs_hold_the_records(
     assert run.data.metrics["summary-final-test-accuracy-mean"] == pytest.approx(
         summary["final-test-accuracy-mean"]
     )
+    # its artifacts beside the store, not under the directory the run started in (./mlruns)
+    stored = json.loads(next((output / "mlartifacts").rglob("summary.json")).read_text())
+    assert stored["run-name"] == "tracked"
+    assert not (Path.cwd() / "mlruns").exists()
 
     # TensorBoard: the summary's scalars beside the rounds'
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

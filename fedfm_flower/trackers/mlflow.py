@@ -3,10 +3,11 @@
 Tracking URI ``mlflow-tracking-uri``, or when empty a local SQLite store
 ``<output-dir>/mlflow.db`` (``mlflow ui --backend-store-uri sqlite:///runs/mlflow.db``; MLflow 3
 refuses its older ``./mlruns`` file store by default, and SQLite is the local store it
-recommends); experiment ``mlflow-experiment``. The MLflow run is tagged with the run
-directory's path, so ``resume = true`` continues the same MLflow run. The run config becomes
-the run's parameters, each round's numeric values metrics at step = round, the summary's
-numeric values metrics ``summary-<key>`` and the whole summary the artifact ``summary.json``.
+recommends), its artifacts under ``<output-dir>/mlartifacts``; experiment
+``mlflow-experiment``. The MLflow run is tagged with the run directory's path, so
+``resume = true`` continues the same MLflow run. The run config becomes the run's parameters,
+each round's numeric values metrics at step = round, the summary's numeric values metrics
+``summary-<key>`` and the whole summary the artifact ``summary.json``.
 """
 
 from __future__ import annotations
@@ -31,6 +32,15 @@ def tracking_uri(config: ExperimentConfig) -> str:
     return f"sqlite:///{Path(config.output_dir).resolve() / 'mlflow.db'}"
 
 
+def artifact_location(config: ExperimentConfig) -> str | None:
+    """Where a new experiment of the default store keeps its artifacts: ``<output-dir>/mlartifacts``
+    (MLflow's own default, ``./mlruns``, is relative to whatever directory the run started in);
+    None (MLflow's choice) for a tracking URI of the user's."""
+    if config.mlflow_tracking_uri:
+        return None
+    return (Path(config.output_dir).resolve() / "mlartifacts").as_uri()
+
+
 class MlflowLog:
     """Logs one run to MLflow."""
 
@@ -43,7 +53,9 @@ class MlflowLog:
         experiment_id = (
             experiment.experiment_id
             if experiment is not None
-            else self.client.create_experiment(config.mlflow_experiment)
+            else self.client.create_experiment(
+                config.mlflow_experiment, artifact_location=artifact_location(config)
+            )
         )
         directory = str(run_path.resolve())
         found = self.client.search_runs(
