@@ -15,7 +15,9 @@ clients of one ``flwr run``, or every SuperNode started with it. Kinds (``FAULT_
 * ``dtype``: the first tensor is sent as float64;
 * ``missing-key`` / ``extra-key``: the first tensor is dropped / an unexpected tensor is added;
 * ``client-id``: the reply claims the next client id;
-* ``oversize``: the first tensor keeps its declared shape and dtype but carries 64x the bytes;
+* ``oversize``: the first tensor keeps its declared shape and dtype but carries 100x the bytes;
+* ``metric-type``: ``num-examples`` is sent as a float (12.5), not an int;
+* ``no-metrics``: the reply has no metrics record;
 * ``crash``: the ClientApp raises instead of replying (Flower turns it into an error reply; in
   a fused message, which also carries the previous round's evaluation, the training part is
   reported as failed with the same reason and the evaluation still counts).
@@ -46,6 +48,8 @@ FAULT_KINDS = (
     "extra-key",
     "client-id",
     "oversize",
+    "metric-type",
+    "no-metrics",
     "crash",
 )
 
@@ -88,6 +92,12 @@ def inject_fault(content: RecordDict, kind: str) -> RecordDict:
         metrics = content.metric_records[P.METRICS]
         metrics[P.CLIENT_ID] = int(metrics[P.CLIENT_ID]) + 1
         return content
+    if kind == "metric-type":
+        content.metric_records[P.METRICS][P.NUM_EXAMPLES] = 12.5
+        return content
+    if kind == "no-metrics":
+        del content[P.METRICS]
+        return content
     arrays = content.array_records.get(P.ARRAYS)
     if arrays is None or not len(arrays):
         return content
@@ -108,6 +118,6 @@ def inject_fault(content: RecordDict, kind: str) -> RecordDict:
     elif kind == "oversize":
         honest = arrays[name]
         arrays[name] = Array(
-            dtype=honest.dtype, shape=honest.shape, stype=honest.stype, data=honest.data * 64
+            dtype=honest.dtype, shape=honest.shape, stype=honest.stype, data=honest.data * 100
         )
     return content

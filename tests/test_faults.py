@@ -255,8 +255,8 @@ def test_tap_runs_with_its_post_fl_round_and_a_killed_serverapp_resumes_to_the_s
 # round 2 on, so no valid training reply arrives after round 1 and the FedAvg state must stay
 # exactly the round-1 state.
 FAULTS = {
-    0: ["nan", "shape", "missing-key", "client-id", "crash"],
-    1: ["inf", "dtype", "extra-key", "oversize", "crash"],
+    0: ["nan", "shape", "missing-key", "client-id", "metric-type", "crash"],
+    1: ["inf", "dtype", "extra-key", "oversize", "no-metrics", "crash"],
 }
 REASONS = {
     "nan": r"contains NaN or Inf",
@@ -267,6 +267,8 @@ REASONS = {
     "extra-key": r"unexpected keys \[.*\.extra'\]",
     "client-id": r"reply claims client-id 1 but node belongs to client 0",
     "oversize": r"payload is \d+ bytes, expected",
+    "metric-type": r"bad num-examples 12\.5",
+    "no-metrics": r"no metrics record",
     "crash": r"client error: .*crashes on purpose",
 }
 
