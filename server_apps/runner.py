@@ -371,7 +371,7 @@ def run_round(
     server_seconds = time.perf_counter() - started
     bytes_down, carried_down = _split_bytes(messages)
     secure = None
-    if config.secagg and strategy.phase(server_round) == "train":
+    if strategy.secure_round(server_round):
         secure = secagg.secure_exchange(
             grid,
             messages,

@@ -39,10 +39,10 @@ from strategies.parts.messages import Payload, per_node_messages
 from strategies.parts.nodes import NodeDirectory
 from strategies.parts.outcome import PhaseOutcome, RoundOutcome, RoundReport
 from strategies.parts.replies import NO_ARRAYS, ClientReply, reply_part, validate
+from strategies.parts.sampling import ClientSampler
 
 if TYPE_CHECKING:
     from fedfm_flower.privacy.secagg import SecureMean
-from strategies.parts.sampling import ClientSampler
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +80,11 @@ class PersonalizedStrategy(Strategy):
     def reply_spec(self, client_id: int) -> dict[str, tuple[tuple[int, ...], str]]:
         """Names, shapes and dtypes a training reply of ``client_id`` must have."""
         raise NotImplementedError
+
+    def secure_round(self, server_round: int) -> bool:
+        """Whether ``server_round``'s training runs under SecAgg+ (``secagg``, federated rounds;
+        a post-training phase aggregates nothing)."""
+        return self.config.secagg and self.phase(server_round) == "train"
 
     def client_weighting(self) -> str:
         """How the strategy weighs clients where it averages their replies
@@ -181,7 +186,7 @@ class PersonalizedStrategy(Strategy):
         round's SecAgg+ mean update, whose training replies hold no tensors."""
         flight, client_of = self._training, self.nodes.node_to_client
         training, evaluation = flight.sort(replies, client_of)
-        under_secagg = self.config.secagg and self.phase(server_round) == "train"
+        under_secagg = self.secure_round(server_round)
         valid = validate(training, flight.train, client_of, NO_ARRAYS if under_secagg else self)
         server_metrics: dict[str, float] = {}
         if under_secagg and valid:

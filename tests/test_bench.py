@@ -305,3 +305,31 @@ def test_engine_dispatch_benchmark_echoes_the_fedavg_payload_through_ray() -> No
     # LoRA A and B of the tiny ViT's 4 qkv layers (rank 4, width 64) and the 10-class head:
     # the parameter bytes the communication benchmark reports for FedAvg.
     assert result["payload-bytes"] == 4 * (4 * (4 * 64 + 192 * 4) + 10 * 64 + 10)
+
+
+def test_the_load_sweep_stops_where_memory_would_run_out(monkeypatch, tmp_path) -> None:
+    """bench.deployment_load: the next N is predicted from the last run's peak PSS and its
+    per-node share; past the fraction of the available memory it is not started."""
+    from bench import deployment_load
+
+    ran: list[int] = []
+
+    def fake_run(num_nodes: int, rounds: int, workdir, config) -> dict:
+        ran.append(num_nodes)
+        return {
+            "supernodes": num_nodes,
+            "status": "finished:completed",
+            "peak-pss-mb": 600.0 * (num_nodes + 1),  # 600 MB per process group
+            "start-s": 1.0,
+            "role-peak-pss-mb": {},
+            "role-cpu-s": {},
+        }
+
+    monkeypatch.setattr(deployment_load, "run_load", fake_run)
+    monkeypatch.setattr(deployment_load, "available_bytes", lambda: 10_000 * deployment_load.MB)
+    rows = deployment_load.sweep([2, 4, 8, 16, 30], 3, tmp_path, {}, 0.8)
+    # 8 nodes: 5,400 MB predicted (fits 8,000); 16 nodes: 10,200 MB > 0.8 * 10,000
+    assert ran == [2, 4, 8]
+    assert rows[-1]["status"] == "not-started: memory" and rows[-1]["supernodes"] == 16
+    assert rows[-1]["predicted-pss-mb"] == pytest.approx(600.0 * 17)
+    assert "not-started: memory" in deployment_load.table(rows)

@@ -356,3 +356,16 @@ def test_secagg_on_a_secure_loopback_deployment_equals_the_plain_run(cache_dir, 
     for name, tensor in reference.items():
         error = (secure[name].double() - tensor.double()).abs().max().item()
         assert error <= 3 * step + 1e-6, (name, error)
+
+
+def test_a_round_without_training_messages_sends_the_others_plainly() -> None:
+    """A round whose messages are all evaluations (no client sampled to train) runs no protocol."""
+    inner = FixedUpdates()
+    grid = InProcessGrid(with_mod(inner), {}, [{"partition-id": c} for c in range(2)])
+    message = training_messages(1)[0]
+    evaluation = Message(
+        message.content, dst_node_id=1001, message_type=MessageType.EVALUATE, group_id="1"
+    )
+    outcome = secure_exchange(grid, [evaluation], SETTINGS, None, "examples")
+    assert outcome.mean is None and outcome.bytes_up == outcome.bytes_down == 0
+    assert [m.metadata.message_type for m in grid.sent] == [MessageType.EVALUATE]

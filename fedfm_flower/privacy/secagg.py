@@ -196,11 +196,12 @@ def secure_exchange(
 
     training = [m for m in messages if m.metadata.message_type == MessageType.TRAIN]
     others = [m for m in messages if m.metadata.message_type != MessageType.TRAIN]
+    if not training:
+        replies = list(grid.send_and_receive(others, timeout=timeout))
+        return SecureRound(replies, None, 0, 0)
     names, shapes = _layout(training)
     sampled = [m.metadata.dst_node_id for m in training]
-    state = _Protocol(settings, training[0].metadata.group_id if training else "", sampled)
-    if not training:
-        return state.finish(list(grid.send_and_receive(others, timeout=timeout)), None)
+    state = _Protocol(settings, training[0].metadata.group_id, sampled)
     if len(state.sampled) * settings.quantization_range >= MODULUS_RANGE:
         raise ValueError(
             f"SecAgg+: {len(state.sampled)} clients' quantized sum would pass the 2**32 "

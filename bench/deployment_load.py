@@ -1,0 +1,270 @@
+"""Deployment under load: how many SuperNodes this machine holds, and what runs out first.
+
+    python -m bench.deployment_load --supernodes 2 4 8 16 30 --rounds 10 [--out results.json]
+
+For each N (in the order given) a secure loopback deployment (SuperLink, N SuperNodes with TLS
+and authentication, each with its warm executor: ``fedfm_flower.deploy``) runs ``--rounds``
+rounds of FedAvg on the offline default with N clients. While it runs, every process of the
+deployment is sampled every 0.5 s: its PSS (shared pages divided among the sharers, so torch's
+libraries mapped by N processes are not counted N times) and its CPU seconds. Reported per N:
+the peak of the summed PSS, the largest PSS of each role (SuperLink, SuperNode, SuperExec with
+its ClientApp, ServerApp, ...), the CPU seconds of each role, the start-up time, the steady
+round time and whether every client reported in every round.
+
+Before each N the next run's memory is predicted from the last one (its peak plus the
+per-SuperNode PSS times the added nodes); when the prediction passes ``--memory-fraction`` of
+the memory available now, that N is not started and the row says so: memory is then the limit
+measured. A run that fails or times out ends the sweep with its status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.process_memory import pss_bytes
+from fedfm_flower.deploy import DeployOptions, LocalDeployment
+from fedfm_flower.processes import proc_cmdline
+from fedfm_flower.results import RunDirectory
+
+MB = 2**20
+ROLES = (
+    ("flower-superlink", "superlink"),
+    ("fedfm_flower.deploy.superexec", "superexec (warm ClientApp)"),
+    ("flower-superexec", "superlink's superexec"),
+    ("fedfm_flower.deploy.supernode", "supernode"),
+    ("flower-supernode", "supernode"),
+    ("flwr-serverapp", "serverapp"),
+    ("flwr-clientapp", "clientapp process"),
+    ("flwr run", "flwr run"),
+)
+
+
+def role_of(pid: int) -> str:
+    """The deployment role of a process, from its command line."""
+    command = " ".join(proc_cmdline(pid))
+    for marker, role in ROLES:
+        if marker in command:
+            return role
+    return "other"
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process so far (0 when it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / 100.0  # utime, stime in clock ticks (USER_HZ)
+
+
+def available_bytes() -> int:
+    """MemAvailable of this machine."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+class DeploymentSampler:
+    """Samples a deployment's processes in a thread: peak summed PSS, per-role peaks, CPU."""
+
+    def __init__(self, deployment: LocalDeployment, interval: float = 0.5) -> None:
+        self.deployment = deployment
+        self.interval = interval
+        self.peak_bytes = 0
+        self.peak_processes = 0
+        self.role_peak: dict[str, int] = {}
+        self.cpu: dict[int, tuple[str, float]] = {}  # pid -> (role, last CPU seconds seen)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="load-sampler", daemon=True)
+
+    def __enter__(self) -> DeploymentSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def sample(self) -> None:
+        """One look at every live process of the deployment."""
+        pids = self.deployment.live_pids()
+        sizes = {pid: pss_bytes(pid) for pid in pids}
+        self.peak_bytes = max(self.peak_bytes, sum(sizes.values()))
+        self.peak_processes = max(self.peak_processes, len(pids))
+        for pid, size in sizes.items():
+            role = self.cpu[pid][0] if pid in self.cpu else role_of(pid)
+            self.role_peak[role] = max(self.role_peak.get(role, 0), size)
+            self.cpu[pid] = (role, max(cpu_seconds(pid), self.cpu.get(pid, (role, 0.0))[1]))
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.sample()
+            time.sleep(self.interval)
+
+    def cpu_by_role(self) -> dict[str, float]:
+        """CPU seconds per role, summed over its processes."""
+        totals: dict[str, float] = {}
+        for role, seconds in self.cpu.values():
+            totals[role] = totals.get(role, 0.0) + seconds
+        return totals
+
+
+def run_load(num_nodes: int, rounds: int, workdir: Path, config: dict[str, Any]) -> dict[str, Any]:
+    """One deployment of ``num_nodes`` SuperNodes running ``rounds`` FedAvg rounds; its row."""
+    name = f"load-{num_nodes}"
+    output = workdir / "runs"
+    options = DeployOptions(
+        num_supernodes=num_nodes,
+        workdir=workdir / name,
+        echo=False,
+        startup_timeout=60.0 + 10.0 * num_nodes,
+        run_timeout=600.0 + 60.0 * num_nodes,
+        warm_executor=True,
+    )
+    run_config = {
+        **config,
+        "method": "fedavg",
+        "num-server-rounds": rounds,
+        "output-dir": str(output),
+        "run-name": name,
+    }
+    deployment = LocalDeployment(options)
+    started = time.monotonic()
+    try:
+        with DeploymentSampler(deployment) as sampler:
+            deployment.start()
+            online = time.monotonic() - started
+            result = deployment.run(run_config)
+    finally:
+        deployment.stop()
+    row: dict[str, Any] = {
+        "supernodes": num_nodes,
+        "status": result.status,
+        "start-s": online,
+        "run-s": result.seconds,
+        "threads-per-process": deployment.threads(),
+        "peak-pss-mb": sampler.peak_bytes / MB,
+        "peak-processes": sampler.peak_processes,
+        "role-peak-pss-mb": {k: v / MB for k, v in sorted(sampler.role_peak.items())},
+        "role-cpu-s": {k: round(v, 1) for k, v in sorted(sampler.cpu_by_role().items())},
+    }
+    if result.ok:
+        records = RunDirectory(output / name).rounds()
+        seconds = [r["round-seconds"] for r in records]
+        row["round-s"] = seconds
+        row["steady-round-s"] = statistics.median(seconds[1:] or seconds)
+        row["all-clients-every-round"] = all(r["clients-reported"] == num_nodes for r in records)
+        row["final-test-accuracy-mean"] = records[-1].get("test-accuracy-mean")
+    return row
+
+
+def predicted_bytes(last: dict[str, Any], num_nodes: int) -> float:
+    """The next run's peak PSS from the last row: its peak plus its per-node share per node."""
+    per_node = last["peak-pss-mb"] * MB / (last["supernodes"] + 1)
+    return last["peak-pss-mb"] * MB + per_node * (num_nodes - last["supernodes"])
+
+
+def sweep(
+    nodes: list[int], rounds: int, workdir: Path, config: dict[str, Any], memory_fraction: float
+) -> list[dict[str, Any]]:
+    """``run_load`` for each N until memory would run out or a run fails."""
+    rows: list[dict[str, Any]] = []
+    for num_nodes in nodes:
+        if rows:
+            need, have = predicted_bytes(rows[-1], num_nodes), available_bytes()
+            if need > memory_fraction * have:
+                rows.append(
+                    {
+                        "supernodes": num_nodes,
+                        "status": "not-started: memory",
+                        "predicted-pss-mb": need / MB,
+                        "available-mb": have / MB,
+                    }
+                )
+                print(json.dumps(rows[-1]), flush=True)
+                break
+        rows.append(run_load(num_nodes, rounds, workdir, config))
+        print(json.dumps(rows[-1]), flush=True)
+        if rows[-1]["status"] != "finished:completed":
+            break
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """The sweep as a Markdown table."""
+    lines = [
+        "| SuperNodes | status | start (s) | steady round (s) | all clients | peak PSS (MB) "
+        "| per SuperExec (MB) | SuperLink (MB) | ServerApp (MB) | CPU s: SuperExecs / SuperLink "
+        "/ ServerApp / SuperNodes |",
+        "|---:|---|---:|---:|---|---:|---:|---:|---:|---|",
+    ]
+    for row in rows:
+        if "peak-pss-mb" not in row:
+            lines.append(
+                f"| {row['supernodes']} | {row['status']} (predicted "
+                f"{row['predicted-pss-mb']:.0f} MB, available {row['available-mb']:.0f} MB) "
+                "| | | | | | | | |"
+            )
+            continue
+        peaks, cpu = row["role-peak-pss-mb"], row["role-cpu-s"]
+        executor = "superexec (warm ClientApp)"
+        lines.append(
+            f"| {row['supernodes']} | {row['status']} | {row['start-s']:.0f} "
+            f"| {row.get('steady-round-s', float('nan')):.2f} "
+            f"| {row.get('all-clients-every-round', '-')} | {row['peak-pss-mb']:.0f} "
+            f"| {peaks.get(executor, 0):.0f} | {peaks.get('superlink', 0):.0f} "
+            f"| {peaks.get('serverapp', 0):.0f} "
+            f"| {cpu.get(executor, 0):.0f} / {cpu.get('superlink', 0):.0f} / "
+            f"{cpu.get('serverapp', 0):.0f} / {cpu.get('supernode', 0):.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the sweep; print the table; write the rows to ``--out``."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--supernodes", type=int, nargs="+", default=[2, 4, 8, 16, 30])
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--memory-fraction", type=float, default=0.8)
+    parser.add_argument("--workdir", type=Path, default=Path("bench/work/deployment-load"))
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    args = parser.parse_args(argv)
+    if any(n < 1 for n in args.supernodes) or args.rounds < 1:
+        parser.error("--supernodes and --rounds must be >= 1")
+    if not 0 < args.memory_fraction <= 1:
+        parser.error(f"--memory-fraction must lie in (0, 1], not {args.memory_fraction}")
+    config: dict[str, Any] = {}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            parser.error(f"--set expects KEY=VALUE, not {item!r}")
+        config[key] = json.loads(value) if value[:1] in '0123456789-[{tf"' else value
+    rows = sweep(args.supernodes, args.rounds, args.workdir, config, args.memory_fraction)
+    print(table(rows))
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        result = {
+            "rows": rows,
+            "rounds": args.rounds,
+            "machine": {
+                "platform": platform.platform(),
+                "python": sys.version.split()[0],
+                "memory-available-mb-at-end": available_bytes() / MB,
+            },
+        }
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    return 0 if all(r["status"] == "finished:completed" for r in rows if "peak-pss-mb" in r) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
