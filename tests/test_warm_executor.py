@@ -201,3 +201,37 @@ def test_the_options_and_command_line_pass_it_on(tmp_path):
     assert "--warm-executor" not in off.supernode_command()
     # plain flower-supernode (Flower's waits) is Flower's path throughout
     assert DeployOptions(workdir=tmp_path, poll_interval=None).warm_executor is False
+
+
+def test_a_message_whose_objects_arrive_late_is_still_pulled(monkeypatch) -> None:
+    """The warm executor pulls with short pauses; an object that is still missing after more
+    than Flower's 500 tries per object (a loaded SuperNode: 30-43 s with 16 nodes on 2 cores)
+    is waited for, within Flower's time bound, not failed."""
+    import numpy as np
+    from flwr.app import Array, ArrayRecord, Message, RecordDict
+    from flwr.supercore.inflatable.inflatable_object import (
+        get_all_nested_objects,
+        get_object_tree,
+    )
+    from flwr.supercore.inflatable.inflatable_utils import ObjectUnavailableError
+    from flwr.supercore.task_identity import TaskIdentity
+
+    for name, value in (("_run_id", 1), ("_node_id", 0), ("_task_id", 0)):
+        monkeypatch.setattr(TaskIdentity, name, value)  # what a task's process has set
+    monkeypatch.setattr(superexec, "PULL_FIRST_PAUSE_S", 0.0)  # as many tries as it takes
+    monkeypatch.setattr(superexec, "PULL_LONGEST_PAUSE_S", 0.0)
+    content = RecordDict({"arrays": ArrayRecord({"w": Array(np.arange(6.0))})})
+    message = Message(content, dst_node_id=3, message_type="train")
+    objects = {oid: obj.deflate() for oid, obj in get_all_nested_objects(message).items()}
+    late = next(iter(objects))
+    tries = {"late": 0}
+
+    def pull(object_id: str) -> bytes:
+        if object_id == late and tries["late"] < 700:  # more than Flower's 500 tries
+            tries["late"] += 1
+            raise ObjectUnavailableError(object_id)
+        return objects[object_id]
+
+    pulled = superexec.pull_message(get_object_tree(message), pull, lambda object_id: None)
+    assert tries["late"] == 700
+    assert np.array_equal(pulled.content["arrays"]["w"].numpy(), np.arange(6.0))

@@ -34,7 +34,8 @@ next. Other task types go to Flower's executor.
   Flower's, with the pauses from ``PULL_FIRST_PAUSE_S`` doubling up to ``PULL_LONGEST_PAUSE_S``
   (measured on loopback: 1.2-3.3 s of a 1.3-3.9 s training task was that wait; what is left is
   the SuperNode's own download of the objects from the SuperLink, about 1 s on the busy 2-core
-  machine).
+  machine). The pull is bounded by Flower's ``PULL_MAX_TIME`` only: Flower's 500 tries per
+  object, with these short pauses, ran out in ~40 s under load (16 SuperNodes on 2 cores).
 * **Tracking.** With ``FEDFM_TASKS_DIR`` set, a task in progress is a file
   ``<task id>.running`` there (``fedfm_flower.deploy.local`` uses it to see messages in flight).
 """
@@ -138,7 +139,6 @@ class AppCache:
 def pull_task_input(client: Any) -> tuple[Any, Any, Any, Any]:
     """Flower's ``pull_task_input`` (the task's context, run and FAB, then its message), with
     short pauses while the message's objects are not yet at the SuperNode."""
-    from flwr.app import Message
     from flwr.common.serde import context_from_proto, fab_from_proto, run_from_proto
     from flwr.proto.node_pb2 import Node  # pylint: disable=E0611
     from flwr.proto.runtime_pb2 import (  # pylint: disable=E0611
@@ -149,7 +149,6 @@ def pull_task_input(client: Any) -> tuple[Any, Any, Any, Any]:
         make_confirm_message_received_fn_protobuf,
         make_pull_object_fn_protobuf,
     )
-    from flwr.supercore.inflatable.inflatable_utils import pull_and_inflate_object_from_tree
     from flwr.supercore.task_identity import TaskIdentity
 
     response = client.PullTaskInput(PullTaskInputRequest())
@@ -163,18 +162,37 @@ def pull_task_input(client: Any) -> tuple[Any, Any, Any, Any]:
         raise RuntimeError("No messages received from Runtime API")
     node = Node(node_id=context.node_id)
     tree = pulled.message_object_trees[0]
-    message = pull_and_inflate_object_from_tree(
+    message = pull_message(
         tree,
         make_pull_object_fn_protobuf(client.PullObject, node, context.run_id),
         make_confirm_message_received_fn_protobuf(
             client.ConfirmMessageReceived, node, context.run_id
         ),
+    )
+    return message, context, run, fab
+
+
+def pull_message(tree: Any, pull_object: Any, confirm_received: Any) -> Any:
+    """The message of ``tree``, its objects pulled with short pauses while they are not yet at
+    the SuperNode, for as long as Flower's ``PULL_MAX_TIME`` allows."""
+    from flwr.app import Message
+    from flwr.supercore.inflatable.inflatable_utils import pull_and_inflate_object_from_tree
+
+    message = pull_and_inflate_object_from_tree(
+        tree,
+        pull_object,
+        confirm_received,
         return_type=Message,
         initial_backoff=PULL_FIRST_PAUSE_S,
         backoff_cap=PULL_LONGEST_PAUSE_S,
+        # Flower bounds a pull by tries (500) and time (PULL_MAX_TIME); its tries last minutes
+        # with its 1-10 s pauses, but ~25 s with these short ones, less than a loaded SuperNode
+        # needs to fetch a message (measured: 30-43 s with 16 SuperNodes on 2 cores), so the
+        # bound here is Flower's time alone.
+        max_tries_per_object=None,
     )
     message.metadata.__dict__["_message_id"] = tree.object_id  # the deflated message lacks it
-    return message, context, run, fab
+    return message
 
 
 def run_task(spec: Any, apps: AppCache) -> None:
