@@ -34,8 +34,9 @@ next. Other task types go to Flower's executor.
   Flower's, with the pauses from ``PULL_FIRST_PAUSE_S`` doubling up to ``PULL_LONGEST_PAUSE_S``
   (measured on loopback: 1.2-3.3 s of a 1.3-3.9 s training task was that wait; what is left is
   the SuperNode's own download of the objects from the SuperLink, about 1 s on the busy 2-core
-  machine). The pull is bounded by Flower's ``PULL_MAX_TIME`` only: Flower's 500 tries per
-  object, with these short pauses, ran out in ~40 s under load (16 SuperNodes on 2 cores).
+  machine). The pull is bounded by time (``PULL_PATIENCE_S``, 90 s), not by Flower's 500 tries
+  per object, which with these short pauses ran out in ~40 s under load (16 SuperNodes on 2
+  cores); a task whose run was stopped mid-transfer gives up after that time.
 * **Tracking.** With ``FEDFM_TASKS_DIR`` set, a task in progress is a file
   ``<task id>.running`` there (``fedfm_flower.deploy.local`` uses it to see messages in flight).
 """
@@ -60,6 +61,11 @@ TASKS_DIR_VAR = "FEDFM_TASKS_DIR"  # where the running tasks are marked (LocalDe
 # Between looks for a message's objects at the SuperNode (a local request): they come from the
 # SuperLink in about a second here, and a doubling pause would overshoot their arrival.
 PULL_FIRST_PAUSE_S, PULL_LONGEST_PAUSE_S = 0.01, 0.05
+# How long a task waits for its message's objects. Long enough for a loaded SuperNode (30-64 s
+# measured with 16 SuperNodes on 2 cores); short enough that a task whose run was stopped while
+# its message was in transit (its objects never come) frees the executor for the next run's
+# messages well within the ServerApp's 120 s identity query.
+PULL_PATIENCE_S = 90.0
 SPEC_FIELDS = ("task_type", "runtime_api_address", "token", "insecure", "task_id")
 RUNTIME_FUNCTIONS = ("push_message", "push_task_output")
 
@@ -174,7 +180,7 @@ def pull_task_input(client: Any) -> tuple[Any, Any, Any, Any]:
 
 def pull_message(tree: Any, pull_object: Any, confirm_received: Any) -> Any:
     """The message of ``tree``, its objects pulled with short pauses while they are not yet at
-    the SuperNode, for as long as Flower's ``PULL_MAX_TIME`` allows."""
+    the SuperNode, for up to ``PULL_PATIENCE_S``."""
     from flwr.app import Message
     from flwr.supercore.inflatable.inflatable_utils import pull_and_inflate_object_from_tree
 
@@ -185,11 +191,11 @@ def pull_message(tree: Any, pull_object: Any, confirm_received: Any) -> Any:
         return_type=Message,
         initial_backoff=PULL_FIRST_PAUSE_S,
         backoff_cap=PULL_LONGEST_PAUSE_S,
-        # Flower bounds a pull by tries (500) and time (PULL_MAX_TIME); its tries last minutes
-        # with its 1-10 s pauses, but ~25 s with these short ones, less than a loaded SuperNode
-        # needs to fetch a message (measured: 30-43 s with 16 SuperNodes on 2 cores), so the
-        # bound here is Flower's time alone.
+        # Flower bounds a pull by tries (500) and time (2 h); its tries last minutes with its
+        # 1-10 s pauses, but ~25 s with these short ones, less than a loaded SuperNode needs to
+        # fetch a message, so the bound here is time alone.
         max_tries_per_object=None,
+        max_time=PULL_PATIENCE_S,
     )
     message.metadata.__dict__["_message_id"] = tree.object_id  # the deflated message lacks it
     return message
