@@ -143,11 +143,13 @@ def _train_content(
     started: float,
 ) -> RecordDict:
     """The training (or post-training) reply's records, faults injected where configured."""
-    from client_apps.faults import inject_fault, parse_faults
+    from client_apps.faults import FAULT_KINDS, inject_fault, parse_faults, stall_state_write
     from fedfm_flower.records import to_array_record
 
     server_round = int(config_record.get(P.SERVER_ROUND, 0))
     faults = parse_faults(context.node_config)  # before training: a bad value fails fast
+    if faults.get(server_round) == "stall-save":
+        stall_state_write(runtime.store)
     if config_record.get(P.PHASE, "train") == "post-training":
         sent, stats = logic.post_train(runtime, received, server_round)
     else:
@@ -166,7 +168,7 @@ def _train_content(
         }
     )
     content = RecordDict({P.ARRAYS: to_array_record(sent), P.METRICS: metrics})
-    if server_round in faults:
+    if faults.get(server_round) in FAULT_KINDS:
         log.warning("inject-fault: corrupting this reply (%s)", faults[server_round])
         content = inject_fault(content, faults[server_round])
     return content

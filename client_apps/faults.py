@@ -23,12 +23,22 @@ clients of one ``flwr run``, or every SuperNode started with it. Kinds (``FAULT_
   reported as failed with the same reason and the evaluation still counts).
 
 Faults that need a tensor apply to the ``arrays`` record; a reply without tensors is unchanged.
+
+One kind breaks the client's state instead of its reply (``STATE_FAULT_KINDS``):
+
+* ``stall-save``: the write of this round's personal state stops half-way, its temporary file
+  holding half the bytes, and waits ``STALL_S`` to be killed (the chaos harness,
+  ``fedfm_flower.deploy.chaos``, SIGKILLs the node then: a kill mid-write); if nobody does, the
+  write fails and the training with it, so no torn state is ever committed.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -36,6 +46,8 @@ from flwr.app import Array, RecordDict
 
 from fedfm_flower import protocol as P
 from fedfm_flower.config import ConfigError
+
+log = logging.getLogger(__name__)
 
 NODE_CONFIG_KEY = "inject-fault"
 ENVIRONMENT_VARIABLE = "FEDFM_INJECT_FAULT"
@@ -52,6 +64,8 @@ FAULT_KINDS = (
     "no-metrics",
     "crash",
 )
+STATE_FAULT_KINDS = ("stall-save",)
+STALL_S = 600.0  # how long a stalled state write waits to be killed
 
 
 class InjectedCrash(RuntimeError):
@@ -73,11 +87,12 @@ def parse_faults(
     faults: dict[int, str] = {}
     for item in str(raw).split(","):
         round_text, _, kind = item.strip().partition(":")
-        if not round_text.strip().isdigit() or kind.strip() not in FAULT_KINDS:
+        kinds = FAULT_KINDS + STATE_FAULT_KINDS
+        if not round_text.strip().isdigit() or kind.strip() not in kinds:
             raise ConfigError(
                 key,
                 raw,
-                f"expected 'round:kind,...' with kinds {', '.join(FAULT_KINDS)}",
+                f"expected 'round:kind,...' with kinds {', '.join(kinds)}",
                 source=source,
             )
         faults[int(round_text)] = kind.strip()
@@ -121,3 +136,33 @@ def inject_fault(content: RecordDict, kind: str) -> RecordDict:
             dtype=honest.dtype, shape=honest.shape, stype=honest.stype, data=honest.data * 100
         )
     return content
+
+
+def stall_state_write(store: Any, seconds: float = STALL_S) -> None:
+    """Make ``store``'s next state file write stop half-way and wait ``seconds`` (the
+    ``stall-save`` fault); it then raises, and the temporary file is removed. Once per file: a
+    mark beside it (``.stalled-<name>``) makes a replay of the round, after the node was killed
+    and started again, write normally."""
+    import torch
+    from safetensors.torch import save_file
+
+    from fedfm_flower.durable import atomic_path, save_tensors
+
+    def stalled(path: Path, tensors: dict[str, torch.Tensor]) -> str:
+        once = path.parent / f".stalled-{path.name}"  # a restarted node writes it normally
+        if once.exists():
+            return save_tensors(path, tensors)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        once.touch()
+        with atomic_path(path) as tmp:
+            save_file(tensors, str(tmp))
+            size = tmp.stat().st_size
+            with open(tmp, "r+b") as handle:
+                handle.truncate(size // 2)
+                handle.flush()
+                os.fsync(handle.fileno())
+            log.warning("inject-fault: the write of %s stalls half-way (%s)", path.name, tmp.name)
+            time.sleep(seconds)
+            raise InjectedCrash(f"fault injection: the write of {path.name} was not killed")
+
+    store.write_file = stalled

@@ -10,7 +10,10 @@ Disk files live under ``<state-dir>/<run-name>/client_<id>/``, are written to a 
 fsynced and renamed into place, so a SuperNode killed mid-write never leaves a torn file, and
 carry the digest of their tensors (``fedfm_flower.durable``). A file that fails to read or
 to verify (a damaged disk, a copy cut short) is skipped with a warning naming it, and the newest
-intact older state is used instead. Tensors are stored with safetensors, never pickle.
+intact older state is used instead. Tensors are stored with safetensors, never pickle. The
+temporary file of a write that a kill cut short (``.round_00007.safetensors.<random>.tmp``) is
+left behind; the next save of a later round removes such leftovers of older rounds (no writer of
+an older round can still be running by then: one client is one ClientApp at a time).
 
 The store keeps ``keep`` rounds; clients keep one more than the server keeps checkpoints
 (``ClientRuntime``), because the newest client state may belong to a round the server never
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -31,6 +35,7 @@ from fedfm_flower.durable import DamagedFileError, load_tensors, save_tensors, t
 from fedfm_flower.records import from_array_record, to_array_record
 
 _ROUND_FILE = re.compile(r"^round_(\d{5,})\.safetensors$")
+_TEMP_FILE = re.compile(r"^\.round_(\d{5,})\.safetensors\..*\.tmp$")  # durable.atomic_path's
 _STATE_PREFIX = "personal.r"
 
 log = logging.getLogger(__name__)
@@ -47,6 +52,8 @@ class ClientStateStore:
         self.loaded_round = 0  # round of the state the last ``load`` returned (0: none)
         self.loaded_digest = 0  # its ``state_digest`` (0: none)
         self.directory: Path | None = None
+        # How a round's file is written (fault injection stalls it: client_apps.faults).
+        self.write_file: Callable[[Path, dict[str, torch.Tensor]], object] = save_tensors
         if state_dir:
             safe_run = re.sub(r"[^A-Za-z0-9_.-]", "_", run_name or "default")
             self.directory = Path(state_dir).expanduser() / safe_run / f"client_{client_id}"
@@ -106,8 +113,17 @@ class ClientStateStore:
         self._state.array_records[f"{_STATE_PREFIX}{server_round}"] = to_array_record(cpu)
         self._state.config_records["personal.meta"] = ConfigRecord({"last-round": server_round})
         if self.directory is not None:
-            save_tensors(self.directory / f"round_{server_round:05d}.safetensors", cpu)
+            self.write_file(self.directory / f"round_{server_round:05d}.safetensors", cpu)
+            self._remove_leftovers(server_round)
         self._prune()
+
+    def _remove_leftovers(self, server_round: int) -> None:
+        assert self.directory is not None
+        for path in self.directory.iterdir():
+            match = _TEMP_FILE.match(path.name)
+            if match and int(match.group(1)) < server_round:
+                log.info("removing %s, left by a write that did not finish", path.name)
+                path.unlink(missing_ok=True)
 
     def _prune(self) -> None:
         rounds = self.rounds()

@@ -166,3 +166,53 @@ def test_the_command_line_switches_between_short_and_flower_waits():
     assert parser.parse_args(["--flower-waits"]).flower_waits is True
     with pytest.raises(SystemExit):
         parser.parse_args(["--flower-waits", "--poll-interval", "0.5"])
+
+
+@pytest.fixture
+def heartbeat(monkeypatch):
+    """Flower's modules that read the node heartbeat interval, restored after the test."""
+    modules = [importlib.import_module(name) for name in launcher.HEARTBEAT_MODULES]
+    for module in modules:
+        monkeypatch.setattr(
+            module, launcher.HEARTBEAT_NAME, getattr(module, launcher.HEARTBEAT_NAME)
+        )
+    return modules
+
+
+def test_the_heartbeat_interval_is_announced_and_kept_by_the_nodes_modules(heartbeat):
+    from flwr.common.constant import HEARTBEAT_DEFAULT_INTERVAL, HEARTBEAT_MIN_INTERVAL
+
+    # What the launcher relies on: both modules read Flower's constant by that name, and the
+    # SuperLink accepts intervals down to 10 s.
+    assert launcher.MIN_HEARTBEAT_S == HEARTBEAT_MIN_INTERVAL
+    fleet, sender = heartbeat
+    assert "heartbeat_interval=HEARTBEAT_DEFAULT_INTERVAL" in inspect.getsource(fleet)
+    assert "HEARTBEAT_DEFAULT_INTERVAL - HEARTBEAT_CALL_TIMEOUT" in inspect.getsource(sender)
+    assert all(getattr(m, launcher.HEARTBEAT_NAME) == HEARTBEAT_DEFAULT_INTERVAL for m in heartbeat)
+    assert launcher.shorten_heartbeat(12.0) is True
+    assert all(getattr(m, launcher.HEARTBEAT_NAME) == 12.0 for m in heartbeat)
+    with pytest.raises(ValueError, match="heartbeat interval must be in .10, 1800. seconds, got 5"):
+        launcher.shorten_heartbeat(5.0)
+
+
+def test_an_unknown_flower_keeps_its_heartbeat_and_says_so(heartbeat, monkeypatch, capsys):
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "9.0.0")
+    assert launcher.shorten_heartbeat(10.0) is False
+    assert all(getattr(m, launcher.HEARTBEAT_NAME) == 30 for m in heartbeat)
+    assert "keeps Flower's heartbeat interval" in capsys.readouterr().err
+
+
+def test_the_deployment_passes_the_heartbeat_interval_and_refuses_a_bad_one(tmp_path):
+    options = DeployOptions(workdir=tmp_path / "a", heartbeat_interval=10.0)
+    command = LocalDeployment(options).supernode_command()
+    assert command[command.index("--heartbeat-interval") + 1] == "10.0"
+    assert (
+        "--heartbeat-interval"
+        not in LocalDeployment(DeployOptions(workdir=tmp_path)).supernode_command()
+    )
+    with pytest.raises(ValueError, match="--heartbeat-interval: heartbeat interval must be"):
+        DeployOptions(workdir=tmp_path, heartbeat_interval=3.0)
+    with pytest.raises(ValueError, match="needs the short waits"):
+        DeployOptions(workdir=tmp_path, heartbeat_interval=10.0, poll_interval=None)
+    parser = build_parser("deploy")
+    assert parser.parse_args(["--heartbeat-interval", "15"]).heartbeat_interval == 15.0

@@ -121,6 +121,13 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         help="longest idle wait of the SuperNodes, in seconds "
         f"(default {DEFAULT_MAX_POLL_INTERVAL})",
     )
+    parser.add_argument(
+        "--heartbeat-interval",
+        type=float,
+        default=None,
+        help="the SuperNodes' heartbeat interval in seconds, >= 10; a crashed node is marked "
+        "offline after twice it (default: Flower's 30)",
+    )
     waits.add_argument(
         "--flower-waits",
         action="store_true",
@@ -153,6 +160,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
             poll_interval=None if args.flower_waits else args.poll_interval,
             max_poll_interval=args.max_poll_interval,
             warm_executor=not args.no_warm_executor,
+            heartbeat_interval=args.heartbeat_interval,
         )
     except ValueError as err:
         parser.error(str(err))

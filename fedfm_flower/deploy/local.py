@@ -74,6 +74,7 @@ class LocalDeployment:
         self.superlink: ManagedProcess | None = None
         self.nodes: dict[int, ManagedProcess] = {}  # the current process of SuperNode i
         self.node_ids: dict[int, str] = {}
+        self.node_overrides: dict[int, dict[str, Any]] = {}  # start_supernode's, by index
         self.keys: list[Path] = []
         self._runs = 0
         workdir = options.workdir
@@ -191,8 +192,9 @@ class LocalDeployment:
             self.keys = ensure_supernode_keys(options)
         write_flwr_config(self.flwr_home, self.address, ca_cert)
 
-    def start(self) -> None:
-        """Start the SuperLink, register the keys, start the SuperNodes, wait for them."""
+    def start(self, node_overrides: Mapping[int, Mapping[str, Any]] | None = None) -> None:
+        """Start the SuperLink, register the keys, start the SuperNodes (node ``i`` with
+        ``node_overrides[i]`` in its node config), wait for them."""
         self.prepare()
         self.start_superlink()
         for i in range(self.options.num_supernodes):
@@ -200,7 +202,7 @@ class LocalDeployment:
                 self.node_ids[i] = self.register_key(self.keys[i].with_suffix(".pub"))
         started = time.monotonic()
         for i in range(self.options.num_supernodes):
-            self.start_supernode(i)
+            self.start_supernode(i, node_config=(node_overrides or {}).get(i))
         self.wait_for_supernodes(self.options.num_supernodes)
         self.timings["supernodes-online-s"] = time.monotonic() - started
         self.say(
@@ -307,22 +309,12 @@ class LocalDeployment:
         node_config: Mapping[str, Any] | None = None,
         name: str | None = None,
     ) -> ManagedProcess:
-        """`flower-supernode` number ``index`` with its own runtime port and node config."""
+        """`flower-supernode` number ``index`` with its own runtime port and node config
+        (``node_config`` overrides, kept for ``restart_supernode``)."""
         options = self.options
-        n = options.num_supernodes
-        state_dir = options.workdir / f"node_{index}"
-        state_dir.mkdir(parents=True, exist_ok=True)
-        config = {
-            "client-id": index,
-            "partition-id": index,
-            "num-partitions": n,
-            "state-dir": str(state_dir),
-        }
-        for key, value in {**options.node_config, **(node_config or {})}.items():  # None removes
-            if value is None:
-                config.pop(key, None)
-            else:
-                config[key] = value
+        self.node_overrides[index] = dict(node_config or {})
+        config = self.node_config(index, node_config)
+        self.state_dir(index).mkdir(parents=True, exist_ok=True)
         port = self.base_port + 1 + index if self.base_port is not None else None
         if port is None or not port_is_free(port):
             port = free_port()
@@ -357,6 +349,27 @@ class LocalDeployment:
         self.nodes[index] = process
         return process
 
+    def state_dir(self, index: int) -> Path:
+        """SuperNode ``index``'s own directory: its clients' state, its task marks."""
+        return self.options.workdir / f"node_{index}"
+
+    def node_config(self, index: int, overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """SuperNode ``index``'s node config: client and partition ``index`` of N, its state
+        directory, then ``options.node_config`` and ``overrides`` (a value None removes a key).
+        The same dicts give an in-process run of the same federation."""
+        config: dict[str, Any] = {
+            "client-id": index,
+            "partition-id": index,
+            "num-partitions": self.options.num_supernodes,
+            "state-dir": str(self.state_dir(index)),
+        }
+        for key, value in {**self.options.node_config, **(overrides or {})}.items():
+            if value is None:
+                config.pop(key, None)
+            else:
+                config[key] = value
+        return config
+
     def supernode_command(self) -> list[str]:
         """How a SuperNode starts: with short idle waits, or as plain `flower-supernode`."""
         interval = self.options.poll_interval
@@ -372,6 +385,11 @@ class LocalDeployment:
             "--max-poll-interval",
             repr(self.options.max_poll_interval),
             *(["--warm-executor"] if self.options.warm_executor else []),
+            *(
+                ["--heartbeat-interval", repr(self.options.heartbeat_interval)]
+                if self.options.heartbeat_interval is not None
+                else []
+            ),
         ]
 
     def kill_supernode(self, index: int, timeout: float = 10.0) -> list[int]:
@@ -395,11 +413,12 @@ class LocalDeployment:
         return pids
 
     def restart_supernode(self, index: int, timeout: float = 150.0) -> ManagedProcess:
-        """Start SuperNode ``index`` again after a crash, with the same key and state-dir.
+        """Start SuperNode ``index`` again after a crash, with the same key and node config.
 
         With SuperNode authentication the SuperLink refuses to activate a node id it still
         believes online (`Failed to activate SuperNode`, exit 305), which lasts until two missed
-        heartbeats (Flower's 2 x 30 s) after the crash; this waits for that first.
+        heartbeats (2 x 30 s, Flower's; 2 x ``options.heartbeat_interval``) after the crash;
+        this waits for that first.
         """
         node_id = self.node_ids.get(index)
         if node_id is not None:
@@ -415,7 +434,7 @@ class LocalDeployment:
                 f"SuperLink marked node {node_id} offline after "
                 f"{time.monotonic() - started:.0f}s; restarting SuperNode {index}"
             )
-        return self.start_supernode(index)
+        return self.start_supernode(index, node_config=self.node_overrides.get(index))
 
     def clientapp_pids(self, index: int) -> set[int]:
         """Live ClientApp processes of SuperNode ``index`` (one per message in flight)."""
@@ -423,7 +442,7 @@ class LocalDeployment:
 
     def tasks_dir(self, index: int) -> Path:
         """Where SuperNode ``index``'s warm SuperExec marks the tasks it is running."""
-        return self.options.workdir / f"node_{index}" / "tasks"
+        return self.state_dir(index) / "tasks"
 
     def tasks_in_flight(self, index: int) -> set[str]:
         """SuperNode ``index``'s messages being handled: its ClientApp processes (``pid:<n>``)

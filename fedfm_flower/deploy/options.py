@@ -12,6 +12,7 @@ from typing import Any
 from fedfm_flower.deploy.supernode import (
     DEFAULT_MAX_POLL_INTERVAL,
     DEFAULT_POLL_INTERVAL,
+    check_heartbeat_interval,
     check_poll_intervals,
 )
 
@@ -52,6 +53,9 @@ class DeployOptions:
     # a flwr-clientapp process per message; with the short waits' SuperNode only (poll_interval
     # None: plain flower-supernode, Flower's path throughout).
     warm_executor: bool = True
+    # The SuperNodes' heartbeat interval (fedfm_flower.deploy.supernode), >= 10 s: a crashed
+    # node is marked offline after twice it. None: Flower's 30 s. Needs poll_interval.
+    heartbeat_interval: float | None = None
 
     def __post_init__(self) -> None:
         self.workdir = Path(self.workdir).expanduser().resolve()
@@ -70,6 +74,13 @@ class DeployOptions:
                 check_poll_intervals(self.poll_interval, self.max_poll_interval)
             except ValueError as err:
                 raise ValueError(f"--poll-interval/--max-poll-interval: {err}") from None
+        if self.heartbeat_interval is not None:
+            if self.poll_interval is None:
+                raise ValueError("--heartbeat-interval needs the short waits' SuperNode")
+            try:
+                check_heartbeat_interval(self.heartbeat_interval)
+            except ValueError as err:
+                raise ValueError(f"--heartbeat-interval: {err}") from None
 
     @property
     def certs(self) -> Path:

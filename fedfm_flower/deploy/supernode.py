@@ -32,6 +32,13 @@ The change replaces the ``time`` name inside that one Flower module by a view of
 with these sleeps; it is applied only to the Flower versions it was written against. With any
 other version the SuperNode runs with Flower's own waits and says so on stderr.
 
+``--heartbeat-interval S`` (at least Flower's minimum, 10 s) makes the node announce ``S`` as
+its heartbeat interval and beat accordingly, instead of Flower's fixed 30 s: the SuperLink then
+marks a crashed node offline after 2 x ``S`` of silence (Flower's patience), and a restarted node
+(same key) is admitted again that much sooner (``LocalDeployment.restart_supernode`` waits for
+it). It replaces that constant in the two Flower modules that read it in the node's process (its
+Fleet connection and ``HeartbeatSender``), on the Flower versions above only.
+
 ``--warm-executor`` runs the node's ClientApp tasks without a process per message: the SuperNode
 starts with ``--isolation process`` and this process keeps ``fedfm_flower.deploy.superexec``
 running beside it (started again when it exits, Flower's ``flower-superexec`` after
@@ -71,6 +78,10 @@ REPLY_WAIT_S = 0.5  # Flower's wait between looks for the ClientApp's reply
 EXECUTOR_FAILURES = 3  # quick exits of the warm SuperExec before Flower's takes over
 QUICK_EXIT_S = 10.0
 STOPPED = (0, -signal.SIGTERM, -signal.SIGINT)  # a SuperExec's exits that are no crash
+# The modules of the node's process that read Flower's node heartbeat interval (30 s).
+HEARTBEAT_MODULES = ("flwr.supernode.fleet_http_connection", "flwr.supercore.heartbeat")
+HEARTBEAT_NAME = "HEARTBEAT_DEFAULT_INTERVAL"
+MIN_HEARTBEAT_S = 10.0  # Flower's HEARTBEAT_MIN_INTERVAL: the SuperLink refuses a shorter one
 # Flower's own bounds for FLWR_SUPEREXEC_TASK_POLL_INTERVAL.
 MIN_POLL_INTERVAL, MAX_POLL_INTERVAL = 0.01, 60.0
 
@@ -144,6 +155,33 @@ def shorten_waits(first: float, longest: float) -> bool:
         inspect.signature(pulls).parameters
     ):
         loop.pull_objects = functools.partial(pulls, initial_backoff=first, backoff_cap=longest)
+    return True
+
+
+def check_heartbeat_interval(seconds: float) -> float:
+    """``seconds`` if the SuperLink accepts it as a heartbeat interval, else ValueError."""
+    if not (math.isfinite(seconds) and MIN_HEARTBEAT_S <= seconds <= 1800.0):
+        raise ValueError(f"heartbeat interval must be in [10, 1800] seconds, got {seconds!r}")
+    return seconds
+
+
+def shorten_heartbeat(seconds: float) -> bool:
+    """Announce and keep a node heartbeat of ``seconds`` (module doc); False, changing nothing,
+    on a Flower whose modules do not read the constant as written against."""
+    check_heartbeat_interval(seconds)
+    version = importlib.metadata.version("flwr")
+    modules = [importlib.import_module(name) for name in HEARTBEAT_MODULES]
+    if not version.startswith(KNOWN_FLOWER) or not all(
+        isinstance(getattr(module, HEARTBEAT_NAME, None), (int, float)) for module in modules
+    ):
+        print(
+            f"fedfm_flower.deploy.supernode: Flower {version}'s heartbeat is not one this "
+            "knows; the node keeps Flower's heartbeat interval",
+            file=sys.stderr,
+        )
+        return False
+    for module in modules:
+        setattr(module, HEARTBEAT_NAME, seconds)
     return True
 
 
@@ -253,6 +291,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help=f"longest idle wait in seconds (default {DEFAULT_MAX_POLL_INTERVAL})",
     )
     parser.add_argument(
+        "--heartbeat-interval",
+        type=float,
+        default=None,
+        help="node heartbeat interval in seconds, >= 10 (default: Flower's 30)",
+    )
+    parser.add_argument(
         "--warm-executor",
         action="store_true",
         help="run the ClientApp tasks in one kept process (fedfm_flower.deploy.superexec)",
@@ -262,8 +306,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         first, longest = check_poll_intervals(args.poll_interval, args.max_poll_interval)
     except ValueError as err:
         parser.error(f"--poll-interval/--max-poll-interval: {err}")
+    if args.heartbeat_interval is not None:
+        try:
+            check_heartbeat_interval(args.heartbeat_interval)
+        except ValueError as err:
+            parser.error(f"--heartbeat-interval: {err}")
     os.environ.setdefault(SUPEREXEC_POLL_VAR, repr(first))  # inherited by its SuperExec
     shorten_waits(first, longest)
+    if args.heartbeat_interval is not None:
+        shorten_heartbeat(args.heartbeat_interval)
     if args.warm_executor:
         rest = with_warm_executor(rest)
     from flwr.supernode.cli import flower_supernode

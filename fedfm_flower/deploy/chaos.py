@@ -1,0 +1,539 @@
+"""Chaos on a loopback deployment: SuperNodes and the ServerApp killed during a run, then checked.
+
+    python -m fedfm_flower.deploy.chaos --supernodes 4 --rounds 20 --seed 0 --out runs/chaos
+
+A seeded plan (``plan_chaos``) says what breaks and when; ``ChaosDriver`` carries it out on a
+``LocalDeployment`` while one run goes on, and ``check_chaos`` then judges what the run left.
+The kinds of event (``ChaosEvent.kind``):
+
+* ``node-mid-training``: SuperNode ``node`` and its SuperExec are SIGKILLed while the node runs
+  its training task of round ``round`` or later; the node is started again (same key, same
+  state directory) as soon as the SuperLink has marked it offline (about a minute: Flower's two
+  missed 30 s heartbeats), while the run goes on without it.
+* ``node-mid-write``: the node's write of its round-``round`` state stops half-way (the
+  ``stall-save`` fault of ``client_apps.faults``, given in its node config) and the node is
+  SIGKILLed then, its temporary file holding half the bytes; restarted as above.
+* ``serverapp``: the ServerApp is SIGKILLed once round ``round`` is checkpointed and the next
+  round's training has started, the run is stopped, and a new ``flwr run`` resumes it
+  (``resume = true``).
+
+``check_chaos`` then asks of the run directory and the nodes' state directories: the last run
+completed; every round is recorded once, in order; no temporary file is left; every checkpoint
+and every client state file reads and verifies (``fedfm_flower.durable``); every training reply
+started from the client's newest state saved before it, whose digest is the file's (no state
+lost, none torn: the run keeps every state for this, ``keep-checkpoints`` = the rounds); every
+client took part in the last round; and, given an uninterrupted reference run, every client
+never killed reported exactly the reference's metrics in every round. With a method whose
+clients are independent of one another (``local``, the default here) the last check is exact:
+a killed client's later rounds differ (it missed rounds), the others' must not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fedfm_flower.deploy.local import LocalDeployment
+from fedfm_flower.deploy.options import DeploymentError, DeployOptions
+from fedfm_flower.deploy.processes import ManagedProcess
+from fedfm_flower.deploy.runs import RunResult
+
+KINDS = ("node-mid-training", "node-mid-write", "serverapp")
+NODE_KINDS = KINDS[:2]
+UNTIMED = ("train-seconds",)  # metrics that differ between two identical runs
+
+
+@dataclass(frozen=True)
+class ChaosEvent:
+    """One planned fault: ``kind`` at ``round`` (of SuperNode ``node`` for node kinds)."""
+
+    kind: str
+    round: int
+    node: int | None = None
+
+
+@dataclass
+class ChaosRecord:
+    """What happened for one event: when, in which round, what was killed, the restart."""
+
+    event: ChaosEvent
+    seconds: float = 0.0  # since the run started
+    recorded_rounds: int = 0  # rounds in metrics.jsonl at the kill
+    pids: list[int] = field(default_factory=list)
+    restart_seconds: float | None = None  # node kinds: kill to restarted process
+    skipped: str = ""  # why nothing was killed (a mid-write kill whose node missed the round)
+
+
+def check_plan(plan: Sequence[ChaosEvent], rounds: int, num_nodes: int, rejoin: int) -> None:
+    """Refuse a plan the driver cannot carry out, naming the event: a kind it does not know, a
+    round outside 2..rounds-1, a node outside the federation, a node killed again within
+    ``rejoin`` rounds (it may not be back), two ServerApp kills in one round."""
+    last: dict[int, int] = {}
+    for event in sorted(plan, key=lambda e: e.round):
+        if event.kind not in KINDS:
+            raise ValueError(f"{event}: kind must be one of {', '.join(KINDS)}")
+        if not 2 <= event.round <= rounds - 1:
+            raise ValueError(f"{event}: round must be in 2..{rounds - 1}")
+        if event.kind in NODE_KINDS:
+            if event.node is None or not 0 <= event.node < num_nodes:
+                raise ValueError(f"{event}: node must be in 0..{num_nodes - 1}")
+            previous = last.get(event.node)
+            if previous is not None and event.round - previous < rejoin:
+                raise ValueError(f"{event}: node {event.node} was killed in round {previous}")
+            last[event.node] = event.round
+        elif event.node is not None:
+            raise ValueError(f"{event}: a ServerApp kill names no node")
+    servers = [e.round for e in plan if e.kind == "serverapp"]
+    if len(servers) != len(set(servers)):
+        raise ValueError(f"two ServerApp kills in one round: {sorted(servers)}")
+
+
+def plan_chaos(
+    seed: int,
+    rounds: int,
+    num_nodes: int,
+    node_kills: int,
+    write_kills: int,
+    serverapp_kills: int,
+    spared: Sequence[int] = (0,),
+    rejoin: int = 4,
+) -> list[ChaosEvent]:
+    """A seeded plan: ``node_kills`` mid-training and ``write_kills`` mid-write kills of nodes
+    not in ``spared``, and ``serverapp_kills`` ServerApp kills, in distinct rounds of
+    2..rounds-rejoin (so every killed node is back for the last rounds), a node's kills at
+    least ``rejoin`` rounds apart; ``ValueError`` when that does not fit."""
+    rng = random.Random(seed)
+    victims = [n for n in range(num_nodes) if n not in set(spared)]
+    total = node_kills + write_kills + serverapp_kills
+    window = list(range(2, rounds - rejoin + 1))
+    if total and (not window or (node_kills + write_kills and not victims)):
+        raise ValueError(f"no room for {total} events in {rounds} rounds of {num_nodes} nodes")
+    for _ in range(1000):
+        if len(window) < total:
+            break
+        chosen = sorted(rng.sample(window, total))
+        kinds = ["node-mid-training"] * node_kills + ["node-mid-write"] * write_kills
+        kinds += ["serverapp"] * serverapp_kills
+        rng.shuffle(kinds)
+        plan = []
+        for kind, server_round in zip(kinds, chosen, strict=True):
+            node = rng.choice(victims) if kind in NODE_KINDS else None
+            plan.append(ChaosEvent(kind, server_round, node))
+        try:
+            check_plan(plan, rounds, num_nodes, rejoin)
+        except ValueError:
+            continue
+        return plan
+    raise ValueError(
+        f"cannot fit {total} events in rounds 2..{rounds - rejoin} with {len(victims)} nodes "
+        f"to kill, a node's kills {rejoin} rounds apart"
+    )
+
+
+def stall_overrides(plan: Sequence[ChaosEvent]) -> dict[int, dict[str, str]]:
+    """Node config overrides that make the planned mid-write kills possible (``stall-save``)."""
+    rounds: dict[int, list[int]] = {}
+    for event in plan:
+        if event.kind == "node-mid-write":
+            assert event.node is not None
+            rounds.setdefault(event.node, []).append(event.round)
+    return {
+        node: {"inject-fault": ",".join(f"{r}:stall-save" for r in sorted(found))}
+        for node, found in rounds.items()
+    }
+
+
+def chaos_run_config(run_config: Mapping[str, Any], rounds: int) -> dict[str, Any]:
+    """``run_config`` for a chaos run: ``rounds`` rounds, every checkpoint and client state
+    kept (``check_chaos`` reads them all)."""
+    return {**run_config, "num-server-rounds": rounds, "keep-checkpoints": rounds}
+
+
+class ChaosDriver:
+    """Carries out a plan on a started ``LocalDeployment`` during one run (``run``)."""
+
+    def __init__(
+        self,
+        deployment: LocalDeployment,
+        run_config: Mapping[str, Any],
+        run_dir: Path,
+        timeout: float = 1800.0,
+        say: Callable[[str], None] | None = None,
+    ) -> None:
+        self.deployment = deployment
+        self.run_config = dict(run_config)
+        self.run_dir = run_dir
+        self.deadline = time.monotonic() + timeout
+        self.say = say or deployment.say
+        self.records: list[ChaosRecord] = []
+        self.results: list[RunResult] = []
+        self._restarts: dict[int, threading.Thread] = {}
+        self._restart_errors: list[str] = []
+        self._started = time.monotonic()
+        self.watched: int | None = None  # a node the plan never kills (ServerApp kill timing)
+
+    # -- waiting ------------------------------------------------------------------------------
+    def _wait(self, condition: Callable[[], Any], what: str) -> Any:
+        while time.monotonic() < self.deadline:
+            value = condition()
+            if value:
+                return value
+            time.sleep(0.05)
+        raise DeploymentError(f"chaos: the run's time ran out waiting for {what}")
+
+    def recorded(self) -> int:
+        """Rounds recorded in the run's metrics.jsonl so far."""
+        path = self.run_dir / "metrics.jsonl"
+        if not path.exists():
+            return 0
+        return sum(1 for line in path.read_text().splitlines() if line.strip())
+
+    def _node_back(self, node: int) -> None:
+        thread = self._restarts.get(node)
+        if thread is not None:
+            thread.join(max(0.0, self.deadline - time.monotonic()))
+
+    def _new_task(self, node: int, server_round: int) -> bool:
+        """Wait until node ``node`` runs a training task of round ``server_round`` or later:
+        round - 1 is recorded and a task started after that."""
+        deployment = self.deployment
+        self._wait(lambda: self.recorded() >= server_round - 1, f"round {server_round - 1}")
+        finishing = deployment.tasks_in_flight(node)  # the last round's evaluation may end
+        return bool(
+            self._wait(
+                lambda: deployment.tasks_in_flight(node) - finishing,
+                f"a round-{server_round} task of SuperNode {node}",
+            )
+        )
+
+    def _temp_file(self, node: int, server_round: int) -> Path | None:
+        client_dir = Path(self.deployment.node_config(node)["state-dir"]) / self.run_name
+        found = sorted(client_dir.glob(f"client_*/.round_{server_round:05d}.safetensors.*.tmp"))
+        return found[0] if found else None
+
+    @property
+    def run_name(self) -> str:
+        """The run's name (its directory under the output dir and the state dirs)."""
+        return str(self.run_config["run-name"])
+
+    # -- events -------------------------------------------------------------------------------
+    def _kill_node(self, record: ChaosRecord) -> None:
+        event = record.event
+        assert event.node is not None
+        self._node_back(event.node)
+        if event.kind == "node-mid-training":
+            self._new_task(event.node, event.round)
+        else:
+            # The stall is of round `round` only: a node that missed that round never stalls.
+            found = self._wait(
+                lambda: (
+                    self._temp_file(event.node, event.round)
+                    or ("missed" if self.recorded() > event.round else None)
+                ),
+                f"SuperNode {event.node}'s stalled write of round {event.round}",
+            )
+            if found == "missed":
+                record.skipped = f"SuperNode {event.node} did not train round {event.round}"
+                self.say(f"chaos: {record.skipped}; nothing killed")
+                return
+        record.recorded_rounds = self.recorded()
+        record.pids = self.deployment.kill_supernode(event.node)
+        killed = time.monotonic()
+
+        def restart() -> None:
+            try:
+                self.deployment.restart_supernode(event.node)
+                record.restart_seconds = time.monotonic() - killed
+            except DeploymentError as err:
+                self._restart_errors.append(f"SuperNode {event.node}: {err}")
+
+        thread = threading.Thread(target=restart, name=f"restart-{event.node}", daemon=True)
+        self._restarts[event.node] = thread
+        thread.start()
+
+    def _kill_serverapp(self, record: ChaosRecord, run: ManagedProcess) -> ManagedProcess:
+        server_round = record.event.round
+        checkpoint = self.run_dir / "checkpoints" / f"round_{server_round:05d}.json"
+        self._wait(checkpoint.exists, f"the round-{server_round} checkpoint")
+        # Killed once the next round's training runs on a node the plan spares, not while its
+        # messages are in transit (a task whose message never arrives holds its executor for
+        # the pull's patience, superexec.PULL_PATIENCE_S).
+        if self.watched is not None:
+            end = min(self.deadline, time.monotonic() + 30.0)
+            while time.monotonic() < end and not self.deployment.tasks_in_flight(self.watched):
+                time.sleep(0.05)
+        record.recorded_rounds = self.recorded()
+        record.pids = self.deployment.kill_serverapp()
+        self.results.append(self.deployment.finish_run(run, timeout=5))
+        return self.deployment.start_run({**self.run_config, "resume": True})
+
+    def run(self, plan: Sequence[ChaosEvent]) -> list[RunResult]:
+        """Start the run, carry out ``plan`` in order of rounds, wait for the run's end and for
+        every restarted node; returns each `flwr run`'s result (the last one resumed)."""
+        self._started = time.monotonic()
+        named = {e.node for e in plan}
+        spared = [n for n in range(self.deployment.options.num_supernodes) if n not in named]
+        self.watched = spared[0] if spared else None
+        run = self.deployment.start_run(self.run_config)
+        order = {kind: i for i, kind in enumerate(("serverapp", *NODE_KINDS))}
+        for event in sorted(plan, key=lambda e: (e.round, order[e.kind])):
+            record = ChaosRecord(event)
+            self.say(f"chaos: {event.kind} in round {event.round} (node {event.node})")
+            if event.kind == "serverapp":
+                run = self._kill_serverapp(record, run)
+            else:
+                self._kill_node(record)
+            record.seconds = time.monotonic() - self._started
+            self.records.append(record)
+        remaining = max(1.0, self.deadline - time.monotonic())
+        self.results.append(self.deployment.finish_run(run, timeout=remaining))
+        for node in list(self._restarts):
+            self._node_back(node)
+        if self._restart_errors:
+            raise DeploymentError("chaos: restart failed: " + "; ".join(self._restart_errors))
+        return self.results
+
+
+# -- checks -----------------------------------------------------------------------------------
+def _same_metrics(want: Mapping[str, Any], have: Mapping[str, Any]) -> list[str]:
+    keys = (set(want) | set(have)) - set(UNTIMED)
+    return sorted(k for k in keys if want.get(k) != have.get(k))
+
+
+def check_chaos(
+    run_dir: Path,
+    state_dirs: Mapping[int, Path],
+    rounds: int,
+    killed: set[int],
+    stalled: set[tuple[int, int]] = frozenset(),
+    final: RunResult | None = None,
+    reference_dir: Path | None = None,
+) -> list[str]:
+    """What is wrong with a chaos run (the module doc's checks); [] when nothing is.
+
+    ``state_dirs``: client id -> its state directory for this run (``<state-dir>/<run-name>/
+    client_<id>``); ``killed``: clients whose node was killed at least once; ``stalled``:
+    (client, round) of the kills mid-write, whose temporary file stays until the client saves
+    a later round."""
+    from fedfm_flower.client_state import state_digest
+    from fedfm_flower.durable import DamagedFileError, load_tensors
+    from fedfm_flower.results import RunDirectory
+
+    problems: list[str] = []
+    if final is not None and not final.ok:
+        problems.append(f"the last run did not complete: {final.status} {final.details}".strip())
+    records = RunDirectory(run_dir).rounds() if (run_dir / "metrics.jsonl").exists() else []
+    numbers = [int(r["round"]) for r in records]
+    if numbers != list(range(1, rounds + 1)):
+        problems.append(f"rounds recorded {numbers}, expected 1..{rounds} once each")
+    for leftover in sorted(run_dir.rglob("*.tmp")):
+        problems.append(f"temporary file left: {leftover}")
+    for client, directory in sorted(state_dirs.items()):
+        saved = [int(p.name[6:11]) for p in directory.glob("round_*.safetensors")]
+        for leftover in sorted(directory.glob("*.tmp")):
+            cut = int(leftover.name[7:12])  # .round_00007.safetensors.<random>.tmp
+            if (client, cut) not in stalled or any(r > cut for r in saved):
+                problems.append(f"temporary file left: {leftover}")
+    files = sorted((run_dir / "checkpoints").glob("*.safetensors"))
+    for directory in state_dirs.values():
+        files += sorted(directory.glob("round_*.safetensors"))
+    digests: dict[Path, int] = {}
+    for path in files:
+        try:
+            digests[path] = state_digest(load_tensors(path))
+        except DamagedFileError as err:
+            problems.append(f"damaged file: {err}")
+    for client, directory in sorted(state_dirs.items()):
+        trained = [r for r in records if str(client) in r.get("train", {})]
+        previous = 0
+        for record in trained:
+            reply = record["train"][str(client)]
+            server_round, start = int(record["round"]), int(reply.get("state-round", 0))
+            if not previous <= start < server_round:
+                problems.append(
+                    f"client {client} round {server_round}: started from its round-{start} "
+                    f"state, expected one of rounds {previous}..{server_round - 1}"
+                )
+            if start:
+                path = directory / f"round_{start:05d}.safetensors"
+                if digests.get(path) != int(reply.get("state-digest", -1)):
+                    problems.append(
+                        f"client {client} round {server_round}: the state it started from "
+                        f"(digest {reply.get('state-digest')}) is not {path.name} on disk"
+                    )
+            previous = server_round
+        if client not in killed and records and str(client) not in records[-1].get("evaluate", {}):
+            problems.append(f"client {client}, never killed, is not evaluated in the last round")
+    if reference_dir is not None:
+        reference = RunDirectory(reference_dir).rounds()
+        for want, have in zip(reference, records, strict=False):
+            for phase in ("train", "evaluate"):
+                # A reply that one run lacks (late, counted missing) is not compared.
+                spared = set(want.get(phase, {})) - {str(c) for c in killed}
+                for client in sorted(spared & set(have.get(phase, {}))):
+                    got = have[phase][client]
+                    differ = _same_metrics(want[phase][client], got)
+                    if differ:
+                        problems.append(
+                            f"round {want['round']} {phase}: client {client} differs from the "
+                            f"uninterrupted run in {', '.join(differ)}"
+                        )
+    return problems
+
+
+def killed_clients(deployment: LocalDeployment, plan: Sequence[ChaosEvent]) -> set[int]:
+    """Client ids of the nodes the plan kills."""
+    return {
+        int(deployment.node_config(e.node)["client-id"])
+        for e in plan
+        if e.kind in NODE_KINDS and e.node is not None
+    }
+
+
+def stalled_clients(
+    deployment: LocalDeployment, plan: Sequence[ChaosEvent]
+) -> set[tuple[int, int]]:
+    """(client id, round) of the plan's kills mid-write."""
+    return {
+        (int(deployment.node_config(e.node)["client-id"]), e.round)
+        for e in plan
+        if e.kind == "node-mid-write" and e.node is not None
+    }
+
+
+def client_state_dirs(deployment: LocalDeployment, run_name: str) -> dict[int, Path]:
+    """Client id -> that client's state directory of run ``run_name``, for every node."""
+    found = {}
+    for node in range(deployment.options.num_supernodes):
+        config = deployment.node_config(node)
+        client = int(config["client-id"])
+        found[client] = Path(config["state-dir"]) / run_name / f"client_{client}"
+    return found
+
+
+# -- command ----------------------------------------------------------------------------------
+def main(argv: Sequence[str] | None = None) -> int:
+    """The long chaos run: a seeded plan on a loopback deployment, checked; 0 when it holds."""
+    parser = argparse.ArgumentParser(
+        prog="python -m fedfm_flower.deploy.chaos", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--supernodes", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the plan")
+    parser.add_argument("--node-kills", type=int, default=3, help="SuperNodes killed mid-training")
+    parser.add_argument("--write-kills", type=int, default=2, help="SuperNodes killed mid-write")
+    parser.add_argument("--serverapp-kills", type=int, default=2)
+    parser.add_argument("--rejoin", type=int, default=4, help="rounds between a node's kills")
+    parser.add_argument("--method", default="local")
+    parser.add_argument("--round-timeout", type=float, default=40.0)
+    parser.add_argument(
+        "--heartbeat-interval", type=float, default=10.0, help="the SuperNodes', seconds"
+    )
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds for the whole run")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="run config")
+    parser.add_argument("--out", type=Path, required=True, help="directory for runs and report")
+    args = parser.parse_args(argv)
+    from fedfm_flower.deploy.runs import parse_run_config
+
+    out = args.out.resolve()
+    plan = plan_chaos(
+        args.seed,
+        args.rounds,
+        args.supernodes,
+        args.node_kills,
+        args.write_kills,
+        args.serverapp_kills,
+        rejoin=args.rejoin,
+    )
+    options = DeployOptions(
+        num_supernodes=args.supernodes,
+        workdir=out / "work",
+        startup_timeout=120.0,
+        echo=False,
+        warm_executor=True,
+        heartbeat_interval=args.heartbeat_interval,
+    )
+    config = chaos_run_config(
+        {
+            "method": args.method,
+            "round-timeout": args.round_timeout,
+            "output-dir": str(out / "runs"),
+            "run-name": "chaos",
+            **parse_run_config(args.set),
+        },
+        args.rounds,
+    )
+    report: dict[str, Any] = {"plan": [asdict(e) for e in plan], "run-config": config}
+    started = time.monotonic()
+    deployment = LocalDeployment(options)
+    reference_dir = run_reference(deployment, config, out / "reference")
+    report["reference-seconds"] = time.monotonic() - started
+    driver = ChaosDriver(deployment, config, out / "runs" / "chaos", timeout=args.timeout)
+    problems: list[str] = []
+    try:
+        deployment.start(stall_overrides(plan))
+        results = driver.run(plan)
+        report["runs"] = [{"status": r.status, "seconds": r.seconds} for r in results]
+    except DeploymentError as err:
+        problems.append(str(err))
+        results = []
+    finally:
+        deployment.stop()
+    problems += check_chaos(
+        driver.run_dir,
+        client_state_dirs(deployment, driver.run_name),
+        args.rounds,
+        killed_clients(deployment, plan),
+        stalled_clients(deployment, plan),
+        results[-1] if results else None,
+        reference_dir,
+    )
+    report["events"] = [{**asdict(r), "event": asdict(r.event)} for r in driver.records]
+    report["problems"] = problems
+    report["seconds"] = time.monotonic() - started
+    (out / "chaos.json").write_text(json.dumps(report, indent=2) + "\n")
+    for record in driver.records:
+        event = record.event
+        print(
+            f"{event.kind:17s} round {event.round:3d} node {event.node} at {record.seconds:6.1f} s"
+            f" ({record.recorded_rounds} rounds recorded), restarted after "
+            f"{record.restart_seconds or 0:.0f} s"
+        )
+    print("\n".join(problems) or f"chaos held: {len(plan)} events, {args.rounds} rounds")
+    print(f"report: {out / 'chaos.json'}")
+    return 1 if problems else 0
+
+
+def run_reference(
+    deployment: LocalDeployment, run_config: Mapping[str, Any], output_dir: Path
+) -> Path:
+    """The uninterrupted run of the same federation in this process, with the deployed
+    processes' torch threads (the same reduction order, so the same floats); its run dir."""
+    import torch
+
+    from server_apps.inprocess import run_in_process
+
+    n = deployment.options.num_supernodes
+    node_configs = [
+        {**deployment.node_config(i), "state-dir": str(output_dir / f"node_{i}")} for i in range(n)
+    ]
+    config = {**run_config, "output-dir": str(output_dir), "num-clients": n}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(int(deployment.env()["OMP_NUM_THREADS"]))
+    try:
+        run_in_process(config, n, node_configs=node_configs)
+    finally:
+        torch.set_num_threads(threads)
+    return output_dir / str(run_config["run-name"])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
