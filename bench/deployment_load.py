@@ -24,12 +24,11 @@ import json
 import platform
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from bench.process_memory import pss_bytes
+from bench.process_memory import PeakMemory
 from fedfm_flower.deploy import DeployOptions, LocalDeployment
 from fedfm_flower.processes import proc_cmdline
 from fedfm_flower.results import RunDirectory
@@ -73,42 +72,19 @@ def available_bytes() -> int:
     return 0
 
 
-class DeploymentSampler:
+class DeploymentSampler(PeakMemory):
     """Samples a deployment's processes in a thread: peak summed PSS, per-role peaks, CPU."""
 
     def __init__(self, deployment: LocalDeployment, interval: float = 0.5) -> None:
-        self.deployment = deployment
-        self.interval = interval
-        self.peak_bytes = 0
-        self.peak_processes = 0
+        super().__init__(interval=interval, pids=deployment.live_pids)
         self.role_peak: dict[str, int] = {}
         self.cpu: dict[int, tuple[str, float]] = {}  # pid -> (role, last CPU seconds seen)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="load-sampler", daemon=True)
 
-    def __enter__(self) -> DeploymentSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def sample(self) -> None:
-        """One look at every live process of the deployment."""
-        pids = self.deployment.live_pids()
-        sizes = {pid: pss_bytes(pid) for pid in pids}
-        self.peak_bytes = max(self.peak_bytes, sum(sizes.values()))
-        self.peak_processes = max(self.peak_processes, len(pids))
-        for pid, size in sizes.items():
-            role = self.cpu[pid][0] if pid in self.cpu else role_of(pid)
-            self.role_peak[role] = max(self.role_peak.get(role, 0), size)
-            self.cpu[pid] = (role, max(cpu_seconds(pid), self.cpu.get(pid, (role, 0.0))[1]))
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.sample()
-            time.sleep(self.interval)
+    def observe(self, pid: int, size: int) -> None:
+        """A process's role's peak PSS and its CPU seconds so far."""
+        role = self.cpu[pid][0] if pid in self.cpu else role_of(pid)
+        self.role_peak[role] = max(self.role_peak.get(role, 0), size)
+        self.cpu[pid] = (role, max(cpu_seconds(pid), self.cpu.get(pid, (role, 0.0))[1]))
 
     def cpu_by_role(self) -> dict[str, float]:
         """CPU seconds per role, summed over its processes."""

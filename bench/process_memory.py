@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Self
 
 from fedfm_flower.processes import pids_with_environment, proc_cmdline
 
@@ -76,10 +78,16 @@ class GpuMemory:
 
 
 class PeakMemory:
-    """Samples the summed PSS of the tagged processes in a thread; keeps the peak."""
+    """Samples the summed PSS of a group of processes in a thread; keeps the peak. The group is
+    the processes tagged ``tag``, or what ``pids`` returns at each sample."""
 
-    def __init__(self, tag: str, interval: float = 0.25) -> None:
-        self.tag = tag
+    def __init__(
+        self,
+        tag: str = "",
+        interval: float = 0.25,
+        pids: Callable[[], set[int]] | None = None,
+    ) -> None:
+        self.pids = pids or (lambda: tagged_pids(tag))
         self.interval = interval
         self.peak_bytes = 0
         self.peak_processes = 0
@@ -90,7 +98,7 @@ class PeakMemory:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="peak-memory", daemon=True)
 
-    def __enter__(self) -> PeakMemory:
+    def __enter__(self) -> Self:
         self._thread.start()
         return self
 
@@ -98,16 +106,24 @@ class PeakMemory:
         self._stop.set()
         self._thread.join()
 
+    def sample(self) -> None:
+        """One look at every process of the group (and the GPU)."""
+        pids = self.pids()
+        sizes = {pid: pss_bytes(pid) for pid in pids}
+        self.peak_bytes = max(self.peak_bytes, sum(sizes.values()))
+        self.peak_processes = max(self.peak_processes, len(pids))
+        for pid, size in sizes.items():
+            self.observe(pid, size)
+        if self.peak_gpu_bytes is not None:
+            used = self._gpu.used_bytes() - self._gpu_baseline
+            self.peak_gpu_bytes = max(self.peak_gpu_bytes, used)
+
+    def observe(self, pid: int, size: int) -> None:
+        """What a sample keeps of one process beside the sum: its command's largest PSS."""
+        name = command_name(pid)
+        self.by_command[name] = max(self.by_command.get(name, 0), size)
+
     def _run(self) -> None:
         while not self._stop.is_set():
-            pids = tagged_pids(self.tag)
-            sizes = {pid: pss_bytes(pid) for pid in pids}
-            self.peak_bytes = max(self.peak_bytes, sum(sizes.values()))
-            self.peak_processes = max(self.peak_processes, len(pids))
-            for pid, size in sizes.items():
-                name = command_name(pid)
-                self.by_command[name] = max(self.by_command.get(name, 0), size)
-            if self.peak_gpu_bytes is not None:
-                used = self._gpu.used_bytes() - self._gpu_baseline
-                self.peak_gpu_bytes = max(self.peak_gpu_bytes, used)
+            self.sample()
             time.sleep(self.interval)

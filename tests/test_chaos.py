@@ -232,7 +232,6 @@ def test_a_short_chaos_run_loses_nothing_and_spared_clients_match_the_uninterrup
         chaos_run_config,
         client_state_dirs,
         killed_clients,
-        run_reference,
         stalled_clients,
     )
 
@@ -264,7 +263,7 @@ def test_a_short_chaos_run_loses_nothing_and_spared_clients_match_the_uninterrup
         rounds,
     )
     deployment = LocalDeployment(options)
-    reference = run_reference(deployment, config, tmp_path / "reference")
+    reference = deployment.run_in_process(config, tmp_path / "reference")
     driver = ChaosDriver(deployment, config, tmp_path / "runs" / "chaos", timeout=480.0)
     try:
         deployment.start(stall_overrides(plan))

@@ -161,36 +161,15 @@ def test_tap_runs_with_its_post_fl_round_and_a_killed_serverapp_resumes_to_the_s
     bit, those of the uninterrupted run of the same federation in process (the same ClientApp
     and ServerApp code, without the deployment's processes; the reference costs a fifth of a
     deployed run)."""
-    from server_apps.inprocess import run_in_process
-
     # TAP's multi-task federation in small; 3 SuperNodes hold the 3 pair groups, so every
     # component has an owner. The deployment sets num-clients; node configs set state-dir.
     options = make_options(tmp_path, 3)
     unset = ("num-clients", "client-state-dir")
     config = {k: v for k, v in multitask_run_config.items() if k not in unset}
     config.update({"method": "tap", "tap-distill-steps": 2})
-    reference_dir = tmp_path / "runs" / "reference"
     crashed_dir = tmp_path / "runs" / "crashed"
-    node_configs = [
-        {
-            "client-id": i,
-            "partition-id": i,
-            "num-partitions": 3,
-            "state-dir": str(tmp_path / f"p{i}"),
-        }
-        for i in range(3)
-    ]
     deployment = LocalDeployment(options)
-    # as many torch threads as each deployed process gets (OMP_NUM_THREADS, CPUs / (N + 1)):
-    # the same reduction order, so the same floats
-    threads = torch.get_num_threads()
-    torch.set_num_threads(int(deployment.env()["OMP_NUM_THREADS"]))
-    try:
-        run_in_process(
-            {**config, "run-name": "reference", "num-clients": 3}, 3, node_configs=node_configs
-        )
-    finally:
-        torch.set_num_threads(threads)
+    reference_dir = deployment.run_in_process({**config, "run-name": "reference"}, tmp_path / "ref")
     try:
         deployment.start()
         during = deployment.live_pids()

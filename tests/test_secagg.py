@@ -298,7 +298,6 @@ def test_secagg_on_a_secure_loopback_deployment_equals_the_plain_run(cache_dir, 
     from safetensors.torch import load_file
 
     from fedfm_flower.deploy import DeployOptions, LocalDeployment
-    from server_apps.inprocess import run_in_process
 
     options = DeployOptions(
         num_supernodes=3,
@@ -332,25 +331,15 @@ def test_secagg_on_a_secure_loopback_deployment_equals_the_plain_run(cache_dir, 
     assert all(r["bytes-up-train"] == 0 and r["bytes-up-secagg"] > 0 for r in rounds)
     assert all(r["rejected"] == {} for r in rounds)
 
-    node_configs = [
-        {
-            "client-id": i,
-            "partition-id": i,
-            "num-partitions": 3,
-            "state-dir": str(tmp_path / f"p{i}"),
-        }
-        for i in range(3)
-    ]
-    plain = {**config, "secagg": False, "run-name": "plain", "num-clients": 3}
-    run_in_process(plain, 3, node_configs=node_configs)
-    plain_rounds = read_rounds(tmp_path / "runs" / "plain")
+    plain = deployment.run_in_process({**config, "secagg": False, "run-name": "plain"}, tmp_path)
+    plain_rounds = read_rounds(plain)
     for client in ("0", "1", "2"):
         assert (
             rounds[0]["train"][client]["train-loss"]
             == plain_rounds[0]["train"][client]["train-loss"]
         )
     secure = load_file(tmp_path / "runs" / "secagg" / "checkpoints" / "round_00001.safetensors")
-    reference = load_file(tmp_path / "runs" / "plain" / "checkpoints" / "round_00001.safetensors")
+    reference = load_file(plain / "checkpoints" / "round_00001.safetensors")
     assert set(secure) == set(reference)
     step = 2 * 1.0 / 2**22
     for name, tensor in reference.items():

@@ -474,7 +474,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report: dict[str, Any] = {"plan": [asdict(e) for e in plan], "run-config": config}
     started = time.monotonic()
     deployment = LocalDeployment(options)
-    reference_dir = run_reference(deployment, config, out / "reference")
+    reference_dir = deployment.run_in_process(config, out / "reference")
     report["reference-seconds"] = time.monotonic() - started
     driver = ChaosDriver(deployment, config, out / "runs" / "chaos", timeout=args.timeout)
     problems: list[str] = []
@@ -510,29 +510,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("\n".join(problems) or f"chaos held: {len(plan)} events, {args.rounds} rounds")
     print(f"report: {out / 'chaos.json'}")
     return 1 if problems else 0
-
-
-def run_reference(
-    deployment: LocalDeployment, run_config: Mapping[str, Any], output_dir: Path
-) -> Path:
-    """The uninterrupted run of the same federation in this process, with the deployed
-    processes' torch threads (the same reduction order, so the same floats); its run dir."""
-    import torch
-
-    from server_apps.inprocess import run_in_process
-
-    n = deployment.options.num_supernodes
-    node_configs = [
-        {**deployment.node_config(i), "state-dir": str(output_dir / f"node_{i}")} for i in range(n)
-    ]
-    config = {**run_config, "output-dir": str(output_dir), "num-clients": n}
-    threads = torch.get_num_threads()
-    torch.set_num_threads(int(deployment.env()["OMP_NUM_THREADS"]))
-    try:
-        run_in_process(config, n, node_configs=node_configs)
-    finally:
-        torch.set_num_threads(threads)
-    return output_dir / str(run_config["run-name"])
 
 
 if __name__ == "__main__":

@@ -505,6 +505,30 @@ class LocalDeployment:
         """`flwr run <app> fedfm-local --stream` with the merged run config; waits for the end."""
         return self.finish_run(self.start_run(run_config), timeout)
 
+    def run_in_process(self, run_config: Mapping[str, Any], output_dir: Path) -> Path:
+        """The same federation without the deployment's processes: ``run_config`` run in this
+        process, with each node's ``node_config`` (state under ``output_dir/node_<i>``) and the
+        deployed processes' torch threads (the same reduction order, so the same floats), its
+        results under ``output_dir``; returns its run directory. For reference runs."""
+        if not run_config.get("run-name"):
+            raise DeploymentError("run_in_process needs a run-name (the run's directory)")
+        import torch
+
+        from server_apps.inprocess import run_in_process
+
+        n = self.options.num_supernodes
+        node_configs = [
+            {**self.node_config(i), "state-dir": str(output_dir / f"node_{i}")} for i in range(n)
+        ]
+        config = {**run_config, "output-dir": str(output_dir), "num-clients": n}
+        threads = torch.get_num_threads()
+        torch.set_num_threads(int(self.env()["OMP_NUM_THREADS"]))
+        try:
+            run_in_process(config, n, node_configs=node_configs)
+        finally:
+            torch.set_num_threads(threads)
+        return output_dir / str(run_config["run-name"])
+
     def start_run(self, run_config: Mapping[str, Any] | None = None) -> ManagedProcess:
         """Start `flwr run <app> fedfm-local --stream` without waiting (see ``finish_run``)."""
         options = self.options
