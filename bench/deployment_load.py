@@ -94,8 +94,15 @@ class DeploymentSampler(PeakMemory):
         return totals
 
 
-def run_load(num_nodes: int, rounds: int, workdir: Path, config: dict[str, Any]) -> dict[str, Any]:
-    """One deployment of ``num_nodes`` SuperNodes running ``rounds`` FedAvg rounds; its row."""
+def run_load(
+    num_nodes: int,
+    rounds: int,
+    workdir: Path,
+    config: dict[str, Any],
+    database: str | None = None,
+) -> dict[str, Any]:
+    """One deployment of ``num_nodes`` SuperNodes running ``rounds`` FedAvg rounds (the
+    SuperLink's ``--database`` ``database``, None: its SQLite file); its row."""
     name = f"load-{num_nodes}"
     output = workdir / "runs"
     options = DeployOptions(
@@ -105,6 +112,7 @@ def run_load(num_nodes: int, rounds: int, workdir: Path, config: dict[str, Any])
         startup_timeout=60.0 + 10.0 * num_nodes,
         run_timeout=600.0 + 60.0 * num_nodes,
         warm_executor=True,
+        superlink_database=database,
     )
     run_config = {
         **config,
@@ -124,6 +132,7 @@ def run_load(num_nodes: int, rounds: int, workdir: Path, config: dict[str, Any])
         deployment.stop()
     row: dict[str, Any] = {
         "supernodes": num_nodes,
+        "superlink-database": database or "sqlite file",
         "status": result.status,
         "start-s": online,
         "run-s": result.seconds,
@@ -150,7 +159,12 @@ def predicted_bytes(last: dict[str, Any], num_nodes: int) -> float:
 
 
 def sweep(
-    nodes: list[int], rounds: int, workdir: Path, config: dict[str, Any], memory_fraction: float
+    nodes: list[int],
+    rounds: int,
+    workdir: Path,
+    config: dict[str, Any],
+    memory_fraction: float,
+    database: str | None = None,
 ) -> list[dict[str, Any]]:
     """``run_load`` for each N until memory would run out or a run fails."""
     rows: list[dict[str, Any]] = []
@@ -168,7 +182,7 @@ def sweep(
                 )
                 print(json.dumps(rows[-1]), flush=True)
                 break
-        rows.append(run_load(num_nodes, rounds, workdir, config))
+        rows.append(run_load(num_nodes, rounds, workdir, config, database))
         print(json.dumps(rows[-1]), flush=True)
         if rows[-1]["status"] != "finished:completed":
             break
@@ -214,6 +228,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, default=Path("bench/work/deployment-load"))
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument(
+        "--superlink-database",
+        default=None,
+        help="the SuperLink's --database (default: a fresh SQLite file; :flwr-in-memory:)",
+    )
     args = parser.parse_args(argv)
     if any(n < 1 for n in args.supernodes) or args.rounds < 1:
         parser.error("--supernodes and --rounds must be >= 1")
@@ -225,7 +244,14 @@ def main(argv: list[str] | None = None) -> int:
         if not sep:
             parser.error(f"--set expects KEY=VALUE, not {item!r}")
         config[key] = json.loads(value) if value[:1] in '0123456789-[{tf"' else value
-    rows = sweep(args.supernodes, args.rounds, args.workdir, config, args.memory_fraction)
+    rows = sweep(
+        args.supernodes,
+        args.rounds,
+        args.workdir,
+        config,
+        args.memory_fraction,
+        args.superlink_database,
+    )
     print(table(rows))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -120,7 +120,8 @@ class FedAvgStrategy(PersonalizedStrategy):
             n: (t.to(torch.float64) + secure.update[n]).to(t.dtype)
             for n, t in self.global_tensors.items()
         }
-        return {"secagg-clients": float(len(accepted))}
+        # sum of w / secagg-max-weight: with a mean far below 1 the step is coarse (docs/privacy.md)
+        return {"secagg-clients": float(len(accepted)), "secagg-weight": secure.total_weight}
 
     def aggregate_privately(
         self, server_round: int, replies: list[ClientReply]

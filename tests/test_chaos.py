@@ -298,3 +298,23 @@ def test_a_short_chaos_run_loses_nothing_and_spared_clients_match_the_uninterrup
     for client in ("1", "2"):
         back = [r for r in records[2:] if client in r["train"]]
         assert back and back[0]["train"][client]["state-round"] == 1, client
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--rounds", "5"], "no room for 7 events in 5 rounds of 4 nodes"),
+        (["--set", "lr=-1"], "run config 'lr' = -1.0 is invalid"),
+        (["--heartbeat-interval", "2"], "--heartbeat-interval: heartbeat interval must be"),
+    ],
+)
+def test_the_chaos_command_refuses_bad_input_before_starting_anything(
+    argv, message, tmp_path, capsys
+) -> None:
+    from fedfm_flower.deploy.chaos import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--out", str(tmp_path / "chaos")])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "chaos").exists()

@@ -278,6 +278,11 @@ def test_a_secagg_fedavg_run_equals_the_plain_run_within_quantization(
             records = [json.loads(line) for line in lines.splitlines()]
             assert [r["server"]["secagg-clients"] for r in records] == [4.0, 4.0]
             assert all(r["bytes-up-train"] == 0 and r["bytes-up-secagg"] > 0 for r in records)
+            # the weights the server learns: num-examples / secagg-max-weight (1,000), summed
+            for record in records:
+                examples = sum(m["num-examples"] for m in record["train"].values())
+                weight = record["server"]["secagg-weight"]
+                assert weight == pytest.approx(examples / 1000.0, abs=4 * 2 / 2**22), weight
     # 4 clients, each w/W * update rounded to a step of 2 / 2**22 (w: ~340 examples, W: 1,000):
     # the mean is off by at most 4 steps / sum(w/W) ~ 1.4e-6, plus float32 rounding of the global
     step = 2 * 1.0 / 2**22

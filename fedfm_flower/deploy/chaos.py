@@ -8,8 +8,9 @@ The kinds of event (``ChaosEvent.kind``):
 
 * ``node-mid-training``: SuperNode ``node`` and its SuperExec are SIGKILLed while the node runs
   its training task of round ``round`` or later; the node is started again (same key, same
-  state directory) as soon as the SuperLink has marked it offline (about a minute: Flower's two
-  missed 30 s heartbeats), while the run goes on without it.
+  node config and state directory) as soon as the SuperLink has marked it offline (two missed
+  heartbeats: a minute with Flower's 30 s, 20 s with the command's ``--heartbeat-interval``
+  10), while the run goes on without it.
 * ``node-mid-write``: the node's write of its round-``round`` state stops half-way (the
   ``stall-save`` fault of ``client_apps.faults``, given in its node config) and the node is
   SIGKILLed then, its temporary file holding half the bytes; restarted as above.
@@ -18,14 +19,17 @@ The kinds of event (``ChaosEvent.kind``):
   (``resume = true``).
 
 ``check_chaos`` then asks of the run directory and the nodes' state directories: the last run
-completed; every round is recorded once, in order; no temporary file is left; every checkpoint
-and every client state file reads and verifies (``fedfm_flower.durable``); every training reply
-started from the client's newest state saved before it, whose digest is the file's (no state
-lost, none torn: the run keeps every state for this, ``keep-checkpoints`` = the rounds); every
-client took part in the last round; and, given an uninterrupted reference run, every client
-never killed reported exactly the reference's metrics in every round. With a method whose
-clients are independent of one another (``local``, the default here) the last check is exact:
-a killed client's later rounds differ (it missed rounds), the others' must not.
+completed; every round is recorded once, in order; no temporary file is left (but the leftover
+of a mid-write kill whose client has not saved a later round since); every checkpoint and every
+client state file reads and verifies (``fedfm_flower.durable``); every training reply started
+from a state saved after the client's previous recorded training (or that one) and before the
+round, whose digest is the file's on disk (no state lost, none torn; the run keeps every state
+for this: ``keep-checkpoints`` = the rounds; a reply that came too late is not recorded, but
+its state was saved); every client never killed is evaluated in the last round; and, given an
+uninterrupted reference run, every client never killed reported exactly the reference's metrics
+(timings aside) wherever both runs have its reply. With a method whose clients are independent
+of one another (``local``, the command's default) that is exact: a killed client's later rounds
+differ (it missed rounds), the others' must not.
 """
 
 from __future__ import annotations
@@ -201,17 +205,15 @@ class ChaosDriver:
         if thread is not None:
             thread.join(max(0.0, self.deadline - time.monotonic()))
 
-    def _new_task(self, node: int, server_round: int) -> bool:
+    def _new_task(self, node: int, server_round: int) -> None:
         """Wait until node ``node`` runs a training task of round ``server_round`` or later:
         round - 1 is recorded and a task started after that."""
         deployment = self.deployment
         self._wait(lambda: self.recorded() >= server_round - 1, f"round {server_round - 1}")
         finishing = deployment.tasks_in_flight(node)  # the last round's evaluation may end
-        return bool(
-            self._wait(
-                lambda: deployment.tasks_in_flight(node) - finishing,
-                f"a round-{server_round} task of SuperNode {node}",
-            )
+        self._wait(
+            lambda: deployment.tasks_in_flight(node) - finishing,
+            f"a round-{server_round} task of SuperNode {node}",
         )
 
     def _temp_file(self, node: int, server_round: int) -> Path | None:
@@ -441,42 +443,48 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="run config")
     parser.add_argument("--out", type=Path, required=True, help="directory for runs and report")
     args = parser.parse_args(argv)
-    from fedfm_flower.deploy.runs import parse_run_config
+    from fedfm_flower.deploy.runs import parse_run_config, resolve_run_config
 
     out = args.out.resolve()
-    plan = plan_chaos(
-        args.seed,
-        args.rounds,
-        args.supernodes,
-        args.node_kills,
-        args.write_kills,
-        args.serverapp_kills,
-        rejoin=args.rejoin,
-    )
-    options = DeployOptions(
-        num_supernodes=args.supernodes,
-        workdir=out / "work",
-        startup_timeout=120.0,
-        echo=False,
-        warm_executor=True,
-        heartbeat_interval=args.heartbeat_interval,
-    )
-    config = chaos_run_config(
-        {
-            "method": args.method,
-            "round-timeout": args.round_timeout,
-            "output-dir": str(out / "runs"),
-            "run-name": "chaos",
-            **parse_run_config(args.set),
-        },
-        args.rounds,
-    )
+    try:  # everything that can be refused before a process starts
+        plan = plan_chaos(
+            args.seed,
+            args.rounds,
+            args.supernodes,
+            args.node_kills,
+            args.write_kills,
+            args.serverapp_kills,
+            rejoin=args.rejoin,
+        )
+        options = DeployOptions(
+            num_supernodes=args.supernodes,
+            workdir=out / "work",
+            startup_timeout=120.0,
+            echo=False,
+            warm_executor=True,
+            heartbeat_interval=args.heartbeat_interval,
+        )
+        config = chaos_run_config(
+            {
+                "method": args.method,
+                "round-timeout": args.round_timeout,
+                "output-dir": str(out / "runs"),
+                "run-name": "chaos",
+                **parse_run_config(args.set),
+            },
+            args.rounds,
+        )
+        config = resolve_run_config(config, args.supernodes, options.app_dir)
+    except ValueError as err:  # RunConfigError and ConfigError are ValueErrors too
+        parser.error(str(err))
+    out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"plan": [asdict(e) for e in plan], "run-config": config}
     started = time.monotonic()
     deployment = LocalDeployment(options)
     reference_dir = deployment.run_in_process(config, out / "reference")
     report["reference-seconds"] = time.monotonic() - started
-    driver = ChaosDriver(deployment, config, out / "runs" / "chaos", timeout=args.timeout)
+    run_dir = Path(config["output-dir"]) / str(config["run-name"])
+    driver = ChaosDriver(deployment, config, run_dir, timeout=args.timeout)
     problems: list[str] = []
     try:
         deployment.start(stall_overrides(plan))
@@ -502,10 +510,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     (out / "chaos.json").write_text(json.dumps(report, indent=2) + "\n")
     for record in driver.records:
         event = record.event
+        after = (
+            f"restarted after {record.restart_seconds:.0f} s"
+            if record.restart_seconds is not None
+            else record.skipped or "resumed"
+        )
         print(
             f"{event.kind:17s} round {event.round:3d} node {event.node} at {record.seconds:6.1f} s"
-            f" ({record.recorded_rounds} rounds recorded), restarted after "
-            f"{record.restart_seconds or 0:.0f} s"
+            f" ({record.recorded_rounds} rounds recorded), {after}"
         )
     print("\n".join(problems) or f"chaos held: {len(plan)} events, {args.rounds} rounds")
     print(f"report: {out / 'chaos.json'}")

@@ -215,7 +215,7 @@ class LocalDeployment:
         options = self.options
         state = options.workdir / "superlink"
         state.mkdir(parents=True, exist_ok=True)
-        database = state / "state.db"
+        database = options.superlink_database or str(state / "state.db")
         for stale in state.glob("state.db*"):
             stale.unlink()  # a fresh federation each time: registrations, runs
         command = [
@@ -227,7 +227,7 @@ class LocalDeployment:
             "--isolation",
             "subprocess",
             "--database",
-            str(database),
+            database,
         ]
         if options.insecure:
             command.append("--insecure")

@@ -56,6 +56,9 @@ class DeployOptions:
     # The SuperNodes' heartbeat interval (fedfm_flower.deploy.supernode), >= 10 s: a crashed
     # node is marked offline after twice it. None: Flower's 30 s. Needs poll_interval.
     heartbeat_interval: float | None = None
+    # The SuperLink's --database: None, a fresh SQLite file <workdir>/superlink/state.db;
+    # ":flwr-in-memory:", Flower's in-memory state (no SQLite, nothing survives the SuperLink).
+    superlink_database: str | None = None
 
     def __post_init__(self) -> None:
         self.workdir = Path(self.workdir).expanduser().resolve()
