@@ -216,3 +216,14 @@ def test_the_deployment_passes_the_heartbeat_interval_and_refuses_a_bad_one(tmp_
         DeployOptions(workdir=tmp_path, heartbeat_interval=10.0, poll_interval=None)
     parser = build_parser("deploy")
     assert parser.parse_args(["--heartbeat-interval", "15"]).heartbeat_interval == 15.0
+
+
+def test_the_superlink_keeps_its_state_in_a_fresh_file_or_where_the_options_say(tmp_path):
+    deployment = LocalDeployment(DeployOptions(workdir=tmp_path / "a"))
+    command = deployment.superlink_command()
+    database = command[command.index("--database") + 1]
+    assert database == str(tmp_path / "a" / "superlink" / "state.db")
+    assert "--enable-supernode-auth" in command and "--insecure" not in command
+    memory = LocalDeployment(DeployOptions(workdir=tmp_path, superlink_database=":flwr-in-memory:"))
+    command = memory.superlink_command()
+    assert command[command.index("--database") + 1] == ":flwr-in-memory:"

@@ -210,14 +210,11 @@ class LocalDeployment:
             f"{self.timings['supernodes-online-s']:.1f}s"
         )
 
-    def start_superlink(self) -> ManagedProcess:
-        """`flower-superlink` on 127.0.0.1:<base-port>, waiting until it accepts TLS/TCP."""
+    def superlink_command(self) -> list[str]:
+        """How the SuperLink starts: TLS and SuperNode authentication unless insecure, its
+        state in a fresh SQLite file (or ``options.superlink_database``)."""
         options = self.options
-        state = options.workdir / "superlink"
-        state.mkdir(parents=True, exist_ok=True)
-        database = options.superlink_database or str(state / "state.db")
-        for stale in state.glob("state.db*"):
-            stale.unlink()  # a fresh federation each time: registrations, runs
+        database = options.superlink_database or str(options.workdir / "superlink" / "state.db")
         command = [
             self._bin("flower-superlink"),
             "--host",
@@ -230,18 +227,27 @@ class LocalDeployment:
             database,
         ]
         if options.insecure:
-            command.append("--insecure")
-        else:
-            certs = options.certs
-            command += [
-                "--ssl-ca-certfile",
-                str(certs / "ca.crt"),
-                "--ssl-certfile",
-                str(certs / "server.crt"),
-                "--ssl-keyfile",
-                str(certs / "server.key"),
-                "--enable-supernode-auth",
-            ]
+            return [*command, "--insecure"]
+        certs = options.certs
+        return [
+            *command,
+            "--ssl-ca-certfile",
+            str(certs / "ca.crt"),
+            "--ssl-certfile",
+            str(certs / "server.crt"),
+            "--ssl-keyfile",
+            str(certs / "server.key"),
+            "--enable-supernode-auth",
+        ]
+
+    def start_superlink(self) -> ManagedProcess:
+        """`flower-superlink` on 127.0.0.1:<base-port>, waiting until it accepts TLS/TCP."""
+        options = self.options
+        state = options.workdir / "superlink"
+        state.mkdir(parents=True, exist_ok=True)
+        for stale in state.glob("state.db*"):
+            stale.unlink()  # a fresh federation each time: registrations, runs
+        command = self.superlink_command()
         started = time.monotonic()
         mode = "insecure" if options.insecure else "TLS + SuperNode auth"
         self.say(f"starting SuperLink on {self.address} ({mode})")
