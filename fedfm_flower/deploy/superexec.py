@@ -34,9 +34,11 @@ next. Other task types go to Flower's executor.
   Flower's, with the pauses from ``PULL_FIRST_PAUSE_S`` doubling up to ``PULL_LONGEST_PAUSE_S``
   (measured on loopback: 1.2-3.3 s of a 1.3-3.9 s training task was that wait; what is left is
   the SuperNode's own download of the objects from the SuperLink, about 1 s on the busy 2-core
-  machine). The pull is bounded by time (``PULL_PATIENCE_S``, 90 s), not by Flower's 500 tries
-  per object, which with these short pauses ran out in ~40 s under load (16 SuperNodes on 2
-  cores); a task whose run was stopped mid-transfer gives up after that time.
+  machine). The pull is bounded by progress (``PatientPull``): it gives up once no object of
+  the message has arrived for ``PULL_PATIENCE_S`` (90 s), not after Flower's 500 tries per
+  object, which with these short pauses ran out in ~40 s under load (16 SuperNodes on 2 cores),
+  nor after a fixed time (24 SuperNodes on 2 cores took 93 s to fetch one message); a task whose
+  run was stopped mid-transfer gives up 90 s after the last object that came.
 * **Tracking.** With ``FEDFM_TASKS_DIR`` set, a task in progress is a file
   ``<task id>.running`` there (``fedfm_flower.deploy.local`` uses it to see messages in flight).
 """
@@ -61,10 +63,10 @@ TASKS_DIR_VAR = "FEDFM_TASKS_DIR"  # where the running tasks are marked (LocalDe
 # Between looks for a message's objects at the SuperNode (a local request): they come from the
 # SuperLink in about a second here, and a doubling pause would overshoot their arrival.
 PULL_FIRST_PAUSE_S, PULL_LONGEST_PAUSE_S = 0.01, 0.05
-# How long a task waits for its message's objects. Long enough for a loaded SuperNode (30-64 s
-# measured with 16 SuperNodes on 2 cores); short enough that a task whose run was stopped while
-# its message was in transit (its objects never come) frees the executor for the next run's
-# messages well within the ServerApp's 120 s identity query.
+# How long a task waits for the next of its message's objects. Long enough for a loaded
+# SuperNode; short enough that a task whose run was stopped while its message was in transit
+# (its objects never come) frees the executor for the next run's messages well within the
+# ServerApp's 120 s identity query.
 PULL_PATIENCE_S = 90.0
 SPEC_FIELDS = ("task_type", "runtime_api_address", "token", "insecure", "task_id")
 RUNTIME_FUNCTIONS = ("push_message", "push_task_output")
@@ -180,25 +182,56 @@ def pull_task_input(client: Any) -> tuple[Any, Any, Any, Any]:
 
 def pull_message(tree: Any, pull_object: Any, confirm_received: Any) -> Any:
     """The message of ``tree``, its objects pulled with short pauses while they are not yet at
-    the SuperNode, for up to ``PULL_PATIENCE_S``."""
+    the SuperNode, for as long as one arrives at least every ``PULL_PATIENCE_S``."""
     from flwr.app import Message
     from flwr.supercore.inflatable.inflatable_utils import pull_and_inflate_object_from_tree
 
     message = pull_and_inflate_object_from_tree(
         tree,
-        pull_object,
+        PatientPull(pull_object, PULL_PATIENCE_S),
         confirm_received,
         return_type=Message,
         initial_backoff=PULL_FIRST_PAUSE_S,
         backoff_cap=PULL_LONGEST_PAUSE_S,
         # Flower bounds a pull by tries (500) and time (2 h); its tries last minutes with its
-        # 1-10 s pauses, but ~25 s with these short ones, less than a loaded SuperNode needs to
-        # fetch a message, so the bound here is time alone.
+        # 1-10 s pauses, but ~25 s with these short ones, and a loaded SuperNode takes longer
+        # than that, or than any fixed time, to fetch a large message: PatientPull bounds it.
         max_tries_per_object=None,
-        max_time=PULL_PATIENCE_S,
+        max_time=None,
     )
     message.metadata.__dict__["_message_id"] = tree.object_id  # the deflated message lacks it
     return message
+
+
+class PatientPull:
+    """A pull of one object (Flower's ``pull_object_fn``) that gives up, failing the whole
+    message's pull, once no object of the message has arrived for ``patience`` seconds (since
+    the first try or the last arrival): a slow transfer goes on, a dead one ends."""
+
+    def __init__(self, pull_object: Any, patience: float) -> None:
+        self.pull_object = pull_object
+        self.patience = patience
+        self.last_arrival = time.monotonic()
+
+    def __call__(self, object_id: str) -> bytes:
+        """The object's bytes; Flower's ObjectUnavailableError to try again, ObjectPullError
+        past the patience."""
+        from flwr.supercore.inflatable.inflatable_utils import (
+            ObjectPullError,
+            ObjectUnavailableError,
+        )
+
+        try:
+            content = self.pull_object(object_id)
+        except ObjectUnavailableError:
+            waited = time.monotonic() - self.last_arrival
+            if waited > self.patience:
+                raise ObjectPullError(
+                    object_id, f"no object of the message arrived in {waited:.0f} s"
+                ) from None
+            raise
+        self.last_arrival = time.monotonic()
+        return content
 
 
 def run_task(spec: Any, apps: AppCache) -> None:
