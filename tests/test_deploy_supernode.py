@@ -216,6 +216,9 @@ def test_the_deployment_passes_the_heartbeat_interval_and_refuses_a_bad_one(tmp_
         DeployOptions(workdir=tmp_path, heartbeat_interval=10.0, poll_interval=None)
     parser = build_parser("deploy")
     assert parser.parse_args(["--heartbeat-interval", "15"]).heartbeat_interval == 15.0
+    assert parser.parse_args([]).superlink_database is None
+    memory = parser.parse_args(["--superlink-database", ":flwr-in-memory:"])
+    assert memory.superlink_database == ":flwr-in-memory:"
 
 
 def test_the_superlink_keeps_its_state_in_a_fresh_file_or_where_the_options_say(tmp_path):

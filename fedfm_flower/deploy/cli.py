@@ -122,6 +122,12 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         f"(default {DEFAULT_MAX_POLL_INTERVAL})",
     )
     parser.add_argument(
+        "--superlink-database",
+        default=None,
+        help="the SuperLink's --database (default: a fresh SQLite file in the work directory; "
+        ":flwr-in-memory: keeps its state in memory, faster under load, lost on a restart)",
+    )
+    parser.add_argument(
         "--heartbeat-interval",
         type=float,
         default=None,
@@ -161,6 +167,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
             max_poll_interval=args.max_poll_interval,
             warm_executor=not args.no_warm_executor,
             heartbeat_interval=args.heartbeat_interval,
+            superlink_database=args.superlink_database,
         )
     except ValueError as err:
         parser.error(str(err))
