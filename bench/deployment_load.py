@@ -100,6 +100,7 @@ def run_load(
     workdir: Path,
     config: dict[str, Any],
     database: str | None = None,
+    pull_patience: float | None = None,
 ) -> dict[str, Any]:
     """One deployment of ``num_nodes`` SuperNodes running ``rounds`` FedAvg rounds (the
     SuperLink's ``--database`` ``database``, None: its SQLite file); its row."""
@@ -113,6 +114,7 @@ def run_load(
         run_timeout=600.0 + 60.0 * num_nodes,
         warm_executor=True,
         superlink_database=database,
+        pull_patience=pull_patience,
     )
     run_config = {
         **config,
@@ -133,6 +135,7 @@ def run_load(
     row: dict[str, Any] = {
         "supernodes": num_nodes,
         "superlink-database": database or "sqlite file",
+        "pull-patience-s": pull_patience,
         "status": result.status,
         "start-s": online,
         "run-s": result.seconds,
@@ -165,6 +168,7 @@ def sweep(
     config: dict[str, Any],
     memory_fraction: float,
     database: str | None = None,
+    pull_patience: float | None = None,
 ) -> list[dict[str, Any]]:
     """``run_load`` for each N until memory would run out or a run fails."""
     rows: list[dict[str, Any]] = []
@@ -182,7 +186,7 @@ def sweep(
                 )
                 print(json.dumps(rows[-1]), flush=True)
                 break
-        rows.append(run_load(num_nodes, rounds, workdir, config, database))
+        rows.append(run_load(num_nodes, rounds, workdir, config, database, pull_patience))
         print(json.dumps(rows[-1]), flush=True)
         if rows[-1]["status"] != "finished:completed":
             break
@@ -233,6 +237,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="the SuperLink's --database (default: a fresh SQLite file; :flwr-in-memory:)",
     )
+    parser.add_argument(
+        "--pull-patience",
+        type=float,
+        default=None,
+        help="seconds a warm executor waits for its message's next object (default 90)",
+    )
     args = parser.parse_args(argv)
     if any(n < 1 for n in args.supernodes) or args.rounds < 1:
         parser.error("--supernodes and --rounds must be >= 1")
@@ -251,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         config,
         args.memory_fraction,
         args.superlink_database,
+        args.pull_patience,
     )
     print(table(rows))
     if args.out is not None:

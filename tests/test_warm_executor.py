@@ -265,3 +265,16 @@ def test_a_message_whose_objects_arrive_late_is_still_pulled(monkeypatch) -> Non
     pulled = superexec.pull_message(get_object_tree(message), trickle, lambda object_id: None)
     assert time.monotonic() - started > 0.3
     assert np.array_equal(pulled.content["arrays"]["w"].numpy(), np.arange(6.0))
+
+
+def test_the_pull_patience_can_be_raised_for_a_loaded_deployment(tmp_path) -> None:
+    assert superexec.pull_patience({}) == superexec.PULL_PATIENCE_S == 90.0
+    assert superexec.pull_patience({superexec.PULL_PATIENCE_VAR: "300"}) == 300.0
+    for bad in ("0", "-5", "inf", "soon"):
+        with pytest.raises(ValueError, match=f"FEDFM_PULL_PATIENCE_S='{bad}': must be a positive"):
+            superexec.pull_patience({superexec.PULL_PATIENCE_VAR: bad})
+    options = DeployOptions(workdir=tmp_path, pull_patience=300.0)
+    assert LocalDeployment(options).env()[superexec.PULL_PATIENCE_VAR] == "300.0"
+    assert superexec.PULL_PATIENCE_VAR not in LocalDeployment(DeployOptions(workdir=tmp_path)).env()
+    with pytest.raises(ValueError, match="pull patience must be a positive number"):
+        DeployOptions(workdir=tmp_path, pull_patience=0.0)

@@ -109,6 +109,10 @@ class LocalDeployment:
         env.update({TAG_VAR: self.tag, "PYTHONUNBUFFERED": "1"})
         if self.options.poll_interval is not None:  # the SuperLink's SuperExec polls too
             env.setdefault(SUPEREXEC_POLL_VAR, repr(self.options.poll_interval))
+        if self.options.pull_patience is not None:  # read by the nodes' warm executors
+            from fedfm_flower.deploy.superexec import PULL_PATIENCE_VAR
+
+            env[PULL_PATIENCE_VAR] = repr(self.options.pull_patience)
         # The ServerApp and the N ClientApps share the CPU cores: without a limit each torch
         # process starts one OpenMP thread per core, and oversubscribed OpenMP spins (measured
         # here: foundation pretraining 12 s with 1 thread, 247 s with 2 threads on a busy 2-core

@@ -59,6 +59,9 @@ class DeployOptions:
     # The SuperLink's --database: None, a fresh SQLite file <workdir>/superlink/state.db;
     # ":flwr-in-memory:", Flower's in-memory state (no SQLite, nothing survives the SuperLink).
     superlink_database: str | None = None
+    # How long a warm executor's task waits for its message's next object (seconds; None:
+    # superexec.PULL_PATIENCE_S, 90). Raise it for many SuperNodes on few cores.
+    pull_patience: float | None = None
 
     def __post_init__(self) -> None:
         self.workdir = Path(self.workdir).expanduser().resolve()
@@ -77,6 +80,10 @@ class DeployOptions:
                 check_poll_intervals(self.poll_interval, self.max_poll_interval)
             except ValueError as err:
                 raise ValueError(f"--poll-interval/--max-poll-interval: {err}") from None
+        if self.pull_patience is not None and not 0 < self.pull_patience < float("inf"):
+            raise ValueError(
+                f"pull patience must be a positive number of seconds, not {self.pull_patience!r}"
+            )
         if self.heartbeat_interval is not None:
             if self.poll_interval is None:
                 raise ValueError("--heartbeat-interval needs the short waits' SuperNode")

@@ -53,7 +53,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -68,6 +68,10 @@ PULL_FIRST_PAUSE_S, PULL_LONGEST_PAUSE_S = 0.01, 0.05
 # (its objects never come) frees the executor for the next run's messages well within the
 # ServerApp's 120 s identity query.
 PULL_PATIENCE_S = 90.0
+# Overrides it, in seconds (DeployOptions.pull_patience sets it for every node): a SuperNode
+# stores a message's objects only once it has fetched them all, which took 94 s with 24
+# SuperNodes on 2 cores.
+PULL_PATIENCE_VAR = "FEDFM_PULL_PATIENCE_S"
 SPEC_FIELDS = ("task_type", "runtime_api_address", "token", "insecure", "task_id")
 RUNTIME_FUNCTIONS = ("push_message", "push_task_output")
 
@@ -188,7 +192,7 @@ def pull_message(tree: Any, pull_object: Any, confirm_received: Any) -> Any:
 
     message = pull_and_inflate_object_from_tree(
         tree,
-        PatientPull(pull_object, PULL_PATIENCE_S),
+        PatientPull(pull_object, pull_patience()),
         confirm_received,
         return_type=Message,
         initial_backoff=PULL_FIRST_PAUSE_S,
@@ -201,6 +205,21 @@ def pull_message(tree: Any, pull_object: Any, confirm_received: Any) -> Any:
     )
     message.metadata.__dict__["_message_id"] = tree.object_id  # the deflated message lacks it
     return message
+
+
+def pull_patience(environ: Mapping[str, str] = os.environ) -> float:
+    """``PULL_PATIENCE_S``, or the positive number of seconds ``FEDFM_PULL_PATIENCE_S`` says
+    (ValueError naming it otherwise)."""
+    raw = environ.get(PULL_PATIENCE_VAR)
+    if raw is None:
+        return PULL_PATIENCE_S
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0 or seconds == float("inf"):
+        raise ValueError(f"{PULL_PATIENCE_VAR}={raw!r}: must be a positive number of seconds")
+    return seconds
 
 
 class PatientPull:
