@@ -278,3 +278,40 @@ def test_the_pull_patience_can_be_raised_for_a_loaded_deployment(tmp_path) -> No
     assert superexec.PULL_PATIENCE_VAR not in LocalDeployment(DeployOptions(workdir=tmp_path)).env()
     with pytest.raises(ValueError, match="pull patience must be a positive number"):
         DeployOptions(workdir=tmp_path, pull_patience=0.0)
+
+
+def test_a_refused_task_heartbeat_ends_nothing_but_is_logged_once(monkeypatch, caplog) -> None:
+    """Flower's task heartbeat raises SIGINT in its process when the SuperNode refuses it: in
+    the warm executor that would end the node's SuperExec; ours logs and goes on."""
+    import logging
+
+    import httpx
+    from flwr.proto.runtime_pb2 import SendTaskHeartbeatResponse
+
+    raised: list[int] = []
+    monkeypatch.setattr(signal, "raise_signal", raised.append)
+    answers: list[object] = []
+
+    class Client:
+        def SendTaskHeartbeat(self, request):  # noqa: N802 - Flower's RPC name
+            answer = answers.pop(0)
+            if isinstance(answer, Exception):
+                raise answer
+            return answer
+
+    def http_error(status: int) -> httpx.HTTPStatusError:
+        request = httpx.Request("POST", "https://127.0.0.1/v1/runtime/send-task-heartbeat")
+        return httpx.HTTPStatusError("x", request=request, response=httpx.Response(status))
+
+    beat = superexec.task_heartbeat(Client(), 7)
+    answers[:] = [SendTaskHeartbeatResponse(success=True), http_error(503), httpx.ConnectError("x")]
+    assert [beat(), beat(), beat()] == [True, False, False]  # ok; retried like Flower's
+    with caplog.at_level(logging.WARNING):
+        answers[:] = [http_error(401)]
+        assert beat() is True
+        assert beat() is True  # not asked again, not logged again
+    assert caplog.text.count("task 7: its heartbeat was refused (HTTP 401)") == 1
+    refused = superexec.task_heartbeat(Client(), 8)
+    answers[:] = [SendTaskHeartbeatResponse(success=False)]
+    assert refused() is True
+    assert raised == [] and not answers
