@@ -34,11 +34,13 @@ next. Other task types go to Flower's executor.
   Flower's, with the pauses from ``PULL_FIRST_PAUSE_S`` doubling up to ``PULL_LONGEST_PAUSE_S``
   (measured on loopback: 1.2-3.3 s of a 1.3-3.9 s training task was that wait; what is left is
   the SuperNode's own download of the objects from the SuperLink, about 1 s on the busy 2-core
-  machine). The pull is bounded by progress (``PatientPull``): it gives up once no object of
-  the message has arrived for ``PULL_PATIENCE_S`` (90 s), not after Flower's 500 tries per
-  object, which with these short pauses ran out in ~40 s under load (16 SuperNodes on 2 cores),
-  nor after a fixed time (24 SuperNodes on 2 cores took 93 s to fetch one message); a task whose
-  run was stopped mid-transfer gives up 90 s after the last object that came.
+  machine). The pull gives up once no object of the message has arrived for
+  ``PULL_PATIENCE_S`` (90 s; ``PatientPull``), not after Flower's 500 tries per object, which
+  with these short pauses ran out in ~40 s under load (16 SuperNodes on 2 cores); a task whose
+  run was stopped mid-transfer gives up then. Flower 1.41's SuperNode stores a message's objects
+  only once it has fetched them all, so in practice the first arrival waits for the whole
+  download, which took 94-213 s with 24 SuperNodes on 2 cores: ``FEDFM_PULL_PATIENCE_S`` raises
+  the patience for such loads.
 * **Tracking.** With ``FEDFM_TASKS_DIR`` set, a task in progress is a file
   ``<task id>.running`` there (``fedfm_flower.deploy.local`` uses it to see messages in flight).
 """
