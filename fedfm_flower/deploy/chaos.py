@@ -181,7 +181,7 @@ class ChaosDriver:
         self.results: list[RunResult] = []
         self._restarts: dict[int, threading.Thread] = {}
         self._restart_errors: list[str] = []
-        self._started = time.monotonic()
+        self._started = 0.0  # set when ``run`` starts the run
         self.watched: int | None = None  # a node the plan never kills (ServerApp kill timing)
 
     # -- waiting ------------------------------------------------------------------------------
@@ -391,12 +391,15 @@ def check_chaos(
     return problems
 
 
+def client_of(deployment: LocalDeployment, node: int) -> int:
+    """The client id that SuperNode ``node`` serves."""
+    return int(deployment.node_config(node)["client-id"])
+
+
 def killed_clients(deployment: LocalDeployment, plan: Sequence[ChaosEvent]) -> set[int]:
     """Client ids of the nodes the plan kills."""
     return {
-        int(deployment.node_config(e.node)["client-id"])
-        for e in plan
-        if e.kind in NODE_KINDS and e.node is not None
+        client_of(deployment, e.node) for e in plan if e.kind in NODE_KINDS and e.node is not None
     }
 
 
@@ -405,7 +408,7 @@ def stalled_clients(
 ) -> set[tuple[int, int]]:
     """(client id, round) of the plan's kills mid-write."""
     return {
-        (int(deployment.node_config(e.node)["client-id"]), e.round)
+        (client_of(deployment, e.node), e.round)
         for e in plan
         if e.kind == "node-mid-write" and e.node is not None
     }
