@@ -156,23 +156,30 @@ def test_the_launcher_keeps_flowers_isolation_when_it_must(extra, reason, monkey
     assert reason in capsys.readouterr().err
 
 
+class NodeGone(Exception):
+    """What ends the keeper's daemon thread in these tests: its SuperNode's process exiting."""
+
+
 class Exits:
-    """Popen stand-in: each process 'exits' at once with the next code."""
+    """Popen stand-in: each process 'exits' at once with the next code; the node goes after."""
 
     def __init__(self, codes: list[int]) -> None:
         self.codes, self.commands = list(codes), []
 
     def __call__(self, command):
+        if not self.codes:
+            raise NodeGone
         self.commands.append(command)
         code = self.codes.pop(0)
         return SimpleNamespace(wait=lambda: code, pid=0)
 
 
 def test_the_keeper_restarts_a_crashed_superexec_and_falls_back_to_flowers(monkeypatch, capsys):
-    exits = Exits([-signal.SIGKILL, 1, 1, -signal.SIGKILL, 0])
+    exits = Exits([-signal.SIGKILL, 1, 1, -signal.SIGKILL, 1])
     monkeypatch.setattr(launcher.subprocess, "Popen", exits)
     monkeypatch.setattr(launcher.time, "sleep", lambda s: None)
-    launcher.ExecutorKeeper("127.0.0.1:9111").keep()  # returns on the clean exit (0)
+    with pytest.raises(NodeGone):
+        launcher.ExecutorKeeper("127.0.0.1:9111").keep()
     ours = [c for c in exits.commands if "fedfm_flower.deploy.superexec" in c]
     theirs = [c for c in exits.commands if Path(c[0]).name == "flower-superexec"]
     assert len(ours) == 3 and len(theirs) == 2  # three quick crashes, then Flower's
@@ -181,12 +188,32 @@ def test_the_keeper_restarts_a_crashed_superexec_and_falls_back_to_flowers(monke
     assert "starting Flower's" in capsys.readouterr().err
 
 
-def test_a_superexec_stopped_on_purpose_is_not_restarted(monkeypatch):
-    exits = Exits([-signal.SIGTERM])
+def test_a_superexec_that_stops_while_its_node_runs_is_started_again_after_the_grace(
+    monkeypatch, capsys
+):
+    # A node's stop ends its SuperExec and, within the grace, the keeper's thread; a SuperExec
+    # stopped by something else (Flower's heartbeat raised SIGINT in it) must come back.
+    exits = Exits([-signal.SIGINT, 0, -signal.SIGTERM])
+    slept: list[float] = []
     monkeypatch.setattr(launcher.subprocess, "Popen", exits)
-    started = time.monotonic()
-    launcher.ExecutorKeeper("127.0.0.1:9111").keep()
-    assert len(exits.commands) == 1 and time.monotonic() - started < 5
+    monkeypatch.setattr(launcher.time, "sleep", slept.append)
+    with pytest.raises(NodeGone):
+        launcher.ExecutorKeeper("127.0.0.1:9111").keep()
+    assert len(exits.commands) == 3  # each stopped one started again, once the grace passed
+    assert slept.count(launcher.STOPPED_GRACE_S) == 3
+    assert all("fedfm_flower.deploy.superexec" in c for c in exits.commands)
+    err = capsys.readouterr().err  # three quick exits in a row: Flower's SuperExec next
+    assert err.count("starting it again") == 2 and err.count("starting Flower's") == 1
+
+
+def test_a_crashed_superexec_is_started_again_without_the_grace(monkeypatch):
+    exits = Exits([1])
+    slept: list[float] = []
+    monkeypatch.setattr(launcher.subprocess, "Popen", exits)
+    monkeypatch.setattr(launcher.time, "sleep", slept.append)
+    with pytest.raises(NodeGone):
+        launcher.ExecutorKeeper("127.0.0.1:9111").keep()
+    assert len(exits.commands) == 1 and launcher.STOPPED_GRACE_S not in slept
 
 
 def test_the_options_and_command_line_pass_it_on(tmp_path):

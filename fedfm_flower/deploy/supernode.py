@@ -41,10 +41,10 @@ Fleet connection and ``HeartbeatSender``), on the Flower versions above only.
 
 ``--warm-executor`` runs the node's ClientApp tasks without a process per message: the SuperNode
 starts with ``--isolation process`` and this process keeps ``fedfm_flower.deploy.superexec``
-running beside it (started again when it exits, Flower's ``flower-superexec`` after
-``EXECUTOR_FAILURES`` quick failures). On a Flower that SuperExec does not know, or with TLS on
-the node's runtime API (``--appio-ssl-*``), the node keeps Flower's subprocess isolation and
-says so on stderr.
+running beside it (started again whenever it exits while the node runs, Flower's
+``flower-superexec`` after ``EXECUTOR_FAILURES`` quick failures). On a Flower that SuperExec
+does not know, or with TLS on the node's runtime API (``--appio-ssl-*``), the node keeps
+Flower's subprocess isolation and says so on stderr.
 """
 
 from __future__ import annotations
@@ -77,7 +77,8 @@ GROWTH = 1.5
 REPLY_WAIT_S = 0.5  # Flower's wait between looks for the ClientApp's reply
 EXECUTOR_FAILURES = 3  # quick exits of the warm SuperExec before Flower's takes over
 QUICK_EXIT_S = 10.0
-STOPPED = (0, -signal.SIGTERM, -signal.SIGINT)  # a SuperExec's exits that are no crash
+STOPPED = (0, -signal.SIGTERM, -signal.SIGINT)  # a SuperExec's exits that may be its node's stop
+STOPPED_GRACE_S = 5.0  # a stopped SuperExec is started again if its SuperNode outlives this
 # The modules of the node's process that read Flower's node heartbeat interval (30 s).
 HEARTBEAT_MODULES = ("flwr.supernode.fleet_http_connection", "flwr.supercore.heartbeat")
 HEARTBEAT_NAME = "HEARTBEAT_DEFAULT_INTERVAL"
@@ -226,14 +227,19 @@ class ExecutorKeeper:
         return [str(flower) if flower.exists() else "flower-superexec", *common]
 
     def keep(self) -> None:
-        """Start the SuperExec, and again whenever it crashes (a thread of the SuperNode)."""
+        """Start the SuperExec, and again whenever it exits while the SuperNode runs (a daemon
+        thread of the SuperNode: it ends with the node's process)."""
         while True:
             started = time.monotonic()
             self.process = subprocess.Popen(self.command())
             code = self.process.wait()
-            if code in STOPPED:  # stopped on purpose, or its SuperNode is gone: not a crash
-                return
             quick = time.monotonic() - started < QUICK_EXIT_S
+            if code in STOPPED:
+                # A SuperNode that stops takes its SuperExec (same process group) and this
+                # thread with it within the grace; a node still running after it lost its
+                # SuperExec to something else (Flower's task heartbeat raised SIGINT in it at
+                # 24 SuperNodes) and would otherwise never run a task again.
+                time.sleep(STOPPED_GRACE_S)
             self.failures = self.failures + 1 if quick else 0
             print(
                 f"fedfm_flower.deploy.supernode: the SuperExec exited ({code}); starting "
