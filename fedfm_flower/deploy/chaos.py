@@ -41,7 +41,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -274,7 +274,10 @@ class ChaosDriver:
                 time.sleep(0.05)
         record.recorded_rounds = self.recorded()
         record.pids = self.deployment.kill_serverapp()
-        self.results.append(self.deployment.finish_run(run, timeout=5))
+        # Its `flwr run` streams until the run is stopped: the wait's timeout is the expected end.
+        ended = self.deployment.finish_run(run, timeout=5)
+        status = "serverapp-killed" if ended.status == "timeout" else ended.status
+        self.results.append(replace(ended, status=status))
         return self.deployment.start_run({**self.run_config, "resume": True})
 
     def run(self, plan: Sequence[ChaosEvent]) -> list[RunResult]:
