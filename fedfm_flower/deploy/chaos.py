@@ -421,9 +421,8 @@ def client_state_dirs(deployment: LocalDeployment, run_name: str) -> dict[int, P
     """Client id -> that client's state directory of run ``run_name``, for every node."""
     found = {}
     for node in range(deployment.options.num_supernodes):
-        config = deployment.node_config(node)
-        client = int(config["client-id"])
-        found[client] = Path(config["state-dir"]) / run_name / f"client_{client}"
+        client, state_dir = client_of(deployment, node), deployment.node_config(node)["state-dir"]
+        found[client] = Path(state_dir) / run_name / f"client_{client}"
     return found
 
 
