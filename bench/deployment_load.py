@@ -25,6 +25,7 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -34,9 +35,11 @@ from fedfm_flower.processes import proc_cmdline
 from fedfm_flower.results import RunDirectory
 
 MB = 2**20
+FORKSERVER = "fedfm_flower.deploy.forkserver"
+EXECUTOR = "superexec (warm ClientApp)"
 ROLES = (
     ("flower-superlink", "superlink"),
-    ("fedfm_flower.deploy.superexec", "superexec (warm ClientApp)"),
+    ("fedfm_flower.deploy.superexec", EXECUTOR),
     ("flower-superexec", "superlink's superexec"),
     ("fedfm_flower.deploy.supernode", "supernode"),
     ("flower-supernode", "supernode"),
@@ -49,10 +52,20 @@ ROLES = (
 def role_of(pid: int) -> str:
     """The deployment role of a process, from its command line."""
     command = " ".join(proc_cmdline(pid))
+    if FORKSERVER in command:  # the server, or a SuperExec it forked (same command line)
+        return EXECUTOR if FORKSERVER in " ".join(proc_cmdline(parent_pid(pid))) else "fork server"
     for marker, role in ROLES:
         if marker in command:
             return role
     return "other"
+
+
+def parent_pid(pid: int) -> int:
+    """The parent of a process (0 when it is gone)."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
 
 
 def cpu_seconds(pid: int) -> float:
@@ -99,11 +112,10 @@ def run_load(
     rounds: int,
     workdir: Path,
     config: dict[str, Any],
-    database: str | None = None,
-    pull_patience: float | None = None,
+    deploy: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """One deployment of ``num_nodes`` SuperNodes running ``rounds`` FedAvg rounds (the
-    SuperLink's ``--database`` ``database``, None: its SQLite file); its row."""
+    """One deployment of ``num_nodes`` SuperNodes running ``rounds`` FedAvg rounds (``deploy``:
+    ``DeployOptions`` fields, e.g. ``superlink_database``, ``shared_imports``); its row."""
     name = f"load-{num_nodes}"
     output = workdir / "runs"
     options = DeployOptions(
@@ -113,8 +125,7 @@ def run_load(
         startup_timeout=60.0 + 10.0 * num_nodes,
         run_timeout=600.0 + 60.0 * num_nodes,
         warm_executor=True,
-        superlink_database=database,
-        pull_patience=pull_patience,
+        **(deploy or {}),
     )
     run_config = {
         **config,
@@ -134,8 +145,10 @@ def run_load(
         deployment.stop()
     row: dict[str, Any] = {
         "supernodes": num_nodes,
-        "superlink-database": database or "sqlite file",
-        "pull-patience-s": pull_patience,
+        "superlink-database": options.superlink_database or "sqlite file",
+        "pull-patience-s": options.pull_patience,
+        "shared-imports": options.shared_imports,
+        "max-poll-interval-s": options.max_poll_interval,
         "status": result.status,
         "start-s": online,
         "run-s": result.seconds,
@@ -167,8 +180,7 @@ def sweep(
     workdir: Path,
     config: dict[str, Any],
     memory_fraction: float,
-    database: str | None = None,
-    pull_patience: float | None = None,
+    deploy: Mapping[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """``run_load`` for each N until memory would run out or a run fails."""
     rows: list[dict[str, Any]] = []
@@ -186,7 +198,7 @@ def sweep(
                 )
                 print(json.dumps(rows[-1]), flush=True)
                 break
-        rows.append(run_load(num_nodes, rounds, workdir, config, database, pull_patience))
+        rows.append(run_load(num_nodes, rounds, workdir, config, deploy))
         print(json.dumps(rows[-1]), flush=True)
         if rows[-1]["status"] != "finished:completed":
             break
@@ -210,7 +222,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             )
             continue
         peaks, cpu = row["role-peak-pss-mb"], row["role-cpu-s"]
-        executor = "superexec (warm ClientApp)"
+        executor = EXECUTOR
         lines.append(
             f"| {row['supernodes']} | {row['status']} | {row['start-s']:.0f} "
             f"| {row.get('steady-round-s', float('nan')):.2f} "
@@ -221,6 +233,18 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"{cpu.get('serverapp', 0):.0f} / {cpu.get('supernode', 0):.0f} |"
         )
     return "\n".join(lines)
+
+
+def deploy_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``DeployOptions`` fields the command line sets."""
+    deploy: dict[str, Any] = {
+        "superlink_database": args.superlink_database,
+        "pull_patience": args.pull_patience,
+        "shared_imports": args.shared_imports,
+    }
+    if args.max_poll_interval is not None:
+        deploy["max_poll_interval"] = args.max_poll_interval
+    return deploy
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -243,6 +267,17 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="seconds a warm executor waits for its message's next object (default 90)",
     )
+    parser.add_argument(
+        "--shared-imports",
+        action="store_true",
+        help="fork the warm executors from one process that imported their libraries once",
+    )
+    parser.add_argument(
+        "--max-poll-interval",
+        type=float,
+        default=None,
+        help="the SuperNodes' longest idle wait in seconds (default 1)",
+    )
     args = parser.parse_args(argv)
     if any(n < 1 for n in args.supernodes) or args.rounds < 1:
         parser.error("--supernodes and --rounds must be >= 1")
@@ -260,8 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         args.workdir,
         config,
         args.memory_fraction,
-        args.superlink_database,
-        args.pull_patience,
+        deploy_overrides(args),
     )
     print(table(rows))
     if args.out is not None:

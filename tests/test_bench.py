@@ -315,9 +315,9 @@ def test_the_load_sweep_stops_where_memory_would_run_out(monkeypatch, tmp_path) 
     ran: list[int] = []
     passed: set[tuple] = set()
 
-    def fake_run(num_nodes: int, rounds: int, workdir, config, database, pull_patience) -> dict:
+    def fake_run(num_nodes: int, rounds: int, workdir, config, deploy) -> dict:
         ran.append(num_nodes)
-        passed.add((database, pull_patience))
+        passed.add(tuple(sorted(deploy.items())))
         return {
             "supernodes": num_nodes,
             "status": "finished:completed",
@@ -329,10 +329,11 @@ def test_the_load_sweep_stops_where_memory_would_run_out(monkeypatch, tmp_path) 
 
     monkeypatch.setattr(deployment_load, "run_load", fake_run)
     monkeypatch.setattr(deployment_load, "available_bytes", lambda: 10_000 * deployment_load.MB)
-    rows = deployment_load.sweep([2, 4, 8, 16, 30], 3, tmp_path, {}, 0.8, ":flwr-in-memory:", 300.0)
+    deploy = {"superlink_database": ":flwr-in-memory:", "pull_patience": 300.0}
+    rows = deployment_load.sweep([2, 4, 8, 16, 30], 3, tmp_path, {}, 0.8, deploy)
     # 8 nodes: 5,400 MB predicted (fits 8,000); 16 nodes: 10,200 MB > 0.8 * 10,000
     assert ran == [2, 4, 8]
-    assert passed == {(":flwr-in-memory:", 300.0)}  # every run gets the SuperLink's store
+    assert passed == {tuple(sorted(deploy.items()))}  # every run gets the same options
     assert rows[-1]["status"] == "not-started: memory" and rows[-1]["supernodes"] == 16
     assert rows[-1]["predicted-pss-mb"] == pytest.approx(600.0 * 17)
     assert "not-started: memory" in deployment_load.table(rows)

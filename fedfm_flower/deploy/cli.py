@@ -106,6 +106,13 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         help="a flwr-clientapp process per message (Flower's SuperExec) instead of each node's "
         "tasks in one kept process (fedfm_flower.deploy.superexec); --flower-waits implies it",
     )
+    parser.add_argument(
+        "--shared-imports",
+        action="store_true",
+        help="fork every warm executor from one process that imported torch, timm, peft and "
+        "Flower once (fedfm_flower.deploy.forkserver): less memory per SuperNode when many run "
+        "on one machine",
+    )
     waits = parser.add_mutually_exclusive_group()
     waits.add_argument(
         "--poll-interval",
@@ -166,6 +173,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
             poll_interval=None if args.flower_waits else args.poll_interval,
             max_poll_interval=args.max_poll_interval,
             warm_executor=not args.no_warm_executor,
+            shared_imports=args.shared_imports,
             heartbeat_interval=args.heartbeat_interval,
             superlink_database=args.superlink_database,
         )

@@ -21,6 +21,7 @@ import socket
 import ssl
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -34,6 +35,7 @@ from fedfm_flower.deploy.connection import (
     port_is_free,
     write_flwr_config,
 )
+from fedfm_flower.deploy.forkserver import FORKSERVER_VAR
 from fedfm_flower.deploy.options import CONNECTION, HOST, DeploymentError, DeployOptions
 from fedfm_flower.deploy.processes import (
     NODE_VAR,
@@ -204,6 +206,8 @@ class LocalDeployment:
         for i in range(self.options.num_supernodes):
             if not self.options.insecure:
                 self.node_ids[i] = self.register_key(self.keys[i].with_suffix(".pub"))
+        if self.options.shared_imports:
+            self.start_forkserver()
         started = time.monotonic()
         for i in range(self.options.num_supernodes):
             self.start_supernode(i, node_config=(node_overrides or {}).get(i))
@@ -296,6 +300,42 @@ class LocalDeployment:
             f"(last error: {last_error}); log {self.superlink.log_path}:\n{self.superlink.tail()}"
         )
 
+    @property
+    def forkserver_socket(self) -> Path:
+        """Where the warm executors' fork server listens (with ``options.shared_imports``): in
+        the work directory, or the temporary directory where that path is too long for a Unix
+        socket (108 bytes)."""
+        path = self.options.workdir / "forkserver.sock"
+        if len(os.fsencode(path)) < 100:
+            return path
+        return Path(tempfile.gettempdir()) / f"fedfm-forkserver-{self.tag[:16]}.sock"
+
+    def start_forkserver(self) -> ManagedProcess:
+        """The process that imports the warm executors' libraries once and forks one per
+        SuperNode (``fedfm_flower.deploy.forkserver``), waiting until it listens."""
+        socket_path = self.forkserver_socket
+        socket_path.unlink(missing_ok=True)
+        started = time.monotonic()
+        command = [sys.executable, "-m", "fedfm_flower.deploy.forkserver", "--socket"]
+        server = self._start("forkserver", [*command, str(socket_path)])
+        deadline = started + self.options.startup_timeout
+        while not socket_path.exists():
+            if not server.alive():
+                server.join_output()
+                raise DeploymentError(
+                    f"the fork server exited with {server.popen.returncode} during start; "
+                    f"log {server.log_path}:\n{server.tail()}"
+                )
+            if time.monotonic() > deadline:
+                raise DeploymentError(
+                    f"the fork server did not listen on {socket_path} within "
+                    f"{self.options.startup_timeout:.0f}s; log {server.log_path}"
+                )
+            time.sleep(0.2)
+        self.timings["forkserver-start-s"] = time.monotonic() - started
+        self.say(f"fork server ready after {self.timings['forkserver-start-s']:.1f}s")
+        return server
+
     def register_key(self, public_key: Path) -> str:
         """`flwr supernode register <key>.pub fedfm-local`; returns the node id."""
         result = self.flwr("supernode", "register", str(public_key), CONNECTION, "--format", "json")
@@ -355,6 +395,8 @@ class LocalDeployment:
         from fedfm_flower.deploy.superexec import TASKS_DIR_VAR
 
         env = {**self.env(), NODE_VAR: str(index), TASKS_DIR_VAR: str(self.tasks_dir(index))}
+        if self.options.shared_imports:
+            env[FORKSERVER_VAR] = str(self.forkserver_socket)
         process = self._start(name or f"supernode_{index}", command, env=env)
         self.nodes[index] = process
         return process

@@ -62,6 +62,10 @@ class DeployOptions:
     # How long a warm executor's task waits for its message's next object (seconds; None:
     # superexec.PULL_PATIENCE_S, 90). Raise it for many SuperNodes on few cores.
     pull_patience: float | None = None
+    # The warm executors forked from one process that imported their libraries once
+    # (fedfm_flower.deploy.forkserver), sharing those pages: many SuperNodes on one machine.
+    # Needs warm_executor.
+    shared_imports: bool = False
 
     def __post_init__(self) -> None:
         self.workdir = Path(self.workdir).expanduser().resolve()
@@ -84,6 +88,8 @@ class DeployOptions:
             raise ValueError(
                 f"pull patience must be a positive number of seconds, not {self.pull_patience!r}"
             )
+        if self.shared_imports and not self.warm_executor:
+            raise ValueError("--shared-imports needs the warm executors (no --no-warm-executor)")
         if self.heartbeat_interval is not None:
             if self.poll_interval is None:
                 raise ValueError("--heartbeat-interval needs the short waits' SuperNode")

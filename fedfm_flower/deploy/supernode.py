@@ -65,6 +65,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from fedfm_flower.deploy.forkserver import FORKSERVER_VAR, ForkedProcess, request_fork
 from fedfm_flower.waits import GrowingWait
 
 # Flower versions whose SuperNode loop is known to sleep through `time.sleep` in that module.
@@ -215,7 +216,7 @@ class ExecutorKeeper:
     def __init__(self, runtime_address: str) -> None:
         self.runtime_address = runtime_address
         self.failures = 0
-        self.process: subprocess.Popen[bytes] | None = None
+        self.process: subprocess.Popen[bytes] | ForkedProcess | None = None
 
     def command(self) -> list[str]:
         """Ours while it has not failed ``EXECUTOR_FAILURES`` times in a row, else Flower's."""
@@ -226,12 +227,29 @@ class ExecutorKeeper:
         flower = Path(sys.executable).with_name("flower-superexec")
         return [str(flower) if flower.exists() else "flower-superexec", *common]
 
+    def spawn(self) -> subprocess.Popen[bytes] | ForkedProcess:
+        """The SuperExec: forked by the fork server that ``FEDFM_EXECUTOR_FORKSERVER`` names
+        (ours only), else a process of its own (also when that server cannot be reached)."""
+        command = self.command()
+        server = os.environ.get(FORKSERVER_VAR)
+        if server and command[:3] == [sys.executable, "-m", "fedfm_flower.deploy.superexec"]:
+            try:
+                return request_fork(server, command[3:])
+            except OSError as err:
+                print(
+                    f"fedfm_flower.deploy.supernode: no fork from {server} ({err}); starting "
+                    "the SuperExec as its own process",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        return subprocess.Popen(command)
+
     def keep(self) -> None:
         """Start the SuperExec, and again whenever it exits while the SuperNode runs (a daemon
         thread of the SuperNode: it ends with the node's process)."""
         while True:
             started = time.monotonic()
-            self.process = subprocess.Popen(self.command())
+            self.process = self.spawn()
             code = self.process.wait()
             quick = time.monotonic() - started < QUICK_EXIT_S
             if code in STOPPED:
