@@ -179,3 +179,23 @@ def test_the_deployment_starts_the_server_and_names_it_to_its_nodes(tmp_path):
     from fedfm_flower.deploy.cli import build_parser
 
     assert build_parser("deploy").parse_args(["--shared-imports"]).shared_imports is True
+
+
+def test_a_failed_fork_is_a_refusal_not_the_servers_end(monkeypatch, tmp_path):
+    import socket
+
+    server = forkserver.ForkServer(tmp_path / "fork.sock")
+    server.listen()
+
+    def no_memory() -> int:
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(forkserver.os, "fork", no_memory)
+    requester = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    requester.connect(str(tmp_path / "fork.sock"))
+    request = forkserver.ForkRequest(["run"], {}, str(tmp_path))
+    socket.send_fds(requester, [request.encode()], [0, 1, 2])
+    server._accept()
+    assert forkserver._read_line(requester) == "0"
+    assert server.children == {}
+    server.listener.close()

@@ -260,12 +260,21 @@ class ForkServer:
         # Blocked across the fork: a signal sent to the new pid before the child has restored
         # the default handlers waits for them instead of reaching the server's.
         signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except OSError as err:  # out of memory or processes: refused, the server serves on
+            pid = -1
+            print(f"fedfm_flower.deploy.forkserver: fork failed: {err}", file=sys.stderr)
         if pid == 0:
             self._child(request, fds)  # never returns
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
         for fd in fds:
             os.close(fd)
+        if pid < 0:
+            with contextlib.suppress(OSError):
+                connection.sendall(b"0\n")
+            connection.close()
+            return
         connection.settimeout(None)
         self.children[pid] = connection
         self.selector.register(connection, selectors.EVENT_READ, data=pid)
