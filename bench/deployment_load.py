@@ -118,15 +118,13 @@ def run_load(
     ``DeployOptions`` fields, e.g. ``superlink_database``, ``shared_imports``); its row."""
     name = f"load-{num_nodes}"
     output = workdir / "runs"
-    options = DeployOptions(
-        num_supernodes=num_nodes,
-        workdir=workdir / name,
-        echo=False,
-        startup_timeout=60.0 + 10.0 * num_nodes,
-        run_timeout=600.0 + 60.0 * num_nodes,
-        warm_executor=True,
+    fields: dict[str, Any] = {
+        "startup_timeout": 60.0 + 10.0 * num_nodes,
+        "run_timeout": 600.0 + 60.0 * num_nodes,
+        "warm_executor": True,
         **(deploy or {}),
-    )
+    }
+    options = DeployOptions(num_supernodes=num_nodes, workdir=workdir / name, echo=False, **fields)
     run_config = {
         **config,
         "method": "fedavg",
@@ -149,6 +147,7 @@ def run_load(
         "pull-patience-s": options.pull_patience,
         "shared-imports": options.shared_imports,
         "max-poll-interval-s": options.max_poll_interval,
+        "run-timeout-s": options.run_timeout,
         "status": result.status,
         "start-s": online,
         "run-s": result.seconds,
@@ -244,6 +243,8 @@ def deploy_overrides(args: argparse.Namespace) -> dict[str, Any]:
     }
     if args.max_poll_interval is not None:
         deploy["max_poll_interval"] = args.max_poll_interval
+    if args.run_timeout is not None:
+        deploy["run_timeout"] = args.run_timeout
     return deploy
 
 
@@ -277,6 +278,12 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=None,
         help="the SuperNodes' longest idle wait in seconds (default 1)",
+    )
+    parser.add_argument(
+        "--run-timeout",
+        type=float,
+        default=None,
+        help="seconds for each run (default 600 + 60 per SuperNode)",
     )
     args = parser.parse_args(argv)
     if any(n < 1 for n in args.supernodes) or args.rounds < 1:
