@@ -44,7 +44,9 @@ starts with ``--isolation process`` and this process keeps ``fedfm_flower.deploy
 running beside it (started again whenever it exits while the node runs, Flower's
 ``flower-superexec`` after ``EXECUTOR_FAILURES`` quick failures). On a Flower that SuperExec
 does not know, or with TLS on the node's runtime API (``--appio-ssl-*``), the node keeps
-Flower's subprocess isolation and says so on stderr.
+Flower's subprocess isolation and says so on stderr. With ``FEDFM_EXECUTOR_FORKSERVER`` naming a
+fork server's socket (``DeployOptions.shared_imports``), the warm SuperExec is forked by that
+server (``fedfm_flower.deploy.forkserver``), sharing its imports with the other nodes' forks.
 """
 
 from __future__ import annotations
