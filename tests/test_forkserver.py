@@ -144,7 +144,7 @@ def test_the_keeper_forks_when_a_server_is_named_and_falls_back_when_it_is_gone(
 ):
     requests: list[tuple] = []
     monkeypatch.setattr(
-        launcher, "request_fork", lambda path, argv: requests.append((path, argv)) or "forked"
+        forkserver, "request_fork", lambda path, argv: requests.append((path, argv)) or "forked"
     )
     monkeypatch.setattr(launcher.subprocess, "Popen", lambda command: ("popen", command))
     keeper = launcher.ExecutorKeeper("127.0.0.1:9111")
@@ -158,11 +158,11 @@ def test_the_keeper_forks_when_a_server_is_named_and_falls_back_when_it_is_gone(
     def unreachable(path, argv):
         raise FileNotFoundError(path)
 
-    monkeypatch.setattr(launcher, "request_fork", unreachable)
+    monkeypatch.setattr(forkserver, "request_fork", unreachable)
     assert keeper.spawn() == ("popen", keeper.command())
     assert "no fork from" in capsys.readouterr().err
     keeper.failures = launcher.EXECUTOR_FAILURES  # Flower's SuperExec is never forked
-    monkeypatch.setattr(launcher, "request_fork", lambda path, argv: pytest.fail("forked"))
+    monkeypatch.setattr(forkserver, "request_fork", lambda path, argv: pytest.fail("forked"))
     assert keeper.spawn()[1][0].endswith("flower-superexec")
 
 
@@ -198,4 +198,23 @@ def test_a_failed_fork_is_a_refusal_not_the_servers_end(monkeypatch, tmp_path):
     server._accept()
     assert forkserver._read_line(requester) == "0"
     assert server.children == {}
+    server.listener.close()
+
+
+def test_a_requester_that_gave_up_loses_its_child_not_the_server(monkeypatch, tmp_path):
+    """30 SuperNodes starting on 2 cores: a requester's wait ran out before its answer; the
+    server's reply then failed, which ended the server (and every fork with it)."""
+    import socket
+
+    server = forkserver.ForkServer(tmp_path / "fork.sock")
+    server.listen()
+    stand_in = subprocess.Popen(["sleep", "60"])  # the fork, as a process we can watch
+    monkeypatch.setattr(forkserver.os, "fork", lambda: stand_in.pid)
+    requester = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    requester.connect(str(tmp_path / "fork.sock"))
+    request = forkserver.ForkRequest(["run"], {}, str(tmp_path))
+    socket.send_fds(requester, [request.encode()], [0, 1, 2])
+    requester.close()  # gave up
+    server._accept()  # no exception: the server serves on
+    assert stand_in.wait(timeout=10) == -signal.SIGKILL
     server.listener.close()

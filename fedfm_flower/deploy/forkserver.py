@@ -66,7 +66,9 @@ DEFAULT_PRELOAD = (
 TARGET = "fedfm_flower.deploy.superexec"  # the module whose main(argv) a child runs
 HEADER = struct.Struct(">I")
 MAX_REQUEST_BYTES = 4 * 2**20
-REQUEST_TIMEOUT_S = 10.0
+# How long a requester waits for its fork, and the server for a request's bytes: long, because
+# 30 SuperNodes starting on 2 cores ask at once (a 10 s wait ran out there).
+REQUEST_TIMEOUT_S = 120.0
 STOP_GRACE_S = 5.0
 PR_SET_PDEATHSIG = 1
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -278,7 +280,10 @@ class ForkServer:
         connection.settimeout(None)
         self.children[pid] = connection
         self.selector.register(connection, selectors.EVENT_READ, data=pid)
-        connection.sendall(f"{pid}\n".encode())
+        try:
+            connection.sendall(f"{pid}\n".encode())
+        except OSError:  # the requester gave up waiting: its child is nobody's
+            self._requester_gone(pid, force=True)
 
     @staticmethod
     def _receive(connection: socket.socket) -> tuple[ForkRequest, list[int]]:
@@ -334,7 +339,7 @@ class ForkServer:
                 sys.stderr.flush()
             os._exit(code)
 
-    def _requester_gone(self, pid: int) -> None:
+    def _requester_gone(self, pid: int, force: bool = False) -> None:
         connection = self.children.get(pid)
         if connection is None:
             return
@@ -342,7 +347,8 @@ class ForkServer:
             if connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
                 return  # a requester never writes after its request: stray bytes, not an end
         except BlockingIOError:
-            return
+            if not force:
+                return
         except OSError:
             pass  # reset by the peer: gone as well
         with contextlib.suppress(ProcessLookupError):

@@ -35,7 +35,6 @@ from fedfm_flower.deploy.connection import (
     port_is_free,
     write_flwr_config,
 )
-from fedfm_flower.deploy.forkserver import FORKSERVER_VAR
 from fedfm_flower.deploy.options import CONNECTION, HOST, DeploymentError, DeployOptions
 from fedfm_flower.deploy.processes import (
     NODE_VAR,
@@ -396,6 +395,8 @@ class LocalDeployment:
 
         env = {**self.env(), NODE_VAR: str(index), TASKS_DIR_VAR: str(self.tasks_dir(index))}
         if self.options.shared_imports:
+            from fedfm_flower.deploy.forkserver import FORKSERVER_VAR
+
             env[FORKSERVER_VAR] = str(self.forkserver_socket)
         process = self._start(name or f"supernode_{index}", command, env=env)
         self.nodes[index] = process

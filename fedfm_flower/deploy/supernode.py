@@ -65,10 +65,12 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from fedfm_flower.deploy.forkserver import FORKSERVER_VAR, ForkedProcess, request_fork
 from fedfm_flower.waits import GrowingWait
+
+if TYPE_CHECKING:
+    from fedfm_flower.deploy.forkserver import ForkedProcess
 
 # Flower versions whose SuperNode loop is known to sleep through `time.sleep` in that module.
 KNOWN_FLOWER = ("1.41.", "1.42.")
@@ -232,6 +234,10 @@ class ExecutorKeeper:
     def spawn(self) -> subprocess.Popen[bytes] | ForkedProcess:
         """The SuperExec: forked by the fork server that ``FEDFM_EXECUTOR_FORKSERVER`` names
         (ours only), else a process of its own (also when that server cannot be reached)."""
+        # Imported here: the package must not load the fork server's module that `python -m`
+        # runs.
+        from fedfm_flower.deploy.forkserver import FORKSERVER_VAR, request_fork
+
         command = self.command()
         server = os.environ.get(FORKSERVER_VAR)
         if server and command[:3] == [sys.executable, "-m", "fedfm_flower.deploy.superexec"]:
