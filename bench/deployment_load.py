@@ -31,7 +31,7 @@ from typing import Any
 
 from bench.process_memory import PeakMemory
 from fedfm_flower.deploy import DeployOptions, LocalDeployment
-from fedfm_flower.processes import proc_cmdline
+from fedfm_flower.processes import exit_on_sigterm, proc_cmdline
 from fedfm_flower.results import RunDirectory
 
 MB = 2**20
@@ -286,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds for each run (default 600 + 60 per SuperNode)",
     )
     args = parser.parse_args(argv)
+    exit_on_sigterm()  # a killed bench stops its deployment (finally) instead of leaving it
     if any(n < 1 for n in args.supernodes) or args.rounds < 1:
         parser.error("--supernodes and --rounds must be >= 1")
     if not 0 < args.memory_fraction <= 1:
