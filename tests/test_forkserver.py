@@ -117,9 +117,12 @@ def test_a_bad_request_is_refused_and_the_server_serves_on(server, tmp_path):
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     connection.connect(str(socket_path))
     payload = b"not json"
+    descriptors = len(os.listdir(f"/proc/{process.pid}/fd"))
     socket.send_fds(connection, [forkserver.HEADER.pack(len(payload)) + payload], [0, 1, 2])
     assert forkserver._read_line(connection) == "0"
     connection.close()
+    time.sleep(0.3)  # the server closes its end of the refused connection
+    assert len(os.listdir(f"/proc/{process.pid}/fd")) == descriptors  # none of the 3 kept
     for bad in ({"argv": "run", "env": {}, "cwd": "/"}, {"argv": [], "env": {"A": 1}, "cwd": "/"}):
         with pytest.raises(ValueError, match="argv|env"):
             forkserver.ForkRequest.decode(json.dumps(bad).encode())

@@ -247,13 +247,10 @@ class ForkServer:
 
     def _accept(self) -> None:
         connection, _ = self.listener.accept()
-        fds: list[int] = []
         try:
             connection.settimeout(REQUEST_TIMEOUT_S)
             request, fds = self._receive(connection)
         except (OSError, ValueError) as err:
-            for fd in fds:
-                os.close(fd)
             print(f"fedfm_flower.deploy.forkserver: bad request: {err}", file=sys.stderr)
             with contextlib.suppress(OSError):
                 connection.sendall(b"0\n")
@@ -288,6 +285,17 @@ class ForkServer:
     @staticmethod
     def _receive(connection: socket.socket) -> tuple[ForkRequest, list[int]]:
         data, fds, _, _ = socket.recv_fds(connection, 65536, 3)
+        try:
+            return ForkServer._parse(connection, data, list(fds))
+        except BaseException:
+            for fd in fds:  # a refused request keeps none of the descriptors it brought
+                os.close(fd)
+            raise
+
+    @staticmethod
+    def _parse(
+        connection: socket.socket, data: bytes, fds: list[int]
+    ) -> tuple[ForkRequest, list[int]]:
         if len(fds) != 3:
             raise ValueError(f"{len(fds)} descriptors attached, not 3 (stdin, stdout, stderr)")
         while len(data) < HEADER.size:
@@ -304,7 +312,7 @@ class ForkServer:
             if not more:
                 raise ValueError("the request ended early")
             data += more
-        return ForkRequest.decode(data[:length]), list(fds)
+        return ForkRequest.decode(data[:length]), fds
 
     def _child(self, request: ForkRequest, fds: list[int]) -> None:
         code = 1
