@@ -122,7 +122,7 @@ def test_a_bad_request_is_refused_and_the_server_serves_on(server, tmp_path):
     assert forkserver._read_line(connection) == "0"
     connection.close()
     time.sleep(0.3)  # the server closes its end of the refused connection
-    assert len(os.listdir(f"/proc/{process.pid}/fd")) == descriptors  # none of the 3 kept
+    assert len(os.listdir(f"/proc/{process.pid}/fd")) <= descriptors  # none of the 3 kept
     for bad in ({"argv": "run", "env": {}, "cwd": "/"}, {"argv": [], "env": {"A": 1}, "cwd": "/"}):
         with pytest.raises(ValueError, match="argv|env"):
             forkserver.ForkRequest.decode(json.dumps(bad).encode())
