@@ -20,6 +20,7 @@ import pytest
 
 from fedfm_flower.deploy import forkserver
 from fedfm_flower.deploy import supernode as launcher
+from fedfm_flower.processes import pid_alive
 
 TARGET = textwrap.dedent(
     """
@@ -76,7 +77,7 @@ def fork(socket_path: Path, argv: list[str], tmp_path: Path, name: str):
 def gone(pid: int, within: float) -> bool:
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
-        if not forkserver._pid_alive(pid):
+        if not pid_alive(pid):
             return True
         time.sleep(0.05)
     return False
@@ -101,7 +102,7 @@ def test_a_child_runs_with_the_requesters_arguments_environment_and_stdio(server
 def test_a_child_dies_with_its_requester_and_a_signal_is_reported(server, tmp_path):
     _, socket_path = server
     child, _ = fork(socket_path, ["sleep", "0"], tmp_path, "sleeper")
-    assert forkserver._pid_alive(child.pid) and child.poll() is None
+    assert pid_alive(child.pid) and child.poll() is None
     child.connection.close()  # what a SuperNode's death does to its end
     assert gone(child.pid, within=5.0)
     other, _ = fork(socket_path, ["sleep", "0"], tmp_path, "other")
@@ -139,7 +140,7 @@ def test_the_server_stops_its_children_when_it_stops(server, tmp_path):
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=15) == 0
     assert child.wait() == -signal.SIGTERM
-    assert not forkserver._pid_alive(child.pid)
+    assert not pid_alive(child.pid)
 
 
 def test_the_keeper_forks_when_a_server_is_named_and_falls_back_when_it_is_gone(

@@ -47,6 +47,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from fedfm_flower.processes import pid_alive
+
 FORKSERVER_VAR = "FEDFM_EXECUTOR_FORKSERVER"  # the socket a SuperNode's keeper asks for forks
 # What a warm SuperExec imports before its first task (by weight: torch 281 MB, timm 135 MB,
 # peft with transformers 60 MB, Flower's ClientApp modules 12 MB) and the project's ClientApp
@@ -123,7 +125,7 @@ class ForkedProcess:
         line = _read_line(self.connection)
         self.connection.close()
         if line is None:  # the server died; the kernel has SIGKILLed its children
-            while _pid_alive(self.pid):
+            while pid_alive(self.pid):
                 time.sleep(0.2)
             self.returncode = -signal.SIGKILL
         else:
@@ -135,24 +137,14 @@ class ForkedProcess:
         if self.returncode is None:
             self.connection.setblocking(False)
             try:
-                peeked = self.connection.recv(1, socket.MSG_PEEK)
+                # a status line, or the server's end closed: either way, done
+                self.connection.recv(1, socket.MSG_PEEK)
             except BlockingIOError:
                 return None
             finally:
                 self.connection.setblocking(True)
-            del peeked  # a status line, or the server's end closed: either way, done
             return self.wait()
         return self.returncode
-
-    def send_signal(self, signum: int) -> None:
-        """Signal the child."""
-        if self.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signum)
-
-    def kill(self) -> None:
-        """SIGKILL the child."""
-        self.send_signal(signal.SIGKILL)
 
 
 def _read_line(connection: socket.socket) -> str | None:
@@ -167,16 +159,6 @@ def _read_line(connection: socket.socket) -> str | None:
             return None
         data += chunk
     return data.decode().strip()
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def request_fork(
