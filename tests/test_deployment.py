@@ -185,3 +185,25 @@ def test_deploy_exit_status_follows_the_run_status(status: str, code: int, tmp_p
     result = RunResult(1, status, 0, 1.0, None, tmp_path / "flwr_run.log")
     assert result.exit_code == code
     assert result.ok == (code == 0)
+
+
+def test_the_fab_holds_the_apps_code_and_configs_not_results_docs_or_tests() -> None:
+    """Flower's own builder packs this project as every run's FAB: the packages the apps import
+    and the setup configs are in it; results, docs and tests are not, and it stays well under
+    Flower's 10 MB limit."""
+    import io
+    import zipfile
+
+    from flwr.cli.build import build_fab_from_disk
+    from flwr.common.constant import FAB_MAX_SIZE
+
+    fab = build_fab_from_disk(ROOT)
+    names = zipfile.ZipFile(io.BytesIO(fab)).namelist()
+    tops = {name.split("/", 1)[0] for name in names}
+    assert {"fedfm_flower", "client_apps", "server_apps", "strategies", "configs"} <= tops
+    assert {"client_apps/app.py", "server_apps/app.py", "configs/setups/glyphs-whole-vit.toml"} <= (
+        set(names)
+    )
+    assert not tops & {"docs", "tests"}
+    assert not [name for name in names if name.startswith("bench/results/")]
+    assert len(fab) < FAB_MAX_SIZE / 4, len(fab)
