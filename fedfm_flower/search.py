@@ -9,6 +9,8 @@ over are ``training_space`` here, so every method gets the same ones. A range is
 - ``Choice(values)``: one of the values (any scalar type);
 - ``Around(down, up)``: log-uniform over ``[v / down, v * up]`` where ``v`` is the setup's own
   value of the key (``lr``: a setup's learning rate sets the scale; an int key gives ints).
+- ``When(range, key, values)``: ``range``, searched only where the base config's ``key`` is one of
+  ``values`` (a key that changes nothing otherwise is left out rather than searched in vain).
 
 ``resolve_space`` turns a declared space into absolute ranges for one base run config and
 validates it: every key must be a run-config key of the right type, every range non-empty,
@@ -125,7 +127,16 @@ class Around:
     up: float = 10.0
 
 
-Range = LogUniform | Uniform | IntRange | Choice | Around
+@dataclass(frozen=True)
+class When:
+    """``range`` where the base config's ``key`` is one of ``values``; no search elsewhere."""
+
+    range: LogUniform | Uniform | IntRange | Choice | Around
+    key: str
+    values: tuple[Any, ...]
+
+
+Range = LogUniform | Uniform | IntRange | Choice | Around | When
 Resolved = LogUniform | Uniform | IntRange | Choice
 
 
@@ -160,6 +171,14 @@ def resolve_space(space: Mapping[str, Range], base: Mapping[str, Any]) -> dict[s
     for key, declared in space.items():
         if key not in defaults:
             raise SearchSpaceError(f"search space key '{key}' is not a run-config key")
+        if isinstance(declared, When):
+            if declared.key not in defaults:
+                raise SearchSpaceError(
+                    f"search space '{key}' depends on '{declared.key}', not a run-config key"
+                )
+            if full[declared.key] not in declared.values:
+                continue
+            declared = declared.range
         kind = type(defaults[key])
         rng = _absolute(key, declared, full[key], kind)
         _check_range(key, rng, kind)

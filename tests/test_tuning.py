@@ -22,6 +22,7 @@ from fedfm_flower.search import (
     LogUniform,
     SearchSpaceError,
     Uniform,
+    When,
     resolve_space,
 )
 from fedfm_flower.sweep import CONFIG_ROOT, cell_config
@@ -71,9 +72,41 @@ def test_every_methods_declared_space_resolves_on_its_setups() -> None:
                 continue  # a variant of the method, not a setup
             base = cell_config(method, setup_file.stem, 0, Path("/tmp/unused"))
             space = resolve_space(search.method_space(base), base)
-            assert "lr" in space and set(spec.search) <= set(space)
+            full = {**ExperimentConfig().to_run_config(), **base}
+            applies = {
+                key
+                for key, rng in spec.search.items()
+                if not isinstance(rng, When) or full[rng.key] in rng.values
+            }
+            assert "lr" in space and applies <= set(space)
             checked.add(method)
     assert {"fedprox", "per-fedavg", "tap", "fedperfix", "pfedseq"} <= checked
+
+
+def test_a_conditional_range_is_searched_only_where_its_key_has_effect() -> None:
+    """FedDPA's alpha: FedDPA-T mixes with it in training; FedDPA-F only with the fixed
+    inference weight (its dynamic weighting's lambda is 1), so only there is it searched."""
+    text = {"dataset": "instructions", "backbone": "tiny-llama", "lr": 0.005}
+    alpha = Uniform(0.1, 0.9)
+    for method, weighting, searched in [
+        ("feddpa-t", "dynamic", True),
+        ("feddpa-t", "fixed", True),
+        ("feddpa-f", "dynamic", False),
+        ("feddpa-f", "fixed", True),
+    ]:
+        base = {**text, "method": method, "feddpa-weighting": weighting}
+        space = resolve_space(search.method_space(base), base)
+        assert (space.get("feddpa-alpha") == alpha) is searched, (method, weighting)
+        assert {"lr", "local-epochs"} <= set(space)
+    assert "feddpa-alpha" not in resolve_space(
+        search.method_space({**text, "method": "feddpa-f"}), {**text, "method": "feddpa-f"}
+    )  # the default weighting is dynamic
+    with pytest.raises(SearchSpaceError, match="depends on 'weighting', not a run-config key"):
+        resolve_space({"feddpa-alpha": When(alpha, "weighting", ("fixed",))}, text)
+    with pytest.raises(SearchSpaceError, match="'feddpa-alpha' reaches 2.0"):
+        resolve_space(
+            {"feddpa-alpha": When(Uniform(0.0, 2.0), "feddpa-weighting", ("dynamic",))}, text
+        )
 
 
 def test_a_trial_draws_inside_the_space_with_optuna() -> None:

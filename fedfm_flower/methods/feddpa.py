@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from fedfm_flower.methods import MethodSpec, Split
-from fedfm_flower.search import Uniform
+from fedfm_flower.search import Uniform, When
 from fedfm_flower.settings import ConfigError, MethodSettings, setting
 
 WEIGHTINGS: tuple[str, ...] = ("dynamic", "fixed")
@@ -67,8 +67,9 @@ class FedDPASettings(MethodSettings):
 _ADAPTERS = Split(shared=("adapter.global",), local=("adapter.local",))
 
 # Tuned besides the common training keys (fedfm_flower.search): the local adapter's weight in
-# training (FedDPA eq. 6).
-SEARCH = {"feddpa-alpha": Uniform(0.1, 0.9)}
+# training (FedDPA eq. 6). FedDPA-F mixes nothing in training and its dynamic weighting's lambda
+# is 1, so there alpha only matters as the fixed inference weight.
+ALPHA = Uniform(0.1, 0.9)
 
 SPECS = (
     MethodSpec(
@@ -81,7 +82,7 @@ SPECS = (
         tuner="dual-lora",
         modalities=("text",),
         split=_ADAPTERS,
-        search=SEARCH,
+        search={"feddpa-alpha": ALPHA},
     ),
     MethodSpec(
         "feddpa-f",
@@ -94,6 +95,6 @@ SPECS = (
         tuner="dual-lora",
         modalities=("text",),
         split=_ADAPTERS,
-        search=SEARCH,
+        search={"feddpa-alpha": When(ALPHA, "feddpa-weighting", ("fixed",))},
     ),
 )
