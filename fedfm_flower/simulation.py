@@ -1,10 +1,11 @@
 """Run the Flower App in local simulation with `flwr run`, and clean up what that started.
 
 ``python -m fedfm_flower.simulation --num-supernodes 10 -- [flwr run args]`` runs
-``flwr run . --stream --federation-config "num-supernodes=10 client-resources-num-cpus=1 ..."``
-with the project's environment (see ``scripts/env.sh``), then stops the detached local SuperLink
-that ``flwr run`` started (by process id; Flower leaves it running otherwise), also when the
-launcher itself is stopped with SIGTERM or Ctrl-C. With CUDA, each ClientApp gets a fraction of
+``flwr run <app> --stream --federation-config "num-supernodes=10 client-resources-num-cpus=1 ..."``
+(on a copy of the app's FAB files, ``fedfm_flower.app_stage``) with the project's environment
+(see ``scripts/env.sh``), then stops the detached local SuperLink that ``flwr run`` started
+(by process id; Flower leaves it running otherwise), also when the launcher itself is stopped
+with SIGTERM or Ctrl-C. With CUDA, each ClientApp gets a fraction of
 the GPU (``--gpu-fraction``) so several clients share it.
 
 Before anything starts, the run config (the app's defaults plus the ``-c``/``--run-config``
@@ -28,6 +29,7 @@ import uuid
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
+from fedfm_flower.app_stage import stage_app
 from fedfm_flower.launch import (
     ExitCode,
     exit_code_for_status,
@@ -183,10 +185,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         return ExitCode.NOT_STARTED
     flwr = str(Path(sys.executable).parent / "flwr")
+    # flwr run builds the FAB from a copy of its files: the same FAB, without walking .venv
+    stage = stage_app(app, flwr_home / "staged-apps" / launch[LAUNCH_TAG])
     command = [
         flwr,
         "run",
-        str(app),
+        str(stage),
         "--stream",
         "--federation-config",
         federation_config(args.num_supernodes, gpu_fraction, args.client_cpus),
@@ -250,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
             # Stopped mid-run, Ray's agents outlive their raylet: stop whatever is left of ours.
             stop_tagged(launch, grace_s=5.0)
             reader.join(timeout=5)
+            shutil.rmtree(stage, ignore_errors=True)
 
 
 def preflight(app: Path, flwr_args: list[str], num_supernodes: int) -> Preflight:

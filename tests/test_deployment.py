@@ -187,15 +187,19 @@ def test_deploy_exit_status_follows_the_run_status(status: str, code: int, tmp_p
     assert result.ok == (code == 0)
 
 
-def test_the_fab_holds_the_apps_code_and_configs_not_results_docs_or_tests() -> None:
+def test_the_fab_holds_the_apps_code_and_configs_and_the_staged_app_builds_it_exactly(
+    tmp_path: Path,
+) -> None:
     """Flower's own builder packs this project as every run's FAB: the packages the apps import
-    and the setup configs are in it; results, docs and tests are not, and it stays well under
-    Flower's 10 MB limit."""
+    and the setup configs, not results, docs, tests or the bench, well under Flower's 10 MB
+    limit; the staged copy ``flwr run`` builds from gives the same FAB, byte for byte."""
     import io
     import zipfile
 
     from flwr.cli.build import build_fab_from_disk
     from flwr.common.constant import FAB_MAX_SIZE
+
+    from fedfm_flower.app_stage import stage_app
 
     fab = build_fab_from_disk(ROOT)
     names = zipfile.ZipFile(io.BytesIO(fab)).namelist()
@@ -204,6 +208,11 @@ def test_the_fab_holds_the_apps_code_and_configs_not_results_docs_or_tests() -> 
     assert {"client_apps/app.py", "server_apps/app.py", "configs/setups/glyphs-whole-vit.toml"} <= (
         set(names)
     )
-    assert not tops & {"docs", "tests"}
-    assert not [name for name in names if name.startswith("bench/results/")]
+    assert not tops & {"docs", "tests", "bench", "scripts"}
     assert len(fab) < FAB_MAX_SIZE / 4, len(fab)
+
+    stage = stage_app(ROOT, tmp_path / "stage")
+    assert build_fab_from_disk(stage) == fab
+    (stage / "stale.py").write_text("")
+    stage_app(ROOT, stage)  # a fresh copy each time: nothing left from the last one
+    assert not (stage / "stale.py").exists() and build_fab_from_disk(stage) == fab

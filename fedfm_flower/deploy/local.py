@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from fedfm_flower.app_stage import stage_app
 from fedfm_flower.deploy.certificates import ensure_certificates, ensure_supernode_keys
 from fedfm_flower.deploy.connection import (
     choose_base_port,
@@ -78,6 +79,7 @@ class LocalDeployment:
         self.node_overrides: dict[int, dict[str, Any]] = {}  # start_supernode's, by index
         self.keys: list[Path] = []
         self._runs = 0
+        self._stages: dict[str, Path] = {}  # each `flwr run`'s staged app, by process name
         workdir = options.workdir
         self.flwr_home = workdir / "flwr-home"
         self.logs = workdir / "logs"
@@ -587,10 +589,12 @@ class LocalDeployment:
         options = self.options
         config = resolve_run_config(run_config or {}, options.num_supernodes, options.app_dir)
         config_file = write_toml(options.workdir / "run-config.toml", config)
+        # flwr run builds the FAB from a copy of its files: the same FAB, without walking .venv
+        stage = stage_app(options.app_dir, options.workdir / "app" / f"run-{self._runs + 1}")
         command = [
             self._bin("flwr"),
             "run",
-            str(options.app_dir),
+            str(stage),
             CONNECTION,
             "--stream",
             "--run-config",
@@ -599,8 +603,10 @@ class LocalDeployment:
         self.say(f"$ {shlex.join(command)}")
         self.say(f"run config: {json.dumps(config)}")
         self._runs += 1
+        name = "flwr_run" if self._runs == 1 else f"flwr_run_{self._runs}"
+        self._stages[name] = stage
         return self._start(
-            "flwr_run" if self._runs == 1 else f"flwr_run_{self._runs}",
+            name,
             command,
             echo=self._echo if options.echo else None,
             cwd=options.app_dir,
@@ -618,6 +624,7 @@ class LocalDeployment:
             self.say(f"`flwr run` still running after {timeout:.0f}s: stopping the run")
         process.join_output()
         self._shown.close()
+        shutil.rmtree(self._stages.pop(process.name, ""), ignore_errors=True)
         run_id = run_id_from_lines(process.lines)
         details = ""
         if status == "timeout":
