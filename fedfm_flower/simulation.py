@@ -186,7 +186,13 @@ def main(argv: list[str] | None = None) -> int:
         return ExitCode.NOT_STARTED
     flwr = str(Path(sys.executable).parent / "flwr")
     # flwr run builds the FAB from a copy of its files: the same FAB, without walking .venv
-    stage = stage_app(app, flwr_home / "staged-apps" / launch[LAUNCH_TAG])
+    try:
+        stage = stage_app(app, flwr_home / "staged-apps" / launch[LAUNCH_TAG])
+    except Exception as err:  # noqa: BLE001 - Flower's FAB rules refuse the app: one line
+        if args.debug:
+            traceback.print_exc()
+        print(f"error: the app's FAB cannot be built: {err}", file=sys.stderr, flush=True)
+        return ExitCode.BAD_INPUT
     command = [
         flwr,
         "run",

@@ -235,6 +235,24 @@ def test_launcher_refuses_bad_input_in_one_line_before_starting(
         assert debug.returncode == 2 and "Traceback (most recent call last)" in debug.stderr
 
 
+def test_launcher_refuses_an_app_whose_fab_cannot_be_built_in_one_line(
+    cache_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    from fedfm_flower import simulation
+
+    def refuse(app: Path, stage: Path) -> Path:
+        raise ValueError('Pattern in "fab-include" did not match any files: "/nothing/**"')
+
+    monkeypatch.setattr(simulation, "stage_app", refuse)
+    monkeypatch.setenv("FLWR_HOME", str(tmp_path / "flwr-home"))
+    common = f"cache-dir='{cache_dir}' output-dir='{tmp_path / 'runs'}' num-server-rounds=1"
+    assert simulation.main(["--num-supernodes", "2", "--", "-c", common]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith('error: the app\'s FAB cannot be built: Pattern in "fab-include"')
+    assert not (tmp_path / "flwr-home" / "local-superlink").exists()  # flwr run never ran
+
+
 def test_launcher_takes_a_run_config_file_relative_to_the_app(tmp_path: Path) -> None:
     from fedfm_flower.simulation import preflight, run_config_items
 
