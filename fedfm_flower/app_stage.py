@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import shutil
 import tomllib
+import warnings
 from pathlib import Path
 
 
@@ -27,7 +28,11 @@ def app_files(app_dir: Path) -> dict[str, Path]:
 
     gitignore = app_dir / ".gitignore"
     patterns = tuple(load_gitignore_patterns(gitignore.read_bytes())) if gitignore.is_file() else ()
-    prune = build_pathspec(patterns) if not any(p.startswith("!") for p in patterns) else None
+    prune = None
+    if not any(p.startswith("!") for p in patterns):
+        with warnings.catch_warnings():  # Flower's pattern class is deprecated in pathspec
+            warnings.simplefilter("ignore", DeprecationWarning)
+            prune = build_pathspec(patterns)
     files: dict[str, Path] = {}
     for dirpath, dirnames, filenames in os.walk(app_dir, followlinks=False):
         relative = Path(dirpath).relative_to(app_dir)
@@ -49,9 +54,11 @@ def fab_paths(app_dir: Path) -> list[str]:
     from flwr.cli.build import get_filtered_fab_paths
     from flwr.cli.utils import filter_paths_for_publish
 
-    published = filter_paths_for_publish(app_files(app_dir))
     config = tomllib.loads((app_dir / "pyproject.toml").read_text())
-    return sorted(get_filtered_fab_paths(published, config))
+    with warnings.catch_warnings():  # Flower's pathspec patterns are deprecated in pathspec
+        warnings.simplefilter("ignore", DeprecationWarning)
+        published = filter_paths_for_publish(app_files(app_dir))
+        return sorted(get_filtered_fab_paths(published, config))
 
 
 def stage_app(app_dir: Path, stage: Path) -> Path:
