@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -12,7 +14,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
 # Configs without a cache-dir cache under $XDG_CACHE_HOME: keep the tests' out of the user's.
-os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="fedfm-test-xdg-")
+os.environ["XDG_CACHE_HOME"] = _XDG_CACHE = tempfile.mkdtemp(prefix="fedfm-test-xdg-")
+_XDG_OWNER = os.getpid()
+
+
+def _remove_xdg_cache() -> None:
+    """Remove the session's XDG cache; forked children that exit through atexit leave it."""
+    if os.getpid() == _XDG_OWNER:
+        shutil.rmtree(_XDG_CACHE, ignore_errors=True)
+
+
+atexit.register(_remove_xdg_cache)
 
 
 @pytest.fixture(scope="session")
