@@ -134,21 +134,19 @@ def _earlier_records(out: Path) -> dict[str, dict[str, Any]]:
         return {}
 
 
-def run_sweep(cells: list[Cell], out: Path, pool: CellPool | None = None) -> list[dict[str, Any]]:
-    """Run every cell in ``pool`` (default: one after another here), recording each as it
-    finishes in ``<out>/sweep.json`` (kept with the records of earlier sweeps into ``out``);
-    returns this sweep's records in the cells' order."""
-    from fedfm_flower.pools import SerialPool
+class SweepLog:
+    """``<out>/sweep.json``, rewritten as each cell finishes (with the records of earlier sweeps
+    into ``out``), and a progress line per cell."""
 
-    pool = pool or SerialPool()
-    out.mkdir(parents=True, exist_ok=True)
-    everything = _earlier_records(out)
-    for cell in cells:
-        pool.submit(cell)
-    done: dict[Path, dict[str, Any]] = {}
-    while pool.pending():
-        cell, record = pool.next_done()
-        done[cell.run_dir] = record
+    def __init__(self, out: Path, total: int) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        self.out, self.total = out, total
+        self.done = 0
+        self._everything = _earlier_records(out)
+
+    def add(self, cell: Cell, record: dict[str, Any]) -> None:
+        """Record a finished cell and say how it ended."""
+        self.done += 1
         if record["state"] == "failed":
             print(
                 f"FAILED {cell.label} {cell.setup} seed {cell.seed}: {record['error']}",
@@ -156,13 +154,30 @@ def run_sweep(cells: list[Cell], out: Path, pool: CellPool | None = None) -> lis
             )
         else:
             print(
-                f"[{len(done)}/{len(cells)}] {cell.label} {cell.setup} seed {cell.seed}: "
+                f"[{self.done}/{self.total}] {cell.label} {cell.setup} seed {cell.seed}: "
                 f"{record['metric']} {record['final']:.4f} ({record['state-before']})",
                 flush=True,
             )
-        everything[record["run"]] = record
-        cells_json = json.dumps({"cells": list(everything.values())}, indent=2)
-        atomic_write_text(out / "sweep.json", cells_json)
+        self._everything[record["run"]] = record
+        cells_json = json.dumps({"cells": list(self._everything.values())}, indent=2)
+        atomic_write_text(self.out / "sweep.json", cells_json)
+
+
+def run_sweep(cells: list[Cell], out: Path, pool: CellPool | None = None) -> list[dict[str, Any]]:
+    """Run every cell in ``pool`` (default: one after another here), recording each as it
+    finishes in ``<out>/sweep.json`` (kept with the records of earlier sweeps into ``out``);
+    returns this sweep's records in the cells' order."""
+    from fedfm_flower.pools import SerialPool
+
+    pool = pool or SerialPool()
+    log = SweepLog(out, len(cells))
+    for cell in cells:
+        pool.submit(cell)
+    done: dict[Path, dict[str, Any]] = {}
+    while pool.pending():
+        cell, record = pool.next_done()
+        done[cell.run_dir] = record
+        log.add(cell, record)
     return [done[cell.run_dir] for cell in cells]
 
 

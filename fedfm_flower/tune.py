@@ -23,6 +23,9 @@ was running is rerun from its checkpoint, and only the missing trials are drawn.
 final runs are cells of a pool (``fedfm_flower.pools``): serial, or parallel Ray tasks; with TPE,
 parallel trials are drawn before all earlier ones are scored (Optuna's constant liar), so the
 drawn values depend on the finishing order, while random search draws the same values either way.
+A study's final runs start as soon as its last trial has ended, in the slots no trial is left to
+take: a slow study's last trials do not leave the pool idle, and an interrupted command has the
+finished studies' final runs.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ import argparse
 import json
 import math
 import sys
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,12 +55,12 @@ from fedfm_flower.search import (
 from fedfm_flower.settings import require_package
 from fedfm_flower.sweep import (
     CONFIG_ROOT,
+    SweepLog,
     add_grid_arguments,
     cell_config,
     check_configs,
     pool_from_arguments,
     run_name,
-    run_sweep,
 )
 
 SAMPLERS: tuple[str, ...] = ("tpe", "random")
@@ -198,8 +203,52 @@ def open_studies(
     return studies
 
 
-def run_trials(studies: list[Study], pool: CellPool) -> None:
-    """Draw and run every study's missing trials in ``pool``, as many at once as it holds."""
+@dataclass
+class FinalRuns:
+    """The final runs of the studies whose trials have all ended: queued once a study's last
+    trial is scored, run in the pool's free slots, recorded in ``<out>/sweep.json``."""
+
+    seeds: list[int]
+    out: Path
+    overrides: dict[str, Any]
+    configs: Path
+    log: SweepLog
+    on_study_done: Callable[[], None] = lambda: None  # e.g. rewrite tuning.json
+    queue: deque[Cell] = field(default_factory=deque)
+    records: dict[Path, dict[str, Any]] = field(default_factory=dict)  # run dir -> record
+    errors: list[str] = field(default_factory=list)
+    _released: set[str] = field(default_factory=set)
+    _dirs: set[Path] = field(default_factory=set)
+
+    def release(self, studies: list[Study]) -> None:
+        """Queue the final runs of every study that has just ended all its trials."""
+        for study in studies:
+            if study.name in self._released or study.left() > 0 or study.running:
+                continue
+            self._released.add(study.name)
+            self.on_study_done()
+            try:
+                cells = final_cells([study], self.seeds, self.out, self.overrides, self.configs)
+            except ValueError as err:
+                self.errors.append(str(err))
+                continue
+            self.queue.extend(cells)
+            self._dirs.update(cell.run_dir for cell in cells)
+
+    def owns(self, cell: Cell) -> bool:
+        """Whether ``cell`` is one of the final runs."""
+        return cell.run_dir in self._dirs
+
+    def record(self, cell: Cell, record: dict[str, Any]) -> None:
+        """Keep a finished final run's record and write it to ``sweep.json``."""
+        self.records[cell.run_dir] = record
+        self.log.add(cell, record)
+
+
+def run_trials(studies: list[Study], pool: CellPool, finals: FinalRuns | None = None) -> None:
+    """Draw and run every study's missing trials in ``pool``, as many at once as it holds;
+    with ``finals``, a study's final runs follow as soon as its last trial has ended, in the
+    slots no trial is left to take."""
     import optuna
 
     def start(study: Study, number: int, values: dict[str, Any]) -> None:
@@ -222,9 +271,16 @@ def run_trials(studies: list[Study], pool: CellPool) -> None:
             while study.left() > 0 and pool.pending() < capacity:
                 trial = study.optuna_study.ask()
                 start(study, trial.number, suggest(trial, study.space))
+        if finals is not None:
+            finals.release(studies)
+            while finals.queue and pool.pending() < capacity:
+                pool.submit(finals.queue.popleft())
         if not pool.pending():
             return
         cell, record = pool.next_done()
+        if finals is not None and finals.owns(cell):
+            finals.record(cell, record)
+            continue
         study = next(s for s in studies if cell.run_dir in s.running)
         number = study.running.pop(cell.run_dir)
         value = record.get("final", math.nan)
@@ -359,24 +415,29 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    finals = FinalRuns(
+        args.seeds,
+        args.out,
+        overrides,
+        args.configs,
+        SweepLog(args.out, len(studies) * len(args.seeds)),
+        on_study_done=lambda: write_tuning(studies, args.out, args),
+    )
     try:
-        run_trials(studies, pool)
+        run_trials(studies, pool, finals)
         write_tuning(studies, args.out, args)
-        unscored = [s.name for s in studies if s.best() is None]
-        try:
-            cells = final_cells(studies, args.seeds, args.out, overrides, args.configs)
-        except ValueError as err:
-            print(f"error: {err}", file=sys.stderr)
-            return 1
-        records = run_sweep(cells, args.out, pool)
     finally:
         pool.close()
+    unscored = [s.name for s in studies if s.best() is None]
+    records = list(finals.records.values())
+    for err in finals.errors:
+        print(f"error: {err}", file=sys.stderr)
     failed = [r for r in records if r["state"] == "failed"]
     for name in unscored:
         print(f"error: study {name} has no scored trial (see tuning.json)", file=sys.stderr)
     if failed:
         print(f"error: {len(failed)} final runs failed (see sweep.json)", file=sys.stderr)
-    if failed or unscored:
+    if failed or unscored or finals.errors:
         return 1
     print(
         f"tuning done: {len(studies)} studies, {len(records)} final runs in {args.out}; report: "

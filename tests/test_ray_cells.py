@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from fedfm_flower import sweep
+from fedfm_flower.processes import proc_stat
 
 ray = pytest.importorskip("ray")
 
@@ -109,8 +110,21 @@ def test_cells_on_two_ray_nodes_equal_the_serial_sweep(
         assert len(ours) == ROUNDS and ours == theirs  # every value of every round, bit for bit
 
 
+def _descends_from_this_process(pid: int) -> bool:
+    """Whether ``pid`` is a descendant of this test process (the test cluster's workers are)."""
+    while pid > 1:
+        fields = proc_stat(pid)
+        if not fields:
+            return False
+        pid = int(fields[1])
+        if pid == os.getpid():
+            return True
+    return False
+
+
 def _worker_pids(task: str) -> list[int]:
-    """Processes whose title says they run Ray task ``task``."""
+    """This test cluster's processes whose title says they run Ray task ``task`` (not those of
+    another Ray instance on the machine, such as a sweep running beside the tests)."""
     pids = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -118,7 +132,7 @@ def _worker_pids(task: str) -> list[int]:
                 title = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
             except OSError:
                 continue
-            if title.startswith(f"ray::{task}"):
+            if title.startswith(f"ray::{task}") and _descends_from_this_process(int(entry.name)):
                 pids.append(int(entry.name))
     return pids
 

@@ -320,6 +320,7 @@ class _OutOfOrderPool:
         self.held: list = []
         self.most_held = 0
         self.submitted: list = []
+        self.finished: list = []
         self._capacity, self._score = capacity, score
 
     def capacity(self) -> int:
@@ -335,8 +336,10 @@ class _OutOfOrderPool:
 
     def next_done(self):  # noqa: ANN201
         cell = self.held.pop()
+        self.finished.append(cell)
         value = self._score(cell.config)
-        return cell, {"state": "done", "metric": "accuracy", "final": value}
+        record = {"state": "done", "metric": "accuracy", "final": value}
+        return cell, {**record, "run": str(cell.run_dir), "state-before": "new"}
 
     def close(self) -> None:
         pass
@@ -374,6 +377,47 @@ def test_parallel_trials_keep_the_budget_and_score_every_trial(tmp_path: Path) -
     record = tune.study_record(studies[1])
     assert set(record["space"]) == {"lr", "local-epochs", "fedprox-mu"}
     assert record["chosen"]["values"] == studies[1].best().params
+
+
+def test_a_studys_final_runs_start_while_other_studies_still_run_trials(tmp_path: Path) -> None:
+    pytest.importorskip("optuna")
+    from fedfm_flower import tune
+    from fedfm_flower.sweep import SweepLog
+
+    studies = _studies(tmp_path, trials=2)
+    pool = _OutOfOrderPool(capacity=3, score=lambda config: config["lr"])
+    written: list[int] = []
+    finals = tune.FinalRuns(
+        [0, 1], tmp_path, {"num-clients": 2}, CONFIG_ROOT, SweepLog(tmp_path, 4),
+        on_study_done=lambda: written.append(len(written)),
+    )  # fmt: skip
+    tune.run_trials(studies, pool, finals)
+    fedavg, fedprox = studies
+    assert not finals.errors and written == [0, 1]  # tuning.json rewritten as each study ended
+    order = [cell.run_dir for cell in pool.finished]
+
+    def last_trial(study: tune.Study) -> int:  # when its last trial finished
+        trials = study.optuna_study.get_trials()
+        return max(order.index(study.trial_cell(t.number, t.params).run_dir) for t in trials)
+
+    def final_runs(study: tune.Study) -> list[int]:  # when its final runs finished
+        done = enumerate(pool.finished)
+        return [i for i, cell in done if finals.owns(cell) and cell.label == study.label]
+
+    for study in studies:
+        final = final_runs(study)
+        assert len(final) == 2 and min(final) > last_trial(study)  # after its own trials only
+        for i in final:  # the chosen values, at each seed, on test
+            config = pool.finished[i].config
+            assert config["lr"] == study.best().params["lr"]
+            assert config.get("evaluation-split", "test") == "test"
+    # The pool finishes the newest cell first: fedprox's trials end first, and its final runs
+    # ran while fedavg's trials were still in flight.
+    assert min(final_runs(fedprox)) < last_trial(fedavg)
+    assert pool.most_held == 3 and len(pool.submitted) == 2 * 2 + 2 * 2
+    recorded = json.loads((tmp_path / "sweep.json").read_text())["cells"]
+    assert sorted(r["run"] for r in recorded) == sorted(str(d) for d in finals.records)
+    assert len(finals.records) == 4
 
 
 def test_a_trial_left_running_is_rerun_with_its_values(tmp_path: Path) -> None:
