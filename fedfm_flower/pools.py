@@ -17,12 +17,17 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
 from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from fedfm_flower.cells import Cell
+
+# How long RayPool.next_done waits in one call to Ray: signal handlers run between calls.
+WAIT_SLICE_S = 1.0
 
 
 class CellPool(Protocol):
@@ -101,6 +106,14 @@ def _ray_cell(cell: Cell) -> dict[str, Any]:
     return {**cell_record(cell), "node": ray.get_runtime_context().get_node_id()}
 
 
+def _restore_sigterm_handler(handler: Any) -> None:
+    """Put back a Python SIGTERM handler (``processes.exit_on_sigterm``) that ``ray.init``
+    displaced: Ray's C++ failure handler would abort the process on SIGTERM, leaving the Ray
+    instance running instead of letting ``close`` shut it down."""
+    if callable(handler) and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, handler)
+
+
 class RayPool:
     """Cells as Ray tasks, run in parallel as the cluster's resources allow."""
 
@@ -115,7 +128,9 @@ class RayPool:
                 options["address"] = address
             else:
                 options["num_cpus"] = os.cpu_count() or 1
+            sigterm = signal.getsignal(signal.SIGTERM)
             ray.init(**options)
+            _restore_sigterm_handler(sigterm)
         self._task = ray.remote(_ray_cell).options(
             num_cpus=resources.cpus, num_gpus=resources.gpus, max_retries=resources.max_retries
         )
@@ -143,7 +158,10 @@ class RayPool:
         """The first task to finish; a task that Ray gave up on becomes a failed record."""
         import ray
 
-        (ref,), _ = ray.wait(list(self._flight), num_returns=1)
+        ready: list[Any] = []
+        while not ready:  # in slices: a blocking wait would hold off Ctrl-C and SIGTERM
+            ready, _ = ray.wait(list(self._flight), num_returns=1, timeout=WAIT_SLICE_S)
+        (ref,) = ready
         cell = self._flight.pop(ref)
         try:
             return cell, ray.get(ref)

@@ -35,11 +35,16 @@ from typing import TYPE_CHECKING, Any
 from fedfm_flower.cells import Cell
 from fedfm_flower.durable import atomic_write_text
 from fedfm_flower.overrides import parse_overrides
+from fedfm_flower.processes import exit_on_sigterm
 
 if TYPE_CHECKING:
     from fedfm_flower.pools import CellPool
 
 CONFIG_ROOT = Path(__file__).resolve().parent.parent / "configs"
+INTERRUPTED = (
+    "interrupted: rerun the same command to resume (finished runs are kept, interrupted ones "
+    "resume from their newest checkpoint)"
+)
 
 
 def run_name(label: str, setup: str, tag: str, seed: int) -> str:
@@ -206,7 +211,8 @@ def pool_from_arguments(args: argparse.Namespace) -> CellPool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the sweep; exit status 0 (all done), 1 (a run failed) or 2 (bad arguments)."""
+    """Run the sweep; exit status 0 (all done), 1 (a run failed), 2 (bad arguments) or 130
+    (interrupted with Ctrl-C)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_grid_arguments(parser)
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
@@ -226,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         records = run_sweep(cells, args.out, pool)
+    except KeyboardInterrupt:
+        print(INTERRUPTED, file=sys.stderr)
+        return 130
     finally:
         pool.close()
     failed = [r for r in records if r["state"] == "failed"]
@@ -242,4 +251,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()  # a SIGTERM (timeout, scheduler) still shuts down the Ray instance
     sys.exit(main())

@@ -44,6 +44,7 @@ from fedfm_flower.cells import Cell
 from fedfm_flower.durable import atomic_write_text
 from fedfm_flower.overrides import parse_overrides
 from fedfm_flower.pools import CellPool
+from fedfm_flower.processes import exit_on_sigterm
 from fedfm_flower.search import (
     Resolved,
     describe,
@@ -55,6 +56,7 @@ from fedfm_flower.search import (
 from fedfm_flower.settings import require_package
 from fedfm_flower.sweep import (
     CONFIG_ROOT,
+    INTERRUPTED,
     SweepLog,
     add_grid_arguments,
     cell_config,
@@ -380,7 +382,7 @@ def write_tuning(studies: list[Study], out: Path, args: argparse.Namespace) -> N
 
 def main(argv: list[str] | None = None) -> int:
     """Tune, then run the chosen values; exit 0 (all done), 1 (a study or run failed), 2 (bad
-    arguments: nothing run)."""
+    arguments: nothing run), 130 (interrupted with Ctrl-C)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_grid_arguments(parser)
     parser.add_argument("--trials", type=int, required=True, help="budget per method x setup")
@@ -426,6 +428,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run_trials(studies, pool, finals)
         write_tuning(studies, args.out, args)
+    except KeyboardInterrupt:
+        print(INTERRUPTED, file=sys.stderr)
+        return 130
     finally:
         pool.close()
     unscored = [s.name for s in studies if s.best() is None]
@@ -447,4 +452,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()  # a SIGTERM (timeout, scheduler) still shuts down the Ray instance
     sys.exit(main())

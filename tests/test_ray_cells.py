@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from fedfm_flower import sweep
-from fedfm_flower.processes import proc_stat
+from fedfm_flower.processes import pid_alive, proc_stat
 
 ray = pytest.importorskip("ray")
 
@@ -165,3 +165,53 @@ def test_a_cell_whose_worker_is_killed_resumes_from_its_checkpoint(
     ours, theirs = _metrics(parallel / "runs" / name), _metrics(serial / "runs" / name)
     assert [r["round"] for r in ours] == list(range(1, ROUNDS + 1))  # each round once
     assert ours == theirs
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every process below ``pid`` in the process tree."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (fields := proc_stat(int(entry.name))):
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def test_a_stopped_sweep_shuts_down_the_ray_instance_it_started(
+    tmp_path: Path, cache_dir: Path
+) -> None:
+    """SIGTERM (a scheduler, ``timeout``) to a ``--ray`` sweep while its cell runs: the sweep
+    exits within seconds and leaves no Ray process behind (Ctrl-C takes the same path)."""
+    from fedfm_flower.results import RunDirectory
+
+    out = tmp_path / "stopped"
+    run = RunDirectory(out / "runs" / "fedavg-digits-label-skew-s0")
+    argv = [sys.executable, "-m", "fedfm_flower.sweep", "--ray"]
+    argv += _sweep_argv(["fedavg"], out, cache_dir, 500)
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not run.checkpoint_rounds():  # the cell is running in a Ray worker
+            assert process.poll() is None and time.monotonic() < deadline, "no cell running"
+            time.sleep(0.2)
+        started = _descendants(process.pid)  # the GCS, the raylet, the cell's worker, ...
+        assert len(started) >= 3
+        process.send_signal(signal.SIGTERM)
+        output, _ = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    # 143 (SystemExit from processes.exit_on_sigterm), or 1 where the signal arrived inside
+    # Ray's wait, which turns the handler's SystemExit into its own SystemExit(1).
+    assert process.returncode in (1, 143), output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    assert max(run.checkpoint_rounds()) < 500  # stopped mid-cell, not after it
+    deadline = time.monotonic() + 30
+    while [pid for pid in started if pid_alive(pid)] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [pid for pid in started if pid_alive(pid)], "Ray processes left running"

@@ -420,6 +420,29 @@ def test_a_studys_final_runs_start_while_other_studies_still_run_trials(tmp_path
     assert len(finals.records) == 4
 
 
+def test_ctrl_c_closes_the_pool_and_says_how_to_resume(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    pytest.importorskip("optuna")
+    from fedfm_flower import tune
+
+    class Interrupted(_OutOfOrderPool):
+        closed = False
+
+        def next_done(self):  # noqa: ANN201
+            raise KeyboardInterrupt
+
+        def close(self) -> None:
+            self.closed = True
+
+    pool = Interrupted(capacity=2, score=lambda config: 0.0)
+    monkeypatch.setattr(tune, "pool_from_arguments", lambda args: pool)
+    argv = ["--methods", "fedavg", "--setups", "digits-label-skew", "--trials", "2"]
+    assert tune.main([*argv, "--out", str(tmp_path), "--set", "num-clients=2"]) == 130
+    assert pool.closed and len(pool.submitted) == 2
+    assert "interrupted: rerun the same command to resume" in capsys.readouterr().err
+
+
 def test_a_trial_left_running_is_rerun_with_its_values(tmp_path: Path) -> None:
     pytest.importorskip("optuna")
     from fedfm_flower import search, tune
