@@ -126,7 +126,8 @@ class RayPool:
             options: dict[str, Any] = {"include_dashboard": False, "logging_level": logging.WARNING}
             if address:
                 options["address"] = address
-            else:
+            else:  # "local": a new instance even where `ray start` left one to auto-join
+                options["address"] = "local"
                 options["num_cpus"] = os.cpu_count() or 1
             sigterm = signal.getsignal(signal.SIGTERM)
             ray.init(**options)
