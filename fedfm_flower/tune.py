@@ -315,6 +315,7 @@ def study_record(study: Study) -> dict[str, Any]:
             }
         )
     return {
+        "study": study.name,
         "label": study.label,
         "setup": study.setup,
         "metric": study.optuna_study.user_attrs.get("metric", ""),
@@ -366,8 +367,24 @@ def _refuse_stale_run(cell: Cell, values: dict[str, Any]) -> None:
         )
 
 
+def _study_key(record: dict[str, Any]) -> str:
+    return record.get("study") or study_name(record["label"], record["setup"], "")
+
+
+def _earlier_studies(out: Path) -> dict[str, dict[str, Any]]:
+    """The study records ``<out>/tuning.json`` holds (by study name); none if unreadable."""
+    try:
+        records = json.loads((out / "tuning.json").read_text())["studies"]
+        return {_study_key(record): record for record in records}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
 def write_tuning(studies: list[Study], out: Path, args: argparse.Namespace) -> None:
-    """``<out>/tuning.json``: the budget, the sampler and every study's record."""
+    """``<out>/tuning.json``: the budget, the sampler and every study's record, with the
+    records of studies that earlier commands into ``out`` ran and this one does not name."""
+    records = _earlier_studies(out)
+    records.update({study.name: study_record(study) for study in studies})
     document = {
         "sampler": args.sampler,
         "trials-per-study": args.trials,
@@ -375,7 +392,7 @@ def write_tuning(studies: list[Study], out: Path, args: argparse.Namespace) -> N
         "tuning-seed": args.tune_seed,
         "final-seeds": args.seeds,
         "selection": "final mean client value of the primary metric on the validation split",
-        "studies": [study_record(study) for study in studies],
+        "studies": list(records.values()),
     }
     atomic_write_text(out / "tuning.json", json.dumps(document, indent=2))
 

@@ -443,6 +443,22 @@ def test_ctrl_c_closes_the_pool_and_says_how_to_resume(
     assert "interrupted: rerun the same command to resume" in capsys.readouterr().err
 
 
+def test_tuning_json_keeps_the_studies_of_earlier_commands(tmp_path: Path) -> None:
+    pytest.importorskip("optuna")
+    import argparse
+
+    from fedfm_flower import tune
+
+    fedavg, fedprox = _studies(tmp_path, trials=2)
+    tune.run_trials([fedavg, fedprox], _OutOfOrderPool(capacity=2, score=lambda c: c["lr"]))
+    args = argparse.Namespace(sampler="random", trials=2, setup_first=True, tune_seed=0, seeds=[0])
+    tune.write_tuning([fedavg, fedprox], tmp_path, args)
+    before = json.loads((tmp_path / "tuning.json").read_text())["studies"]
+    tune.write_tuning([fedprox], tmp_path, args)  # a later command names one of the two
+    after = json.loads((tmp_path / "tuning.json").read_text())["studies"]
+    assert after == before and [r["study"] for r in after] == [fedavg.name, fedprox.name]
+
+
 def test_a_trial_left_running_is_rerun_with_its_values(tmp_path: Path) -> None:
     pytest.importorskip("optuna")
     from fedfm_flower import search, tune
