@@ -61,7 +61,7 @@ def measure(messages: int, warmup: int, nodes: int = 100) -> dict[str, float]:
     payload = fedavg_payload()
     arrays = ArrayRecord(list(payload.values()))
     run_config = ExperimentConfig().to_run_config()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     backend = RayBackend({"client_resources": {"num_cpus": 2, "num_gpus": 0.0}, "init_args": {}})
     backend.build(lambda: app)
     times: list[float] = []
