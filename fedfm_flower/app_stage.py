@@ -15,11 +15,21 @@ is excluded by Flower too. With a negated pattern (``!``) in ``.gitignore`` noth
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tomllib
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
+
+
+@contextlib.contextmanager
+def _quiet_pathspec() -> Iterator[None]:
+    """Silence the DeprecationWarning of the pathspec pattern class Flower builds with."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        yield
 
 
 def app_files(app_dir: Path) -> dict[str, Path]:
@@ -30,8 +40,7 @@ def app_files(app_dir: Path) -> dict[str, Path]:
     patterns = tuple(load_gitignore_patterns(gitignore.read_bytes())) if gitignore.is_file() else ()
     prune = None
     if not any(p.startswith("!") for p in patterns):
-        with warnings.catch_warnings():  # Flower's pattern class is deprecated in pathspec
-            warnings.simplefilter("ignore", DeprecationWarning)
+        with _quiet_pathspec():
             prune = build_pathspec(patterns)
     files: dict[str, Path] = {}
     for dirpath, dirnames, filenames in os.walk(app_dir, followlinks=False):
@@ -55,8 +64,7 @@ def fab_paths(app_dir: Path) -> list[str]:
     from flwr.cli.utils import filter_paths_for_publish
 
     config = tomllib.loads((app_dir / "pyproject.toml").read_text())
-    with warnings.catch_warnings():  # Flower's pathspec patterns are deprecated in pathspec
-        warnings.simplefilter("ignore", DeprecationWarning)
+    with _quiet_pathspec():
         published = filter_paths_for_publish(app_files(app_dir))
         return sorted(get_filtered_fab_paths(published, config))
 

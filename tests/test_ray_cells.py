@@ -110,30 +110,31 @@ def test_cells_on_two_ray_nodes_equal_the_serial_sweep(
         assert len(ours) == ROUNDS and ours == theirs  # every value of every round, bit for bit
 
 
-def _descends_from_this_process(pid: int) -> bool:
-    """Whether ``pid`` is a descendant of this test process (the test cluster's workers are)."""
-    while pid > 1:
-        fields = proc_stat(pid)
-        if not fields:
-            return False
-        pid = int(fields[1])
-        if pid == os.getpid():
-            return True
-    return False
+def _descendants(pid: int) -> set[int]:
+    """Every process below ``pid`` in the process tree."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (fields := proc_stat(int(entry.name))):
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
 
 
 def _worker_pids(task: str) -> list[int]:
     """This test cluster's processes whose title says they run Ray task ``task`` (not those of
     another Ray instance on the machine, such as a sweep running beside the tests)."""
     pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                title = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            except OSError:
-                continue
-            if title.startswith(f"ray::{task}") and _descends_from_this_process(int(entry.name)):
-                pids.append(int(entry.name))
+    for pid in _descendants(os.getpid()):
+        try:
+            title = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if title.startswith(f"ray::{task}"):
+            pids.append(pid)
     return pids
 
 
@@ -165,20 +166,6 @@ def test_a_cell_whose_worker_is_killed_resumes_from_its_checkpoint(
     ours, theirs = _metrics(parallel / "runs" / name), _metrics(serial / "runs" / name)
     assert [r["round"] for r in ours] == list(range(1, ROUNDS + 1))  # each round once
     assert ours == theirs
-
-
-def _descendants(pid: int) -> set[int]:
-    """Every process below ``pid`` in the process tree."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and (fields := proc_stat(int(entry.name))):
-            children.setdefault(int(fields[1]), []).append(int(entry.name))
-    found, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.add(child)
-            todo.append(child)
-    return found
 
 
 def test_a_stopped_sweep_shuts_down_the_ray_instance_it_started(
