@@ -160,7 +160,7 @@ class RayPool:
         import ray
 
         ready: list[Any] = []
-        while not ready:  # in slices: a blocking wait would hold off Ctrl-C and SIGTERM
+        while not ready:  # in 1 s slices: Python's Ctrl-C and SIGTERM handlers run between them
             ready, _ = ray.wait(list(self._flight), num_returns=1, timeout=WAIT_SLICE_S)
         (ref,) = ready
         cell = self._flight.pop(ref)

@@ -28,7 +28,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 import tomllib
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -139,28 +142,69 @@ def _earlier_records(out: Path) -> dict[str, dict[str, Any]]:
         return {}
 
 
+def duration(seconds: float) -> str:
+    """``seconds`` for a progress line: '40 s', '12 min', '2 h 05 min'."""
+    if seconds < 60:
+        return f"{seconds:.0f} s"
+    minutes = round(seconds / 60)
+    if minutes < 60:
+        return f"{minutes} min"
+    return f"{minutes // 60} h {minutes % 60:02d} min"
+
+
+@dataclass
+class TimeLeft:
+    """A command's elapsed time and its time left: the wall time per cell it ran so far times
+    the cells left (cells found finished, e.g. on resume, end at once and do not count)."""
+
+    cells: int  # the cells the command has to end
+    clock: Callable[[], float] = time.monotonic
+    ran: int = 0
+    reused: int = 0
+    started: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.started = self.clock()
+
+    def ended(self, reused: bool = False) -> str:
+        """Count one more ended cell; what a progress line says of the time."""
+        if reused:
+            self.reused += 1
+        else:
+            self.ran += 1
+        elapsed = self.clock() - self.started
+        left = self.cells - self.ran - self.reused
+        if self.ran == 0 or left <= 0:
+            return f"{duration(elapsed)} elapsed"
+        return f"{duration(elapsed)} elapsed, about {duration(elapsed / self.ran * left)} left"
+
+
 class SweepLog:
     """``<out>/sweep.json``, rewritten as each cell finishes (with the records of earlier sweeps
-    into ``out``), and a progress line per cell."""
+    into ``out``), and a progress line per cell that ends with the time elapsed and left."""
 
-    def __init__(self, out: Path, total: int) -> None:
+    def __init__(self, out: Path, total: int, time_left: TimeLeft | None = None) -> None:
         out.mkdir(parents=True, exist_ok=True)
         self.out, self.total = out, total
+        self.time_left = time_left or TimeLeft(total)
         self.done = 0
         self._everything = _earlier_records(out)
 
     def add(self, cell: Cell, record: dict[str, Any]) -> None:
         """Record a finished cell and say how it ended."""
         self.done += 1
+        time_said = self.time_left.ended(reused=record.get("state-before") == "done")
         if record["state"] == "failed":
             print(
-                f"FAILED {cell.label} {cell.setup} seed {cell.seed}: {record['error']}",
+                f"FAILED {cell.label} {cell.setup} seed {cell.seed}: {record['error']} "
+                f"[{self.done}/{self.total}; {time_said}]",
                 file=sys.stderr,
             )
         else:
             print(
                 f"[{self.done}/{self.total}] {cell.label} {cell.setup} seed {cell.seed}: "
-                f"{record['metric']} {record['final']:.4f} ({record['state-before']})",
+                f"{record['metric']} {record['final']:.4f} ({record['state-before']}); "
+                f"{time_said}",
                 flush=True,
             )
         self._everything[record["run"]] = record

@@ -26,11 +26,19 @@ drawn values depend on the finishing order, while random search draws the same v
 A study's final runs start as soon as its last trial has ended, in the slots no trial is left to
 take: a slow study's last trials do not leave the pool idle, and an interrupted command has the
 finished studies' final runs.
+
+With ``--variants-at-parent`` a ``method:variant`` label (a paper's ablation) gets no study: its
+final runs use the values chosen for ``method``, except the keys its variant file sets, so it
+differs from the method's final runs in the ablated part alone and costs no trials. A resumed
+study's sampler is seeded from ``--tune-seed`` and the count of trials it drew
+(``sampler_seed``), so it draws new values instead of replaying the first command's; a study
+that drew none keeps ``--tune-seed``, and the studies of one command share its random draws.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import sys
@@ -58,6 +66,7 @@ from fedfm_flower.sweep import (
     CONFIG_ROOT,
     INTERRUPTED,
     SweepLog,
+    TimeLeft,
     add_grid_arguments,
     cell_config,
     check_configs,
@@ -81,6 +90,7 @@ class Study:
     optuna_study: Any
     trials: int  # the budget
     finished: int = 0  # trials scored or failed (they count against the budget)
+    ablations: list[str] = field(default_factory=list)  # method:variant labels run at its values
     running: dict[Path, int] = field(default_factory=dict)  # run directory -> trial number
 
     @property
@@ -128,6 +138,42 @@ def make_sampler(name: str, seed: int, trials: int) -> Any:
     raise ValueError(f"sampler '{name}' unknown; known: {', '.join(SAMPLERS)}")
 
 
+def sampler_seed(tune_seed: int, drawn: int) -> int:
+    """The seed of a study's sampler: ``tune_seed`` for a study whose sampler has drawn nothing
+    yet, else one derived from ``tune_seed`` and the ``drawn`` count, so that a resumed study
+    does not replay the draws of the command that started it."""
+    if drawn == 0:
+        return tune_seed
+    digest = hashlib.sha256(f"{tune_seed}:{drawn}".encode()).digest()
+    return int.from_bytes(digest[:4], "big")
+
+
+def drawn_trials(study: Any) -> int:
+    """The trials of an Optuna study its sampler drew (enqueued ones, as the setup's values of
+    trial 0, carry ``fixed_params`` and do not count)."""
+    return sum("fixed_params" not in t.system_attrs for t in study.get_trials(deepcopy=False))
+
+
+def split_ablations(labels: list[str], at_parent: bool) -> tuple[list[str], dict[str, str]]:
+    """The labels that get a study, and (with ``at_parent``) each ``method:variant`` label that
+    runs at its method's chosen values instead, mapped to that method; a ``ValueError`` names a
+    variant whose method the command does not name."""
+    if not at_parent:
+        return list(labels), {}
+    studied = [label for label in labels if ":" not in label]
+    ablations = {}
+    for label in labels:
+        if ":" in label:
+            method = label.partition(":")[0]
+            if method not in studied:
+                raise ValueError(
+                    f"--variants-at-parent: '{label}' runs at the values chosen for '{method}', "
+                    f"and --methods does not name '{method}'"
+                )
+            ablations[label] = method
+    return studied, ablations
+
+
 def tuning_base(
     label: str,
     setup: str,
@@ -165,43 +211,53 @@ def open_studies(
     args: argparse.Namespace,
     overrides: dict[str, Any],
 ) -> list[Study]:
-    """Every study of the command, validated (configs and spaces) before any trial runs."""
+    """Every study of the command, validated (configs, spaces and the configs of the variants
+    run at a study's values) before any trial runs."""
     import optuna
     from optuna.storages import JournalStorage
     from optuna.storages.journal import JournalFileBackend
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    studied, ablations = split_ablations(labels, getattr(args, "variants_at_parent", False))
     tuning = args.out / "tuning"
     tuning.mkdir(parents=True, exist_ok=True)
     storage = JournalStorage(JournalFileBackend(str(tuning / "journal.log")))
     studies = []
     for setup in setups:
-        for label in labels:
-            base = tuning_base(
-                label,
-                setup,
-                args.tune_seed,
-                args.out,
-                overrides,
-                args.val_fraction,
-                args.tag,
-                args.configs,
+        for label in studied:
+            variants = [variant for variant, method in ablations.items() if method == label]
+            base, *variant_bases = (
+                tuning_base(
+                    name,
+                    setup,
+                    args.tune_seed,
+                    args.out,
+                    overrides,
+                    args.val_fraction,
+                    args.tag,
+                    args.configs,
+                )
+                for name in (label, *variants)
             )
-            check_configs([base])
+            check_configs([base, *variant_bases])
             space = resolve_space(method_space(base), base)
-            sampler = make_sampler(args.sampler, args.tune_seed, args.trials)
             study = optuna.create_study(
                 study_name=study_name(label, setup, args.tag),
                 storage=storage,
-                sampler=sampler,
                 direction="maximize",
                 load_if_exists=True,
+            )
+            drawn = drawn_trials(study)
+            study.sampler = make_sampler(
+                args.sampler, sampler_seed(args.tune_seed, drawn), args.trials
             )
             if args.setup_first and not study.get_trials(deepcopy=False):
                 study.enqueue_trial(setup_values(space, base))  # a new study: the untuned run
             ended = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL)
             finished = len(study.get_trials(deepcopy=False, states=ended))
-            studies.append(Study(label, setup, args.tag, base, space, study, args.trials, finished))
+            studies.append(
+                Study(label, setup, args.tag, base, space, study, args.trials, finished, variants)
+            )
     return studies
 
 
@@ -247,11 +303,18 @@ class FinalRuns:
         self.log.add(cell, record)
 
 
-def run_trials(studies: list[Study], pool: CellPool, finals: FinalRuns | None = None) -> None:
+def run_trials(
+    studies: list[Study],
+    pool: CellPool,
+    finals: FinalRuns | None = None,
+    time_left: TimeLeft | None = None,
+) -> None:
     """Draw and run every study's missing trials in ``pool``, as many at once as it holds;
     with ``finals``, a study's final runs follow as soon as its last trial has ended, in the
-    slots no trial is left to take."""
+    slots no trial is left to take. Each trial's line ends with ``time_left``'s estimate."""
     import optuna
+
+    time_left = time_left or TimeLeft(sum(study.left() for study in studies))
 
     def start(study: Study, number: int, values: dict[str, Any]) -> None:
         cell = study.trial_cell(number, values)
@@ -295,7 +358,8 @@ def run_trials(studies: list[Study], pool: CellPool, finals: FinalRuns | None = 
             outcome = f"failed: {record.get('error', f'final value {value}')}"
         study.finished += 1
         print(
-            f"[{study.name} trial {number}, {study.finished}/{study.trials}] {outcome}",
+            f"[{study.name} trial {number}, {study.finished}/{study.trials}] {outcome}; "
+            f"{time_left.ended()}",
             flush=True,
         )
 
@@ -325,28 +389,60 @@ def study_record(study: Study) -> dict[str, Any]:
         "trials": trials,
         "chosen": None if best is None else {"trial": best.number, "values": dict(best.params)},
         "best-score": None if best is None else best.value,
+        "ablations": list(study.ablations),
+    }
+
+
+def ablation_record(study: Study, label: str) -> dict[str, Any]:
+    """What ``tuning.json`` says of a ``method:variant`` label run at ``study``'s values: no
+    trials of its own, the values of its method's study."""
+    return {
+        "study": study_name(label, study.setup, study.tag),
+        "label": label,
+        "setup": study.setup,
+        "metric": study.optuna_study.user_attrs.get("metric", ""),
+        "val-fraction": study.base["val-fraction"],
+        "space": {},
+        "budget": 0,
+        "trials": [],
+        "values-of": study.name,
+        "chosen": None,
+        "best-score": None,
     }
 
 
 def final_cells(
     studies: list[Study], seeds: list[int], out: Path, overrides: dict[str, Any], configs: Path
 ) -> list[Cell]:
-    """The test runs of every study's chosen values at ``seeds`` (studies without a scored
-    trial have none)."""
+    """The test runs of every study's chosen values at ``seeds``, then those of its ablations
+    (``method:variant`` labels) at the same values, where their variant file sets no other
+    (studies without a scored trial have none)."""
     cells = []
     for study in studies:
         best = study.best()
         if best is None:
             continue
-        values = {"val-fraction": study.base["val-fraction"], **best.params}
-        for seed in seeds:
-            config = cell_config(
-                study.label, study.setup, seed, out, {**overrides, **values}, study.tag, configs
-            )
-            cells.append(Cell(study.label, study.setup + study.tag, seed, config))
-            _refuse_stale_run(cells[-1], values)
+        chosen = {"val-fraction": study.base["val-fraction"], **best.params}
+        for label in (study.label, *study.ablations):
+            values = {k: v for k, v in chosen.items() if k not in variant_keys(label, configs)}
+            for seed in seeds:
+                config = cell_config(
+                    label, study.setup, seed, out, {**overrides, **values}, study.tag, configs
+                )
+                cells.append(Cell(label, study.setup + study.tag, seed, config))
+                _refuse_stale_run(cells[-1], values)
     check_configs([cell.config for cell in cells])
     return cells
+
+
+def variant_keys(label: str, configs: Path) -> set[str]:
+    """The keys the variant file of a ``method:variant`` label sets (none for a method): an
+    ablation keeps them over its method's chosen values."""
+    import tomllib
+
+    method, _, variant = label.partition(":")
+    file = configs / method / f"{variant}.toml"
+    return set(tomllib.loads(file.read_text())) if variant and file.is_file() else set()
 
 
 def _refuse_stale_run(cell: Cell, values: dict[str, Any]) -> None:
@@ -384,7 +480,14 @@ def write_tuning(studies: list[Study], out: Path, args: argparse.Namespace) -> N
     """``<out>/tuning.json``: the budget, the sampler and every study's record, with the
     records of studies that earlier commands into ``out`` ran and this one does not name."""
     records = _earlier_studies(out)
-    records.update({study.name: study_record(study) for study in studies})
+    for study in studies:
+        record = study_record(study)
+        earlier = records.get(study.name, {}).get("ablations", [])
+        record["ablations"] = sorted({*earlier, *study.ablations})
+        records[study.name] = record
+        for label in study.ablations:
+            ablation = ablation_record(study, label)
+            records[ablation["study"]] = ablation
     document = {
         "sampler": args.sampler,
         "trials-per-study": args.trials,
@@ -410,6 +513,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_false",
         help="draw every trial; default: a study's first trial is the setup's own values",
     )
+    parser.add_argument(
+        "--variants-at-parent",
+        action="store_true",
+        help="a method:variant label gets no study: its final runs use the values chosen for "
+        "its method (which --methods must name), so the ablation differs in its part alone",
+    )
     parser.add_argument("--tune-seed", type=int, default=0, help="seed of the tuning runs")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="final runs")
     parser.add_argument(
@@ -434,16 +543,18 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    final_total = sum(1 + len(study.ablations) for study in studies) * len(args.seeds)
+    time_left = TimeLeft(sum(study.left() for study in studies) + final_total)
     finals = FinalRuns(
         args.seeds,
         args.out,
         overrides,
         args.configs,
-        SweepLog(args.out, len(studies) * len(args.seeds)),
+        SweepLog(args.out, final_total, time_left),
         on_study_done=lambda: write_tuning(studies, args.out, args),
     )
     try:
-        run_trials(studies, pool, finals)
+        run_trials(studies, pool, finals, time_left)
         write_tuning(studies, args.out, args)
     except KeyboardInterrupt:
         print(INTERRUPTED, file=sys.stderr)

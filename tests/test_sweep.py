@@ -105,3 +105,45 @@ def test_a_cell_without_a_client_count_fails_before_any_run(tmp_path: Path, caps
     assert sweep.main([*argv, "--configs", str(configs)]) == 2
     assert "num-clients = 0" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_durations_read_as_seconds_minutes_and_hours() -> None:
+    assert [sweep.duration(s) for s in (0.4, 59.4, 61, 3569, 3600, 7500)] == [
+        "0 s", "59 s", "1 min", "59 min", "1 h 00 min", "2 h 05 min",
+    ]  # fmt: skip
+
+
+def test_time_left_is_the_time_per_cell_run_times_the_cells_left() -> None:
+    now = [100.0]
+    left = sweep.TimeLeft(cells=5, clock=lambda: now[0])
+    now[0] += 0.5
+    assert left.ended(reused=True) == "0 s elapsed"  # found finished: no estimate from it
+    now[0] += 600
+    assert left.ended() == "10 min elapsed, about 30 min left"  # 600.5 s per cell x 3 left
+    now[0] += 600
+    assert left.ended() == "20 min elapsed, about 20 min left"  # (1200.5 / 2) x 2
+    now[0] += 1200
+    left.ended()
+    assert left.ended() == "40 min elapsed"  # nothing left
+
+
+def test_each_cells_line_ends_with_the_time_elapsed_and_left(tmp_path: Path, capsys) -> None:
+    now = [0.0]
+    log = sweep.SweepLog(tmp_path, 2, sweep.TimeLeft(2, clock=lambda: now[0]))
+    cells = [
+        sweep.Cell("fedrep", "toy", seed, {"output-dir": "o", "run-name": f"r{seed}"})
+        for seed in (0, 1)
+    ]
+    record = {"state": "done", "metric": "accuracy", "final": 0.5, "state-before": "new"}
+    now[0] = 90.0
+    log.add(cells[0], {**record, "run": "o/r0"})
+    now[0] = 95.0
+    log.add(cells[1], {"state": "failed", "error": "boom", "run": "o/r1", "state-before": "new"})
+    out = capsys.readouterr()
+    assert (
+        out.out
+        == "[1/2] fedrep toy seed 0: accuracy 0.5000 (new); 2 min elapsed, about 2 min left\n"
+    )
+    assert out.err == "FAILED fedrep toy seed 1: boom [2/2; 2 min elapsed]\n"
+    written = json.loads((tmp_path / "sweep.json").read_text())["cells"]
+    assert [r["run"] for r in written] == ["o/r0", "o/r1"]

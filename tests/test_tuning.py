@@ -492,3 +492,118 @@ def test_a_final_run_made_with_other_values_is_refused(tmp_path: Path) -> None:
         tune.final_cells(studies[:1], [0], tmp_path, {"num-clients": 2}, CONFIG_ROOT)
     (cell.run_dir / "config.json").write_text(json.dumps({"run-config": cell.config}))
     assert tune.final_cells(studies[:1], [0], tmp_path, {"num-clients": 2}, CONFIG_ROOT)
+
+
+def test_a_resumed_study_draws_new_values_not_those_of_the_first_command(tmp_path: Path) -> None:
+    pytest.importorskip("optuna")
+    from fedfm_flower import tune
+
+    def lrs(study: tune.Study) -> list[float]:
+        return [t.params["lr"] for t in study.optuna_study.get_trials()]
+
+    score = lambda config: config["lr"]  # noqa: E731
+    first = _studies(tmp_path, trials=2)[0]
+    tune.run_trials([first], _OutOfOrderPool(capacity=1, score=score))
+    drawn_first = lrs(first)
+    resumed = _studies(tmp_path, trials=4)[0]  # the same command with a larger budget
+    tune.run_trials([resumed], _OutOfOrderPool(capacity=1, score=score))
+    assert lrs(resumed)[:2] == drawn_first and len(set(lrs(resumed))) == 4
+    # A study that an earlier command opened (its setup trial enqueued) but never drew from
+    # keeps --tune-seed: it draws what a study run at once draws.
+    _studies(tmp_path / "opened", trials=3)
+    opened = _studies(tmp_path / "opened", trials=3)[0]
+    at_once = _studies(tmp_path / "at-once", trials=3)[0]
+    for study in (opened, at_once):
+        tune.run_trials([study], _OutOfOrderPool(capacity=1, score=score))
+    assert lrs(opened) == lrs(at_once) and len(set(lrs(opened))) == 3
+
+
+def test_a_samplers_seed_is_the_tuning_seed_until_it_has_drawn() -> None:
+    from fedfm_flower.tune import sampler_seed
+
+    assert sampler_seed(7, 0) == 7
+    derived = {sampler_seed(7, drawn) for drawn in (1, 2, 3)} | {sampler_seed(8, 1)}
+    assert len(derived) == 4 and 7 not in derived
+    assert sampler_seed(7, 2) == sampler_seed(7, 2)  # the same for every command
+
+
+def _variant_configs(root: Path) -> Path:
+    """The project's configs with a FedProx variant that sets a tuned key and another."""
+    import shutil
+
+    shutil.copytree(CONFIG_ROOT, root)
+    (root / "fedprox" / "strong.toml").write_text("fedprox-mu = 0.5\nweight-decay = 0.001\n")
+    return root
+
+
+def test_a_variant_runs_at_its_methods_chosen_values_without_a_study(tmp_path: Path) -> None:
+    pytest.importorskip("optuna")
+    import argparse
+
+    from fedfm_flower import tune
+    from fedfm_flower.report.tuning import markdown_tuning
+    from fedfm_flower.sweep import SweepLog
+
+    configs = _variant_configs(tmp_path / "c")
+    args = argparse.Namespace(
+        out=tmp_path, tune_seed=0, val_fraction=0.15, tag="", configs=configs,
+        sampler="random", trials=2, setup_first=True, variants_at_parent=True, seeds=[0, 1],
+    )  # fmt: skip
+    labels = ["fedprox:strong", "fedprox"]
+    (study,) = tune.open_studies(labels, ["digits-label-skew"], args, {"num-clients": 2})
+    assert study.label == "fedprox" and study.ablations == ["fedprox:strong"]
+    pool = _OutOfOrderPool(capacity=2, score=lambda config: config["lr"])
+    finals = tune.FinalRuns(
+        [0, 1], tmp_path, {"num-clients": 2}, args.configs, SweepLog(tmp_path, 4)
+    )
+    tune.run_trials([study], pool, finals)
+    trials = [c for c in pool.submitted if not finals.owns(c)]
+    assert len(trials) == 2 and {c.label for c in trials} == {"fedprox"}  # no variant trial
+    last_trial = max(pool.finished.index(c) for c in trials)
+    runs = {(c.label, c.seed): c.config for c in pool.finished if finals.owns(c)}
+    assert sorted(runs) == [
+        ("fedprox", 0),
+        ("fedprox", 1),
+        ("fedprox:strong", 0),
+        ("fedprox:strong", 1),
+    ]
+    assert min(i for i, c in enumerate(pool.finished) if finals.owns(c)) > last_trial
+    chosen = study.best().params
+    for seed in (0, 1):
+        method, variant = runs[("fedprox", seed)], runs[("fedprox:strong", seed)]
+        assert all(method[k] == v for k, v in chosen.items())
+        assert variant["val-fraction"] == method["val-fraction"] == study.base["val-fraction"]
+        assert variant["fedprox-mu"] == 0.5 and variant["weight-decay"] == 0.001  # its own keys
+        differ = {k for k in {*method, *variant} if method.get(k) != variant.get(k)}
+        assert differ <= {"fedprox-mu", "weight-decay", "label", "run-name"}, differ
+
+    tune.write_tuning([study], tmp_path, args)
+    records = {r["study"]: r for r in json.loads((tmp_path / "tuning.json").read_text())["studies"]}
+    variant_record = records["fedprox:strong@digits-label-skew"]
+    assert variant_record["values-of"] == study.name and variant_record["trials"] == []
+    assert records[study.name]["ablations"] == ["fedprox:strong"]
+    study.ablations = []  # a later command names the method alone: the list is kept
+    tune.write_tuning([study], tmp_path, args)
+    document = json.loads((tmp_path / "tuning.json").read_text())
+    assert {r["study"]: r for r in document["studies"]}[study.name]["ablations"] == [
+        "fedprox:strong"
+    ]
+    table = markdown_tuning(document)
+    assert (
+        "| fedprox:strong | digits-label-skew | none: the values of fedprox@digits-label-skew |"
+        in table
+    )
+    assert "### fedprox:strong" not in table
+
+
+def test_a_variant_whose_method_is_not_named_is_refused_before_any_run(
+    tmp_path: Path, capsys
+) -> None:
+    pytest.importorskip("optuna")
+    from fedfm_flower import tune
+
+    argv = ["--methods", "fedavg", "tap:all-pairs", "--setups", "digits-label-skew"]
+    argv += ["--trials", "2", "--variants-at-parent", "--out", str(tmp_path / "o")]
+    assert tune.main([*argv, "--set", "num-clients=2"]) == 2
+    assert "'tap:all-pairs' runs at the values chosen for 'tap'" in capsys.readouterr().err
+    assert not (tmp_path / "o" / "tuning").exists()

@@ -43,6 +43,12 @@ def markdown_tuning(document: dict[str, Any]) -> str:
         "|---|---|---|---|---|",
     ]
     for study in document["studies"]:
+        if study.get("values-of"):  # an ablation run at its method's values: no trials
+            lines.append(
+                f"| {study['label']} | {study['setup']} | none: the values of "
+                f"{study['values-of']} | — | — |"
+            )
+            continue
         chosen = study["chosen"]
         values = (
             "—"
@@ -56,6 +62,8 @@ def markdown_tuning(document: dict[str, Any]) -> str:
             f"{len(study['trials'])} ({failed}) |"
         )
     for study in document["studies"]:
+        if study.get("values-of"):
+            continue
         keys = list(study["space"])
         lines += [
             "",
