@@ -218,7 +218,7 @@ def open_studies(
     from optuna.storages.journal import JournalFileBackend
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    studied, ablations = split_ablations(labels, getattr(args, "variants_at_parent", False))
+    studied, ablations = split_ablations(labels, args.variants_at_parent)
     tuning = args.out / "tuning"
     tuning.mkdir(parents=True, exist_ok=True)
     storage = JournalStorage(JournalFileBackend(str(tuning / "journal.log")))

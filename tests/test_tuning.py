@@ -352,7 +352,7 @@ def _studies(tmp_path: Path, trials: int):  # noqa: ANN202
 
     args = argparse.Namespace(
         out=tmp_path, tune_seed=0, val_fraction=0.15, tag="", configs=CONFIG_ROOT,
-        sampler="random", trials=trials, setup_first=True,
+        sampler="random", trials=trials, setup_first=True, variants_at_parent=False,
     )  # fmt: skip
     return tune.open_studies(["fedavg", "fedprox"], ["digits-label-skew"], args, {"num-clients": 2})
 
