@@ -197,3 +197,28 @@ def test_warmup_cosine_schedule_and_its_use_in_train() -> None:
         )
         assert stats.num_steps == 4
         assert (not torch.equal(before, model.weight)) is moves
+
+
+def test_a_foundation_pretrains_to_the_same_weights_whatever_the_callers_thread_count() -> None:
+    from fedfm_flower.models.foundation import pretrain_foundation
+
+    config = ExperimentConfig(pretrain_epochs=2)
+    before = torch.get_num_threads()
+
+    def weights(threads: int, pretrain) -> dict[str, torch.Tensor]:  # noqa: ANN001
+        torch.set_num_threads(threads)
+        try:
+            state, card = pretrain(config)
+            assert torch.get_num_threads() == threads  # the caller's count is restored
+            return state
+        finally:
+            torch.set_num_threads(before)
+
+    # Unpinned, the thread count changes the weights (the last bits of CPU sums, grown over the
+    # steps), which is what the pin is for; the same count gives the same weights.
+    unpinned = pretrain_foundation.__wrapped__
+    one, two = weights(1, unpinned), weights(2, unpinned)
+    assert any(not torch.equal(one[k], two[k]) for k in one)
+    pinned_one, pinned_two = weights(1, pretrain_foundation), weights(2, pretrain_foundation)
+    assert all(torch.equal(pinned_one[k], pinned_two[k]) for k in pinned_one)
+    assert all(torch.equal(pinned_one[k], one[k]) for k in one)  # pinned to 1 thread

@@ -6,8 +6,10 @@ stand-in for a model pretrained elsewhere. The weights are cached on disk under
 ``<cache-dir>/foundation/<key>.safetensors`` with a JSON card beside them (key, accuracy on the
 public hold-out, seconds); the key hashes everything that changes the weights (architecture,
 image size, dataset, public fraction, epochs, seed), so later runs and every client reuse it.
-Concurrent builders (Ray actors, SuperNodes on one host) serialise on a file lock and the file is
-written atomically, so nobody ever reads a half-written cache.
+Pretraining runs at one torch thread whatever the builder's count (``models.threads``), so the
+weights do not depend on which process built them. Concurrent builders (Ray actors, SuperNodes
+on one host) serialise on a file lock and the file is written atomically, so nobody ever reads a
+half-written cache.
 """
 
 from __future__ import annotations
@@ -26,10 +28,11 @@ from torch import nn
 
 from fedfm_flower.config import ExperimentConfig
 from fedfm_flower.durable import DamagedFileError, atomic_write_text, load_tensors, save_tensors
+from fedfm_flower.models.threads import PRETRAIN_THREADS, pinned_threads
 
 log = logging.getLogger(__name__)
 
-FOUNDATION_VERSION = 1
+FOUNDATION_VERSION = 2  # 2: pretrained at PRETRAIN_THREADS (1's caches hold the builder's count)
 PRETRAIN_LR = 1e-3
 PRETRAIN_WEIGHT_DECAY = 0.05
 PRETRAIN_BATCH = 64
@@ -110,6 +113,7 @@ def ensure_foundation(config: ExperimentConfig) -> Path:
     return path
 
 
+@pinned_threads()
 def pretrain_foundation(config: ExperimentConfig) -> tuple[dict[str, torch.Tensor], dict]:
     """Pretrain the offline ViT on the public split; returns its state dict and a card."""
     import time
@@ -157,6 +161,7 @@ def pretrain_foundation(config: ExperimentConfig) -> tuple[dict[str, torch.Tenso
         "epochs": config.pretrain_epochs,
         "train_accuracy": stats.metrics["accuracy"],
         "public_test_accuracy": result.metrics["accuracy"],
+        "torch_threads": PRETRAIN_THREADS,
         "seconds": time.perf_counter() - started,
     }
     log.info(

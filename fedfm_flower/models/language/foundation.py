@@ -11,7 +11,7 @@ on the public split of the instruction corpus, which no client holds
 (public hold-out ROUGE-L 0.45 against 0.60 after 8 epochs): most prompt tokens are random names
 the model cannot predict, which drowns the signal of the responses. Like alpaca-LoRA, the result
 knows the prompt format and the tasks somewhat: with 16 epochs (seed 0, public fraction 0.3),
-public hold-out ROUGE-L 0.70, 42 s for corpus, tokenizer and pretraining on two idle CPU cores
+public hold-out ROUGE-L 0.70, 42 s for corpus, tokenizer and pretraining at one thread
 (the card records the seconds); LoRA (r = 8 on q/v) on one client's train split then lifts that
 client's test ROUGE-L clearly on the generation tasks (e.g. structure-to-text 0.73 -> 0.89),
 while most classification tasks start near their ceiling. 16 epochs is the recommended setting;
@@ -24,8 +24,9 @@ hashes everything that changes the weights (architecture, tokenizer and corpus v
 size, public fraction, epochs, seed, optimiser settings). As for the tiny ViT
 (``fedfm_flower.models.foundation``), builders serialise on an ``fcntl`` lock and write
 atomically with ``fedfm_flower.durable``: tokenizer, then card, then weights, whose presence
-says the rest is there. The tokenizer and the model are built on the CPU by default so that the
-cached weights do not depend on the machine.
+says the rest is there. The tokenizer and the model are built on the CPU by default, at one
+torch thread whatever the builder's count (``models.threads``), so that the cached weights do
+not depend on the machine's cores.
 
 ``load_pretrained_causal_lm`` is the real loader for users with weights: a Hub name or a local
 directory, read with ``AutoModelForCausalLM`` / ``AutoTokenizer``, in a chosen dtype, optionally
@@ -50,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 from fedfm_flower.data.instructions import CORPUS_VERSION, DEFAULT_EXAMPLES_PER_TASK
 from fedfm_flower.durable import DamagedFileError, atomic_write_text, load_tensors, save_tensors
+from fedfm_flower.models.threads import pinned_threads
 
 if TYPE_CHECKING:
     import torch
@@ -59,7 +61,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-LANGUAGE_FOUNDATION_VERSION = 1
+LANGUAGE_FOUNDATION_VERSION = 2  # 2: pretrained at one torch thread (models.threads)
 PRETRAIN_LR = 3e-3
 PRETRAIN_WEIGHT_DECAY = 0.01
 PRETRAIN_BATCH = 16
@@ -209,6 +211,7 @@ def tiny_llama(tokenizer: PreTrainedTokenizerBase, seed: int | None = None) -> L
     return LlamaForCausalLM(config)
 
 
+@pinned_threads()
 def pretrain_language_foundation(
     seed: int,
     public_fraction: float,
