@@ -214,11 +214,10 @@ def test_a_foundation_pretrains_to_the_same_weights_whatever_the_callers_thread_
         finally:
             torch.set_num_threads(before)
 
-    # Unpinned, the thread count changes the weights (the last bits of CPU sums, grown over the
-    # steps), which is what the pin is for; the same count gives the same weights.
-    unpinned = pretrain_foundation.__wrapped__
-    one, two = weights(1, unpinned), weights(2, unpinned)
-    assert any(not torch.equal(one[k], two[k]) for k in one)
+    # On the 2-core development CPU the unpinned function gives other weights at 2 threads than
+    # at 1 (2.3e-5 apart after these 2 epochs); whether a CPU's kernels split these sums is not
+    # asserted here. The pinned one gives the 1-thread weights from any caller.
+    one = weights(1, pretrain_foundation.__wrapped__)
     pinned_one, pinned_two = weights(1, pretrain_foundation), weights(2, pretrain_foundation)
     assert all(torch.equal(pinned_one[k], pinned_two[k]) for k in pinned_one)
-    assert all(torch.equal(pinned_one[k], one[k]) for k in one)  # pinned to 1 thread
+    assert all(torch.equal(pinned_one[k], one[k]) for k in one)
