@@ -59,6 +59,18 @@ def _read_toml(path: Path) -> dict[str, Any]:
     return tomllib.loads(path.read_text()) if path.is_file() else {}
 
 
+def variant_settings(label: str, configs: Path = CONFIG_ROOT) -> dict[str, Any]:
+    """What ``configs/<method>/<variant>.toml`` sets for a ``method:variant`` label ({} for a
+    method); ``FileNotFoundError`` names a missing variant file."""
+    method, _, variant = label.partition(":")
+    if not variant:
+        return {}
+    variant_file = configs / method / f"{variant}.toml"
+    if not variant_file.is_file():
+        raise FileNotFoundError(f"variant '{label}': {variant_file} does not exist")
+    return _read_toml(variant_file)
+
+
 def cell_config(
     label: str,
     setup: str,
@@ -69,17 +81,16 @@ def cell_config(
     configs: Path = CONFIG_ROOT,
 ) -> dict[str, Any]:
     """The run config of one cell (the layers of the module docstring)."""
-    method, _, variant = label.partition(":")
+    method = label.partition(":")[0]
     setup_file = configs / "setups" / f"{setup}.toml"
     method_file = configs / method / f"{setup}.toml"
     if not setup_file.is_file() and not method_file.is_file():
         raise FileNotFoundError(f"setup '{setup}': neither {setup_file} nor {method_file} exists")
-    config = {**_read_toml(setup_file), **_read_toml(method_file)}
-    if variant:
-        variant_file = configs / method / f"{variant}.toml"
-        if not variant_file.is_file():
-            raise FileNotFoundError(f"variant '{label}': {variant_file} does not exist")
-        config.update(_read_toml(variant_file))
+    config = {
+        **_read_toml(setup_file),
+        **_read_toml(method_file),
+        **variant_settings(label, configs),
+    }
     config.update(overrides or {})
     config.update(
         {

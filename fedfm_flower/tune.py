@@ -72,6 +72,7 @@ from fedfm_flower.sweep import (
     check_configs,
     pool_from_arguments,
     run_name,
+    variant_settings,
 )
 
 SAMPLERS: tuple[str, ...] = ("tpe", "random")
@@ -424,7 +425,8 @@ def final_cells(
             continue
         chosen = {"val-fraction": study.base["val-fraction"], **best.params}
         for label in (study.label, *study.ablations):
-            values = {k: v for k, v in chosen.items() if k not in variant_keys(label, configs)}
+            own = variant_settings(label, configs)  # an ablation keeps what its file sets
+            values = {k: v for k, v in chosen.items() if k not in own}
             for seed in seeds:
                 config = cell_config(
                     label, study.setup, seed, out, {**overrides, **values}, study.tag, configs
@@ -433,16 +435,6 @@ def final_cells(
                 _refuse_stale_run(cells[-1], values)
     check_configs([cell.config for cell in cells])
     return cells
-
-
-def variant_keys(label: str, configs: Path) -> set[str]:
-    """The keys the variant file of a ``method:variant`` label sets (none for a method): an
-    ablation keeps them over its method's chosen values."""
-    import tomllib
-
-    method, _, variant = label.partition(":")
-    file = configs / method / f"{variant}.toml"
-    return set(tomllib.loads(file.read_text())) if variant and file.is_file() else set()
 
 
 def _refuse_stale_run(cell: Cell, values: dict[str, Any]) -> None:
