@@ -266,8 +266,8 @@ def pool_from_arguments(args: argparse.Namespace) -> CellPool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the sweep; exit status 0 (all done), 1 (a run failed), 2 (bad arguments) or 130
-    (interrupted with Ctrl-C)."""
+    """Run the sweep; exit status 0 (all done), 1 (a run failed), 2 (bad arguments), 130
+    (interrupted with Ctrl-C), or SIGTERM's 143 (1 when it lands inside Ray's wait)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_grid_arguments(parser)
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
@@ -290,6 +290,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(INTERRUPTED, file=sys.stderr)
         return 130
+    except SystemExit:  # SIGTERM (processes.exit_on_sigterm): its exit status, said
+        print(INTERRUPTED, file=sys.stderr)
+        raise
     finally:
         pool.close()
     failed = [r for r in records if r["state"] == "failed"]

@@ -494,7 +494,8 @@ def write_tuning(studies: list[Study], out: Path, args: argparse.Namespace) -> N
 
 def main(argv: list[str] | None = None) -> int:
     """Tune, then run the chosen values; exit 0 (all done), 1 (a study or run failed), 2 (bad
-    arguments: nothing run), 130 (interrupted with Ctrl-C)."""
+    arguments: nothing run), 130 (interrupted with Ctrl-C), SIGTERM's 143 (1 when it lands
+    inside Ray's wait)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_grid_arguments(parser)
     parser.add_argument("--trials", type=int, required=True, help="budget per method x setup")
@@ -551,6 +552,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(INTERRUPTED, file=sys.stderr)
         return 130
+    except SystemExit:  # SIGTERM (processes.exit_on_sigterm): its exit status, said
+        print(INTERRUPTED, file=sys.stderr)
+        raise
     finally:
         pool.close()
     unscored = [s.name for s in studies if s.best() is None]

@@ -198,6 +198,7 @@ def test_a_stopped_sweep_shuts_down_the_ray_instance_it_started(
     # Ray's wait, which turns the handler's SystemExit into its own SystemExit(1).
     assert process.returncode in (1, 143), output[-3000:]  # 2 would be a refused start
     assert "Traceback" not in output, output[-3000:]
+    assert "interrupted: rerun the same command to resume" in output, output[-3000:]
     assert max(run.checkpoint_rounds()) < 500  # stopped mid-cell, not after it
     deadline = time.monotonic() + 30
     while [pid for pid in started if pid_alive(pid)] and time.monotonic() < deadline:
