@@ -149,10 +149,10 @@ def sampler_seed(tune_seed: int, drawn: int) -> int:
     return int.from_bytes(digest[:4], "big")
 
 
-def drawn_trials(study: Any) -> int:
-    """The trials of an Optuna study its sampler drew (enqueued ones, as the setup's values of
-    trial 0, carry ``fixed_params`` and do not count)."""
-    return sum("fixed_params" not in t.system_attrs for t in study.get_trials(deepcopy=False))
+def drawn_trials(trials: list[Any]) -> int:
+    """How many of a study's Optuna trials its sampler drew (enqueued ones, as the setup's
+    values of trial 0, carry ``fixed_params`` and do not count)."""
+    return sum("fixed_params" not in t.system_attrs for t in trials)
 
 
 def split_ablations(labels: list[str], at_parent: bool) -> tuple[list[str], dict[str, str]]:
@@ -248,14 +248,13 @@ def open_studies(
                 direction="maximize",
                 load_if_exists=True,
             )
-            drawn = drawn_trials(study)
-            study.sampler = make_sampler(
-                args.sampler, sampler_seed(args.tune_seed, drawn), args.trials
-            )
-            if args.setup_first and not study.get_trials(deepcopy=False):
+            trials = study.get_trials(deepcopy=False)
+            seed = sampler_seed(args.tune_seed, drawn_trials(trials))
+            study.sampler = make_sampler(args.sampler, seed, args.trials)
+            if args.setup_first and not trials:
                 study.enqueue_trial(setup_values(space, base))  # a new study: the untuned run
             ended = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL)
-            finished = len(study.get_trials(deepcopy=False, states=ended))
+            finished = sum(trial.state in ended for trial in trials)
             studies.append(
                 Study(label, setup, args.tag, base, space, study, args.trials, finished, variants)
             )
@@ -380,11 +379,7 @@ def study_record(study: Study) -> dict[str, Any]:
             }
         )
     return {
-        "study": study.name,
-        "label": study.label,
-        "setup": study.setup,
-        "metric": study.optuna_study.user_attrs.get("metric", ""),
-        "val-fraction": study.base["val-fraction"],
+        **_record_head(study, study.label),
         "space": {key: describe(rng) for key, rng in study.space.items()},
         "budget": study.trials,
         "trials": trials,
@@ -394,15 +389,22 @@ def study_record(study: Study) -> dict[str, Any]:
     }
 
 
-def ablation_record(study: Study, label: str) -> dict[str, Any]:
-    """What ``tuning.json`` says of a ``method:variant`` label run at ``study``'s values: no
-    trials of its own, the values of its method's study."""
+def _record_head(study: Study, label: str) -> dict[str, Any]:
+    """The keys every record of ``tuning.json`` starts with, for ``label`` on ``study``'s setup."""
     return {
         "study": study_name(label, study.setup, study.tag),
         "label": label,
         "setup": study.setup,
         "metric": study.optuna_study.user_attrs.get("metric", ""),
         "val-fraction": study.base["val-fraction"],
+    }
+
+
+def ablation_record(study: Study, label: str) -> dict[str, Any]:
+    """What ``tuning.json`` says of a ``method:variant`` label run at ``study``'s values: no
+    trials of its own, the values of its method's study."""
+    return {
+        **_record_head(study, label),
         "space": {},
         "budget": 0,
         "trials": [],
