@@ -82,6 +82,90 @@ def test_an_unknown_flower_keeps_its_own_waits_and_says_so(loop, monkeypatch, ca
     assert "Flower 9.0.0" in capsys.readouterr().err
 
 
+def _receive_during_stop(loop, pull_object):
+    """Flower's SuperNode receiving one message of a run known to the node, its objects pulled
+    by ``pull_object``: the node's state and object store, and what the receive returned."""
+    from flwr.app import ConfigRecord, RecordDict
+    from flwr.app.message.message import make_message
+    from flwr.app.metadata import Metadata
+    from flwr.supercore.inflatable.inflatable_object import get_object_tree
+    from flwr.supercore.object_store import ObjectStoreFactory
+    from flwr.supercore.run import Run
+    from flwr.supernode.nodestate import NodeStateFactory
+
+    factory = NodeStateFactory(ObjectStoreFactory())
+    state, store = factory.state(), factory.objectstore_factory.store()
+    state.set_node_id(7)
+    state.store_run(Run.create_empty(5))
+    metadata = Metadata(5, "", 1, 7, "", "2", time.time(), 3600.0, "train")
+    message = make_message(metadata, RecordDict({"config": ConfigRecord({"lr": 0.1})}))
+    metadata.__dict__["_message_id"] = message.object_id  # as the SuperLink sets it
+    tree = get_object_tree(message)
+    returned = loop._pull_and_store_message(
+        state, store, {}, lambda: (message, tree), None, None, pull_object,
+        lambda run_id, message_id: None, None,
+    )  # fmt: skip
+    return state, store, message.object_id, returned
+
+
+def _stopped(run_id: int, object_id: str) -> bytes:
+    from flwr.supercore.run import RunNotRunningException
+
+    raise RunNotRunningException
+
+
+def test_in_flower_a_run_stopped_mid_pull_leaves_its_task_pending_with_the_message(loop):
+    # What the patch mends (module doc); when Flower handles it, this fails and the patch can go.
+    state, store, message_id, returned = _receive_during_stop(loop, _stopped)
+    assert returned is None
+    assert [task.status.status for task in state.get_tasks(run_ids=[5])] == ["pending"]
+    assert [m.metadata.message_id for m in state.get_messages_legacy()] == [message_id]
+    assert store.get(message_id) == b""  # preregistered, never to arrive
+
+
+def test_with_the_patch_the_stopped_runs_task_fails_and_its_message_goes(loop):
+    assert launcher.fail_pulls_of_stopped_runs() is True
+    state, store, message_id, returned = _receive_during_stop(loop, _stopped)
+    assert returned is None
+    (task,) = state.get_tasks(run_ids=[5])
+    assert (task.status.status, task.status.sub_status) == ("finished", "failed")
+    assert "no longer running" in task.status.details
+    assert state.get_messages_legacy() == [] and store.get(message_id) is None
+
+
+def test_the_patch_keeps_the_pulls_result_their_errors_and_the_short_waits(loop, monkeypatch):
+    from flwr.supercore.inflatable.inflatable_utils import ObjectPullError, pull_objects
+
+    assert launcher.fail_pulls_of_stopped_runs() is True
+    assert launcher.fail_pulls_of_stopped_runs() is True  # again: no second wrap
+    assert loop.pull_objects.__wrapped__ is pull_objects
+    assert launcher.shorten_waits(0.2, 2.0) is True  # after it: the pauses reach Flower's pull
+    assert loop.pull_objects.func.__wrapped__ is pull_objects
+    assert loop.pull_objects.keywords == {"initial_backoff": 0.2, "backoff_cap": 2.0}
+    assert launcher.fail_pulls_of_stopped_runs() is True
+    assert loop.pull_objects.func.__wrapped__ is pull_objects
+    assert loop.pull_objects.keywords == {"initial_backoff": 0.2, "backoff_cap": 2.0}
+    contents = {"a": b"x", "b": b"y"}
+    pulled = loop.pull_objects(list(contents), pull_object_fn=contents.__getitem__)
+    assert pulled == contents
+
+    def missing(object_id: str) -> bytes:
+        raise ObjectPullError(object_id, "the object could not be found.")
+
+    with pytest.raises(ObjectPullError):
+        loop.pull_objects(["a"], pull_object_fn=missing)
+    with pytest.raises(launcher.RunStoppedError):
+        loop.pull_objects(["a"], pull_object_fn=lambda object_id: _stopped(5, object_id))
+
+
+def test_an_unknown_flower_keeps_its_pulls_and_says_so(loop, monkeypatch, capsys):
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "9.0.0")
+    pulls = loop.pull_objects
+    assert launcher.fail_pulls_of_stopped_runs() is False
+    assert loop.pull_objects is pulls
+    assert "Flower 9.0.0" in capsys.readouterr().err
+
+
 def test_main_hands_every_other_argument_to_flower_supernode(loop, monkeypatch):
     import flwr.supernode.cli
 
@@ -91,6 +175,7 @@ def test_main_hands_every_other_argument_to_flower_supernode(loop, monkeypatch):
         seen["argv"] = list(sys.argv)
         seen["superexec-poll"] = os.environ.get(launcher.SUPEREXEC_POLL_VAR)
         seen["waits"] = (loop.time.first, loop.time.longest)
+        seen["stopped-runs-fail"] = loop.pull_objects.func.fails_stopped_runs
 
     monkeypatch.setattr(flwr.supernode.cli, "flower_supernode", fake_supernode)
     monkeypatch.setattr(sys, "argv", list(sys.argv))
@@ -101,6 +186,7 @@ def test_main_hands_every_other_argument_to_flower_supernode(loop, monkeypatch):
         "argv": ["flower-supernode", *args],
         "superexec-poll": "0.25",
         "waits": (0.25, 2.0),
+        "stopped-runs-fail": True,
     }
 
 

@@ -196,6 +196,12 @@ def test_tap_runs_with_its_post_fl_round_and_a_killed_serverapp_resumes_to_the_s
     assert resumed.ok, log[-3000:]
     assert resumed.exit_code == ExitCode.COMPLETED
     assert "resuming crashed after round 1" in log
+    # A node that met `flwr stop` while pulling a message ended that message's task at once: no
+    # task waited out its pull patience and no warm SuperExec ended (supernode/superexec docs).
+    for node_log in sorted(deployment.logs.glob("supernode_*.log")):
+        text = node_log.read_text()
+        assert "no object of the message arrived" not in text, node_log.name
+        assert "the SuperExec exited" not in text, node_log.name
 
     # The resumed run is a complete, ordinary secure TAP run: two rounds of stage 1, then the
     # post-FL round in which every client distills X from W~ and is evaluated.

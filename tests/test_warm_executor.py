@@ -5,6 +5,7 @@ loopback fault tests (``test_faults.py``) run their deployments through it."""
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import signal
 import sys
 import threading
@@ -342,3 +343,52 @@ def test_a_refused_task_heartbeat_ends_nothing_but_is_logged_once(monkeypatch, c
     answers[:] = [SendTaskHeartbeatResponse(success=False)]
     assert refused() is True
     assert raised == [] and not answers
+
+
+def _refusal(status: int) -> Exception:
+    import httpx
+
+    request = httpx.Request("POST", "http://127.0.0.1/v1/runtime/pull-object")
+    return httpx.HTTPStatusError("refused", request=request, response=httpx.Response(status))
+
+
+def test_flowers_retry_ends_the_process_on_a_refused_token_or_a_stopped_run(monkeypatch) -> None:
+    """What ``task_retry`` mends: Flower's retry sends SIGINT to its process on 401 and raises
+    a BaseException on 403; when Flower changes this, this fails and the mend can go."""
+    from flwr.supercore.retry import http_retry, make_simple_http_retry_invoker
+    from flwr.supercore.run import RunNotRunningException
+
+    killed: list[tuple[int, int]] = []
+    monkeypatch.setattr(http_retry.os, "kill", lambda pid, sig: killed.append((pid, sig)))
+    monkeypatch.setattr(http_retry.time, "sleep", lambda seconds: None)
+    flower = make_simple_http_retry_invoker()
+    flower.should_giveup(_refusal(401))
+    assert killed == [(os.getpid(), signal.SIGINT)]
+    with pytest.raises(RunNotRunningException):
+        flower.should_giveup(_refusal(403))
+    assert not issubclass(RunNotRunningException, Exception)
+
+
+def test_a_tasks_refused_request_fails_the_task_not_the_process(monkeypatch) -> None:
+    import httpx
+    from flwr.supercore.retry import http_retry
+
+    killed: list[int] = []
+    monkeypatch.setattr(http_retry.os, "kill", lambda pid, sig: killed.append(sig))
+    retry = superexec.task_retry()
+    calls: list[int] = []
+
+    def refused(status: int) -> bytes:
+        calls.append(status)
+        raise _refusal(status)
+
+    for status in superexec.REFUSED:
+        with pytest.raises(httpx.HTTPStatusError) as raised:
+            retry.invoke(refused, status)
+        assert raised.value.response.status_code == status
+    assert calls == list(superexec.REFUSED)  # each tried once: given up, not retried
+    assert killed == []
+    # What Flower retries stays retried: a busy or unreachable SuperNode.
+    assert retry.should_giveup(_refusal(503)) is False
+    assert retry.should_giveup(httpx.ConnectError("refused")) is False
+    assert retry.should_giveup(_refusal(400)) is True  # and what it gives up on, too

@@ -41,6 +41,13 @@ next. Other task types go to Flower's executor.
   only once it has fetched them all, so in practice the first arrival waits for the whole
   download, which took 94-213 s with 24 SuperNodes on 2 cores: ``FEDFM_PULL_PATIENCE_S`` raises
   the patience for such loads.
+* **A refused task ends alone.** Flower's retry of a runtime request sends SIGINT to the
+  process when the SuperNode answers 401 (the task's token is no longer valid: the SuperNode
+  ended the task, e.g. its run was stopped while its message arrived) and raises
+  ``RunNotRunningException``, a ``BaseException``, on 403 (its run stopped); in
+  ``flwr-clientapp`` either ends one task, here it would end the process and the node's later
+  tasks until it is started again. A task's requests here give up on both (``task_retry``):
+  the request's error ends the task as a failed one and the process serves the next.
 * **Tracking.** With ``FEDFM_TASKS_DIR`` set, a task in progress is a file
   ``<task id>.running`` there (``fedfm_flower.deploy.local`` uses it to see messages in flight).
 """
@@ -61,6 +68,7 @@ from pathlib import Path
 from typing import Any
 
 KNOWN_FLOWER = ("1.41.",)
+REFUSED = (401, 403)  # a task's token or run no longer valid: the task ends, not the process
 TASKS_DIR_VAR = "FEDFM_TASKS_DIR"  # where the running tasks are marked (LocalDeployment sets it)
 # Between looks for a message's objects at the SuperNode (a local request): they come from the
 # SuperLink in about a second here, and a doubling pause would overshoot their arrival.
@@ -255,6 +263,24 @@ class PatientPull:
         return content
 
 
+def task_retry() -> Any:
+    """Flower's retry for runtime requests, giving up with the request's error on 401 and 403
+    where Flower's sends SIGINT or raises ``RunNotRunningException`` (module doc)."""
+    import httpx
+    from flwr.supercore.retry import make_simple_http_retry_invoker
+
+    retry = make_simple_http_retry_invoker()
+    flower_giveup = retry.should_giveup
+
+    def should_giveup(err: Exception) -> bool:
+        if isinstance(err, httpx.HTTPStatusError) and err.response.status_code in REFUSED:
+            return True
+        return bool(flower_giveup(err))
+
+    retry.should_giveup = should_giveup
+    return retry
+
+
 def run_task(spec: Any, apps: AppCache) -> None:
     """What ``flwr-clientapp`` does with one token, in this process: heartbeats, the task input,
     the ClientApp, the reply and the final context (Flower's functions and error replies)."""
@@ -267,7 +293,6 @@ def run_task(spec: Any, apps: AppCache) -> None:
         RuntimeTokenHttpInterceptor,
         RuntimeVersionHttpInterceptor,
     )
-    from flwr.supercore.retry import make_simple_http_retry_invoker
     from flwr.supercore.runtime import RuntimeHttpClient
     from flwr.supercore.runtime.tracing import RuntimeTracingInterceptor
     from flwr.supercore.tls import validate_and_resolve_root_certificates
@@ -275,7 +300,7 @@ def run_task(spec: Any, apps: AppCache) -> None:
 
     started = time.perf_counter()
     phases: dict[str, float] = {}
-    retry = make_simple_http_retry_invoker()
+    retry = task_retry()
     client = RuntimeHttpClient.from_server_address(
         server_address=spec.runtime_api_address,
         insecure=spec.insecure,

@@ -32,6 +32,16 @@ The change replaces the ``time`` name inside that one Flower module by a view of
 with these sleeps; it is applied only to the Flower versions it was written against. With any
 other version the SuperNode runs with Flower's own waits and says so on stderr.
 
+A run stopped (``flwr stop``) while the node pulls one of its messages' objects from the
+SuperLink: Flower (1.41) then raises ``RunNotRunningException``, a ``BaseException``, which passes
+by the ``except Exception`` that would finish the message's task and delete the message and its
+objects. The task stays pending with its objects never coming, and the node's SuperExec waits
+out its pull patience on it (90 s for the warm executor) before the node takes the next message,
+the next run's included. Here that pull raises ``RunStoppedError`` (an ``Exception``) instead
+(``fail_pulls_of_stopped_runs``), so Flower's own handler runs: the task ends failed, the message
+and its objects are deleted, and the SuperExec's pull fails at once. On the Flower versions
+above only.
+
 ``--heartbeat-interval S`` (at least Flower's minimum, 10 s) makes the node announce ``S`` as
 its heartbeat interval and beat accordingly, instead of Flower's fixed 30 s: the SuperLink then
 marks a crashed node offline after 2 x ``S`` of silence (Flower's patience), and a restarted node
@@ -161,6 +171,53 @@ def shorten_waits(first: float, longest: float) -> bool:
         inspect.signature(pulls).parameters
     ):
         loop.pull_objects = functools.partial(pulls, initial_backoff=first, backoff_cap=longest)
+    return True
+
+
+class RunStoppedError(RuntimeError):
+    """A message's objects could not be pulled: its run is no longer running."""
+
+
+def _failing_on_stopped_run(pulls: Any) -> Any:
+    """``pulls`` (Flower's ``pull_objects``) raising ``RunStoppedError`` where it raised
+    Flower's ``RunNotRunningException``; its signature is that of ``pulls``."""
+    from flwr.supercore.run import RunNotRunningException
+
+    @functools.wraps(pulls)
+    def pull_objects(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return pulls(*args, **kwargs)
+        except RunNotRunningException:
+            raise RunStoppedError("its run is no longer running") from None
+
+    pull_objects.fails_stopped_runs = True  # type: ignore[attr-defined]
+    return pull_objects
+
+
+def fail_pulls_of_stopped_runs() -> bool:
+    """Let a message pull that meets a stopped run end its task (module doc); False, changing
+    nothing, on a Flower this was not written against or that handles it already."""
+    from flwr.supercore.run import RunNotRunningException
+
+    version = importlib.metadata.version("flwr")
+    loop = importlib.import_module(LOOP_MODULE)
+    pulls = getattr(loop, "pull_objects", None)
+    if issubclass(RunNotRunningException, Exception):
+        return False  # Flower's own `except Exception` finishes the task
+    if pulls is None or not version.startswith(KNOWN_FLOWER):
+        print(
+            f"fedfm_flower.deploy.supernode: Flower {version}'s message pulls are not ones "
+            "this knows; a run stopped during a pull leaves its task to the pull's patience",
+            file=sys.stderr,
+        )
+        return False
+    bound = pulls if isinstance(pulls, functools.partial) else None
+    inner = bound.func if bound is not None else pulls
+    if not getattr(inner, "fails_stopped_runs", False):
+        inner = _failing_on_stopped_run(inner)
+    loop.pull_objects = (
+        functools.partial(inner, *bound.args, **bound.keywords) if bound is not None else inner
+    )
     return True
 
 
@@ -304,7 +361,8 @@ def with_warm_executor(arguments: list[str]) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Parse the two intervals, shorten the waits, then run ``flower-supernode`` on the rest."""
+    """Parse the two intervals, shorten the waits, let stopped runs' pulls fail, then run
+    ``flower-supernode`` on the rest."""
     parser = argparse.ArgumentParser(
         prog="python -m fedfm_flower.deploy.supernode",
         description=__doc__.splitlines()[0],
@@ -345,6 +403,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"--heartbeat-interval: {err}")
     os.environ.setdefault(SUPEREXEC_POLL_VAR, repr(first))  # inherited by its SuperExec
     shorten_waits(first, longest)
+    fail_pulls_of_stopped_runs()
     if args.heartbeat_interval is not None:
         shorten_heartbeat(args.heartbeat_interval)
     if args.warm_executor:
