@@ -37,10 +37,11 @@ next. Other task types go to Flower's executor.
   machine). The pull gives up once no object of the message has arrived for
   ``PULL_PATIENCE_S`` (90 s; ``PatientPull``), not after Flower's 500 tries per object, which
   with these short pauses ran out in ~40 s under load (16 SuperNodes on 2 cores); a task whose
-  run was stopped mid-transfer gives up then. Flower 1.41's SuperNode stores a message's objects
-  only once it has fetched them all, so in practice the first arrival waits for the whole
-  download, which took 94-213 s with 24 SuperNodes on 2 cores: ``FEDFM_PULL_PATIENCE_S`` raises
-  the patience for such loads.
+  objects never come gives up then (a run stopped mid-transfer ends its task at once where the
+  node runs through ``fedfm_flower.deploy.supernode``). Flower 1.41's SuperNode stores a
+  message's objects only once it has fetched them all, so in practice the first arrival waits
+  for the whole download, which took 94-213 s with 24 SuperNodes on 2 cores:
+  ``FEDFM_PULL_PATIENCE_S`` raises the patience for such loads.
 * **A refused task ends alone.** Flower's retry of a runtime request sends SIGINT to the
   process when the SuperNode answers 401 (the task's token is no longer valid: the SuperNode
   ended the task, e.g. its run was stopped while its message arrived) and raises
@@ -74,9 +75,9 @@ TASKS_DIR_VAR = "FEDFM_TASKS_DIR"  # where the running tasks are marked (LocalDe
 # SuperLink in about a second here, and a doubling pause would overshoot their arrival.
 PULL_FIRST_PAUSE_S, PULL_LONGEST_PAUSE_S = 0.01, 0.05
 # How long a task waits for the next of its message's objects. Long enough for a loaded
-# SuperNode; short enough that a task whose run was stopped while its message was in transit
-# (its objects never come) frees the executor for the next run's messages well within the
-# ServerApp's 120 s identity query.
+# SuperNode; short enough that a task whose objects never come (a SuperNode without
+# fedfm_flower.deploy.supernode's stopped-run mend, a lost transfer) frees the executor for the
+# next run's messages well within the ServerApp's 120 s identity query.
 PULL_PATIENCE_S = 90.0
 # Overrides it, in seconds (DeployOptions.pull_patience sets it for every node): a SuperNode
 # stores a message's objects only once it has fetched them all, which took 94 s with 24
