@@ -28,6 +28,16 @@ class Cell:
         """Where the run writes its results."""
         return Path(self.config["output-dir"]) / self.config["run-name"]
 
+    @property
+    def kind(self) -> str:
+        """What the cells of about the same cost share (progress estimates): label and setup."""
+        return cell_kind(self.label, self.setup)
+
+
+def cell_kind(label: str, setup: str) -> str:
+    """The kind of the cells of ``label`` on ``setup`` (``Cell.kind``)."""
+    return f"{label} {setup}"
+
 
 def cell_state(cell: Cell) -> str:
     """'done' (summary written), 'interrupted' (a checkpoint to resume from) or 'new'."""

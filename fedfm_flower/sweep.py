@@ -30,7 +30,8 @@ import json
 import sys
 import time
 import tomllib
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -165,29 +166,41 @@ def duration(seconds: float) -> str:
 
 @dataclass
 class TimeLeft:
-    """A command's elapsed time and its time left: the wall time per cell it ran so far times
-    the cells left (cells found finished, e.g. on resume, end at once and do not count)."""
+    """A command's elapsed time and its time left. The cells left of each kind (a method's
+    runs) take that kind's mean seconds per cell so far (the mean over every kind until a cell
+    of it has run); their sum is divided by the cells' seconds per wall second so far (how many
+    ran at once). Cells found finished (on resume) end at once and add no seconds."""
 
     cells: int  # the cells the command has to end
+    kinds: Mapping[str, int] = field(default_factory=dict)  # of those, how many of each kind
     clock: Callable[[], float] = time.monotonic
-    ran: int = 0
-    reused: int = 0
+    ended_cells: Counter[str] = field(default_factory=Counter, init=False)
+    seconds: dict[str, list[float]] = field(default_factory=dict, init=False)
     started: float = field(init=False)
 
     def __post_init__(self) -> None:
         self.started = self.clock()
 
-    def ended(self, reused: bool = False) -> str:
-        """Count one more ended cell; what a progress line says of the time."""
-        if reused:
-            self.reused += 1
-        else:
-            self.ran += 1
+    def ended(self, kind: str = "", seconds: float | None = None, reused: bool = False) -> str:
+        """Count one more ended cell of ``kind`` that ran ``seconds`` (None: not known; a
+        reused cell ran none); what a progress line says of the time."""
+        self.ended_cells[kind] += 1
+        if seconds is not None and not reused:
+            self.seconds.setdefault(kind, []).append(seconds)
         elapsed = self.clock() - self.started
-        left = self.cells - self.ran - self.reused
-        if self.ran == 0 or left <= 0:
+        ran = [s for per_kind in self.seconds.values() for s in per_kind]
+        left = self.cells - sum(self.ended_cells.values())
+        if not ran or sum(ran) <= 0 or left <= 0:
             return f"{duration(elapsed)} elapsed"
-        return f"{duration(elapsed)} elapsed, about {duration(elapsed / self.ran * left)} left"
+        mean = sum(ran) / len(ran)
+        work_left = 0.0
+        for name, count in self.kinds.items():
+            of_kind = max(0, count - self.ended_cells[name])
+            known = self.seconds.get(name)
+            work_left += of_kind * (sum(known) / len(known) if known else mean)
+            left -= of_kind
+        work_left += max(0, left) * mean  # cells of no declared kind
+        return f"{duration(elapsed)} elapsed, about {duration(elapsed * work_left / sum(ran))} left"
 
 
 class SweepLog:
@@ -204,7 +217,9 @@ class SweepLog:
     def add(self, cell: Cell, record: dict[str, Any]) -> None:
         """Record a finished cell and say how it ended."""
         self.done += 1
-        time_said = self.time_left.ended(reused=record.get("state-before") == "done")
+        time_said = self.time_left.ended(
+            cell.kind, record.get("seconds"), reused=record.get("state-before") == "done"
+        )
         if record["state"] == "failed":
             print(
                 f"FAILED {cell.label} {cell.setup} seed {cell.seed}: {record['error']} "
@@ -230,7 +245,7 @@ def run_sweep(cells: list[Cell], out: Path, pool: CellPool | None = None) -> lis
     from fedfm_flower.pools import SerialPool
 
     pool = pool or SerialPool()
-    log = SweepLog(out, len(cells))
+    log = SweepLog(out, len(cells), TimeLeft(len(cells), Counter(c.kind for c in cells)))
     for cell in cells:
         pool.submit(cell)
     done: dict[Path, dict[str, Any]] = {}

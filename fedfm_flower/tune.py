@@ -42,13 +42,13 @@ import hashlib
 import json
 import math
 import sys
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fedfm_flower.cells import Cell
+from fedfm_flower.cells import Cell, cell_kind
 from fedfm_flower.durable import atomic_write_text
 from fedfm_flower.overrides import parse_overrides
 from fedfm_flower.pools import CellPool
@@ -303,6 +303,18 @@ class FinalRuns:
         self.log.add(cell, record)
 
 
+def cell_kinds(studies: list[Study], seeds: list[int]) -> Counter[str]:
+    """How many cells of each kind (``Cell.kind``) the studies have left: their trials to draw
+    and their final runs at ``seeds``, their ablations' included."""
+    kinds: Counter[str] = Counter()
+    for study in studies:
+        setup = study.setup + study.tag
+        kinds[cell_kind(study.label, setup)] += study.left() + len(seeds)
+        for label in study.ablations:
+            kinds[cell_kind(label, setup)] += len(seeds)
+    return kinds
+
+
 def run_trials(
     studies: list[Study],
     pool: CellPool,
@@ -314,7 +326,7 @@ def run_trials(
     slots no trial is left to take. Each trial's line ends with ``time_left``'s estimate."""
     import optuna
 
-    time_left = time_left or TimeLeft(sum(study.left() for study in studies))
+    time_left = time_left or TimeLeft(sum(s.left() for s in studies), cell_kinds(studies, []))
 
     def start(study: Study, number: int, values: dict[str, Any]) -> None:
         cell = study.trial_cell(number, values)
@@ -359,7 +371,7 @@ def run_trials(
         study.finished += 1
         print(
             f"[{study.name} trial {number}, {study.finished}/{study.trials}] {outcome}; "
-            f"{time_left.ended()}",
+            f"{time_left.ended(cell.kind, record.get('seconds'))}",
             flush=True,
         )
 
@@ -539,7 +551,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     final_total = sum(1 + len(study.ablations) for study in studies) * len(args.seeds)
-    time_left = TimeLeft(sum(study.left() for study in studies) + final_total)
+    time_left = TimeLeft(
+        sum(study.left() for study in studies) + final_total, cell_kinds(studies, args.seeds)
+    )
     finals = FinalRuns(
         args.seeds,
         args.out,

@@ -114,17 +114,40 @@ def test_durations_read_as_seconds_minutes_and_hours() -> None:
 
 
 def test_time_left_is_the_time_per_cell_run_times_the_cells_left() -> None:
+    # One kind, one cell at a time: the old rule, wall time per cell run x cells left.
     now = [100.0]
-    left = sweep.TimeLeft(cells=5, clock=lambda: now[0])
+    left = sweep.TimeLeft(cells=5, kinds={"a toy": 5}, clock=lambda: now[0])
     now[0] += 0.5
-    assert left.ended(reused=True) == "0 s elapsed"  # found finished: no estimate from it
+    assert left.ended("a toy", 0.5, reused=True) == "0 s elapsed"  # found finished: no estimate
     now[0] += 600
-    assert left.ended() == "10 min elapsed, about 30 min left"  # 600.5 s per cell x 3 left
+    assert left.ended("a toy", 600.0) == "10 min elapsed, about 30 min left"  # 600 s x 3
     now[0] += 600
-    assert left.ended() == "20 min elapsed, about 20 min left"  # (1200.5 / 2) x 2
+    assert left.ended("a toy", 600.0) == "20 min elapsed, about 20 min left"
     now[0] += 1200
-    left.ended()
-    assert left.ended() == "40 min elapsed"  # nothing left
+    left.ended("a toy", 1200.0)
+    assert left.ended("a toy", 1.0) == "40 min elapsed"  # nothing left
+
+
+def test_time_left_weighs_each_kind_by_its_own_cells_and_the_cells_run_at_once() -> None:
+    now = [0.0]
+    left = sweep.TimeLeft(cells=7, kinds={"slow s": 3, "fast s": 4}, clock=lambda: now[0])
+    now[0] = 1200.0
+    # No fast cell has run: its 4 take the mean so far (1200 s): (2 + 4) x 1200 s.
+    assert left.ended("slow s", 1200.0) == "20 min elapsed, about 2 h 00 min left"
+    now[0] = 1260.0
+    # Now 2 slow x 1200 s + 3 fast x 60 s = 2580 s of cells, at 1260 wall s per 1260 cell s.
+    assert left.ended("fast s", 60.0) == "21 min elapsed, about 43 min left"
+    # Two cells at once: 2 x 1200 cell s in 1200 wall s halve the time left.
+    now = [0.0]
+    both = sweep.TimeLeft(cells=6, kinds={"slow s": 6}, clock=lambda: now[0])
+    now[0] = 1200.0
+    both.ended("slow s", 1200.0)
+    assert both.ended("slow s", 1200.0) == "20 min elapsed, about 40 min left"  # 4 x 1200 / 2
+    # A cell of no declared kind, or of unknown seconds, still counts as ended.
+    other = sweep.TimeLeft(cells=3, clock=lambda: now[0])
+    now[0] = 1800.0
+    assert other.ended("x s") == "10 min elapsed"
+    assert other.ended("x s", 600.0) == "10 min elapsed, about 10 min left"  # 1 x 600 s
 
 
 def test_each_cells_line_ends_with_the_time_elapsed_and_left(tmp_path: Path, capsys) -> None:
@@ -134,7 +157,9 @@ def test_each_cells_line_ends_with_the_time_elapsed_and_left(tmp_path: Path, cap
         sweep.Cell("fedrep", "toy", seed, {"output-dir": "o", "run-name": f"r{seed}"})
         for seed in (0, 1)
     ]
-    record = {"state": "done", "metric": "accuracy", "final": 0.5, "state-before": "new"}
+    record = {
+        "state": "done", "metric": "accuracy", "final": 0.5, "state-before": "new", "seconds": 90,
+    }  # fmt: skip
     now[0] = 90.0
     log.add(cells[0], {**record, "run": "o/r0"})
     now[0] = 95.0
