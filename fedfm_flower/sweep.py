@@ -31,7 +31,8 @@ import sys
 import time
 import tomllib
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -146,6 +147,22 @@ def check_configs(configs: list[dict[str, Any]]) -> None:
             raise ValueError(f"run {config['run-name']}: {err}") from err
 
 
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive lock on ``path`` between processes (POSIX ``flock``; none elsewhere)."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: concurrent sweeps into one directory are not guarded
+        yield
+        return
+    with path.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def _earlier_records(out: Path) -> dict[str, dict[str, Any]]:
     """Records of earlier sweeps into ``out`` (by run directory); none if unreadable."""
     try:
@@ -204,15 +221,16 @@ class TimeLeft:
 
 
 class SweepLog:
-    """``<out>/sweep.json``, rewritten as each cell finishes (with the records of earlier sweeps
-    into ``out``), and a progress line per cell that ends with the time elapsed and left."""
+    """``<out>/sweep.json``, rewritten as each cell finishes (with the records other sweeps
+    into ``out`` wrote, earlier or at the same time), and a progress line per cell that ends
+    with the time elapsed and left."""
 
     def __init__(self, out: Path, total: int, time_left: TimeLeft | None = None) -> None:
         out.mkdir(parents=True, exist_ok=True)
         self.out, self.total = out, total
         self.time_left = time_left or TimeLeft(total)
         self.done = 0
-        self._everything = _earlier_records(out)
+        self._mine: dict[str, dict[str, Any]] = {}  # this sweep's records, by run directory
 
     def add(self, cell: Cell, record: dict[str, Any]) -> None:
         """Record a finished cell and say how it ended."""
@@ -233,9 +251,11 @@ class SweepLog:
                 f"{time_said}",
                 flush=True,
             )
-        self._everything[record["run"]] = record
-        cells_json = json.dumps({"cells": list(self._everything.values())}, indent=2)
-        atomic_write_text(self.out / "sweep.json", cells_json)
+        self._mine[record["run"]] = record
+        with _locked(self.out / ".sweep.json.lock"):  # read, merge, write: one sweep at a time
+            everything = {**_earlier_records(self.out), **self._mine}
+            cells_json = json.dumps({"cells": list(everything.values())}, indent=2)
+            atomic_write_text(self.out / "sweep.json", cells_json)
 
 
 def run_sweep(cells: list[Cell], out: Path, pool: CellPool | None = None) -> list[dict[str, Any]]:

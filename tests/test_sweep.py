@@ -172,3 +172,21 @@ def test_each_cells_line_ends_with_the_time_elapsed_and_left(tmp_path: Path, cap
     assert out.err == "FAILED fedrep toy seed 1: boom [2/2; 2 min elapsed]\n"
     written = json.loads((tmp_path / "sweep.json").read_text())["cells"]
     assert [r["run"] for r in written] == ["o/r0", "o/r1"]
+
+
+def test_two_sweeps_into_one_directory_at_once_keep_each_others_records(tmp_path: Path) -> None:
+    # Both logs open before either has written (two commands started together): each write
+    # merges what the file holds by then, so neither drops the other's cells.
+    first = sweep.SweepLog(tmp_path, 2, sweep.TimeLeft(2))
+    second = sweep.SweepLog(tmp_path, 1, sweep.TimeLeft(1))
+    cells = [
+        sweep.Cell(label, "toy", 0, {"output-dir": "o", "run-name": label})
+        for label in ("fedrep", "local")
+    ]
+    record = {"state": "done", "metric": "accuracy", "state-before": "new", "seconds": 1.0}
+    first.add(cells[0], {**record, "run": "o/fedrep", "final": 0.5})
+    second.add(cells[1], {**record, "run": "o/local", "final": 0.6})
+    first.add(cells[0], {**record, "run": "o/fedrep", "final": 0.7})  # the same run again
+    written = json.loads((tmp_path / "sweep.json").read_text())["cells"]
+    assert {r["run"]: r["final"] for r in written} == {"o/fedrep": 0.7, "o/local": 0.6}
+    assert len(written) == 2
