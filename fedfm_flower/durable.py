@@ -14,6 +14,7 @@ file when anything does not match or cannot be parsed. Files written before dige
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import os
 import stat
@@ -82,6 +83,18 @@ def atomic_path(path: Path, durable: bool = True) -> Iterator[Path]:
         Path(tmp).unlink(missing_ok=True)
     if durable:
         fsync_directory(path.parent)
+
+
+@contextlib.contextmanager
+def exclusive_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on the file ``path`` (created if missing): one process at a
+    time between enter and exit."""
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def atomic_write_text(path: Path | str, text: str, durable: bool = True) -> None:

@@ -31,14 +31,13 @@ import sys
 import time
 import tomllib
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fedfm_flower.cells import Cell
-from fedfm_flower.durable import atomic_write_text
+from fedfm_flower.durable import atomic_write_text, exclusive_lock
 from fedfm_flower.overrides import parse_overrides
 from fedfm_flower.processes import exit_on_sigterm
 
@@ -147,22 +146,6 @@ def check_configs(configs: list[dict[str, Any]]) -> None:
             raise ValueError(f"run {config['run-name']}: {err}") from err
 
 
-@contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    """An exclusive lock on ``path`` between processes (POSIX ``flock``; none elsewhere)."""
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: concurrent sweeps into one directory are not guarded
-        yield
-        return
-    with path.open("a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def _earlier_records(out: Path) -> dict[str, dict[str, Any]]:
     """Records of earlier sweeps into ``out`` (by run directory); none if unreadable."""
     try:
@@ -252,7 +235,7 @@ class SweepLog:
                 flush=True,
             )
         self._mine[record["run"]] = record
-        with _locked(self.out / ".sweep.json.lock"):  # read, merge, write: one sweep at a time
+        with exclusive_lock(self.out / ".sweep.json.lock"):  # one sweep at a time reads + writes
             everything = {**_earlier_records(self.out), **self._mine}
             cells_json = json.dumps({"cells": list(everything.values())}, indent=2)
             atomic_write_text(self.out / "sweep.json", cells_json)

@@ -29,7 +29,6 @@ scikit-learn). The pixels are stored at their native 32x32 and resized on demand
 
 from __future__ import annotations
 
-import fcntl
 import functools
 import hashlib
 import json
@@ -45,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from fedfm_flower.data.source import Source
-from fedfm_flower.durable import atomic_path, atomic_write_text
+from fedfm_flower.durable import atomic_path, atomic_write_text, exclusive_lock
 
 log = logging.getLogger(__name__)
 
@@ -339,8 +338,7 @@ def cached_arrays(cache_dir: Path, sizes: GlyphSizes = GlyphSizes()) -> GlyphArr
     if arrays is not None:
         return arrays
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with exclusive_lock(path.with_suffix(".lock")):
         arrays = _read(path)  # another process may have generated it while we waited
         if arrays is None:
             started = time.perf_counter()

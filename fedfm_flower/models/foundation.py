@@ -15,7 +15,6 @@ half-written cache.
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import hashlib
 import json
 import logging
@@ -27,7 +26,13 @@ import torch
 from torch import nn
 
 from fedfm_flower.config import ExperimentConfig
-from fedfm_flower.durable import DamagedFileError, atomic_write_text, load_tensors, save_tensors
+from fedfm_flower.durable import (
+    DamagedFileError,
+    atomic_write_text,
+    exclusive_lock,
+    load_tensors,
+    save_tensors,
+)
 from fedfm_flower.models.threads import PRETRAIN_THREADS, pinned_threads
 
 log = logging.getLogger(__name__)
@@ -105,8 +110,7 @@ def ensure_foundation(config: ExperimentConfig) -> Path:
     if path.is_file():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with exclusive_lock(path.with_suffix(".lock")):
         if not path.is_file():  # another process may have built it while we waited
             state, card = pretrain_foundation(config)
             _atomic_save(path, state, card)

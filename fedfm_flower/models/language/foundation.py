@@ -36,7 +36,6 @@ keys ``model-dtype``, ``device-map``, ``load-in-4bit``; ``pretrained_loading_opt
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import logging
@@ -50,7 +49,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fedfm_flower.data.instructions import CORPUS_VERSION, DEFAULT_EXAMPLES_PER_TASK
-from fedfm_flower.durable import DamagedFileError, atomic_write_text, load_tensors, save_tensors
+from fedfm_flower.durable import (
+    DamagedFileError,
+    atomic_write_text,
+    exclusive_lock,
+    load_tensors,
+    save_tensors,
+)
 from fedfm_flower.models.threads import pinned_threads
 
 if TYPE_CHECKING:
@@ -449,8 +454,7 @@ def _build_once(path: Path, build: Callable[[], None]) -> None:
     if path.is_file():
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with exclusive_lock(path.with_suffix(".lock")):
         if not path.is_file():  # another process may have built it while we waited
             build()
 
