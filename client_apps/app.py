@@ -154,7 +154,7 @@ def _train_content(
         sent, stats = logic.post_train(runtime, received, server_round)
     else:
         sent, stats = logic.train(runtime, received, server_round)
-        sent = _privatized(runtime, logic, sent, received, server_round)
+        sent = _privatized(runtime, logic, sent, received)
     metrics = MetricRecord(
         {
             P.CLIENT_ID: runtime.identity.client_id,
@@ -179,10 +179,9 @@ def _privatized(
     logic: ClientLogic,
     sent: dict[str, torch.Tensor],
     received: dict[str, torch.Tensor],
-    server_round: int,
 ) -> dict[str, torch.Tensor]:
     """``sent`` as it may leave the client under ``dp`` (``fedfm_flower.privacy``): the update
-    clipped (central), or clipped and noised from a (seed, round, client) generator (local)."""
+    clipped (central), or clipped and noised with fresh noise no one can regenerate (local)."""
     config = runtime.config
     if config.dp == "none":
         return sent
@@ -193,10 +192,8 @@ def _privatized(
     base = {n: torch.zeros_like(t) for n, t in sent.items()} if logic.sends_updates else received
     if config.dp == "central":
         return mechanism.clip_update(sent, base, config.dp_clipping_norm)
-    seed = (config.seed * 1_000_003 + server_round) * 10_007 + runtime.identity.client_id
-    generator = torch.Generator().manual_seed(seed)
     sigma = accountant.noise_multiplier(config)
-    return mechanism.privatize_locally(sent, base, config.dp_clipping_norm, sigma, generator)
+    return mechanism.privatize_locally(sent, base, config.dp_clipping_norm, sigma)
 
 
 def _evaluation_metrics(runtime: ClientRuntime, stats: EvalStats) -> MetricRecord:

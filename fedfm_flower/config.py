@@ -28,7 +28,13 @@ from fedfm_flower.models.families import family_of
 from fedfm_flower.models.tuners import TUNERS
 from fedfm_flower.registry import METHODS as METHOD_REGISTRY
 from fedfm_flower.registry import settings_class, settings_classes, trains_backbone
-from fedfm_flower.settings import ConfigError, MethodSettings, coerce, require_package
+from fedfm_flower.settings import (
+    ConfigError,
+    MethodSettings,
+    coerce,
+    require_finite,
+    require_package,
+)
 
 # Names the config accepts. Registries elsewhere (methods, datasets, backbones) must agree
 # with these tuples; tests check that they do.
@@ -261,6 +267,8 @@ class ExperimentConfig:
 
     def validate(self) -> None:
         """Raise ConfigError naming the first invalid value."""
+        for key, value in self.to_run_config().items():  # every float key, methods' too
+            require_finite(key, value)
         _one_of("method", self.method, METHODS)
         _one_of("dataset", self.dataset, DATASETS)
         _one_of("backbone", self.backbone, BACKBONES)

@@ -17,6 +17,7 @@ run config in a fresh process per message.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Self
@@ -33,6 +34,15 @@ class ConfigError(ValueError):
         self.value = value
 
 
+FINITE = "must be a finite number (TOML's nan and inf are not allowed)"
+
+
+def require_finite(key: str, value: Any, source: str = "run config") -> None:
+    """A ConfigError naming ``key`` when ``value`` is a float NaN or infinity."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(key, value, FINITE, source=source)
+
+
 def require_package(key: str, value: Any, package: str, needs: str = "") -> None:
     """A ConfigError naming ``key`` when ``package`` cannot be imported (nothing is imported)."""
     from importlib.util import find_spec
@@ -43,7 +53,16 @@ def require_package(key: str, value: Any, package: str, needs: str = "") -> None
 
 
 def coerce(key: str, raw: Any, kind: type, source: str = "run config") -> Any:
-    """Convert a TOML/CLI value to the field's type, or fail naming the key (and ``source``)."""
+    """Convert a TOML/CLI value to the field's type, or fail naming the key (and ``source``);
+    a float must be finite."""
+    if kind is float and not isinstance(raw, bool):
+        try:
+            value = float(raw)
+        except (TypeError, ValueError):
+            pass
+        else:
+            require_finite(key, value, source)
+            return value
     try:
         if kind is bool:
             if isinstance(raw, bool):
@@ -55,10 +74,6 @@ def coerce(key: str, raw: Any, kind: type, source: str = "run config") -> Any:
             if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
                 raise ValueError
             return int(raw)
-        if kind is float:
-            if isinstance(raw, bool):
-                raise ValueError
-            return float(raw)
         if kind is str:
             return str(raw)
     except (TypeError, ValueError):
@@ -139,6 +154,7 @@ class MethodSettings:
         """Raise ConfigError naming the first value that breaks its field's rules or check()."""
         for f in dataclasses.fields(self):
             key, value, rules = self.key_of(f.name), getattr(self, f.name), f.metadata
+            require_finite(key, value)
             if rules.get("choices") is not None and value not in rules["choices"]:
                 raise ConfigError(key, value, f"allowed: {', '.join(rules['choices'])}")
             if rules.get("positive") and not value > 0:

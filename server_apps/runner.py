@@ -57,6 +57,7 @@ from fedfm_flower import protocol as P
 from fedfm_flower.config import ExperimentConfig
 from fedfm_flower.models.build import prepare_foundation
 from fedfm_flower.privacy import secagg
+from fedfm_flower.privacy.ledger import LedgerFile
 from fedfm_flower.records import record_dict_nbytes
 from fedfm_flower.results import RunDirectory, progress_line
 from fedfm_flower.tasks import task_of
@@ -174,6 +175,11 @@ def _run(
         run.truncate_rounds(start_round - 1)
         if newest is not None and newest[2].get(EVALUATION_PENDING):
             pending = awaiting_evaluation(run.rounds(), start_round - 1)
+    ledger_file = LedgerFile(run.path) if config.dp != "none" else None
+    if ledger_file is not None:  # releases after the newest checkpoint count too
+        written = ledger_file.read(config.dp)
+        if written is not None:
+            strategy.releases.absorb(written)
     run.write_config(
         config,
         {
@@ -208,7 +214,7 @@ def _run(
     for server_round in range(start_round, total + 1):
         last = server_round == total
         carried, pending = pending, None
-        record = run_round(grid, strategy, config, server_round, last, carried, fused)
+        record = run_round(grid, strategy, config, server_round, last, carried, fused, ledger_file)
         round_times.append(record["round-seconds"])
         if carried is not None:
             ledger.complete(carried)  # may raise RunFailed: its evaluation had no usable reply
@@ -356,6 +362,7 @@ def run_round(
     last: bool = False,
     carried: dict[str, Any] | None = None,
     fused: bool = False,
+    ledger: LedgerFile | None = None,
 ) -> dict[str, Any]:
     """One training (or post-training) round, plus evaluation when due or ``last``; returns the
     round's record.
@@ -363,11 +370,14 @@ def run_round(
     ``carried``, the record of an earlier round whose evaluation is still to come, gets it from
     this round's phase (fused into the training messages). With ``fused`` this round's own
     evaluation is left to the next round (the record has no ``evaluate``), unless ``last`` or
-    no training reply was usable.
+    no training reply was usable. Under DP, ``ledger`` receives the strategy's releases before
+    any message that may carry one goes out.
     """
     started = time.perf_counter()
     evaluate_round = carried["round"] if carried is not None else None
     messages = strategy.configure_round(server_round, evaluate_round, grid)
+    if ledger is not None:  # local DP: the clients release when they answer these
+        ledger.keep(strategy.releases)
     server_seconds = time.perf_counter() - started
     bytes_down, carried_down = _split_bytes(messages)
     secure = None
@@ -386,6 +396,8 @@ def run_round(
     aggregate_started = time.perf_counter()
     mean = secure.mean if secure is not None else None
     outcome = strategy.aggregate_round(server_round, evaluate_round, replies, mean)
+    if ledger is not None:  # central DP: the noised average leaves with the next messages
+        ledger.keep(strategy.releases)
     aggregate_seconds = time.perf_counter() - aggregate_started
     server_seconds += aggregate_seconds
     if carried is not None and outcome.evaluation is not None:  # evaluate_round's evaluation
@@ -525,6 +537,7 @@ def _privacy_spent(rounds: list[dict[str, Any]], config: ExperimentConfig) -> di
     if config.dp == "none":
         return {}
     from fedfm_flower.privacy import accountant
+    from fedfm_flower.privacy.noise import NOISE_SOURCE
 
     released = [r["server"] for r in rounds if "dp-epsilon" in r.get("server", {})]
     last = released[-1] if released else {}
@@ -534,6 +547,9 @@ def _privacy_spent(rounds: list[dict[str, Any]], config: ExperimentConfig) -> di
         "dp-noise-multiplier": accountant.noise_multiplier(config),
         "dp-target-epsilon": config.dp_target_epsilon,
         "dp-clipping-norm": config.dp_clipping_norm,
+        "dp-sensitivity": accountant.sensitivity(config.dp) * config.dp_clipping_norm,
+        "dp-neighbouring": accountant.NEIGHBOURING[config.dp],
+        "dp-noise": NOISE_SOURCE,
         "dp-releases": int(last.get("dp-releases", 0)),
         "dp-epsilon": last.get("dp-epsilon", 0.0),
     }

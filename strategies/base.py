@@ -33,6 +33,7 @@ from flwr.serverapp.strategy import Strategy
 from fedfm_flower.config import ExperimentConfig
 from fedfm_flower.models import TrainableTensors
 from fedfm_flower.privacy import accountant
+from fedfm_flower.privacy.ledger import ReleaseLedger
 from strategies.parts.context import NO_CONTEXT, RunContext
 from strategies.parts.fused import FusedRound
 from strategies.parts.messages import Payload, per_node_messages
@@ -64,6 +65,8 @@ class PersonalizedStrategy(Strategy):
         self.current_round = 0  # the round configure_train was last called for
         self._training = FusedRound(RoundReport())  # the training phase in flight
         self._evaluation = RoundReport()  # the evaluation phase in flight
+        # the DP releases so far (privacy.ledger): central counts in aggregate, local here
+        self.releases = ReleaseLedger(config.dp)
         if config.dp != "none":  # Opacus missing (or a bad target epsilon) fails now
             accountant.require_opacus()
             accountant.noise_multiplier(config)
@@ -199,10 +202,10 @@ class PersonalizedStrategy(Strategy):
         else:
             log.warning("round %s: no valid training reply; state unchanged", server_round)
         if valid and self.config.dp == "local":
-            server_metrics = {
-                **server_metrics,
-                **accountant.local_dp_metrics(self.config, server_round),
-            }
+            config = self.config
+            std = accountant.noise_multiplier(config) * config.dp_clipping_norm
+            release = accountant.release_metrics(config, self.releases.count, std)
+            server_metrics = {**server_metrics, **release}
         train = PhaseOutcome.of(flight.train)
         if evaluate_round is None or flight.evaluation is None:
             return RoundOutcome(train, None, server_metrics)
@@ -224,6 +227,8 @@ class PersonalizedStrategy(Strategy):
         self.learn_node_mapping(grid, server_round)
         chosen = self.train_clients(server_round)
         self._training = FusedRound(RoundReport(sent=chosen))
+        if self.config.dp == "local" and self.phase(server_round) == "train":
+            self.releases.record(server_round)  # each sampled client may release once
         return self._messages(chosen, server_round, MessageType.TRAIN, self.train_payload, config)
 
     def aggregate_train(
@@ -255,18 +260,27 @@ class PersonalizedStrategy(Strategy):
 
     # ----------------------------------------------------------------- state
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """(tensors, JSON metadata) of the full strategy state."""
-        return self.state_tensors(), {"strategy": type(self).__name__, "method": self.config.method}
+        """(tensors, JSON metadata) of the full strategy state; under DP the metadata holds the
+        release ledger (and so the noise source)."""
+        meta: dict[str, Any] = {"strategy": type(self).__name__, "method": self.config.method}
+        if self.config.dp != "none":
+            meta["privacy"] = self.releases.to_json()
+        return self.state_tensors(), meta
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
         """Restore a state written by ``state_dict``; another method's state is refused (by
-        its strategy class, for a checkpoint that does not name its method)."""
+        its strategy class, for a checkpoint that does not name its method), as is a DP state
+        without a ledger of fresh noise."""
         if "method" in meta:
             found, expected = meta["method"], self.config.method
         else:
             found, expected = meta.get("strategy"), type(self).__name__
         if found != expected:
             raise ValueError(f"checkpoint holds a {found} state, not {expected}")
+        if self.config.dp != "none":
+            self.releases = ReleaseLedger.from_json(
+                meta.get("privacy"), self.config.dp, "checkpoint"
+            )
         self.load_state_tensors(tensors)
 
     def _messages(

@@ -14,9 +14,10 @@ clients are weighted (``weighting``: example counts, or equal as FedDPA's eq. 2)
 With ``dp = "central"`` (``fedfm_flower.privacy``) the average is DP-FedAvg's instead: the
 updates (reply - global) clipped to ``dp-clipping-norm`` (again here, so the bound does not rest
 on the clients), summed with equal weights, divided by the number of clients sampled for the
-round and noised with N(0, (sigma C / m)^2) per coordinate from a generator seeded by (seed,
-round); each such round is a release, counted in the state, and the privacy spent so far is in
-the round's server metrics (``dp-epsilon`` at ``dp-delta``).
+round and noised with N(0, (sigma C / m)^2) per coordinate, fresh noise no one can regenerate
+(``privacy.noise``); each such round is a release, counted in the strategy's ledger
+(``privacy.ledger``), and the privacy spent so far is in the round's server metrics
+(``dp-epsilon`` at ``dp-delta``).
 
 With ``secagg = true`` (``fedfm_flower.privacy.secagg``) the replies hold no tensors: the round's
 SecAgg+ protocol gives the weighted mean of the clients' updates, which is added to the global
@@ -60,7 +61,6 @@ class FedAvgStrategy(PersonalizedStrategy):
         self.global_tensors = {n: initial.tensors[n].clone() for n in shared}
         # Which tensors serve which holdings (TAP's components); the values are not kept.
         self.layout = TrainableTensors({}, initial.groups, initial.users)
-        self.private_releases = 0  # rounds noised under dp = "central"
 
     def owned(self, client_id: int) -> dict[str, torch.Tensor]:
         """The global tensors of the components ``client_id`` owns (all, for most models)."""
@@ -141,35 +141,23 @@ class FedAvgStrategy(PersonalizedStrategy):
                 totals[name] += tensor.double() - self.global_tensors[name].double()
         sigma = accountant.noise_multiplier(config)
         std = mechanism.noise_std(sigma, config.dp_clipping_norm, sampled)
-        generator = torch.Generator().manual_seed(config.seed * 1_000_003 + server_round)
         noised = mechanism.add_gaussian_noise(
-            {n: total / sampled for n, total in totals.items()}, std, generator
+            {n: total / sampled for n, total in totals.items()}, std
         )
         self.global_tensors = {
             n: (self.global_tensors[n].to(torch.float64) + step).to(self.global_tensors[n].dtype)
             for n, step in noised.items()
         }
-        self.private_releases += 1
-        epsilon = accountant.epsilon_spent(sigma, self.private_releases, config.dp_delta)
-        return {
-            "dp-noise-std": std,
-            "dp-releases": float(self.private_releases),
-            "dp-epsilon": epsilon,
-        }
+        self.releases.record(server_round)
+        return accountant.release_metrics(config, self.releases.count, std)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        """The global shared tensors (and the count of private releases under central DP)."""
-        tensors = {f"global.{k}": v for k, v in self.global_tensors.items()}
-        if self.config.dp == "central":
-            tensors["dp.releases"] = torch.tensor(self.private_releases, dtype=torch.int64)
-        return tensors
+        """The global shared tensors."""
+        return {f"global.{k}": v for k, v in self.global_tensors.items()}
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         """Restore the global shared tensors."""
         expected = set(self.state_tensors())
         if set(tensors) != expected:
             raise ValueError("checkpoint tensors do not match this FedAvg configuration")
-        tensors = dict(tensors)
-        if "dp.releases" in tensors:
-            self.private_releases = int(tensors.pop("dp.releases"))
         self.global_tensors = {k[len("global.") :]: v.clone() for k, v in tensors.items()}

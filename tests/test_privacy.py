@@ -1,9 +1,11 @@
-"""Central differential privacy: clipping, noise, accounting, refusal, and a run end to end."""
+"""Differential privacy: clipping, fresh noise no one can regenerate, accounting per neighbouring
+relation, the release ledger across resumes, refusals, finite settings, and runs end to end."""
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -14,7 +16,7 @@ from flwr.app import Message, RecordDict
 
 from fedfm_flower import protocol as P
 from fedfm_flower.config import ExperimentConfig
-from fedfm_flower.privacy import accountant, mechanism
+from fedfm_flower.privacy import accountant, mechanism, noise
 from fedfm_flower.privacy.support import REFUSALS, central_dp_refusal
 from fedfm_flower.records import from_array_record, to_array_record
 from fedfm_flower.registry import method_spec
@@ -56,18 +58,92 @@ def test_clipping_bounds_the_update_norm_over_all_tensors_together() -> None:
 
 
 # ---------------------------------------------------------------- noise
-def test_the_noise_has_the_set_standard_deviation_and_is_seeded() -> None:
+class NoiseSpy:
+    """Wraps ``noise.fresh_gaussian``: the draws of every release, in order (what an observer
+    inside the process could see, and the server never can)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.draws: list[dict[str, torch.Tensor]] = []
+        real = noise.fresh_gaussian
+
+        def spy(shapes: dict, std: float) -> dict[str, torch.Tensor]:
+            drawn = real(shapes, std)
+            self.draws.append(drawn)
+            return drawn
+
+        monkeypatch.setattr(noise, "fresh_gaussian", spy)
+
+
+Draw = Callable[[dict[str, tuple[int, ...]]], dict[str, torch.Tensor]]
+
+
+def seeded_guesses(seed: int, server_round: int, client_id: int | None = None) -> list[Draw]:
+    """What an adversary who knows the run config would try: standard normals per tensor, in
+    sorted name order, from generators seeded with the run seed, the round and the client id
+    (exactly as DP noise was once derived here)."""
+    derived = [seed, seed * 1_000_003 + server_round]
+    if client_id is not None:
+        derived.append((seed * 1_000_003 + server_round) * 10_007 + client_id)
+
+    def torch_draw(value: int) -> Draw:
+        def draw(shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+            g = torch.Generator().manual_seed(value)
+            return {
+                n: torch.randn(shapes[n], generator=g, dtype=torch.float64) for n in sorted(shapes)
+            }
+
+        return draw
+
+    def numpy_draw(value: int) -> Draw:
+        def draw(shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+            g = np.random.default_rng(value)
+            return {n: torch.from_numpy(g.standard_normal(shapes[n])) for n in sorted(shapes)}
+
+        return draw
+
+    return [draw(value) for value in derived for draw in (torch_draw, numpy_draw)]
+
+
+def test_the_noise_has_the_set_standard_deviation_and_is_fresh_every_release() -> None:
     std = mechanism.noise_std(noise_multiplier=1.5, clipping_norm=0.4, num_sampled=3)
     assert std == pytest.approx(0.2)
     zeros = {"a": torch.zeros(400, 500), "b": torch.zeros(1000)}
-    noised = mechanism.add_gaussian_noise(zeros, std, torch.Generator().manual_seed(7))
+    torch.manual_seed(0)
+    np.random.seed(0)
+    noised = mechanism.add_gaussian_noise(zeros, std)
     sample = torch.cat([t.flatten() for t in noised.values()]).double()
     assert sample.numel() == 201_000
     # the sample std of 201k normals is within 0.5% of the true one with overwhelming odds
     assert float(sample.std()) == pytest.approx(std, rel=0.005)
     assert abs(float(sample.mean())) < 5 * std / math.sqrt(sample.numel())
-    again = mechanism.add_gaussian_noise(zeros, std, torch.Generator().manual_seed(7))
-    assert all(torch.equal(again[n], noised[n]) for n in zeros)
+    # the same global seeds again: other noise (no seed, global or run, reaches it)
+    torch.manual_seed(0)
+    np.random.seed(0)
+    again = mechanism.add_gaussian_noise(zeros, std)
+    for name in zeros:
+        correlation = np.corrcoef(again[name].flatten(), noised[name].flatten())[0, 1]
+        assert abs(correlation) < 0.02, name  # independent draws
+    assert mechanism.add_gaussian_noise(zeros, 0.0)["a"] is zeros["a"]  # sigma 0: no draw
+    with pytest.raises(ValueError, match="finite"):
+        mechanism.add_gaussian_noise(zeros, math.nan)
+
+
+def test_each_release_keys_a_fresh_generator_with_128_bits_of_os_entropy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import secrets
+
+    asked: list[int] = []
+    real = secrets.randbits
+    monkeypatch.setattr(secrets, "randbits", lambda bits: asked.append(bits) or real(bits))
+    first = noise.fresh_gaussian({"x": (4,)}, 1.0)
+    second = noise.fresh_gaussian({"x": (4,)}, 1.0)
+    assert asked == [128, 128]
+    assert not torch.equal(first["x"], second["x"])
+    # why not torch.Generator: it keeps 32 bits of a seed, so an entropy key would not help
+    low = torch.randn(3, generator=torch.Generator().manual_seed(5))
+    high = torch.randn(3, generator=torch.Generator().manual_seed(5 + 2**32))
+    assert torch.equal(low, high)
 
 
 # ---------------------------------------------------------------- accounting
@@ -98,6 +174,53 @@ def test_the_epsilon_is_opacus_rdp_accountants_and_the_gaussian_mechanisms(
     assert accountant.epsilon_spent(sigma, rounds + 1, 1e-5) > got  # it only grows
     assert accountant.epsilon_spent(sigma, 0, 1e-5) == 0.0
     assert accountant.epsilon_spent(0.0, rounds, 1e-5) == math.inf
+
+
+def exact_gaussian_epsilon(mu: float, delta: float) -> float:
+    """The exact epsilon at ``delta`` of a mu-GDP mechanism (Dong, Roth and Su 2019; T Gaussian
+    releases of sensitivity D and noise std s compose to mu = sqrt(T) D / s): the root of
+    delta(eps) = Phi(mu/2 - eps/mu) - e^eps Phi(-mu/2 - eps/mu) (Balle and Wang 2018), by
+    bisection. An accountant independent of RDP; any valid bound lies above it."""
+    from statistics import NormalDist
+
+    phi = NormalDist().cdf
+    low, high = 0.0, 200.0
+    for _ in range(200):
+        eps = (low + high) / 2
+        if phi(mu / 2 - eps / mu) - math.exp(eps) * phi(-mu / 2 - eps / mu) > delta:
+            low = eps
+        else:
+            high = eps
+    return high
+
+
+@pytest.mark.parametrize(("sigma", "releases"), [(2.0, 2), (1.0, 20), (4.0, 50)])
+def test_local_dp_epsilon_is_stated_for_sensitivity_2c(sigma: float, releases: int) -> None:
+    """Under local DP two datasets of one client can give clipped updates 2C apart: epsilon is
+    the Gaussian mechanism's at sigma / 2, a bound above the exact epsilon at sensitivity 2C,
+    where the sensitivity-C figure falls below it (it would understate the loss)."""
+    local = ExperimentConfig().replace(
+        method="fedavg", dp="local", dp_noise_multiplier=sigma, dp_clipping_norm=0.3
+    )
+    central = local.replace(dp="central")
+    reported = accountant.epsilon_of(local, releases)
+    from opacus.accountants import RDPAccountant
+
+    orders = RDPAccountant.DEFAULT_ALPHAS
+    assert reported == pytest.approx(rdp_epsilon(sigma / 2, releases, 1e-5, orders), rel=1e-9)
+    exact_2c = exact_gaussian_epsilon(math.sqrt(releases) * 2 / sigma, 1e-5)
+    assert exact_2c <= reported < 1.25 * exact_2c
+    assert accountant.epsilon_spent(sigma, releases, 1e-5) < exact_2c  # sensitivity C: too low
+    assert accountant.epsilon_of(central, releases) == accountant.epsilon_spent(
+        sigma, releases, 1e-5
+    )
+    assert exact_gaussian_epsilon(math.sqrt(releases) / sigma, 1e-5) <= accountant.epsilon_of(
+        central, releases
+    )
+    if (sigma, releases) == (2.0, 2):  # Google's dp-accounting RDP accountant: 7.08
+        assert reported == pytest.approx(7.08, abs=0.005)
+    assert accountant.release_metrics(local, releases, 0.6)["dp-sensitivity"] == 0.6
+    assert accountant.release_metrics(central, releases, 0.6)["dp-sensitivity"] == 0.3
 
 
 # ---------------------------------------------------------------- who can take it
@@ -137,6 +260,39 @@ def test_bad_privacy_settings_name_the_key(key: str, value: object, rule: str) -
         ExperimentConfig.from_run_config({"method": "fedavg", key: value})
 
 
+PRIVACY_FLOATS = (
+    "dp-clipping-norm",
+    "dp-noise-multiplier",
+    "dp-delta",
+    "dp-target-epsilon",
+    "secagg-num-shares",
+    "secagg-threshold",
+    "secagg-clipping-range",
+    "secagg-max-weight",
+)
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf, "nan", "inf"])
+@pytest.mark.parametrize("key", PRIVACY_FLOATS)
+def test_privacy_settings_refuse_nan_and_infinity(key: str, value: object) -> None:
+    with pytest.raises(ConfigError, match=f"'{key}' = .* must be a finite number"):
+        ExperimentConfig.from_run_config({"method": "fedavg", "dp": "local", key: value})
+    name = key.replace("-", "_")
+    with pytest.raises(ConfigError, match=f"'{key}' = .* must be a finite number"):
+        ExperimentConfig().replace(**{name: float(value)})  # built in code: validate() checks
+
+
+def test_every_float_key_refuses_nan_and_infinity_naming_it() -> None:
+    """All keys, the methods' own (pfedseq-lr, ...) included."""
+    floats = [k for k, v in ExperimentConfig().to_run_config().items() if isinstance(v, float)]
+    assert len(floats) > 30 and "pfedseq-lr" in floats and "round-timeout" in floats
+    for key in floats:
+        for value in (math.nan, math.inf):
+            with pytest.raises(ConfigError, match=f"'{key}' = {value} .*finite"):
+                ExperimentConfig.from_run_config({key: value})
+    ExperimentConfig.from_run_config({"lr": 3, "round-timeout": 1e6})  # finite values pass
+
+
 # ---------------------------------------------------------------- a run
 def fedavg_grid(small: dict, mode: str, clip: float, sigma: float, delta: float):  # noqa: ANN201
     """(run config, in-process grid) of a 4-client FedAvg run under ``dp = mode``."""
@@ -157,14 +313,16 @@ def fedavg_grid(small: dict, mode: str, clip: float, sigma: float, delta: float)
 
 
 def test_a_central_dp_run_clips_what_travels_noises_the_average_and_reports_epsilon(
-    small_run_config: dict,
+    small_run_config: dict, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """FedAvg, 4 clients, 2 rounds: each training reply's update is within C (checked on the
     reply as it leaves the client); a client that sends a 100x update is clipped again by the
     server; round 2's global tensors are round 1's plus the clipped updates' sum over the 4
-    sampled clients plus noise of std sigma C / 4 from the (seed, round) generator; every
-    round records the epsilon of Opacus' accountant, and the summary the last one."""
+    sampled clients plus exactly the noise round 1 drew (std sigma C / 4), which no generator
+    seeded from the run config reproduces; every round records the epsilon of Opacus'
+    accountant at sensitivity C, and the summary the last one."""
     clip, sigma, delta = 0.05, 0.7, 1e-4
+    spy = NoiseSpy(monkeypatch)
     run_config, grid = fedavg_grid(small_run_config, "central", clip, sigma, delta)
     replies: dict[str, dict[str, torch.Tensor]] = {}  # message id -> the reply's arrays used
 
@@ -205,17 +363,21 @@ def test_a_central_dp_run_clips_what_travels_noises_the_average_and_reports_epsi
         next(m for m in train if m.metadata.group_id == "2").content[P.ARRAYS]
     )
     std = sigma * clip / 4
-    noise = mechanism.add_gaussian_noise(
-        {n: torch.zeros_like(t, dtype=torch.float64) for n, t in start.items()},
-        std,
-        torch.Generator().manual_seed(0 * 1_000_003 + 1),
-    )
-    expected = torch.cat([noise[n].flatten() for n in sorted(start)])
+    assert len(spy.draws) == 2  # one release per round, each its own draw
+    drawn = torch.cat([spy.draws[0][n].flatten() for n in sorted(start)])
     ordered = torch.cat(
         [(second[n].double() - start[n].double() - total[n] / 4).flatten() for n in sorted(start)]
     )
     assert ordered.numel() > 100
-    np.testing.assert_allclose(ordered.numpy(), expected.numpy(), atol=1e-6 * max(1.0, std))
+    np.testing.assert_allclose(ordered.numpy(), drawn.numpy(), atol=1e-6 * max(1.0, std))
+    assert float(ordered.std()) == pytest.approx(std, rel=0.25)
+    # an adversary who knows the run config regenerates "the noise" from the seed and round:
+    # what is left is still noise of the full std, not the clipped mean it wanted
+    shapes = {n: tuple(t.shape) for n, t in start.items()}
+    for guess in seeded_guesses(0, 1):
+        regenerated = guess(shapes)
+        left = ordered - torch.cat([regenerated[n].flatten() for n in sorted(start)]) * std
+        assert float(left.std()) > 0.8 * std
 
     lines = (Path(run_config["output-dir"]) / "central" / "metrics.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in lines]
@@ -224,8 +386,12 @@ def test_a_central_dp_run_clips_what_travels_noises_the_average_and_reports_epsi
             accountant.epsilon_spent(sigma, t, delta)
         )
         assert record["server"]["dp-noise-std"] == pytest.approx(std)
+        assert record["server"]["dp-sensitivity"] == pytest.approx(clip)
     assert summary["dp-epsilon"] == pytest.approx(accountant.epsilon_spent(sigma, 2, delta))
     assert summary["dp-releases"] == 2
+    assert summary["dp-noise"] == "os-entropy" and summary["dp-sensitivity"] == clip
+    ledger = json.loads((Path(run_config["output-dir"]) / "central" / "privacy.json").read_text())
+    assert ledger == {"mode": "central", "noise": "os-entropy", "releases": [1, 2]}
 
 
 # ---------------------------------------------------------------- local DP
@@ -234,11 +400,11 @@ def test_local_dp_clips_then_adds_noise_of_sigma_c_to_each_coordinate() -> None:
     g = torch.Generator().manual_seed(5)
     sent = {n: 3.0 * torch.randn(t.shape, generator=g) for n, t in received.items()}
     clip, sigma = 2.0, 0.5
-    out = mechanism.privatize_locally(sent, received, clip, sigma, torch.Generator().manual_seed(9))
+    out = mechanism.privatize_locally(sent, received, clip, sigma)
     clipped = mechanism.clip_update(sent, received, clip)
     noise = torch.cat([(out[n].double() - clipped[n].double()).flatten() for n in sorted(out)])
     assert float(noise.std()) == pytest.approx(sigma * clip, rel=0.005)
-    without_noise = mechanism.privatize_locally(sent, received, clip, 0.0, torch.Generator())
+    without_noise = mechanism.privatize_locally(sent, received, clip, 0.0)
     assert all(torch.equal(without_noise[n], clipped[n]) for n in sent)
 
 
@@ -253,15 +419,13 @@ def test_a_client_that_sends_updates_is_clipped_and_noised_around_zero(tmp_path:
     runtime = SimpleNamespace(config=config, identity=SimpleNamespace(client_id=2))
     update = {"adapter.a": torch.full((10,), 1.0)}
     received = {"adapter.a": torch.full((10,), 50.0)}
-    sent = _privatized(runtime, UpdateClient(), update, received, server_round=4)
+    sent = _privatized(runtime, UpdateClient(), update, received)
     assert delta_norm(sent, {"adapter.a": torch.zeros(10)}) == pytest.approx(0.1, rel=1e-6)
     noisy = config.replace(dp_noise_multiplier=1.0)
     runtime.config = noisy
-    first = _privatized(runtime, UpdateClient(), update, received, server_round=4)
-    again = _privatized(runtime, UpdateClient(), update, received, server_round=4)
-    other = _privatized(runtime, UpdateClient(), update, received, server_round=5)
-    assert torch.equal(first["adapter.a"], again["adapter.a"])  # seeded by (seed, round, client)
-    assert not torch.equal(first["adapter.a"], other["adapter.a"])
+    first = _privatized(runtime, UpdateClient(), update, received)
+    again = _privatized(runtime, UpdateClient(), update, received)
+    assert not torch.equal(first["adapter.a"], again["adapter.a"])  # fresh noise each time
 
 
 @pytest.mark.parametrize(
@@ -279,13 +443,15 @@ def test_local_dp_fits_methods_whose_clients_send_only_in_the_federated_rounds(
 
 
 def test_a_local_dp_run_sends_noised_clipped_updates_and_reports_epsilon(
-    small_run_config: dict,
+    small_run_config: dict, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """FedAvg, 4 clients, 2 rounds: each training reply minus what the client received, minus
-    its (seed, round, client) noise, is within C; every round records the epsilon of that many
-    Gaussian releases."""
+    the noise that client drew, is within C, while the server, regenerating the noise from
+    the run config, is left far from it; every round records the epsilon of that many Gaussian
+    releases at sensitivity 2C."""
     clip, sigma, delta = 0.05, 2.0, 1e-5
     run_config, grid = fedavg_grid(small_run_config, "local", clip, sigma, delta)
+    spy = NoiseSpy(monkeypatch)
     checked = []
 
     def hook(client_id: int, reply: Message) -> Message:
@@ -294,14 +460,15 @@ def test_a_local_dp_run_sends_noised_clipped_updates_and_reports_epsilon(
             sent = from_array_record(reply.content[P.ARRAYS])
             received = from_array_record(message.content[P.ARRAYS])
             server_round = int(message.metadata.group_id)
-            seed = (0 * 1_000_003 + server_round) * 10_007 + client_id
-            zeros = {n: torch.zeros_like(t, dtype=torch.float64) for n, t in sent.items()}
-            noise = mechanism.add_gaussian_noise(
-                zeros, sigma * clip, torch.Generator().manual_seed(seed)
-            )
-            update = {n: sent[n].double() - noise[n] for n in sent}
+            drawn = spy.draws[-1]  # this client's release, drawn just before its reply
+            update = {n: sent[n].double() - drawn[n] for n in sent}
             assert delta_norm(update, received) <= clip * (1 + 1e-4)
             assert delta_norm(sent, received) > 10 * clip  # the noise is there
+            shapes = {n: tuple(t.shape) for n, t in sent.items()}
+            for guess in seeded_guesses(0, server_round, client_id):
+                regenerated = guess(shapes)
+                recovered = {n: sent[n].double() - regenerated[n] * sigma * clip for n in sent}
+                assert delta_norm(recovered, received) > 10 * clip  # not the update
             checked.append(client_id)
         return reply
 
@@ -313,9 +480,14 @@ def test_a_local_dp_run_sends_noised_clipped_updates_and_reports_epsilon(
     lines = (Path(run_config["output-dir"]) / "local" / "metrics.jsonl").read_text().splitlines()
     for t, line in enumerate(lines, start=1):
         server = json.loads(line)["server"]
-        assert server["dp-epsilon"] == pytest.approx(accountant.epsilon_spent(sigma, t, delta))
+        # sensitivity 2C: the Gaussian mechanism at noise multiplier sigma C / 2C = sigma / 2
+        epsilon = accountant.epsilon_spent(sigma / 2, t, delta)
+        assert server["dp-epsilon"] == pytest.approx(epsilon)
         assert server["dp-noise-std"] == pytest.approx(sigma * clip)
-    assert summary["dp-epsilon"] == pytest.approx(accountant.epsilon_spent(sigma, 2, delta))
+        assert server["dp-sensitivity"] == pytest.approx(2 * clip)
+    assert summary["dp-epsilon"] == pytest.approx(accountant.epsilon_spent(sigma / 2, 2, delta))
+    assert summary["dp-sensitivity"] == pytest.approx(2 * clip)
+    assert "replaced" in summary["dp-neighbouring"]
 
 
 def test_a_target_epsilon_sets_the_noise_multiplier_that_spends_it_over_the_rounds() -> None:
@@ -327,6 +499,9 @@ def test_a_target_epsilon_sets_the_noise_multiplier_that_spends_it_over_the_roun
     assert 8.0 - 0.01 <= spent <= 8.0  # Opacus' tolerance, from below
     assert accountant.epsilon_spent(sigma * 0.98, 20, config.dp_delta) > 8.0  # the smallest
     assert accountant.noise_multiplier(config.replace(dp_target_epsilon=0.0)) == 1.0
+    local = config.replace(dp="local")  # sensitivity 2C: twice the noise for the same epsilon
+    assert accountant.noise_multiplier(local) == pytest.approx(2 * sigma)
+    assert 8.0 - 0.01 <= accountant.epsilon_of(local, 20) <= 8.0
     with pytest.raises(ConfigError, match="'dp-target-epsilon'"):
         config.replace(dp_target_epsilon=-1.0).validate()
 
@@ -374,9 +549,10 @@ def play(strategy, grid, rounds) -> dict:  # noqa: ANN001
     return metrics
 
 
-def test_a_resumed_central_dp_strategy_counts_on_and_draws_the_same_noise() -> None:
+def test_a_resumed_central_dp_strategy_counts_on_with_fresh_noise() -> None:
     """Three rounds straight, and two rounds, a checkpoint, a fresh strategy restored from it
-    and the third round: the same global tensors and the same epsilon."""
+    and the third round: the same count and epsilon, other noise (it is fresh); the checkpoint
+    records the ledger and its noise source, and a DP checkpoint without one is refused."""
     config = ExperimentConfig(
         method="fedavg", num_clients=3, dp="central", dp_clipping_norm=0.5, seed=4
     )
@@ -385,14 +561,51 @@ def test_a_resumed_central_dp_strategy_counts_on_and_draws_the_same_noise() -> N
     first, grid = tiny_strategy(config)
     play(first, grid, [1, 2])
     tensors, meta = first.state_dict()
-    assert int(tensors["dp.releases"]) == 2
+    assert meta["privacy"] == {"mode": "central", "noise": "os-entropy", "releases": [1, 2]}
+    assert set(tensors) == {f"global.{n}" for n in TINY}  # the count lives in the ledger
     resumed, grid = tiny_strategy(config)
     resumed.load_state_dict(tensors, meta)
     again = play(resumed, grid, [3])
     assert again == last and last["dp-releases"] == 3.0
     assert "update-norm-median" not in last  # not a statistic to release under DP
-    for name, tensor in straight.global_tensors.items():
-        assert torch.equal(resumed.global_tensors[name], tensor)
+    assert not torch.equal(
+        resumed.global_tensors["adapter.a"], straight.global_tensors["adapter.a"]
+    )
+    for stale in (
+        {k: v for k, v in meta.items() if k != "privacy"},
+        {**meta, "privacy": {**meta["privacy"], "noise": "seed"}},
+    ):
+        with pytest.raises(ValueError, match="regenerate"):
+            tiny_strategy(config)[0].load_state_dict(tensors, stale)
+    with pytest.raises(ValueError, match="dp = 'central', not 'local'"):
+        tiny_strategy(config.replace(dp="local"))[0].load_state_dict(tensors, meta)
+
+
+@pytest.mark.parametrize("mode", ["central", "local"])
+def test_a_release_after_the_last_checkpoint_counts_again_on_resume(
+    small_run_config: dict, mode: str
+) -> None:
+    """A run whose round 2 released and then lost its checkpoint (a crash in between): the
+    ledger on disk holds the release, the resumed run redoes round 2 with fresh noise, and
+    the accountant counts three releases (1, 2, 2), not two."""
+    from server_apps.runner import run_experiment
+
+    clip, sigma, delta = 0.05, 1.0, 1e-5
+    run_config, grid = fedavg_grid(small_run_config, mode, clip, sigma, delta)
+    run_experiment(grid, ExperimentConfig.from_run_config(run_config))
+    run_dir = Path(run_config["output-dir"]) / mode
+    for path in (run_dir / "checkpoints").glob("round_00002.*"):
+        path.unlink()
+    ledger = run_dir / "privacy.json"
+    assert json.loads(ledger.read_text())["releases"] == [1, 2]
+    resumed_config = ExperimentConfig.from_run_config({**run_config, "resume": True})
+    _, grid = fedavg_grid(small_run_config, mode, clip, sigma, delta)
+    summary = run_experiment(grid, resumed_config)
+    assert json.loads(ledger.read_text())["releases"] == [1, 2, 2]
+    assert summary["dp-releases"] == 3
+    assert summary["dp-epsilon"] == pytest.approx(accountant.epsilon_of(resumed_config, 3))
+    rounds = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["server"]["dp-releases"] for r in rounds] == [1.0, 3.0]
 
 
 def test_without_dp_the_median_update_norm_is_reported() -> None:

@@ -212,6 +212,10 @@ BAD_INPUTS = {
         "client 4 of 8 holds 1 training and 1 test examples, fewer than min-train-examples",
     ),
     "unknown-key": ("lora-rnak=4", "unknown run-config key\\(s\\) lora-rnak"),
+    "nan-noise": (
+        "method='fedavg' dp='local' dp-noise-multiplier=nan",
+        "run config 'dp-noise-multiplier' = nan is invalid: must be a finite number",
+    ),
 }
 
 

@@ -1,11 +1,24 @@
-"""Client-level privacy spent by central DP, from Opacus' RDP accountant.
+"""Client-level privacy spent under central or local DP, from Opacus' RDP accountant.
 
-Each noised round is one release of the Gaussian mechanism with noise multiplier sigma on the
-sum of clipped updates (sensitivity C, one client added or removed). Clients are sampled as a
-fixed-size seeded draw (``strategies.parts.sampling``), not by Poisson sampling, so no
-amplification by subsampling is claimed: each round counts with sampling rate 1, as Flower's
+``dp-noise-multiplier`` sigma is the noise's standard deviation in units of the clipping norm
+C: sigma C on the sum of clipped updates (central), sigma C on each client's clipped update
+(local). What one release can reveal depends on the neighbouring relation, stated per mode:
+
+* **central**: two federations that differ by one client's data added or removed; the sum of
+  clipped updates moves by at most C (sensitivity C), so a release is the Gaussian mechanism
+  at noise multiplier sigma (DP-FedAvg's, and Flower's DP strategies', relation);
+* **local**: two datasets of one client, any two; the clipped update can move anywhere in the
+  ball of radius C around what the client received, so two of them differ by up to 2C
+  (sensitivity 2C) and a release is the Gaussian mechanism at noise multiplier sigma / 2.
+  Flower's ``LocalDpMod`` leaves the sensitivity to its user; taking C would understate
+  epsilon under this relation (2 rounds at sigma = 2, delta 1e-5: 7.08, not 3.19).
+
+Each round's metrics say which (``dp-sensitivity``, absolute: C or 2C). Clients are sampled as
+a fixed-size seeded draw (``strategies.parts.sampling``), not by Poisson sampling, so no
+amplification by subsampling is claimed: each release counts with sampling rate 1, as Flower's
 accountant does for its DP strategies (``SamplingMethod.NO_AMPLIFICATION``). The epsilon is
-then an upper bound for every client, sampled or not.
+then an upper bound for every client, sampled or not. The releases are counted by the run's
+``ReleaseLedger`` (``privacy.ledger``).
 """
 
 from __future__ import annotations
@@ -15,6 +28,13 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from fedfm_flower.config import ExperimentConfig
+
+# L2 sensitivity of one release in units of C, and the neighbouring relation it holds for
+SENSITIVITY: dict[str, float] = {"central": 1.0, "local": 2.0}
+NEIGHBOURING: dict[str, str] = {
+    "central": "one client's data added or removed (the sum of clipped updates moves by <= C)",
+    "local": "one client's data replaced by any other (two clipped updates differ by <= 2C)",
+}
 
 
 def epsilon_spent(noise_multiplier: float, rounds: int, delta: float) -> float:
@@ -45,13 +65,40 @@ def require_opacus():  # noqa: ANN201 - the opacus.accountants module
     return accountants
 
 
+def sensitivity(mode: str) -> float:
+    """The L2 sensitivity of one release of ``mode`` ('central' or 'local'), in units of C."""
+    if mode not in SENSITIVITY:
+        raise ValueError(f"no DP release in mode {mode!r}; modes: {', '.join(SENSITIVITY)}")
+    return SENSITIVITY[mode]
+
+
 def noise_multiplier(config: ExperimentConfig) -> float:
-    """sigma of the run: ``dp-noise-multiplier``, or with ``dp-target-epsilon`` > 0 the sigma
-    whose ``num-server-rounds`` releases spend that epsilon at ``dp-delta`` (Opacus'
-    ``get_noise_multiplier``, to its 0.01 tolerance)."""
+    """sigma of the run (noise std in units of C): ``dp-noise-multiplier``, or with
+    ``dp-target-epsilon`` > 0 the sigma whose ``num-server-rounds`` releases spend that epsilon
+    at ``dp-delta`` and the mode's sensitivity (Opacus' ``get_noise_multiplier``, to its 0.01
+    tolerance; local DP's sigma is twice central's for the same target)."""
     if config.dp_target_epsilon <= 0:
         return config.dp_noise_multiplier
-    return _calibrated(config.dp_target_epsilon, config.dp_delta, config.num_server_rounds)
+    scale = SENSITIVITY.get(config.dp, 1.0)
+    calibrated = _calibrated(config.dp_target_epsilon, config.dp_delta, config.num_server_rounds)
+    return scale * calibrated
+
+
+def epsilon_of(config: ExperimentConfig, releases: int) -> float:
+    """epsilon after ``releases`` releases of ``config``'s mode at its sigma and ``dp-delta``."""
+    effective = noise_multiplier(config) / sensitivity(config.dp)
+    return epsilon_spent(effective, releases, config.dp_delta)
+
+
+def release_metrics(config: ExperimentConfig, releases: int, std: float) -> dict[str, float]:
+    """A round's server metrics under DP: the noise std of its release, the releases so far,
+    the epsilon they spent and the sensitivity it is stated for (C or 2C)."""
+    return {
+        "dp-noise-std": std,
+        "dp-releases": float(releases),
+        "dp-epsilon": epsilon_of(config, releases),
+        "dp-sensitivity": sensitivity(config.dp) * config.dp_clipping_norm,
+    }
 
 
 @functools.cache
@@ -68,14 +115,3 @@ def _calibrated(target_epsilon: float, delta: float, releases: int) -> float:
             accountant="rdp",
         )
     )
-
-
-def local_dp_metrics(config: ExperimentConfig, server_round: int) -> dict[str, float]:
-    """Round ``server_round``'s server metrics under local DP: every client has released at most
-    once per round, so the epsilon of ``server_round`` releases bounds them all."""
-    sigma = noise_multiplier(config)
-    return {
-        "dp-noise-std": sigma * config.dp_clipping_norm,
-        "dp-releases": float(server_round),
-        "dp-epsilon": epsilon_spent(sigma, server_round, config.dp_delta),
-    }

@@ -1,5 +1,6 @@
 """The Gaussian mechanism: clip each client's update; noise the average (central DP) or each
-client's update before it leaves the client (local DP)."""
+client's update before it leaves the client (local DP). The noise comes from ``noise``: fresh
+OS entropy per release, never a seed."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import math
 from collections.abc import Mapping
 
 import torch
+
+from fedfm_flower.privacy import noise
 
 
 def update_norm(sent: Mapping[str, torch.Tensor], received: Mapping[str, torch.Tensor]) -> float:
@@ -49,17 +52,18 @@ def noise_std(noise_multiplier: float, clipping_norm: float, num_sampled: int) -
     return noise_multiplier * clipping_norm / num_sampled
 
 
-def add_gaussian_noise(
-    tensors: Mapping[str, torch.Tensor], std: float, generator: torch.Generator
-) -> dict[str, torch.Tensor]:
-    """Each tensor plus independent N(0, std^2) noise per coordinate, drawn in sorted name order
-    from ``generator`` (so a seeded round is reproducible), in the tensors' dtypes."""
-    out = {}
-    for name in sorted(tensors):
-        tensor = tensors[name]
-        noise = torch.randn(tensor.shape, generator=generator, dtype=torch.float64) * std
-        out[name] = (tensor.to(torch.float64) + noise).to(tensor.dtype)
-    return out
+def add_gaussian_noise(tensors: Mapping[str, torch.Tensor], std: float) -> dict[str, torch.Tensor]:
+    """Each tensor plus independent N(0, std^2) noise per coordinate, from a generator keyed by
+    fresh OS entropy (``noise.fresh_gaussian``: one release), in the tensors' dtypes."""
+    if std < 0 or not math.isfinite(std):
+        raise ValueError(f"noise std must be finite and >= 0, got {std}")
+    if std == 0:
+        return dict(tensors)
+    drawn = noise.fresh_gaussian({n: tuple(t.shape) for n, t in tensors.items()}, std)
+    return {
+        name: (tensors[name].to(torch.float64) + drawn[name]).to(tensors[name].dtype)
+        for name in sorted(tensors)
+    }
 
 
 def privatize_locally(
@@ -67,12 +71,11 @@ def privatize_locally(
     base: Mapping[str, torch.Tensor],
     clipping_norm: float,
     noise_multiplier: float,
-    generator: torch.Generator,
 ) -> dict[str, torch.Tensor]:
-    """Local DP: base + clip(sent - base) + N(0, (sigma C)^2) per coordinate.
+    """Local DP: base + clip(sent - base) + N(0, (sigma C)^2) per coordinate, fresh noise.
 
     ``base`` is what the client received for parameters, zeros for a reply that is itself an
     update (pFedSeq's and pFedPG's clients).
     """
     clipped = clip_update(sent, base, clipping_norm)
-    return add_gaussian_noise(clipped, noise_multiplier * clipping_norm, generator)
+    return add_gaussian_noise(clipped, noise_multiplier * clipping_norm)
