@@ -161,6 +161,8 @@ def _check_output(config: ExperimentConfig, found: Preflight) -> None:
         except DamagedFileError as err:
             message = f"resume=true but no checkpoint of {run.path} is intact ({err.reason})"
             raise PreflightError(message) from err
+        if config.dp != "none":
+            _check_privacy_ledgers(run.path, None if newest is None else newest[2], config.dp)
         found.notes.append(
             f"resuming {run.name} after round {newest[0]}"
             if newest is not None
@@ -171,6 +173,21 @@ def _check_output(config: ExperimentConfig, found: Preflight) -> None:
             f"run directory {run.path} already holds results; set resume=true to continue it "
             "or choose another run-name"
         )
+
+
+def _check_privacy_ledgers(run_path: Path, meta: dict[str, Any] | None, mode: str) -> None:
+    """A DP run resumes only from a checkpoint whose ledger records fresh noise, with a
+    readable ``privacy.json`` beside it (``fedfm_flower.privacy.ledger``)."""
+    from fedfm_flower.durable import DamagedFileError
+    from fedfm_flower.privacy.ledger import LedgerFile, ReleaseLedger
+
+    try:
+        if meta is not None:
+            source = f"checkpoint of round {meta.get('round')}"
+            ReleaseLedger.from_json(meta.get("strategy", {}).get("privacy"), mode, source)
+        LedgerFile(run_path).read(mode)
+    except (ValueError, DamagedFileError) as err:
+        raise PreflightError(f"resume=true but {err}") from err
 
 
 def _check_weights(path: Path) -> None:

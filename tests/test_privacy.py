@@ -614,3 +614,35 @@ def test_without_dp_the_median_update_norm_is_reported() -> None:
     strategy, grid = tiny_strategy(config)
     metrics = play(strategy, grid, [1])
     assert metrics["update-norm-median"] == pytest.approx(2 * math.sqrt(14))
+
+
+def test_resuming_a_dp_run_without_a_fresh_noise_ledger_is_refused_before_start(
+    tmp_path: Path,
+) -> None:
+    """The launcher's preflight (exit 2): a DP checkpoint without a ledger of fresh noise (its
+    releases could be regenerated from the seed), or an unreadable privacy.json, stops a
+    resume; a checkpoint and ledger written by a DP run pass."""
+    from fedfm_flower.preflight import PreflightError, check_run
+    from fedfm_flower.results import RunDirectory
+
+    config = ExperimentConfig().replace(
+        method="fedavg",
+        dp="central",
+        num_clients=4,
+        run_name="dp",
+        output_dir=str(tmp_path),
+        resume=True,
+    )
+    run = RunDirectory(tmp_path / "dp")
+    run.checkpoint_dir.mkdir(parents=True)
+    strategy, _ = tiny_strategy(config.replace(num_clients=3, resume=False))
+    tensors, meta = strategy.state_dict()
+    stale = {k: v for k, v in meta.items() if k != "privacy"}
+    run.save_checkpoint(1, tensors, {"strategy": stale}, keep=2)
+    with pytest.raises(PreflightError, match="checkpoint of round 1: .*regenerate"):
+        check_run(config, 4)
+    run.save_checkpoint(2, tensors, {"strategy": meta}, keep=2)
+    assert any("after round 2" in note for note in check_run(config, 4).notes)
+    (run.path / "privacy.json").write_text('{"mode": "central", "noise": "os-entropy", "rel')
+    with pytest.raises(PreflightError, match="unusable privacy ledger"):
+        check_run(config, 4)
