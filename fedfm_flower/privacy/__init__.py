@@ -1,4 +1,4 @@
-"""Differential privacy of what travels: central DP with client-side fixed clipping.
+"""Differential privacy of what travels: central and local DP, and secure aggregation.
 
 The mechanism is DP-FedAvg's (McMahan et al. 2018, "Learning differentially private recurrent
 language models"), as Flower's ``DifferentialPrivacyClientSideFixedClipping`` and
@@ -10,23 +10,27 @@ language models"), as Flower's ``DifferentialPrivacyClientSideFixedClipping`` an
 * the server averages the clipped updates with equal weights over the m clients it sampled
   (a fixed denominator: a client that does not reply adds a zero update) and adds Gaussian
   noise of standard deviation sigma * C / m to every coordinate of the average
-  (``mechanism.noise_std``, ``mechanism.add_gaussian_noise``);
-* the privacy spent is client-level (epsilon, delta) after T noised rounds, from Opacus' RDP
-  accountant (``accountant.epsilon_spent``).
+  (``mechanism.noise_std``, ``mechanism.add_gaussian_noise``), drawn fresh from OS entropy so
+  no party can regenerate it (``noise``);
+* the privacy spent is client-level (epsilon, delta) after T releases, sensitivity C, from
+  Opacus' RDP accountant (``accountant``), the releases counted by the run's ledger, once
+  each, across resumes too (``ledger``).
 
 Local DP (``dp = "local"``, Flower's ``LocalDpMod`` in spirit) moves the noise to the client:
 each client clips its update to C and adds N(0, (sigma C)^2) per coordinate before sending
 (``mechanism.privatize_locally``), so the server sees only privatized updates and aggregates
-them as without DP. Each round is one Gaussian release per participating client; the epsilon
-reported after round t is that of t releases, a bound for every client.
+them as without DP. Each round is one Gaussian release per participating client at
+sensitivity 2C (any two datasets of one client); the epsilon reported after t releases is a
+bound for every client.
 
 Secure aggregation (``secagg = true``, ``secagg``): Flower's SecAgg+ client mod behind
 ``client_apps.secagg`` and our driver of its four stages on the server; the server learns only
 the weighted mean of the clients' updates.
 
 Modules: ``support`` (which methods can take which mode, and why not; light, read by the config),
-``mechanism`` (clipping and noise), ``accountant`` (epsilon), ``secagg`` (SecAgg+'s server
-side). Flower's DP strategy wrapper and client mod are not used as they are: our strategies
+``mechanism`` (clipping and noising), ``noise`` (draws no one can regenerate), ``accountant``
+(epsilon per neighbouring relation), ``ledger`` (the releases, written ahead of each),
+``secagg`` (SecAgg+'s server side). Flower's DP strategy wrapper and client mod are not used as they are: our strategies
 aggregate per tensor over owners and keep their state keyed by client id, and the noise must be
 added where ``FedAvgStrategy`` averages (``strategies.fedavg``); the client clips in
 ``client_apps.app`` before the reply is built.
