@@ -30,8 +30,8 @@ the weighted mean of the clients' updates.
 Modules: ``support`` (which methods can take which mode, and why not; light, read by the config),
 ``mechanism`` (clipping and noising), ``noise`` (draws no one can regenerate), ``accountant``
 (epsilon per neighbouring relation), ``ledger`` (the releases, written ahead of each),
-``secagg`` (SecAgg+'s server side). Flower's DP strategy wrapper and client mod are not used as they are: our strategies
-aggregate per tensor over owners and keep their state keyed by client id, and the noise must be
-added where ``FedAvgStrategy`` averages (``strategies.fedavg``); the client clips in
-``client_apps.app`` before the reply is built.
+``secagg`` (SecAgg+'s server side). Flower's DP strategy wrapper and client mod are not used
+as they are: our strategies aggregate per tensor over owners and keep their state keyed by
+client id, and the noise must be added where ``FedAvgStrategy`` averages
+(``strategies.fedavg``); the client clips in ``client_apps.app`` before the reply is built.
 """
