@@ -86,6 +86,7 @@ from typing import Any
 import torch
 
 from fedfm_flower.durable import atomic_write_text
+from fedfm_flower.methods.pfedseq import SCAN_BACKENDS
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "bench" / "results" / "pfedseq_server_step"
@@ -632,7 +633,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="seconds of a round outside the server step; adds each path's share of a round",
     )
     parser.add_argument("--learner", choices=["mamba", "lstm", "mlp"], default="mamba")
-    parser.add_argument("--backend", choices=["auto", "torch", "cuda", "compiled"], default="auto")
+    parser.add_argument("--backend", choices=list(SCAN_BACKENDS), default="auto")
     parser.add_argument("--chunk-size", type=int, default=0, help="rows of D per chunk; 0 = auto")
     parser.add_argument("--repeats", type=count, default=3, help="timed steps (median)")
     parser.add_argument(

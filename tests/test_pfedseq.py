@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -9,6 +12,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from fedfm_flower.config import ConfigError, ExperimentConfig
+from fedfm_flower.learners import fused_scan
 from fedfm_flower.learners import selective_scan as scan
 from fedfm_flower.learners import stacked as stacked_module
 from fedfm_flower.learners.layout import ParameterLayout, layer_key
@@ -899,3 +903,119 @@ def test_calibrations_personalize_better_than_fedavg_on_the_quadratic_federation
     fedavg = run_quadratic(fedavg_settings(settings, QUADRATIC_ROUNDS), QUADRATIC, QUADRATIC_ROUNDS)
     assert run.errors[:10] == fedavg.errors[:10]  # identical during the warm-up
     assert run.errors[-1] < 0.8 * fedavg.errors[-1], (run.errors[-1], fedavg.errors[-1])
+
+
+# ----------------------------------------------------------------- the fused CPU scan
+needs_fused = pytest.mark.skipif(not fused_scan.available(), reason="no C compiler here")
+
+
+@needs_fused
+@pytest.mark.parametrize("groups", [1, 3])
+@pytest.mark.parametrize("steps", [1, 6])
+@pytest.mark.parametrize("last_only", [False, True])
+def test_fused_scan_equals_the_eager_loop_values_and_every_gradient(
+    groups: int, steps: int, last_only: bool
+) -> None:
+    """float64: the fused C recurrence gives the eager loop's outputs and the gradients of u,
+    delta, A, B and C to 1e-12 (1-step windows too, where A's gradient is a real zero); more
+    than 64 rows, so the rows are split over threads and dA summed over their buffers."""
+    g = torch.Generator().manual_seed(groups * 10 + steps)
+    rows, channels, n = 150, 5, 16
+    dim = groups * channels
+    inputs = [
+        torch.randn(rows, dim, steps, generator=g, dtype=torch.float64),
+        0.3 * torch.rand(rows, dim, steps, generator=g, dtype=torch.float64),
+        -torch.rand(dim, n, generator=g, dtype=torch.float64) - 0.1,
+        torch.randn(rows, groups, n, steps, generator=g, dtype=torch.float64),
+        torch.randn(rows, groups, n, steps, generator=g, dtype=torch.float64),
+    ]
+    results = []
+    for fused in (False, True):
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        out = scan._grouped_scan(*leaves, last_only=last_only, fused=fused)
+        weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+        grads = torch.autograd.grad((out * weights.double()).sum(), leaves)
+        results.append((out.detach(), *grads))
+    for name, got, want in zip(["y", "u", "delta", "A", "B", "C"], *results[::-1], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=name)
+    if steps == 1:
+        assert bool((results[1][3] == 0).all())  # dA: zero, not None
+
+
+@needs_fused
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {},
+        {"global_aggregation": False},  # variant A
+        {"cross_client": False},  # variant C
+        {"learner_update": "mini-batch", "batch_rows": 7},
+    ],
+)
+def test_fused_server_steps_match_the_eager_server(changes: dict) -> None:
+    """pfedseq-scan-backend = 'fused' (auto's choice on a CPU): adapters, calibrations,
+    learners and Adam state as with the eager loop, over 1-step windows, partial
+    participation (masks) and full windows."""
+    eager, fused = (make_server(scan_backend=b, **changes) for b in ("torch", "fused"))
+    start = {name: p.detach().clone() for name, p in eager.learners.named_parameters()}
+    for server in (eager, fused):
+        run_mixed_rounds(server, range(7))
+    assert_same_servers(fused, eager, start)
+
+
+def test_without_a_c_compiler_auto_runs_the_eager_loop_and_fused_is_refused(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    fresh = functools.lru_cache(maxsize=1)(fused_scan.library.__wrapped__)
+    monkeypatch.setattr(fused_scan, "library", fresh)
+    assert fused_scan.library() is None and not fused_scan.available()
+    u = torch.zeros(2, 3, 4)
+    assert not scan.use_fused(u, "auto")
+    with pytest.raises(RuntimeError, match="'fused' but the fused scan cannot run here"):
+        scan.use_fused(u, "fused")
+    server = make_server()  # auto: the eager loop, the same numbers
+    run_rounds(server, range(3))
+    assert server.round == 3
+
+
+class CountingLearners:
+    """A ``StackedLearners`` that records the rows of every learner call."""
+
+    def __init__(self, inner: StackedLearners) -> None:
+        self.inner = inner
+        self.calls: list[int] = []
+
+    def __call__(self, params: dict, window: torch.Tensor) -> torch.Tensor:
+        self.calls.append(window.shape[0] * window.shape[1])
+        return self.inner(params, window)
+
+    def __getattr__(self, name: str):  # noqa: ANN204 - everything else is the inner one's
+        return getattr(self.inner, name)
+
+
+def test_the_automatic_chunk_follows_the_device_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Learner calls per step for a given memory budget: rows per call = budget / (L x per-row
+    elements), split over the layers; a budget that holds every row makes one call per pass."""
+    from fedfm_flower.learners import chunks
+    from fedfm_flower.learners import pfedseq as server_module
+
+    settings = PFedSeqSettings(seq_len=3, warmup_rounds=1)
+    adapter = {"blocks.0.lora.weight": torch.zeros(300), "blocks.1.lora.weight": torch.zeros(200)}
+    server = PFedSeqServer(settings, adapter, N, seed=0)
+    run_rounds(server, range(3))  # a full window of 3 rounds
+    counting = CountingLearners(server.stacked)
+    server.stacked = counting
+    per_row = 3 * server.learners[0].elements_per_row_step()
+    for budget_rows, calls_per_pass in ((1000, 1), (300, 2), (128, 5)):
+        budget = budget_rows * per_row
+        monkeypatch.setattr(server_module, "budget_elements", lambda device, b=budget: b)
+        counting.calls.clear()
+        run_rounds(server, range(3, 4))
+        assert len(counting.calls) == 2 * calls_per_pass, counting.calls  # eq. 5 + calibrations
+        assert max(counting.calls) <= max(budget_rows, server_module.MIN_CHUNK_ROWS)
+    # the budgets themselves: CUDA from its free memory, CPU capped by the available RAM
+    cuda = chunks.budget_elements(torch.device("cuda"), free_bytes=10 * 2**30)
+    assert cuda == int(10 * 2**30 * chunks.CUDA_FREE_FRACTION) // chunks.FLOAT_BYTES
+    assert chunks.budget_elements(torch.device("cpu"), free_bytes=2**40) == chunks.CPU_ELEMENTS
+    assert chunks.budget_elements(torch.device("cpu"), free_bytes=2**28) == 2**28 // 16

@@ -68,6 +68,7 @@ import time
 import torch
 from torch import nn
 
+from fedfm_flower.learners.chunks import budget_elements
 from fedfm_flower.learners.layout import LayerRange, ParameterLayout
 from fedfm_flower.learners.selective_scan import check_compiled
 from fedfm_flower.learners.sequence import LearnerSpec, SequenceLearner
@@ -83,7 +84,6 @@ from fedfm_flower.methods.pfedseq import PFedSeqSettings
 
 log = logging.getLogger(__name__)
 
-AUTO_CHUNK_ELEMENTS = 1 << 26  # activation elements kept per chunk when chunk-size = 0
 MIN_CHUNK_ROWS = 64
 SQUARE_SUM_BLOCK = 1 << 22  # elements per float64 block when summing squares
 
@@ -119,10 +119,13 @@ class PFedSeqServer:
         )
         self.batch_layers = batch_layers
         self.stacked = StackedLearners(self.learners)
+        self.compile_seconds = 0.0  # reported apart, in the first step's statistics
         if settings.learner == "mamba" and settings.scan_backend == "compiled":
             # the width is N with or without cross-client modelling (variant C embeds to N)
             groups = len(self.layout.layers) if batch_layers else 1
+            compiling = time.perf_counter()
             check_compiled(groups, settings.expand * num_clients, settings.state_dim)
+            self.compile_seconds = time.perf_counter() - compiling
         start = self.layout.flatten(initial_adapter)
         self.global_adapter = start.clone()
         self.personal = start.repeat(num_clients, 1)  # (N, D): theta_i of the last round
@@ -141,11 +144,12 @@ class PFedSeqServer:
 
     # ----------------------------------------------------------------- the learner
     def chunk_rows(self, steps: int) -> int:
-        """Rows of D per chunk for a window of ``steps`` (the configured size, or automatic)."""
+        """Rows of D per chunk for a window of ``steps``: ``chunk-size``, or the device's
+        budget of activation elements (``learners.chunks``) over what one row keeps."""
         if self.settings.chunk_size > 0:
             return self.settings.chunk_size
         per_row = max(1, steps) * self.learners[0].elements_per_row_step()
-        return max(MIN_CHUNK_ROWS, AUTO_CHUNK_ELEMENTS // per_row)
+        return max(MIN_CHUNK_ROWS, budget_elements(self.device) // per_row)
 
     def input_scale(self, layer: LayerRange, history: list[torch.Tensor], masks) -> torch.Tensor:
         """Divisor of each client's channel of ``layer``'s window: (N,) on the device.
@@ -483,6 +487,8 @@ class PFedSeqServer:
             if update_rms > 0:
                 stats["pfedseq-calibration-ratio"] = calibration_rms / update_rms
         stats["pfedseq-server-seconds"] = time.perf_counter() - started
+        if self.compile_seconds:  # paid when the server was built, once per run
+            stats["pfedseq-compile-seconds"], self.compile_seconds = self.compile_seconds, 0.0
         return stats
 
     # ----------------------------------------------------------------- state

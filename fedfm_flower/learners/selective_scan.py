@@ -22,6 +22,10 @@ the two paths would then train differently from the second step on).
 The kernel path calls ``mamba_ssm``'s ``selective_scan_fn`` and ``causal_conv1d``'s
 ``causal_conv1d_fn`` when they are importable and the tensors live on a CUDA device.
 
+The fused path (backend ``fused``, and ``auto`` on a CPU where a C compiler works) runs the
+recurrence as one C loop per row that keeps the state in registers over the whole window,
+forward and backward (``fedfm_flower.learners.fused_scan``); the eager loop stays the oracle.
+
 The compiled path (backend ``compiled``) is the PyTorch loop with one step of the recurrence
 (decay, drive, state update and read-out) compiled by ``torch.compile``: Inductor fuses the
 step's element-wise work into one loop forward and a few backward, instead of a pass over the
@@ -66,10 +70,10 @@ def kernels() -> dict[str, Any]:
 
 def use_kernel(name: str, tensor: torch.Tensor, backend: str) -> bool:
     """Whether kernel ``name`` runs for ``tensor`` under ``backend`` (auto, torch, cuda,
-    compiled: the last two never and always try the kernels)."""
+    compiled, fused: cuda always tries the kernels; torch, compiled and fused never)."""
     if backend not in BACKENDS:
         raise ValueError(f"scan backend {backend!r} unknown; allowed: {', '.join(BACKENDS)}")
-    if backend in ("torch", "compiled"):
+    if backend in ("torch", "compiled", "fused"):
         return False
     available = name in kernels() and tensor.is_cuda
     if backend == "cuda" and not available:
@@ -78,6 +82,21 @@ def use_kernel(name: str, tensor: torch.Tensor, backend: str) -> bool:
             "`pip install .[cuda]` and the learner on a CUDA device); use 'auto' or 'torch'"
         )
     return available
+
+
+def use_fused(tensor: torch.Tensor, backend: str) -> bool:
+    """Whether the fused C recurrence runs for ``tensor`` under ``backend``: always for
+    ``fused`` (an error where it cannot), for ``auto`` on a CPU where it builds."""
+    from fedfm_flower.learners import fused_scan
+
+    if backend == "fused":
+        if not fused_scan.usable(tensor):
+            raise RuntimeError(
+                "pfedseq-scan-backend = 'fused' but the fused scan cannot run here (it needs a "
+                "C compiler, `cc`, and the learner on the CPU in float32 or float64); use 'auto'"
+            )
+        return True
+    return backend == "auto" and fused_scan.usable(tensor)
 
 
 def selective_scan_torch(
@@ -92,20 +111,24 @@ def selective_scan_torch(
     delta_softplus: bool = False,
     last_only: bool = False,
     compiled: bool = False,
+    fused: bool = False,
 ) -> torch.Tensor:
     """The selective scan in plain PyTorch (see the module docstring for the equations).
 
     ``last_only``: only the last step's output, (batch, d, 1), with z of one step (the
     recurrence still runs over every step; the read-out, skip and gate only at the last).
-    ``compiled``: each step of the recurrence through ``compiled_scan_step``.
+    ``compiled``: each step of the recurrence through ``compiled_scan_step``; ``fused``: the
+    recurrence through the fused C loop.
     """
     if delta_bias is not None:
         delta = delta + delta_bias[:, None]
     if delta_softplus:
         delta = F.softplus(delta)
-    if B.dim() == 4 or last_only or compiled:
+    if B.dim() == 4 or last_only or compiled or fused:
         grouped = (B, C) if B.dim() == 4 else (B.unsqueeze(1), C.unsqueeze(1))
-        y = _grouped_scan(u, delta, A, *grouped, last_only=last_only, compiled=compiled)
+        y = _grouped_scan(
+            u, delta, A, *grouped, last_only=last_only, compiled=compiled, fused=fused
+        )
         if last_only:
             u = u[..., -1:]
     else:
@@ -198,17 +221,26 @@ def _grouped_scan(
     C: torch.Tensor,
     last_only: bool = False,
     compiled: bool = False,
+    fused: bool = False,
 ) -> torch.Tensor:
     """sum_n C_t h_t of the recurrence with B, C of shape (batch, g, n, L): (batch, d, L).
 
     Without gradients (inference) the eager state is updated in place. ``last_only``:
-    (batch, d, 1). ``compiled``: each step through ``compiled_scan_step``.
+    (batch, d, 1). ``compiled``: each step through ``compiled_scan_step``; ``fused``: the
+    whole window through ``fused_scan.fused_grouped_scan``.
     """
     batch, dim, steps = u.shape
     groups = B.shape[1]
     channels = (batch, groups, dim // groups)
     decay = A.reshape(groups, dim // groups, A.shape[-1])
     u, delta = u.reshape(*channels, steps), delta.reshape(*channels, steps)
+    if fused:
+        from fedfm_flower.learners.fused_scan import fused_grouped_scan
+
+        dtype = functools.reduce(torch.promote_types, (t.dtype for t in (u, delta, A, B, C)))
+        inputs = (t.to(dtype) for t in (u, delta, decay, B, C))  # A is float32 in the mixers
+        out = fused_grouped_scan(*inputs, last_only=last_only)
+        return out.reshape(batch, dim, out.shape[-1])
     in_place = not (torch.is_grad_enabled() and any(t.requires_grad for t in (u, delta, A, B, C)))
     state = u.new_zeros(*channels, A.shape[-1])
     outputs = []
@@ -280,6 +312,7 @@ def selective_scan(
         delta_softplus,
         last_only=last_only,
         compiled=backend == "compiled",
+        fused=use_fused(u, backend),
     )
 
 

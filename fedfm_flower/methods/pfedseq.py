@@ -16,7 +16,7 @@ from fedfm_flower.search import LogUniform
 from fedfm_flower.settings import MethodSettings, setting
 
 LEARNERS: tuple[str, ...] = ("mamba", "lstm", "mlp")  # sequence.SequenceLearner
-SCAN_BACKENDS: tuple[str, ...] = ("auto", "torch", "cuda", "compiled")  # selective_scan
+SCAN_BACKENDS: tuple[str, ...] = ("auto", "torch", "cuda", "compiled", "fused")  # selective_scan
 INPUT_SCALES: tuple[str, ...] = ("none", "rms", "rms-rescale")  # pfedseq.PFedSeqServer
 LEARNER_UPDATES: tuple[str, ...] = ("full-batch", "mini-batch")  # pfedseq.PFedSeqServer
 OUTPUT_INITS: tuple[str, ...] = ("zero", "reference")  # sequence.init_output_projection
