@@ -1006,7 +1006,7 @@ def test_the_automatic_chunk_follows_the_device_budget(monkeypatch: pytest.Monke
     run_rounds(server, range(3))  # a full window of 3 rounds
     counting = CountingLearners(server.stacked)
     server.stacked = counting
-    per_row = 3 * server.learners[0].elements_per_row_step()
+    per_row = 3 * server.learners[0].elements_per_row_step(server.fused_scan)
     for budget_rows, calls_per_pass in ((1000, 1), (300, 2), (128, 5)):
         budget = budget_rows * per_row
         monkeypatch.setattr(server_module, "budget_elements", lambda device, b=budget: b)

@@ -70,7 +70,7 @@ from torch import nn
 
 from fedfm_flower.learners.chunks import budget_elements
 from fedfm_flower.learners.layout import LayerRange, ParameterLayout
-from fedfm_flower.learners.selective_scan import check_compiled
+from fedfm_flower.learners.selective_scan import check_compiled, use_fused
 from fedfm_flower.learners.sequence import LearnerSpec, SequenceLearner
 from fedfm_flower.learners.stacked import StackedLearners
 from fedfm_flower.learners.state import (
@@ -119,6 +119,9 @@ class PFedSeqServer:
         )
         self.batch_layers = batch_layers
         self.stacked = StackedLearners(self.learners)
+        # the fused C scan keeps no per-step states, so its chunks can be larger
+        probe = torch.empty(0, device=self.device)
+        self.fused_scan = settings.learner == "mamba" and use_fused(probe, settings.scan_backend)
         self.compile_seconds = 0.0  # reported apart, in the first step's statistics
         if settings.learner == "mamba" and settings.scan_backend == "compiled":
             # the width is N with or without cross-client modelling (variant C embeds to N)
@@ -148,7 +151,7 @@ class PFedSeqServer:
         budget of activation elements (``learners.chunks``) over what one row keeps."""
         if self.settings.chunk_size > 0:
             return self.settings.chunk_size
-        per_row = max(1, steps) * self.learners[0].elements_per_row_step()
+        per_row = max(1, steps) * self.learners[0].elements_per_row_step(self.fused_scan)
         return max(MIN_CHUNK_ROWS, budget_elements(self.device) // per_row)
 
     def input_scale(self, layer: LayerRange, history: list[torch.Tensor], masks) -> torch.Tensor:
