@@ -16,10 +16,11 @@ layer).
 The server paths are measured in the same run (``--paths``, default loop and batched), cell by
 cell, each in its own child process: ``loop`` is the per-layer reference (one learner and one
 chunk at a time, ``PFedSeqServer(batch_layers=False)``), ``batched`` the default (all layers'
-learners in one batched call per chunk), ``compiled`` the batched path with the scan's steps
-compiled (``pfedseq-scan-backend = compiled``; its child's construction compiles them, so the
-timed steps do not). The table puts the first two paths of ``--paths`` side by side with their
-ratio and
+learners in one batched call per chunk, with ``--backend``), ``compiled`` the batched path with
+the scan's steps compiled (``pfedseq-scan-backend = compiled``; its child's construction
+compiles them, so the timed steps do not), ``fused`` the batched path with the fused C scan
+(``pfedseq-scan-backend = fused``; built, or loaded from its cache, when the server is
+built). The table puts the first two paths of ``--paths`` side by side with their ratio and
 the learner calls per pass (chunks over all layers). ``--round-rest S`` adds each path's share
 of a round, step / (S + step), where S is the rest of a round (a measured round minus its
 server step; the benchmark runs no clients, so it has to be given).
@@ -91,7 +92,7 @@ from fedfm_flower.methods.pfedseq import SCAN_BACKENDS
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "bench" / "results" / "pfedseq_server_step"
 LAYER_NAME = "blocks.{k}.lora.weight"
-PATHS = ("loop", "batched", "compiled")
+PATHS = ("loop", "batched", "compiled", "fused")
 QUICK_CELLS = ((4096, 10, 5), (4096, 100, 5), (16384, 10, 5), (4096, 10, 10))
 QUICK_LAYERS = 4
 UPDATE_STD = 1e-3
@@ -220,7 +221,7 @@ def run_cell(args: argparse.Namespace) -> dict[str, Any]:
         seq_len,
         device,
         args.learner,
-        "compiled" if args.path == "compiled" else args.backend,
+        args.path if args.path in ("compiled", "fused") else args.backend,
         args.chunk_size,
         args.layers,
         args.path != "loop",
@@ -618,8 +619,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=PATHS,
         nargs="+",
         default=["loop", "batched"],
-        help="server paths to measure: the per-layer loop, the layer-batched default, the "
-        "batched path with compiled scan steps (the table compares the first two)",
+        help="server paths to measure: the per-layer loop, the layer-batched path (with "
+        "--backend), the batched path with compiled scan steps or with the fused C scan (the "
+        "table compares the first two)",
     )
     parser.add_argument(
         "--quick",
