@@ -12,9 +12,7 @@ divides the device's budget by L * e; ``pfedseq-chunk-size`` > 0 overrides it.
   per-chunk launches that bound the step there.
 * **CPU**: ``CPU_ELEMENTS`` (2**26, 256 MiB of activations), capped at ``CPU_RAM_FRACTION`` of
   the memory the kernel reports available (``/proc/meminfo``), so a machine short of memory
-  takes smaller chunks instead of swapping. Smaller, cache-sized chunks were measured no
-  faster here (docs/methods/pfedseq.md, "Server cost"): the eager scan's passes stream
-  through memory either way, and more chunks cost more Python dispatch.
+  takes smaller chunks instead of swapping.
 """
 
 from __future__ import annotations
