@@ -963,10 +963,15 @@ def test_fused_server_steps_match_the_eager_server(changes: dict) -> None:
     assert_same_servers(fused, eager, start)
 
 
+@pytest.mark.parametrize("missing", ["compiler", "writable cache"])
 def test_without_a_c_compiler_auto_runs_the_eager_loop_and_fused_is_refused(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, missing: str
 ) -> None:
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    if missing == "compiler":
+        monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    else:  # a file where the cache directory would be
+        (tmp_path / "cache").write_text("")
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     fresh = functools.lru_cache(maxsize=1)(fused_scan.library.__wrapped__)
     monkeypatch.setattr(fused_scan, "library", fresh)
     assert fused_scan.library() is None and not fused_scan.available()

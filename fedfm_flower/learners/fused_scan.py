@@ -209,7 +209,11 @@ def library() -> ctypes.CDLL | None:
         log.info("no C compiler (%s): the selective scan runs its eager loop", compiler)
         return None
     for compile_flags, link_flags in BUILDS:
-        target = _build(compiler, version, compile_flags, link_flags)
+        try:
+            target = _build(compiler, version, compile_flags, link_flags)
+        except (OSError, subprocess.SubprocessError) as error:  # cache not writable, timeout
+            log.warning("the fused scan cannot be built (%s); the eager loop runs", error)
+            return None
         if target is None:
             continue
         try:
