@@ -12,7 +12,10 @@ divides the device's budget by L * e; ``pfedseq-chunk-size`` > 0 overrides it.
   per-chunk launches that bound the step there.
 * **CPU**: ``CPU_ELEMENTS`` (2**26, 256 MiB of activations), capped at ``CPU_RAM_FRACTION`` of
   the memory the kernel reports available (``/proc/meminfo``), so a machine short of memory
-  takes smaller chunks instead of swapping.
+  takes smaller chunks instead of swapping. Cache-sized chunks were measured slower with the
+  fused scan (2 cores, N = 10, L = 5, 4 layers: D = 4,096 in one call 0.133 s, in 1,024-row
+  chunks 0.180 s; D = 16,384 in 2 calls 0.472 s, in 1,024-row chunks 0.641 s): every call
+  pays the learner's Python dispatch, and the fused loop keeps its state in registers anyway.
 """
 
 from __future__ import annotations
