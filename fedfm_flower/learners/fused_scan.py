@@ -50,10 +50,11 @@ SOURCE = r"""
 
 /* u, delta (rows, groups, channels, steps); A (groups, channels, n);
    B, C (rows, groups, steps, n); y (rows, groups, channels, steps or 1). */
-#define KERNELS(T, SUFFIX, EXP)                                                             \
-void scan_forward_##SUFFIX(int64_t rows, int64_t groups, int64_t channels, int64_t n,      \
+#define KERNELS(T, SUFFIX, EXP, NCONST)                                                     \
+void scan_forward_##SUFFIX(int64_t rows, int64_t groups, int64_t channels, int64_t n_,     \
                            int64_t steps, int64_t last_only, const T* u, const T* delta,    \
                            const T* A, const T* B, const T* C, T* y) {                      \
+    const int64_t n = NCONST > 0 ? NCONST : n_; /* a constant lets h live in registers */   \
     int64_t out_steps = last_only ? 1 : steps;                                              \
     for (int64_t r = 0; r < rows; ++r)                                                      \
     for (int64_t g = 0; g < groups; ++g) {                                                  \
@@ -81,10 +82,11 @@ void scan_forward_##SUFFIX(int64_t rows, int64_t groups, int64_t channels, int64
 }                                                                                           \
                                                                                             \
 /* dA is this call's own (groups, channels, n) buffer: its rows' sum, added to. */          \
-void scan_backward_##SUFFIX(int64_t rows, int64_t groups, int64_t channels, int64_t n,     \
+void scan_backward_##SUFFIX(int64_t rows, int64_t groups, int64_t channels, int64_t n_,    \
                             int64_t steps, int64_t last_only, const T* u, const T* delta,   \
                             const T* A, const T* B, const T* C, const T* dy, T* du,         \
                             T* ddelta, T* dA, T* dB, T* dC, T* work) {                      \
+    const int64_t n = NCONST > 0 ? NCONST : n_;                                             \
     int64_t out_steps = last_only ? 1 : steps;                                              \
     T* states = work; T* decays = work + steps * n;                                         \
     for (int64_t r = 0; r < rows; ++r)                                                      \
@@ -139,8 +141,10 @@ void scan_backward_##SUFFIX(int64_t rows, int64_t groups, int64_t channels, int6
     }                                                                                       \
 }
 
-KERNELS(float, f32, expf)
-KERNELS(double, f64, exp)
+KERNELS(float, f32, expf, 0)
+KERNELS(double, f64, exp, 0)
+KERNELS(float, f32_n16, expf, 16)
+KERNELS(double, f64_n16, exp, 16)
 """
 # (compile flags, link flags), tried in order: vectorised exp (glibc's libmvec, which its
 # headers offer under -ffast-math; the link step does not get -ffast-math, so no crtfastmath
@@ -229,6 +233,11 @@ def available() -> bool:
     return library() is not None
 
 
+def _variant(dtype: torch.dtype, n: int) -> str:
+    """The kernels' name suffix: a build for n = 16 (Mamba's default state) or any n."""
+    return f"{_SUFFIX[dtype]}_n16" if n == 16 else _SUFFIX[dtype]
+
+
 def _pointer(tensor: torch.Tensor) -> ctypes.c_void_p:
     return ctypes.c_void_p(tensor.data_ptr())
 
@@ -273,7 +282,7 @@ class FusedScan(torch.autograd.Function):
         rows, groups, channels, steps = u.shape
         n = A.shape[-1]
         y = u.new_empty(rows, groups, channels, 1 if last_only else steps)
-        kernel = getattr(library(), f"scan_forward_{_SUFFIX[u.dtype]}")
+        kernel = getattr(library(), f"scan_forward_{_variant(u.dtype, n)}")
 
         def call(lo: int, hi: int, part: int) -> None:
             pointers = [_pointer(t[lo:]) for t in (u, delta)] + [_pointer(A)]
@@ -295,7 +304,7 @@ class FusedScan(torch.autograd.Function):
         du, ddelta, dB, dC = (torch.empty_like(t) for t in (u, delta, B, C))
         ranges = _split(rows)
         dA_parts = A.new_zeros(len(ranges), *A.shape)  # each range sums its own rows
-        kernel = getattr(library(), f"scan_backward_{_SUFFIX[u.dtype]}")
+        kernel = getattr(library(), f"scan_backward_{_variant(u.dtype, n)}")
 
         def call(lo: int, hi: int, part: int) -> None:
             work = u.new_empty(2 * steps * n)
