@@ -910,17 +910,18 @@ needs_fused = pytest.mark.skipif(not fused_scan.available(), reason="no C compil
 
 
 @needs_fused
+@pytest.mark.parametrize("n", [16, 5])  # the build for Mamba's default state size, and any
 @pytest.mark.parametrize("groups", [1, 3])
 @pytest.mark.parametrize("steps", [1, 6])
 @pytest.mark.parametrize("last_only", [False, True])
 def test_fused_scan_equals_the_eager_loop_values_and_every_gradient(
-    groups: int, steps: int, last_only: bool
+    groups: int, steps: int, last_only: bool, n: int
 ) -> None:
     """float64: the fused C recurrence gives the eager loop's outputs and the gradients of u,
     delta, A, B and C to 1e-12 (1-step windows too, where A's gradient is a real zero); more
     than 64 rows, so the rows are split over threads and dA summed over their buffers."""
-    g = torch.Generator().manual_seed(groups * 10 + steps)
-    rows, channels, n = 150, 5, 16
+    g = torch.Generator().manual_seed(groups * 10 + steps + n)
+    rows, channels = 150, 5
     dim = groups * channels
     inputs = [
         torch.randn(rows, dim, steps, generator=g, dtype=torch.float64),
