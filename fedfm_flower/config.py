@@ -267,8 +267,8 @@ class ExperimentConfig:
 
     def validate(self) -> None:
         """Raise ConfigError naming the first invalid value."""
-        for key, value in self.to_run_config().items():  # every float key, methods' too
-            require_finite(key, value)
+        for f in dataclasses.fields(self):  # the methods' keys: their settings' validate()
+            require_finite(f.name.replace("_", "-"), getattr(self, f.name))
         _one_of("method", self.method, METHODS)
         _one_of("dataset", self.dataset, DATASETS)
         _one_of("backbone", self.backbone, BACKBONES)
@@ -524,8 +524,14 @@ class ExperimentConfig:
         """
         if self.cache_dir:
             return Path(self.cache_dir).expanduser()
-        xdg = os.environ.get("XDG_CACHE_HOME")
-        return (Path(xdg) if xdg else Path.home() / ".cache") / "fedfm-flower"
+        return default_cache_path()
+
+
+def default_cache_path() -> Path:
+    """``$XDG_CACHE_HOME/fedfm-flower`` (``~/.cache/fedfm-flower`` when that variable is unset,
+    the XDG default): the caches' home when ``cache-dir`` is empty."""
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "fedfm-flower"
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,8 @@ from pathlib import Path
 
 import torch
 
+from fedfm_flower.durable import atomic_path
+
 log = logging.getLogger(__name__)
 
 SOURCE = r"""
@@ -161,9 +163,11 @@ _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 
 
 def cache_directory() -> Path:
-    """Where built kernels are kept: ``$XDG_CACHE_HOME/fedfm-flower/kernels``."""
-    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(root) / "fedfm-flower" / "kernels"
+    """Where built kernels are kept: ``kernels`` under the default cache directory
+    (``$XDG_CACHE_HOME/fedfm-flower``)."""
+    from fedfm_flower.config import default_cache_path
+
+    return default_cache_path() / "kernels"
 
 
 def _cpu_flags() -> str:
@@ -177,7 +181,11 @@ def _cpu_flags() -> str:
     return ""
 
 
-def _build(compiler: str, version: str, compile_flags: tuple, link_flags: tuple) -> Path | None:
+class _BuildFailed(RuntimeError):
+    """The compiler refused one flag set (the next one is tried)."""
+
+
+def _build(compiler: str, version: str, compile_flags: tuple, link_flags: tuple) -> Path:
     """The shared library for one flag set, built once into the cache (atomically)."""
     identity = "\n".join([SOURCE, *compile_flags, *link_flags, version, _cpu_flags()])
     target = (
@@ -186,8 +194,12 @@ def _build(compiler: str, version: str, compile_flags: tuple, link_flags: tuple)
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        source, obj, built = (Path(scratch) / name for name in ("s.c", "s.o", target.name))
+    # atomic: a concurrent build lands the same file; a failed one leaves nothing
+    with (
+        tempfile.TemporaryDirectory(dir=target.parent) as scratch,
+        atomic_path(target, durable=False) as built,
+    ):
+        source, obj = Path(scratch) / "s.c", Path(scratch) / "s.o"
         source.write_text(SOURCE)
         for command in (
             [compiler, *compile_flags, "-c", str(source), "-o", str(obj)],
@@ -195,9 +207,7 @@ def _build(compiler: str, version: str, compile_flags: tuple, link_flags: tuple)
         ):
             result = subprocess.run(command, capture_output=True, text=True, timeout=120)
             if result.returncode != 0:
-                log.info("fused scan build %s failed: %s", compile_flags, result.stderr[-500:])
-                return None
-        os.replace(built, target)  # atomic: a concurrent build lands the same file
+                raise _BuildFailed(f"{compile_flags}: {result.stderr[-500:]}")
     return target
 
 
@@ -215,11 +225,12 @@ def library() -> ctypes.CDLL | None:
     for compile_flags, link_flags in BUILDS:
         try:
             target = _build(compiler, version, compile_flags, link_flags)
+        except _BuildFailed as error:
+            log.info("fused scan build failed: %s", error)
+            continue
         except (OSError, subprocess.SubprocessError) as error:  # cache not writable, timeout
             log.warning("the fused scan cannot be built (%s); the eager loop runs", error)
             return None
-        if target is None:
-            continue
         try:
             return ctypes.CDLL(str(target))
         except OSError as error:
