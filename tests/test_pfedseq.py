@@ -1013,15 +1013,46 @@ def test_the_automatic_chunk_follows_the_device_budget(monkeypatch: pytest.Monke
     counting = CountingLearners(server.stacked)
     server.stacked = counting
     per_row = 3 * server.learners[0].elements_per_row_step(server.fused_scan)
-    for budget_rows, calls_per_pass in ((1000, 1), (300, 2), (128, 5)):
+    # eq. 5's calls + the calibrations' calls; eq. 5 runs none when the previous round's
+    # calibrations were one call (their graph is held): the first two budgets
+    for budget_rows, calls in ((1000, 0 + 1), (300, 0 + 2), (128, 5 + 5)):
         budget = budget_rows * per_row
         monkeypatch.setattr(server_module, "budget_elements", lambda device, b=budget: b)
         counting.calls.clear()
         run_rounds(server, range(3, 4))
-        assert len(counting.calls) == 2 * calls_per_pass, counting.calls  # eq. 5 + calibrations
+        assert len(counting.calls) == calls, counting.calls
         assert max(counting.calls) <= max(budget_rows, server_module.MIN_CHUNK_ROWS)
     # the budgets themselves: CUDA from its free memory, CPU capped by the available RAM
     cuda = chunks.budget_elements(torch.device("cuda"), free_bytes=10 * 2**30)
     assert cuda == int(10 * 2**30 * chunks.CUDA_FREE_FRACTION) // chunks.FLOAT_BYTES
     assert chunks.budget_elements(torch.device("cpu"), free_bytes=2**40) == chunks.CPU_ELEMENTS
     assert chunks.budget_elements(torch.device("cpu"), free_bytes=2**28) == 2**28 // 16
+
+
+def test_the_held_inference_graph_trains_the_learner_as_a_recomputed_forward() -> None:
+    """Round t's surrogate through round t - 1's kept inference graph equals the recomputed
+    forward pass: same learner, Adam state and calibrations, bit for bit (same operations on
+    the same window and psi); a loaded state or a non-consecutive round recomputes."""
+    held, fresh = make_server(warmup_rounds=2), make_server(warmup_rounds=2)
+    randomize_output_projections(held.learners)
+    fresh.learners.load_state_dict(held.learners.state_dict())
+    flags = []
+    for t in range(6):
+        fresh.held = None  # always recomputes
+        updates = random_updates(held, t)
+        examples = {c: 10 * (c + 1) for c in updates}
+        flags.append(held.step(updates, examples).get("pfedseq-forward-held"))
+        stats = fresh.step(updates, examples)
+        assert stats.get("pfedseq-forward-held", 0.0) == 0.0
+        for name, value in held.learners.state_dict().items():
+            assert torch.equal(value, fresh.learners.state_dict()[name]), (t, name)
+        assert torch.equal(held.personal, fresh.personal), t
+    # round 1 has no history; rounds 2-3 are the warm-up (no calibrations to hold from);
+    # rounds 4-6 backpropagate through the previous round's calibrations
+    assert flags == [None, 0.0, 0.0, 1.0, 1.0, 1.0]
+    assert held.held is not None and held.held.round == 6
+    held.load_state_tensors(held.state_tensors())
+    assert held.held is None
+    mini = make_server(learner_update="mini-batch", batch_rows=5)
+    run_rounds(mini, range(4))
+    assert mini.held is None

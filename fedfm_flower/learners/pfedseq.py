@@ -32,6 +32,14 @@ checkpoints (``state_tensors``) are the same as the per-layer loop's, and a chec
 path resumes on the other. ``batch_layers = False`` runs the per-layer loop, one learner and one
 chunk at a time: the reference, equal within float32 rounding (``tests/test_pfedseq.py``).
 
+**One forward pass per round.** The eq. 5 surrogate of round t differentiates
+xi^{t-1} = SeqLearner(Delta^{t-L:t-1}; psi), and that is exactly the inference of round t - 1:
+the same window and the same psi (the Adam step of round t - 1 came before it). With the
+full-batch update on the batched path, when one chunk covers the window, the inference keeps its
+graph (``HeldForward``) and round t's surrogate backpropagates through it instead of running the
+learner again: the same numbers, one learner forward fewer per round. Otherwise (several chunks,
+the warm-up, a resumed run, mini-batches) the surrogate recomputes its forward pass.
+
 Decisions the paper leaves open:
 
 * **Partial participation.** A client that did not report in round t enters the history with a
@@ -64,6 +72,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -86,6 +95,17 @@ log = logging.getLogger(__name__)
 
 MIN_CHUNK_ROWS = 64
 SQUARE_SUM_BLOCK = 1 << 22  # elements per float64 block when summing squares
+
+
+@dataclass
+class HeldForward:
+    """The graph of round ``round``'s calibrations, kept for the next round's surrogate."""
+
+    round: int
+    stacked: dict[str, torch.Tensor]  # the learners' parameters, leaves of the graph
+    xi: torch.Tensor  # (G, r, N), with its graph
+    index: torch.Tensor
+    valid: torch.Tensor | None
 
 
 class PFedSeqServer:
@@ -135,6 +155,7 @@ class PFedSeqServer:
         self.history: list[torch.Tensor] = []  # oldest first, each (D, N), on the device
         self.masks: list[torch.Tensor] = []  # each (N,), 1.0 where the client reported
         self.round = 0
+        self.held: HeldForward | None = None
 
     # ----------------------------------------------------------------- what clients get
     def adapter_for(self, client: int) -> dict[str, torch.Tensor]:
@@ -343,14 +364,28 @@ class PFedSeqServer:
         return {name: value.index_select(0, chosen) for name, value in stacked.items()}
 
     def batched_calibrations(self, history: list[torch.Tensor], masks) -> torch.Tensor:
-        """``calibrations`` with all layers' learners in one batched call per chunk."""
+        """``calibrations`` with all layers' learners in one batched call per chunk.
+
+        On the current window, with the full-batch update and one chunk, the graph is kept
+        in ``held`` for the next round's surrogate (module docstring).
+        """
         out = torch.empty(self.layout.size, self.num_clients)
         scales = self.layer_scales(history, masks)
-        with torch.no_grad():
-            stacked = self.stacked.stack()
-            for chunk in self.layer_chunks(len(history)):
+        chunks = self.layer_chunks(len(history))
+        hold = (
+            self.settings.learner_update == "full-batch"
+            and len(chunks) == 1
+            and history is self.history
+        )
+        self.held = None
+        with torch.set_grad_enabled(hold):
+            stacked = self.stacked.stack(requires_grad=hold)
+            for chunk in chunks:
                 params = self.chunk_parameters(stacked, [index for index, _ in chunk])
                 xi, index, valid = self.batched_calibrate(params, chunk, history, scales)
+                if hold:
+                    self.held = HeldForward(self.round, stacked, xi, index, valid)
+                    xi = xi.detach()
                 if valid is None:
                     out[index.flatten().cpu()] = xi.reshape(-1, self.num_clients).cpu()
                 else:
@@ -367,15 +402,16 @@ class PFedSeqServer:
         """Backpropagate -sum <xi_i^{t-1}, Delta_i^t> over one chunk into ``stacked``'s grads."""
         params = self.chunk_parameters(stacked, [index for index, _ in chunk])
         xi, index, valid = self.batched_calibrate(params, chunk, self.history, scales)
-        target = weights.index_select(0, index.flatten()).view(xi.shape)
-        if valid is not None:
-            target = target.masked_fill(~valid[:, :, None], 0.0)
-        inner = (xi * target).sum()
-        (-inner).backward()
-        return float(inner.detach())
+        return surrogate_backward(xi, index, valid, weights)
 
     def batched_surrogate_gradient(self, weights: torch.Tensor) -> float:
-        """``accumulate_surrogate_gradient``'s backward pass with the layers batched."""
+        """``accumulate_surrogate_gradient``'s backward pass with the layers batched: through
+        the previous round's held inference graph when there is one, else recomputed."""
+        held, self.held = self.held, None
+        if held is not None and held.round == self.round - 1:
+            value = surrogate_backward(held.xi, held.index, held.valid, weights)
+            self.stacked.scatter_gradients(held.stacked)
+            return value
         scales = self.layer_scales(self.history, self.masks)
         stacked = self.stacked.stack(requires_grad=True)
         value = 0.0
@@ -454,6 +490,8 @@ class PFedSeqServer:
 
         # eq. 5 on the surrogate, from the window that produced xi^{t-1}
         if self.history:
+            held = self.held is not None and self.held.round == self.round - 1
+            stats["pfedseq-forward-held"] = float(held and self.batch_layers)
             if self.settings.learner_update == "full-batch":
                 surrogate = self.full_batch_update(update_matrix, mask)
             else:
@@ -524,11 +562,25 @@ class PFedSeqServer:
         self.personal = personal.clone()
         self.history = [h.to(self.device, copy=True) for h in tensors["history"]]
         self.masks = [m.clone() for m in tensors["masks"]]
+        self.held = None
         self.learners.load_state_dict(unprefixed(tensors, "learner"))
         load_optimizer_tensors(self.optimizer, tensors)
 
     def _check_client(self, client: int) -> int:
         return check_client(client, self.num_clients, "pFedSeq")
+
+
+def surrogate_backward(
+    xi: torch.Tensor, index: torch.Tensor, valid: torch.Tensor | None, weights: torch.Tensor
+) -> float:
+    """Backpropagate -sum <xi, Delta> for a chunk's xi (G, r, N) at flat rows ``index``
+    (padding masked by ``valid``) against ``weights`` (D, N); returns sum <xi, Delta>."""
+    target = weights.index_select(0, index.flatten()).view(xi.shape)
+    if valid is not None:
+        target = target.masked_fill(~valid[:, :, None], 0.0)
+    inner = (xi * target).sum()
+    (-inner).backward()
+    return float(inner.detach())
 
 
 def _column_square_sums(block: torch.Tensor) -> torch.Tensor:
