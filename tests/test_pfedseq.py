@@ -1056,3 +1056,49 @@ def test_the_held_inference_graph_trains_the_learner_as_a_recomputed_forward() -
     mini = make_server(learner_update="mini-batch", batch_rows=5)
     run_rounds(mini, range(4))
     assert mini.held is None
+
+
+@needs_fused
+@pytest.mark.parametrize("last_only", [False, True])
+def test_fused_scan_takes_the_softplus_of_delta_like_the_eager_path(last_only: bool) -> None:
+    """float64: with delta_bias and delta_softplus the fused loop applies softplus itself
+    (raw step sizes on both sides of torch's threshold, 20); outputs and the gradients of u,
+    delta, A, B, C, D, z and delta_bias equal the eager path's to 1e-12."""
+    g = torch.Generator().manual_seed(7)
+    rows, groups, channels, steps, n = 130, 2, 3, 4, 16
+    dim = groups * channels
+    raw = torch.randn(rows, dim, steps, generator=g, dtype=torch.float64) * 3 - 2
+    raw[:, 0, 1] = 25.0  # above the threshold: softplus(x) = x, gradient 1
+    inputs = [
+        torch.randn(rows, dim, steps, generator=g, dtype=torch.float64),
+        raw,
+        -torch.rand(dim, n, generator=g, dtype=torch.float64) * 0.2,
+        torch.randn(rows, groups, n, steps, generator=g, dtype=torch.float64),
+        torch.randn(rows, groups, n, steps, generator=g, dtype=torch.float64),
+        torch.randn(dim, generator=g, dtype=torch.float64),
+        torch.randn(rows, dim, 1 if last_only else steps, generator=g, dtype=torch.float64),
+        torch.randn(dim, generator=g, dtype=torch.float64),
+    ]
+    results = []
+    for backend in ("torch", "fused"):
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        u, delta, A, B, C, D, z, bias = leaves
+        out = scan.selective_scan(
+            u,
+            delta,
+            A,
+            B,
+            C,
+            D,
+            z,
+            bias,
+            delta_softplus=True,
+            backend=backend,
+            last_only=last_only,
+        )
+        weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).double()
+        grads = torch.autograd.grad((out * weights).sum(), leaves)
+        results.append((out.detach(), *grads))
+    names = ["y", "u", "delta", "A", "B", "C", "D", "z", "delta_bias"]
+    for name, got, want in zip(names, *results[::-1], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=name)

@@ -11,8 +11,16 @@ whole window. The backward pass recomputes the states and decays from the inputs
 never stored), walks the window backwards with dh_t = C_t dy_t + exp(delta_{t+1} A) dh_{t+1}
 and returns du, d delta, dB and dC per row and dA summed over rows (each thread's rows into a
 buffer of its own, summed after). Rows are split over ``torch.get_num_threads()`` threads
-(ctypes releases the GIL); float32 and float64 are compiled. D, z and the softplus of delta
-stay in PyTorch around it (``selective_scan``): element-wise, one pass each.
+(ctypes releases the GIL); float32 and float64 are compiled.
+
+Layout: channels last, (groups, rows, steps, channels) for u, delta and y and (groups, rows,
+steps, n) for B and C: what the layer-batched learner's matmuls produce
+(``stacked.StackedLearners.mamba_channels_last``), so that path makes no copies;
+``fused_grouped_scan`` permutes the channels-first layout of ``selective_scan`` to it. With
+``softplus`` the kernel takes the raw step size and applies softplus (torch's, threshold 20)
+itself, one vectorised pass per row, and returns the raw step size's gradient (times
+sigmoid); the ATen softplus on these (rows, channels, L <= 30) tensors cost as much as the
+scan's forward. D and the gate stay in PyTorch around it.
 
 Built at first use with the system C compiler (``cc``) into a cache directory keyed by the
 source, flags, compiler and CPU, written atomically so concurrent processes share one build
@@ -49,104 +57,126 @@ SOURCE = r"""
 #include <string.h>
 
 #define MAX_STATE 256
+#define SOFTPLUS_THRESHOLD 20 /* torch's: softplus(x) = x above it */
 
-/* u, delta (rows, groups, channels, steps); A (groups, channels, n);
-   B, C (rows, groups, steps, n); y (rows, groups, channels, steps or 1). */
-#define KERNELS(T, SUFFIX, EXP, NCONST)                                                     \
-void scan_forward_##SUFFIX(int64_t rows, int64_t groups, int64_t channels, int64_t n_,     \
-                           int64_t steps, int64_t last_only, const T* u, const T* delta,    \
-                           const T* A, const T* B, const T* C, T* y) {                      \
+/* Channels last: u, delta (groups, rows, steps, channels); A (groups, channels, n);
+   B, C (groups, rows, steps, n); y, dy (groups, rows, steps or 1, channels). A call takes
+   rows [lo, hi) of every group. With softplus, delta is the raw step size (before softplus)
+   and ddelta its gradient. */
+#define KERNELS(T, SUFFIX, EXP, LOG1P, NCONST)                                               \
+static void step_sizes_##SUFFIX(const T* raw, T* out, int64_t count, int64_t softplus) {    \
+    if (!softplus) { memcpy(out, raw, sizeof(T) * count); return; }                         \
+    _Pragma("omp simd")                                                                     \
+    for (int64_t i = 0; i < count; ++i) {                                                   \
+        T x = raw[i];                                                                       \
+        out[i] = x > SOFTPLUS_THRESHOLD ? x : LOG1P(EXP(x));                                \
+    }                                                                                       \
+}                                                                                           \
+                                                                                            \
+void scan_forward_##SUFFIX(int64_t groups, int64_t rows, int64_t lo, int64_t hi,            \
+                           int64_t steps, int64_t channels, int64_t n_, int64_t last_only,  \
+                           int64_t softplus, const T* u, const T* delta, const T* A,        \
+                           const T* B, const T* C, T* y, T* work) {                         \
     const int64_t n = NCONST > 0 ? NCONST : n_; /* a constant lets h live in registers */   \
-    int64_t out_steps = last_only ? 1 : steps;                                              \
-    for (int64_t r = 0; r < rows; ++r)                                                      \
-    for (int64_t g = 0; g < groups; ++g) {                                                  \
-        const T* Bg = B + (r * groups + g) * steps * n;                                     \
-        const T* Cg = C + (r * groups + g) * steps * n;                                     \
+    const int64_t out_steps = last_only ? 1 : steps, slab = steps * channels;               \
+    T* dts = work;                                                                          \
+    for (int64_t g = 0; g < groups; ++g)                                                    \
+    for (int64_t r = lo; r < hi; ++r) {                                                     \
+        const int64_t at = g * rows + r;                                                    \
+        const T* ur = u + at * slab; const T* Bg = B + at * steps * n;                      \
+        const T* Cg = C + at * steps * n; T* yr = y + at * out_steps * channels;            \
+        step_sizes_##SUFFIX(delta + at * slab, dts, slab, softplus);                        \
         for (int64_t c = 0; c < channels; ++c) {                                            \
-            int64_t row = (r * groups + g) * channels + c;                                  \
-            const T* ur = u + row * steps; const T* dr = delta + row * steps;               \
             const T* Ar = A + (g * channels + c) * n;                                       \
-            T* yr = y + row * out_steps;                                                    \
             T h[MAX_STATE];                                                                 \
             memset(h, 0, sizeof(T) * n);                                                    \
             for (int64_t t = 0; t < steps; ++t) {                                           \
                 const T* bt = Bg + t * n; const T* ct = Cg + t * n;                         \
-                T dt = dr[t], st = dt * ur[t], acc = 0;                                     \
+                T dt = dts[t * channels + c], st = dt * ur[t * channels + c], acc = 0;      \
                 _Pragma("omp simd reduction(+:acc)")                                        \
                 for (int64_t k = 0; k < n; ++k) {                                           \
                     h[k] = EXP(dt * Ar[k]) * h[k] + st * bt[k];                             \
                     acc += ct[k] * h[k];                                                    \
                 }                                                                           \
-                if (!last_only) yr[t] = acc; else if (t == steps - 1) yr[0] = acc;          \
+                if (!last_only) yr[t * channels + c] = acc;                                 \
+                else if (t == steps - 1) yr[c] = acc;                                       \
             }                                                                               \
         }                                                                                   \
     }                                                                                       \
 }                                                                                           \
                                                                                             \
 /* dA is this call's own (groups, channels, n) buffer: its rows' sum, added to. */          \
-void scan_backward_##SUFFIX(int64_t rows, int64_t groups, int64_t channels, int64_t n_,    \
-                            int64_t steps, int64_t last_only, const T* u, const T* delta,   \
-                            const T* A, const T* B, const T* C, const T* dy, T* du,         \
-                            T* ddelta, T* dA, T* dB, T* dC, T* work) {                      \
+void scan_backward_##SUFFIX(int64_t groups, int64_t rows, int64_t lo, int64_t hi,           \
+                            int64_t steps, int64_t channels, int64_t n_, int64_t last_only, \
+                            int64_t softplus, const T* u, const T* delta, const T* A,       \
+                            const T* B, const T* C, const T* dy, T* du, T* ddelta, T* dA,   \
+                            T* dB, T* dC, T* work) {                                        \
     const int64_t n = NCONST > 0 ? NCONST : n_;                                             \
-    int64_t out_steps = last_only ? 1 : steps;                                              \
-    T* states = work; T* decays = work + steps * n;                                         \
-    for (int64_t r = 0; r < rows; ++r)                                                      \
-    for (int64_t g = 0; g < groups; ++g) {                                                  \
-        const T* Bg = B + (r * groups + g) * steps * n;                                     \
-        const T* Cg = C + (r * groups + g) * steps * n;                                     \
-        T* dBg = dB + (r * groups + g) * steps * n;                                         \
-        T* dCg = dC + (r * groups + g) * steps * n;                                         \
+    const int64_t out_steps = last_only ? 1 : steps, slab = steps * channels;               \
+    T* states = work; T* decays = work + steps * n; T* dts = work + 2 * steps * n;          \
+    for (int64_t g = 0; g < groups; ++g)                                                    \
+    for (int64_t r = lo; r < hi; ++r) {                                                     \
+        const int64_t at = g * rows + r;                                                    \
+        const T* ur = u + at * slab; const T* raw = delta + at * slab;                      \
+        const T* Bg = B + at * steps * n; const T* Cg = C + at * steps * n;                 \
+        T* dBg = dB + at * steps * n; T* dCg = dC + at * steps * n;                         \
+        const T* dyr = dy + at * out_steps * channels;                                      \
+        T* dur = du + at * slab; T* ddr = ddelta + at * slab;                               \
         memset(dBg, 0, sizeof(T) * steps * n);                                              \
         memset(dCg, 0, sizeof(T) * steps * n);                                              \
+        step_sizes_##SUFFIX(raw, dts, slab, softplus);                                      \
         for (int64_t c = 0; c < channels; ++c) {                                            \
-            int64_t row = (r * groups + g) * channels + c;                                  \
-            const T* ur = u + row * steps; const T* dr = delta + row * steps;               \
             const T* Ar = A + (g * channels + c) * n;                                       \
             T* dAr = dA + (g * channels + c) * n;                                           \
-            const T* dyr = dy + row * out_steps;                                            \
-            T* dur = du + row * steps; T* ddr = ddelta + row * steps;                       \
             for (int64_t t = 0; t < steps; ++t) { /* states and decays, recomputed */       \
-                const T* bt = Bg + t * n; T* ht = states + t * n; T* at = decays + t * n;   \
+                const T* bt = Bg + t * n; T* ht = states + t * n; T* dc = decays + t * n;   \
                 const T* hp = t ? states + (t - 1) * n : 0;                                 \
-                T dt = dr[t], st = dt * ur[t];                                              \
+                T dt = dts[t * channels + c], st = dt * ur[t * channels + c];               \
                 _Pragma("omp simd")                                                         \
                 for (int64_t k = 0; k < n; ++k) {                                           \
-                    at[k] = EXP(dt * Ar[k]);                                                \
-                    ht[k] = (t ? at[k] * hp[k] : 0) + st * bt[k];                           \
+                    dc[k] = EXP(dt * Ar[k]);                                                \
+                    ht[k] = (t ? dc[k] * hp[k] : 0) + st * bt[k];                           \
                 }                                                                           \
             }                                                                               \
             T dh[MAX_STATE];                                                                \
             memset(dh, 0, sizeof(T) * n);                                                   \
             for (int64_t t = steps - 1; t >= 0; --t) {                                      \
-                T dyt = last_only ? (t == steps - 1 ? dyr[0] : 0) : dyr[t];                 \
+                T dyt = last_only ? (t == steps - 1 ? dyr[c] : 0) : dyr[t * channels + c];  \
                 const T* bt = Bg + t * n; const T* ct = Cg + t * n;                         \
-                const T* ht = states + t * n; const T* at = decays + t * n;                 \
+                const T* ht = states + t * n; const T* dc = decays + t * n;                 \
                 const T* hp = t ? states + (t - 1) * n : 0;                                 \
                 T* dbt = dBg + t * n; T* dct = dCg + t * n;                                 \
-                T dt = dr[t], ut = ur[t], st = dt * ut, ds = 0, dda = 0;                    \
+                T dt = dts[t * channels + c], ut = ur[t * channels + c], st = dt * ut;      \
+                T ds = 0, dda = 0;                                                          \
                 _Pragma("omp simd reduction(+:ds, dda)")                                    \
                 for (int64_t k = 0; k < n; ++k) {                                           \
                     dct[k] += dyt * ht[k];                                                  \
                     T d = dh[k] + dyt * ct[k];                                              \
-                    T grow = t ? d * hp[k] * at[k] : 0; /* d h_t / d (delta A) */            \
+                    T grow = t ? d * hp[k] * dc[k] : 0; /* d h_t / d (delta A) */            \
                     dda += grow * Ar[k];                                                    \
                     dAr[k] += grow * dt;                                                    \
                     ds += d * bt[k];                                                        \
                     dbt[k] += d * st;                                                       \
-                    dh[k] = d * at[k];                                                      \
+                    dh[k] = d * dc[k];                                                      \
                 }                                                                           \
-                dur[t] = ds * dt;                                                           \
-                ddr[t] = ds * ut + dda;                                                     \
+                dur[t * channels + c] = ds * dt;                                            \
+                ddr[t * channels + c] = ds * ut + dda;                                      \
+            }                                                                               \
+        }                                                                                   \
+        if (softplus) { /* through the softplus: times sigmoid(raw) */                      \
+            _Pragma("omp simd")                                                             \
+            for (int64_t i = 0; i < slab; ++i) {                                            \
+                T e = EXP(raw[i]);                                                          \
+                ddr[i] *= raw[i] > SOFTPLUS_THRESHOLD ? (T)1 : e / (1 + e);                 \
             }                                                                               \
         }                                                                                   \
     }                                                                                       \
 }
 
-KERNELS(float, f32, expf, 0)
-KERNELS(double, f64, exp, 0)
-KERNELS(float, f32_n16, expf, 16)
-KERNELS(double, f64_n16, exp, 16)
+KERNELS(float, f32, expf, log1pf, 0)
+KERNELS(double, f64, exp, log1p, 0)
+KERNELS(float, f32_n16, expf, log1pf, 16)
+KERNELS(double, f64_n16, exp, log1p, 16)
 """
 # (compile flags, link flags), tried in order: vectorised exp (glibc's libmvec, which its
 # headers offer under -ffast-math; the link step does not get -ffast-math, so no crtfastmath
@@ -284,33 +314,35 @@ def _run(ranges: list[tuple[int, int]], call: Callable[[int, int, int], None]) -
 
 
 class FusedScan(torch.autograd.Function):
-    """y_t = <C_t, h_t>, h_t = exp(delta_t A) h_{t-1} + delta_t u_t B_t, per row and channel."""
+    """y_t = <C_t, h_t>, h_t = exp(delta_t A) h_{t-1} + delta_t u_t B_t, per row and channel
+    (delta_t = softplus of the given step size when ``softplus``)."""
 
     @staticmethod
-    def forward(ctx, u, delta, A, B, C, last_only):  # noqa: ANN001, ANN205 - autograd's
-        """u, delta (rows, g, c, L); A (g, c, n); B, C (rows, g, L, n) -> (rows, g, c, L or 1)."""
+    def forward(ctx, u, delta, A, B, C, last_only, softplus):  # noqa: ANN001, ANN205 - autograd's
+        """u, delta (g, rows, L, c); A (g, c, n); B, C (g, rows, L, n) -> (g, rows, L or 1, c)."""
         u, delta, A, B, C = (t.contiguous() for t in (u, delta, A, B, C))
-        rows, groups, channels, steps = u.shape
+        groups, rows, steps, channels = u.shape
         n = A.shape[-1]
-        y = u.new_empty(rows, groups, channels, 1 if last_only else steps)
+        y = u.new_empty(groups, rows, 1 if last_only else steps, channels)
         kernel = getattr(library(), f"scan_forward_{_variant(u.dtype, n)}")
+        flags = (steps, channels, n, int(last_only), int(softplus))
 
         def call(lo: int, hi: int, part: int) -> None:
-            pointers = [_pointer(t[lo:]) for t in (u, delta)] + [_pointer(A)]
-            pointers += [_pointer(t[lo:]) for t in (B, C, y)]
-            kernel(*_sizes(hi - lo, groups, channels, n, steps, int(last_only)), *pointers)
+            work = u.new_empty(steps * channels)
+            pointers = [_pointer(t) for t in (u, delta, A, B, C, y, work)]
+            kernel(*_sizes(groups, rows, lo, hi, *flags), *pointers)
 
         _run(_split(rows), call)
         ctx.save_for_backward(u, delta, A, B, C)
-        ctx.last_only = last_only
+        ctx.flags = flags
         return y
 
     @staticmethod
     def backward(ctx, dy):  # noqa: ANN001, ANN205 - autograd's signature
-        """Gradients of u, delta, A, B and C (none of ``last_only``)."""
+        """Gradients of u, delta (the raw step size with softplus), A, B and C."""
         u, delta, A, B, C = ctx.saved_tensors
         dy = dy.contiguous()
-        rows, groups, channels, steps = u.shape
+        groups, rows, steps, channels = u.shape
         n = A.shape[-1]
         du, ddelta, dB, dC = (torch.empty_like(t) for t in (u, delta, B, C))
         ranges = _split(rows)
@@ -318,15 +350,13 @@ class FusedScan(torch.autograd.Function):
         kernel = getattr(library(), f"scan_backward_{_variant(u.dtype, n)}")
 
         def call(lo: int, hi: int, part: int) -> None:
-            work = u.new_empty(2 * steps * n)
-            pointers = [_pointer(t[lo:]) for t in (u, delta)] + [_pointer(A)]
-            pointers += [_pointer(t[lo:]) for t in (B, C, dy, du, ddelta)]
-            pointers += [_pointer(dA_parts[part])]
-            pointers += [_pointer(t[lo:]) for t in (dB, dC)] + [_pointer(work)]
-            kernel(*_sizes(hi - lo, groups, channels, n, steps, int(ctx.last_only)), *pointers)
+            work = u.new_empty(2 * steps * n + steps * channels)
+            pointers = [_pointer(t) for t in (u, delta, A, B, C, dy, du, ddelta)]
+            pointers += [_pointer(dA_parts[part]), _pointer(dB), _pointer(dC), _pointer(work)]
+            kernel(*_sizes(groups, rows, lo, hi, *ctx.flags), *pointers)
 
         _run(ranges, call)
-        return du, ddelta, dA_parts.sum(0), dB, dC, None
+        return du, ddelta, dA_parts.sum(0), dB, dC, None, None
 
 
 def usable(*tensors: torch.Tensor) -> bool:
@@ -338,6 +368,22 @@ def usable(*tensors: torch.Tensor) -> bool:
     )
 
 
+def fused_scan(
+    u: torch.Tensor,
+    delta: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    last_only: bool = False,
+    softplus: bool = False,
+) -> torch.Tensor:
+    """sum_n C_t h_t channels last: u, delta (g, rows, L, c), A (g, c, n), B and C
+    (g, rows, L, n) -> (g, rows, L or 1, c); ``softplus``: delta is the raw step size."""
+    if A.shape[-1] > MAX_STATE:
+        raise ValueError(f"the fused scan takes states of <= {MAX_STATE}, got {A.shape[-1]}")
+    return FusedScan.apply(u, delta, A, B, C, last_only, softplus)
+
+
 def fused_grouped_scan(
     u: torch.Tensor,
     delta: torch.Tensor,
@@ -345,9 +391,18 @@ def fused_grouped_scan(
     B: torch.Tensor,
     C: torch.Tensor,
     last_only: bool = False,
+    softplus: bool = False,
 ) -> torch.Tensor:
-    """sum_n C_t h_t for u, delta (rows, g, d / g, L), decay = A (g, d / g, n), B and C
-    (rows, g, n, L): (rows, g, d / g, L or 1), through ``FusedScan``."""
-    if decay.shape[-1] > MAX_STATE:
-        raise ValueError(f"the fused scan takes states of <= {MAX_STATE}, got {decay.shape[-1]}")
-    return FusedScan.apply(u, delta, decay, B.transpose(-1, -2), C.transpose(-1, -2), last_only)
+    """``fused_scan`` for the channels-first layout of ``selective_scan``: u, delta
+    (rows, g, d / g, L), decay = A (g, d / g, n), B and C (rows, g, n, L) ->
+    (rows, g, d / g, L or 1)."""
+    out = fused_scan(
+        u.permute(1, 0, 3, 2),
+        delta.permute(1, 0, 3, 2),
+        decay,
+        B.permute(1, 0, 3, 2),
+        C.permute(1, 0, 3, 2),
+        last_only,
+        softplus,
+    )
+    return out.permute(1, 0, 3, 2)

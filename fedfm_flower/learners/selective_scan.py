@@ -122,12 +122,19 @@ def selective_scan_torch(
     """
     if delta_bias is not None:
         delta = delta + delta_bias[:, None]
-    if delta_softplus:
+    if delta_softplus and not fused:  # the fused loop takes the softplus itself
         delta = F.softplus(delta)
     if B.dim() == 4 or last_only or compiled or fused:
         grouped = (B, C) if B.dim() == 4 else (B.unsqueeze(1), C.unsqueeze(1))
         y = _grouped_scan(
-            u, delta, A, *grouped, last_only=last_only, compiled=compiled, fused=fused
+            u,
+            delta,
+            A,
+            *grouped,
+            last_only=last_only,
+            compiled=compiled,
+            fused=fused,
+            softplus=fused and delta_softplus,
         )
         if last_only:
             u = u[..., -1:]
@@ -222,13 +229,17 @@ def _grouped_scan(
     last_only: bool = False,
     compiled: bool = False,
     fused: bool = False,
+    softplus: bool = False,
 ) -> torch.Tensor:
     """sum_n C_t h_t of the recurrence with B, C of shape (batch, g, n, L): (batch, d, L).
 
     Without gradients (inference) the eager state is updated in place. ``last_only``:
     (batch, d, 1). ``compiled``: each step through ``compiled_scan_step``; ``fused``: the
-    whole window through ``fused_scan.fused_grouped_scan``.
+    whole window through ``fused_scan.fused_grouped_scan``, which with ``softplus`` takes
+    delta before its softplus (only the fused loop does).
     """
+    if softplus and not fused:
+        raise ValueError("only the fused scan takes the softplus of delta itself")
     batch, dim, steps = u.shape
     groups = B.shape[1]
     channels = (batch, groups, dim // groups)
@@ -239,7 +250,7 @@ def _grouped_scan(
 
         dtype = functools.reduce(torch.promote_types, (t.dtype for t in (u, delta, A, B, C)))
         inputs = (t.to(dtype) for t in (u, delta, decay, B, C))  # A is float32 in the mixers
-        out = fused_grouped_scan(*inputs, last_only=last_only)
+        out = fused_grouped_scan(*inputs, last_only=last_only, softplus=softplus)
         return out.reshape(batch, dim, out.shape[-1])
     in_place = not (torch.is_grad_enabled() and any(t.requires_grad for t in (u, delta, A, B, C)))
     state = u.new_zeros(*channels, A.shape[-1])

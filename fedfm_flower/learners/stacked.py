@@ -33,7 +33,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedfm_flower.learners.selective_scan import causal_conv1d_silu, selective_scan, use_kernel
+from fedfm_flower.learners.fused_scan import fused_scan
+from fedfm_flower.learners.selective_scan import (
+    causal_conv1d_silu,
+    selective_scan,
+    use_fused,
+    use_kernel,
+)
 from fedfm_flower.learners.sequence import SequenceLearner
 
 Params = dict[str, torch.Tensor]
@@ -82,6 +88,20 @@ def conv_silu(
     out = torch.addcmul(bias[:, None], padded[..., :steps], weight[:, :1])
     for tap in range(1, width):
         out = torch.addcmul(out, padded[..., tap : tap + steps], weight[:, tap : tap + 1])
+    return F.silu(out)
+
+
+def conv_silu_channels_last(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
+) -> torch.Tensor:
+    """SiLU(depthwise causal conv along the steps) per layer: x (G, batch, L, c), weight
+    (G, c, kernel), bias (G, c)."""
+    width, steps = weight.shape[-1], x.shape[2]
+    padded = F.pad(x, (0, 0, width - 1, 0))
+    taps = weight.permute(0, 2, 1)[:, :, None, None, :]  # (G, kernel, 1, 1, c)
+    out = torch.addcmul(bias[:, None, None, :], padded[:, :, :steps], taps[:, 0])
+    for tap in range(1, width):
+        out = torch.addcmul(out, padded[:, :, tap : tap + steps], taps[:, tap])
     return F.silu(out)
 
 
@@ -191,6 +211,8 @@ class StackedLearners:
 
     def mamba(self, p: Params, hidden: torch.Tensor, last_only: bool = False) -> torch.Tensor:
         """``MambaMixer`` per layer: (G, batch, L, width) -> (G, batch, L or 1, width)."""
+        if use_fused(hidden, self.spec.backend):
+            return self.mamba_channels_last(p, hidden, last_only)
         groups = hidden.shape[0]
         weight = p["in_proj.weight"]
         x = to_channels(linear(hidden, weight[:, : self.inner]))  # (batch, G * inner, L)
@@ -216,6 +238,26 @@ class StackedLearners:
             last_only=last_only,
         )
         return linear(from_channels(y, groups), p["out_proj.weight"])
+
+    def mamba_channels_last(
+        self, p: Params, hidden: torch.Tensor, last_only: bool = False
+    ) -> torch.Tensor:
+        """``mamba`` on the fused C scan, every tensor in the matmuls' (G, batch, L, c) layout:
+        no folding of the layers into channels, the conv along the steps as shifted
+        multiply-adds, softplus(delta + bias) inside the scan (the bias in dt_proj's matmul)."""
+        weight = p["in_proj.weight"]
+        x = linear(hidden, weight[:, : self.inner])  # (G, batch, L, inner)
+        z = linear(hidden[:, :, -1:] if last_only else hidden, weight[:, self.inner :])
+        x = conv_silu_channels_last(x, p["conv_weight"], p["conv_bias"])
+        dt, B, C = linear(x, p["x_proj.weight"]).split(
+            [self.dt_rank, self.state_dim, self.state_dim], dim=-1
+        )
+        delta = linear(dt, p["dt_proj.weight"], p["dt_proj.bias"])  # before the softplus
+        A = -torch.exp(p["A_log"].float())  # (G, inner, n)
+        y = fused_scan(x, delta, A, B, C, last_only=last_only, softplus=True)
+        u = x[:, :, -1:] if last_only else x
+        y = torch.addcmul(y, u, p["D"][:, None, None, :]) * F.silu(z)
+        return linear(y, p["out_proj.weight"])
 
     def lstm(self, p: Params, hidden: torch.Tensor, last_only: bool = False) -> torch.Tensor:
         """``LSTMMixer`` per layer (one-layer LSTM, zero initial state, then out_proj)."""
