@@ -320,6 +320,11 @@ class FusedScan(torch.autograd.Function):
     @staticmethod
     def forward(ctx, u, delta, A, B, C, last_only, softplus):  # noqa: ANN001, ANN205 - autograd's
         """u, delta (g, rows, L, c); A (g, c, n); B, C (g, rows, L, n) -> (g, rows, L or 1, c)."""
+        if len({t.dtype for t in (u, delta, A, B, C)}) != 1:
+            raise TypeError(
+                "the fused scan takes one dtype, got "
+                + ", ".join(str(t.dtype) for t in (u, delta, A, B, C))
+            )
         u, delta, A, B, C = (t.contiguous() for t in (u, delta, A, B, C))
         groups, rows, steps, channels = u.shape
         n = A.shape[-1]

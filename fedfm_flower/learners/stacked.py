@@ -211,7 +211,8 @@ class StackedLearners:
 
     def mamba(self, p: Params, hidden: torch.Tensor, last_only: bool = False) -> torch.Tensor:
         """``MambaMixer`` per layer: (G, batch, L, width) -> (G, batch, L or 1, width)."""
-        if use_fused(hidden, self.spec.backend):
+        backend = self.spec.backend
+        if not use_kernel("selective_scan", hidden, backend) and use_fused(hidden, backend):
             return self.mamba_channels_last(p, hidden, last_only)
         groups = hidden.shape[0]
         weight = p["in_proj.weight"]
@@ -253,7 +254,7 @@ class StackedLearners:
             [self.dt_rank, self.state_dim, self.state_dim], dim=-1
         )
         delta = linear(dt, p["dt_proj.weight"], p["dt_proj.bias"])  # before the softplus
-        A = -torch.exp(p["A_log"].float())  # (G, inner, n)
+        A = -torch.exp(p["A_log"].float()).to(x.dtype)  # (G, inner, n)
         y = fused_scan(x, delta, A, B, C, last_only=last_only, softplus=True)
         u = x[:, :, -1:] if last_only else x
         y = torch.addcmul(y, u, p["D"][:, None, None, :]) * F.silu(z)
