@@ -257,28 +257,15 @@ def test_launcher_refuses_an_app_whose_fab_cannot_be_built_in_one_line(
     assert not (tmp_path / "flwr-home" / "local-superlink").exists()  # flwr run never ran
 
 
-def _fake_layout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flwr_on_path: bool) -> Path:
-    """An interpreter whose directory has no Flower commands, and a PATH of one directory that
-    holds an executable fake ``flwr`` (when ``flwr_on_path``); returns that directory."""
-    interpreter = tmp_path / "python" / "bin"
-    interpreter.mkdir(parents=True)
-    scripts = tmp_path / "scripts"
-    scripts.mkdir()
-    if flwr_on_path:
-        fake = scripts / "flwr"
-        fake.write_text("#!/bin/sh\necho fake flwr\n")
-        fake.chmod(0o755)
-    monkeypatch.setattr(sys, "executable", str(interpreter / "python3"))
-    monkeypatch.setenv("PATH", str(scripts))
-    return scripts
-
-
 def test_flower_commands_are_found_beside_the_interpreter_then_on_path(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    flowerless_interpreter: Path,
 ) -> None:
     from fedfm_flower.processes import FlowerCommandNotFound, flower_command
 
-    scripts = _fake_layout(tmp_path, monkeypatch, flwr_on_path=True)
+    scripts = flowerless_interpreter
+    fake = scripts / "flwr"
+    fake.write_text("#!/bin/sh\necho fake flwr\n")
+    fake.chmod(0o755)
     assert flower_command("flwr") == str(scripts / "flwr")  # as after `pip install --target`
     beside = Path(sys.executable).parent / "flwr"
     beside.write_text("#!/bin/sh\n")
@@ -289,11 +276,11 @@ def test_flower_commands_are_found_beside_the_interpreter_then_on_path(
 
 
 def test_launcher_without_flwr_says_where_it_looked_in_one_line_and_exits_2(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+    flowerless_interpreter: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
 ) -> None:
     from fedfm_flower import simulation
 
-    scripts = _fake_layout(tmp_path, monkeypatch, flwr_on_path=False)
+    scripts = flowerless_interpreter
     monkeypatch.setenv("FLWR_HOME", str(tmp_path / "flwr-home"))
     assert simulation.main(["--num-supernodes", "2"]) == 2
     captured = capsys.readouterr()
