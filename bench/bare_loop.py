@@ -27,8 +27,7 @@ import torch
 from fedfm_flower.aggregation import weighted_average
 from fedfm_flower.config import ExperimentConfig
 from fedfm_flower.data import load_client_data
-from fedfm_flower.models import MODEL_CACHE, pick_device
-from fedfm_flower.models.foundation import foundation_card
+from fedfm_flower.models import MODEL_CACHE, pick_device, prepare_foundation
 from fedfm_flower.overrides import parse_overrides
 from fedfm_flower.tasks.classification import ImageClassification
 from fedfm_flower.training import evaluate, round_seed, train
@@ -38,7 +37,7 @@ SHARED = ("adapter", "head")  # what FedAvg sends both ways
 
 def run_bare_fedavg(config: ExperimentConfig, num_clients: int, rounds: int) -> dict[str, Any]:
     """Run FedAvg for ``rounds`` rounds over ``num_clients`` clients; timings and accuracies."""
-    foundation_card(config)  # the cached foundation model (built once when missing)
+    prepare_foundation(config)  # as the ServerApp: an offline ViT's cache (built when missing)
     device = pick_device(config.device)
     prepare_started = time.perf_counter()
     data = [load_client_data(config, c, num_clients) for c in range(num_clients)]

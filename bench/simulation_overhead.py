@@ -126,6 +126,54 @@ def run_bare(num_clients: int, rounds: int, threads: int, config: dict, workdir:
     }
 
 
+def simulation_run_config(num_clients: int, config: dict, workdir: Path, name: str) -> dict:
+    """The run config of one simulation of the benchmark: its results go to
+    ``<workdir>/runs/<name>``."""
+    return {
+        **TIMING_MINIMUMS,
+        **config,
+        "num-clients": num_clients,
+        "output-dir": str(workdir / "runs"),
+        "run-name": name,
+    }
+
+
+def simulation_result(
+    run_dir: Path, rounds: int, wall: float, memory: PeakMemory | None = None
+) -> dict:
+    """One simulation's figures from its run directory (``metrics.jsonl``), its wall time and
+    the peak memory of its processes (None: not measured)."""
+    records = RunDirectory(run_dir).rounds()
+    if len(records) != rounds:
+        # `flwr run` exits 0 even when the ServerApp failed: check the results instead.
+        raise RuntimeError(f"run {run_dir.name} wrote {len(records)} of {rounds} rounds; {run_dir}")
+    seconds = [r["round-seconds"] for r in records]
+    # A SuperLink already listening on Flower's local address (one an earlier command left
+    # behind) runs the simulation in its own, untagged processes: their memory is not ours.
+    measured = memory is not None and "flwr-simulation" in memory.by_command
+    if memory is not None and not measured:
+        print(
+            f"run {run_dir.name}: the simulation ran outside the processes this benchmark "
+            "started (a SuperLink left running?); its host memory is not reported",
+            flush=True,
+        )
+    return {
+        "wall-s": wall,
+        "launch-s": wall - sum(seconds),
+        "round-s": seconds,
+        "steady-round-s": steady(seconds),
+        "server-s": [r["server-seconds"] for r in records],
+        "bytes-up": [r["bytes-up-train"] for r in records],
+        "bytes-down": [r["bytes-down-train"] for r in records],
+        "clients-reported": [r["clients-reported"] for r in records],
+        "peak-pss-bytes": memory.peak_bytes if measured else None,
+        "peak-gpu-bytes": memory.peak_gpu_bytes if memory is not None else None,
+        "peak-processes": memory.peak_processes if measured else None,
+        "peak-pss-by-command": memory.by_command if memory is not None else {},
+        "final-accuracy": records[-1].get("test-accuracy-mean"),
+    }
+
+
 def run_flower_simulation(
     num_clients: int,
     rounds: int,
@@ -138,14 +186,7 @@ def run_flower_simulation(
 ) -> dict:
     """`flwr run` simulation in fresh processes; timings from the run's metrics.jsonl.
     ``engine``: the simulation engine's hand-offs, ``prompt`` (ours) or ``flower`` (0.1 s)."""
-    output = workdir / "runs"
-    run_config = {
-        **TIMING_MINIMUMS,
-        **config,
-        "num-clients": num_clients,
-        "output-dir": str(output),
-        "run-name": name,
-    }
+    run_config = simulation_run_config(num_clients, config, workdir, name)
     command = [
         sys.executable,
         "-m",
@@ -165,37 +206,10 @@ def run_flower_simulation(
         "FLWR_HOME": str(workdir / "flwr-home"),
         "FEDFM_PROMPT_ENGINE": "1" if engine == "prompt" else "0",
     }
-    shutil.rmtree(output / name, ignore_errors=True)  # results of an earlier invocation
+    run_dir = Path(run_config["output-dir"]) / name
+    shutil.rmtree(run_dir, ignore_errors=True)  # results of an earlier invocation
     wall, memory = run_tagged(command, env, workdir / f"{name}.log")
-    records = RunDirectory(output / name).rounds()
-    if len(records) != rounds:
-        # `flwr run` exits 0 even when the ServerApp failed: check the results instead.
-        raise RuntimeError(f"run {name} wrote {len(records)} of {rounds} rounds; log {workdir}")
-    seconds = [r["round-seconds"] for r in records]
-    # A SuperLink already listening on Flower's local address (one an earlier command left
-    # behind) runs the simulation in its own, untagged processes: their memory is not ours.
-    measured = "flwr-simulation" in memory.by_command
-    if not measured:
-        print(
-            f"run {name}: the simulation ran outside the processes this benchmark started "
-            "(a SuperLink left running?); its host memory is not reported",
-            flush=True,
-        )
-    return {
-        "wall-s": wall,
-        "launch-s": wall - sum(seconds),
-        "round-s": seconds,
-        "steady-round-s": steady(seconds),
-        "server-s": [r["server-seconds"] for r in records],
-        "bytes-up": [r["bytes-up-train"] for r in records],
-        "bytes-down": [r["bytes-down-train"] for r in records],
-        "clients-reported": [r["clients-reported"] for r in records],
-        "peak-pss-bytes": memory.peak_bytes if measured else None,
-        "peak-gpu-bytes": memory.peak_gpu_bytes,
-        "peak-processes": memory.peak_processes if measured else None,
-        "peak-pss-by-command": memory.by_command,
-        "final-accuracy": records[-1].get("test-accuracy-mean"),
-    }
+    return simulation_result(run_dir, rounds, wall, memory)
 
 
 def share_resources(gpu_fraction: float, cpus: int) -> tuple[int, int]:

@@ -60,6 +60,7 @@ MODES: dict[str, dict[str, Any]] = {
         "server-clients": [10, 100],
         "ranks": [4, 16],
         "seq-lens": [5, 10],
+        "fraction-clients": 10,
         "fraction-methods": ["fedrep", "pfedseq", "pfedpg"],
         "supernodes": [2],
         "deploy-rounds": 4,
@@ -74,6 +75,7 @@ MODES: dict[str, dict[str, Any]] = {
         "server-clients": [10, 100, 1000],
         "ranks": [4, 16, 64],
         "seq-lens": [5, 10, 20],
+        "fraction-clients": 10,
         "fraction-methods": ["fedrep", "pfedseq", "pfedpg"],
         "supernodes": [2, 4],
         "deploy-rounds": 4,
@@ -89,20 +91,26 @@ MODES: dict[str, dict[str, Any]] = {
         "server-clients": [10, 100],
         "ranks": [4, 16],
         "seq-lens": [5, 10],
+        "fraction-clients": 10,
         "fraction-methods": ["fedrep", "pfedseq", "pfedpg"],
         "sections": ("overhead", "fraction", "server-cost"),
     },
 }
 
 
-def backbone_config(backbone: str) -> dict[str, Any]:
-    """Run-config keys for a benchmark backbone: timm ViTs at 224 px with random weights.
+def backbone_config(backbone: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    """Run-config keys for a benchmark backbone: timm ViTs with random weights, at 224 px
+    unless ``overrides`` set ``image-size`` (a small size runs the same code on a CPU).
 
     Timing does not depend on the weights, and random ones need neither the Hub nor a file.
     """
     if backbone == "tiny-vit":
         return {}
-    return {"backbone": backbone, "pretrained": False, "image-size": 224}
+    return {
+        "backbone": backbone,
+        "pretrained": False,
+        "image-size": overrides.get("image-size", 224),
+    }
 
 
 def machine() -> dict[str, Any]:
@@ -130,8 +138,9 @@ def server_fractions(
     workdir: Path,
     overhead: list[dict],
     gpu_fraction: float,
+    num_clients: int = 10,
 ) -> list[dict]:
-    """Server seconds over round seconds (steady rounds) of simulations with 10 clients.
+    """Server seconds over round seconds (steady rounds) of simulations with ``num_clients``.
 
     FedAvg's run is taken from the overhead section when it ran the same setup. pFedSeq runs
     with a warm-up of 1 round, so that every steady round has both the learner update and the
@@ -143,7 +152,7 @@ def server_fractions(
     same_setup = [
         row["simulation"]
         for row in overhead
-        if row["clients"] == 10
+        if row["clients"] == num_clients
         and row.get("backbone", "tiny-vit") == backbone
         and row.get("gpu-fraction", 0.0) == gpu_fraction
     ]
@@ -153,7 +162,13 @@ def server_fractions(
         if method == "pfedseq":
             method_config["pfedseq-warmup-rounds"] = 1
         runs[method] = simulation_overhead.run_flower_simulation(
-            10, rounds, client_cpus, method_config, workdir, f"{method}-10", gpu_fraction
+            num_clients,
+            rounds,
+            client_cpus,
+            method_config,
+            workdir,
+            f"{method}-{num_clients}",
+            gpu_fraction,
         )
     rows = []
     for method, run in runs.items():
@@ -163,6 +178,7 @@ def server_fractions(
             {
                 "method": method,
                 "backbone": backbone,
+                "clients": num_clients,
                 "gpu-fraction": gpu_fraction,
                 "server-s": server,
                 "round-s": round_s,
@@ -173,14 +189,20 @@ def server_fractions(
     return rows
 
 
-def run_suite(mode: str, overrides: dict[str, Any], sections: tuple[str, ...]) -> dict[str, Any]:
-    """The chosen sections of a mode; their results.
+def run_suite(
+    mode: str,
+    overrides: dict[str, Any],
+    sections: tuple[str, ...],
+    workdir: Path | None = None,
+) -> dict[str, Any]:
+    """The chosen sections of a mode; their results (runs under ``workdir``, by default
+    ``bench/work/suite-<mode>``).
 
     A section that fails is recorded under ``failed`` (its error) and the others still run:
     half an hour of measurements is not lost to the last section.
     """
     plan = MODES[mode]
-    workdir = ROOT / "bench" / "work" / f"suite-{mode}"
+    workdir = workdir or ROOT / "bench" / "work" / f"suite-{mode}"
     config = {"seed": 0, "num-server-rounds": plan["rounds"], **overrides}
     started = time.perf_counter()
     results: dict[str, Any] = {
@@ -196,7 +218,7 @@ def run_suite(mode: str, overrides: dict[str, Any], sections: tuple[str, ...]) -
             rows += simulation_overhead.measure(
                 clients,
                 plan["rounds"],
-                {**config, **backbone_config(backbone)},
+                {**config, **backbone_config(backbone, overrides)},
                 workdir / "overhead" / backbone,
                 tuple(plan["gpu-fractions"]),
             )
@@ -207,10 +229,11 @@ def run_suite(mode: str, overrides: dict[str, Any], sections: tuple[str, ...]) -
         results["server-fraction"] = server_fractions(
             plan["fraction-methods"],
             plan["rounds"],
-            {**config, **backbone_config(backbone)},
+            {**config, **backbone_config(backbone, overrides)},
             workdir / "fraction" / backbone,
             results.get("overhead", []),
             plan["gpu-fractions"][-1],
+            plan["fraction-clients"],
         )
 
     def cost() -> None:
@@ -219,7 +242,7 @@ def run_suite(mode: str, overrides: dict[str, Any], sections: tuple[str, ...]) -
             plan["server-clients"],
             plan["ranks"],
             plan["seq-lens"],
-            {**overrides, **backbone_config(plan["server-backbone"])},
+            {**overrides, **backbone_config(plan["server-backbone"], overrides)},
         )
 
     def wire() -> None:
@@ -357,9 +380,10 @@ def tables(results: dict[str, Any]) -> str:
         rows = results["server-fraction"]
         backbone = rows[0].get("backbone", "tiny-vit") if rows else "tiny-vit"
         share = rows[0].get("gpu-fraction", 0.0) if rows else 0.0
+        clients = rows[0].get("clients", 10) if rows else 10
         lines += [
             "",
-            f"**2a. Server share of a simulated round** (10 clients, {backbone}"
+            f"**2a. Server share of a simulated round** ({clients} clients, {backbone}"
             + (f", GPU share {share:g}" if share else "")
             + ", steady rounds; target <= 0.3%)",
             "",

@@ -1,18 +1,46 @@
 """Flower's processes as this project starts and stops them: their environment and signals.
 
-Both launchers (``fedfm_flower.simulation`` and ``fedfm_flower.deploy``) use these, so the
-recommended environment and the way a vanished process is tolerated are defined once.
+Both launchers (``fedfm_flower.simulation`` and ``fedfm_flower.deploy``) use these, so where
+Flower's commands are found, the recommended environment and the way a vanished process is
+tolerated are defined once.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
+
+
+class FlowerCommandNotFound(FileNotFoundError):
+    """One of Flower's commands is neither beside this interpreter nor on PATH (a one-line message
+    for the user: where it was looked for and how to fix it)."""
+
+
+def flower_command(name: str) -> str:
+    """Path of Flower's command ``name`` (``flwr``, ``flower-superlink``, ...): beside this
+    interpreter (``sys.executable``'s directory), else the first on PATH.
+
+    Raises ``FlowerCommandNotFound`` naming both places when neither has it, e.g. when Flower
+    was installed with ``pip install --target DIR`` (its commands land in ``DIR/bin``).
+    """
+    beside = Path(sys.executable).parent / name
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    found = shutil.which(name)
+    if found is not None:
+        return found
+    raise FlowerCommandNotFound(
+        f"Flower's `{name}` command not found: looked for {beside} (beside {sys.executable}) "
+        f"and on PATH ({os.environ.get('PATH', '')}); install Flower into this interpreter "
+        f"(`{sys.executable} -m pip install -e <this repository>`) or put the directory that "
+        f"holds `{name}` on PATH (after `pip install --target DIR`: DIR/bin)"
+    )
 
 
 def flower_environment(flwr_home: Path, base: Mapping[str, str] | None = None) -> dict[str, str]:

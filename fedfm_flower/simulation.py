@@ -10,8 +10,10 @@ the GPU (``--gpu-fraction``) so several clients share it.
 
 Before anything starts, the run config (the app's defaults plus the ``-c``/``--run-config``
 overrides) is validated and checked (``fedfm_flower.preflight``); a problem is one line on
-stderr and exit status 2. The run's stream is shown with tracebacks folded into their last line
-(``--debug`` shows them) and is saved whole to ``<output-dir>/logs/``. The exit status is
+stderr and exit status 2, as is a missing ``flwr`` (looked for beside this interpreter, then
+on PATH: ``fedfm_flower.processes.flower_command``). The run's stream is shown with tracebacks
+folded into their last line (``--debug`` shows them) and is saved whole to
+``<output-dir>/logs/``. The exit status is
 Flower's verdict on the run (``fedfm_flower.launch.ExitCode``): 0 only when it completed.
 """
 
@@ -37,7 +39,9 @@ from fedfm_flower.launch import (
     run_id_from_lines,
 )
 from fedfm_flower.processes import (
+    FlowerCommandNotFound,
     exit_on_sigterm,
+    flower_command,
     flower_environment,
     proc_cmdline,
     stop_processes,
@@ -157,6 +161,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--timeout must be > 0, got {args.timeout}")
     app = Path(args.app).resolve()
     try:
+        flwr = flower_command("flwr")
+    except FlowerCommandNotFound as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return ExitCode.BAD_INPUT
+    try:
         checked = preflight(app, args.flwr_args, args.num_supernodes)
     except Exception as err:  # noqa: BLE001 - every failure here is the user's one line
         if args.debug:
@@ -184,7 +193,6 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         return ExitCode.NOT_STARTED
-    flwr = str(Path(sys.executable).parent / "flwr")
     # flwr run builds the FAB from a copy of its files: the same FAB, without walking .venv
     try:
         stage = stage_app(app, flwr_home / "staged-apps" / launch[LAUNCH_TAG])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -68,3 +69,16 @@ def multitask_run_config(small_run_config: dict, tmp_path: Path) -> dict:
         "eval-every": 5,  # the last round evaluates anyway
         "client-state-dir": str(tmp_path / "state"),
     }
+
+
+@pytest.fixture
+def flowerless_interpreter(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """``sys.executable`` in a directory without Flower's commands and PATH of one empty
+    directory, which is returned (as after ``pip install --target``: put a fake ``flwr`` there)."""
+    interpreter = tmp_path / "python" / "bin"
+    interpreter.mkdir(parents=True)
+    scripts = tmp_path / "scripts"
+    scripts.mkdir()
+    monkeypatch.setattr(sys, "executable", str(interpreter / "python3"))
+    monkeypatch.setenv("PATH", str(scripts))
+    return scripts

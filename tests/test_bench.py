@@ -337,3 +337,66 @@ def test_the_load_sweep_stops_where_memory_would_run_out(monkeypatch, tmp_path) 
     assert rows[-1]["status"] == "not-started: memory" and rows[-1]["supernodes"] == 16
     assert rows[-1]["predicted-pss-mb"] == pytest.approx(600.0 * 17)
     assert "not-started: memory" in deployment_load.table(rows)
+
+
+def test_the_gpu_modes_overhead_and_server_fraction_sections_run_a_timm_vit_on_the_cpu(
+    cache_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``bench.suite --gpu``'s first two sections on timm's ViT-S/16 with random weights, at
+    32 px and 2 clients: the bare loop runs as the suite runs it (its own process), the
+    simulations run the same run configs in process (`flwr run`'s launch is covered by
+    test_simulation); every row has finite timings and its accuracies."""
+    import math
+    import time
+
+    from bench import simulation_overhead, suite
+    from fedfm_flower.models.threads import pinned_threads
+
+    def in_process(
+        num_clients: int,
+        rounds: int,
+        client_cpus: int,
+        config: dict,
+        workdir: Path,
+        name: str,
+        *rest: object,  # the GPU share and engine: the in-process grid has neither
+    ) -> dict:
+        run_config = simulation_overhead.simulation_run_config(num_clients, config, workdir, name)
+        started = time.perf_counter()
+        with pinned_threads(client_cpus):  # the threads Ray's clients would get
+            run_in_process(run_config, num_nodes=num_clients)
+        run_dir = Path(run_config["output-dir"]) / name
+        return simulation_overhead.simulation_result(run_dir, rounds, time.perf_counter() - started)
+
+    monkeypatch.setattr(simulation_overhead, "run_flower_simulation", in_process)
+    monkeypatch.setattr(simulation_overhead, "usable_cpus", lambda: 1)  # no OpenMP spinning
+    small = {
+        "overhead": [(suite.VIT_S, [2])],
+        "gpu-fractions": [0.0],
+        "rounds": 2,
+        "fraction-clients": 2,
+        "fraction-methods": ["pfedpg"],
+    }
+    monkeypatch.setitem(suite.MODES, "gpu", {**suite.MODES["gpu"], **small})
+    overrides = {
+        "image-size": 32,
+        "cache-dir": str(cache_dir),
+        "local-steps": 1,
+        "batch-size": 8,
+        "public-fraction": 0.9,  # 2 clients of 90 digits each
+    }
+    results = suite.run_suite("gpu", overrides, ("overhead", "fraction"), tmp_path / "work")
+    assert "failed" not in results, results.get("failed")
+    [row] = results["overhead"]
+    assert row["backbone"] == suite.VIT_S and row["clients"] == 2
+    for side in (row["bare"], row["simulation"]):
+        seconds = side["round-s"]
+        assert len(seconds) == 2 and all(math.isfinite(s) and s > 0 for s in seconds)
+        assert 0.0 <= side["final-accuracy"] <= 1.0
+    assert math.isfinite(row["steady-ratio"]) and row["same-accuracy"]  # same math both sides
+    fractions = {r["method"]: r for r in results["server-fraction"]}
+    assert set(fractions) == {"fedavg", "pfedpg"}
+    for fraction in fractions.values():
+        assert fraction["backbone"] == suite.VIT_S and fraction["clients"] == 2
+        assert math.isfinite(fraction["fraction"]) and 0 < fraction["fraction"] < 1
+    assert "(2 clients, vit_small_patch16_224" in suite.tables(results)

@@ -170,6 +170,21 @@ def test_deploy_refuses_bad_input_in_one_line_before_starting(
     assert not (tmp_path / "work").exists()  # no certificate, key or process was made
 
 
+def test_deploy_without_flowers_commands_says_where_it_looked_in_one_line_and_exits_2(
+    flowerless_interpreter: Path, tmp_path: Path, capsys
+) -> None:
+    from fedfm_flower.deploy.cli import main
+
+    assert main(["--workdir", str(tmp_path / "work"), "--no-run"]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("error: Flower's `flwr` command not found: looked for ")
+    assert f"on PATH ({flowerless_interpreter})" in lines[0]
+    assert "Traceback" not in captured.out + captured.err
+    assert not (tmp_path / "work").exists()  # no certificate, key or process was made
+
+
 @pytest.mark.parametrize(
     ("status", "code"),
     [

@@ -145,6 +145,8 @@ def test_small_vit_has_a_conv_stem_and_its_own_foundation_key(tmp_path: Path) ->
     tiny = config.replace(backbone="tiny-vit")
     assert foundation_key(tiny) != foundation_key(config)
     assert foundation_path(config).name.startswith("small-vit-")
+    with pytest.raises(ValueError, match="'vit_small_patch16_224' has no offline foundation"):
+        foundation_key(config.replace(backbone="vit_small_patch16_224"))
 
 
 def test_domain_dirichlet_draws_each_seed_independently(cache_dir: Path) -> None:

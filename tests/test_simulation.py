@@ -257,6 +257,43 @@ def test_launcher_refuses_an_app_whose_fab_cannot_be_built_in_one_line(
     assert not (tmp_path / "flwr-home" / "local-superlink").exists()  # flwr run never ran
 
 
+def test_flower_commands_are_found_beside_the_interpreter_then_on_path(
+    flowerless_interpreter: Path,
+) -> None:
+    from fedfm_flower.processes import FlowerCommandNotFound, flower_command
+
+    scripts = flowerless_interpreter
+    fake = scripts / "flwr"
+    fake.write_text("#!/bin/sh\necho fake flwr\n")
+    fake.chmod(0o755)
+    assert flower_command("flwr") == str(scripts / "flwr")  # as after `pip install --target`
+    beside = Path(sys.executable).parent / "flwr"
+    beside.write_text("#!/bin/sh\n")
+    beside.chmod(0o755)
+    assert flower_command("flwr") == str(beside)  # this interpreter's own Flower comes first
+    with pytest.raises(FlowerCommandNotFound, match="flower-superlink"):
+        flower_command("flower-superlink")
+
+
+def test_launcher_without_flwr_says_where_it_looked_in_one_line_and_exits_2(
+    flowerless_interpreter: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    from fedfm_flower import simulation
+
+    scripts = flowerless_interpreter
+    monkeypatch.setenv("FLWR_HOME", str(tmp_path / "flwr-home"))
+    assert simulation.main(["--num-supernodes", "2"]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, lines
+    beside = tmp_path / "python" / "bin" / "flwr"
+    assert lines[0].startswith("error: Flower's `flwr` command not found")
+    assert f"looked for {beside}" in lines[0] and f"on PATH ({scripts})" in lines[0]
+    assert "install Flower into this interpreter" in lines[0] and "on PATH" in lines[0]
+    assert "Traceback" not in captured.out + captured.err
+    assert not (tmp_path / "flwr-home").exists()  # nothing started
+
+
 def test_launcher_takes_a_run_config_file_relative_to_the_app(tmp_path: Path) -> None:
     from fedfm_flower.simulation import preflight, run_config_items
 

@@ -4,8 +4,9 @@ The command line of ``fedfm_flower.deploy`` (``python -m fedfm_flower.deploy``,
 ``scripts/deploy_local.py``, ``scripts/deploy_local.sh``): it checks the run config before
 anything starts (a problem is one line on stderr), starts the federation, runs, and stops every
 process it started on success, on error, on Ctrl-C and on SIGTERM/SIGHUP. Exit status
-(``fedfm_flower.launch.ExitCode``): 0 run completed, 1 run failed or stopped, 2 bad arguments or
-run config, 3 the deployment could not start, 124 ``--run-timeout`` reached, 130 interrupted.
+(``fedfm_flower.launch.ExitCode``): 0 run completed, 1 run failed or stopped, 2 bad arguments,
+run config or a Flower command not found (``fedfm_flower.processes.flower_command``), 3 the
+deployment could not start, 124 ``--run-timeout`` reached, 130 interrupted.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
-from fedfm_flower.deploy.local import LocalDeployment
+from fedfm_flower.deploy.local import FLOWER_COMMANDS, LocalDeployment
 from fedfm_flower.deploy.options import (
     CONNECTION,
     DEFAULT_BASE_PORT,
@@ -31,6 +32,7 @@ from fedfm_flower.deploy.runs import RunConfigError, parse_run_config, resolve_r
 from fedfm_flower.deploy.supernode import DEFAULT_MAX_POLL_INTERVAL, DEFAULT_POLL_INTERVAL
 from fedfm_flower.launch import ExitCode
 from fedfm_flower.preflight import PreflightError, check_run, resolve_config
+from fedfm_flower.processes import FlowerCommandNotFound, flower_command
 
 
 class _Terminated(Exception):
@@ -180,13 +182,15 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     except ValueError as err:
         parser.error(str(err))
     try:  # everything about the run that can be checked before a process starts
+        for command in FLOWER_COMMANDS:
+            flower_command(command)
         overrides = parse_run_config(args.run_config)
         resolved = resolve_run_config(overrides, options.num_supernodes, options.app_dir)
         if not args.no_run:
             found = check_run(resolve_config(options.app_dir, resolved), options.num_supernodes)
             for note in found.notes:
                 print(f"[check] {note}", flush=True)
-    except (RunConfigError, PreflightError) as err:
+    except (FlowerCommandNotFound, RunConfigError, PreflightError) as err:
         if args.debug:
             traceback.print_exc()
         print(f"error: {err}", file=sys.stderr, flush=True)

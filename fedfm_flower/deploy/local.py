@@ -53,8 +53,16 @@ from fedfm_flower.deploy.runs import (
 )
 from fedfm_flower.deploy.supernode import SUPEREXEC_POLL_VAR
 from fedfm_flower.launch import final_run_status, run_id_from_lines
-from fedfm_flower.processes import flower_environment, pid_alive, signal_process
+from fedfm_flower.processes import (
+    flower_command,
+    flower_environment,
+    pid_alive,
+    signal_process,
+)
 from fedfm_flower.tracebacks import StreamFilter
+
+# Flower's commands a local deployment runs (each found by ``processes.flower_command``).
+FLOWER_COMMANDS = ("flwr", "flower-superlink", "flower-supernode")
 
 
 class LocalDeployment:
@@ -135,15 +143,6 @@ class LocalDeployment:
             cpus = os.cpu_count() or 1
         return max(1, cpus // (self.options.num_supernodes + 1))
 
-    def _bin(self, name: str) -> str:
-        path = Path(sys.executable).parent / name
-        if not path.exists():
-            found = shutil.which(name)
-            if found is None:
-                raise DeploymentError(f"`{name}` not found next to {sys.executable} or on PATH")
-            return found
-        return str(path)
-
     def say(self, message: str) -> None:
         """A progress line on stdout, stamped with the seconds since the deployment began."""
         print(f"[deploy +{time.monotonic() - self.t0:6.1f}s] {message}", flush=True)
@@ -171,7 +170,7 @@ class LocalDeployment:
 
     def flwr(self, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
         """Run a short `flwr` CLI command against this deployment's FLWR_HOME."""
-        command = [self._bin("flwr"), *args]
+        command = [flower_command("flwr"), *args]
         try:
             return subprocess.run(
                 command,
@@ -225,7 +224,7 @@ class LocalDeployment:
         options = self.options
         database = options.superlink_database or str(options.workdir / "superlink" / "state.db")
         command = [
-            self._bin("flower-superlink"),
+            flower_command("flower-superlink"),
             "--host",
             HOST,
             "--port",
@@ -429,8 +428,8 @@ class LocalDeployment:
         """How a SuperNode starts: with short idle waits, or as plain `flower-supernode`."""
         interval = self.options.poll_interval
         if interval is None:
-            return [self._bin("flower-supernode")]
-        self._bin("flower-supernode")  # a missing Flower fails here, as without short waits
+            return [flower_command("flower-supernode")]
+        flower_command("flower-supernode")  # a missing Flower fails here, as without short waits
         return [
             sys.executable,
             "-m",
@@ -592,7 +591,7 @@ class LocalDeployment:
         # flwr run builds the FAB from a copy of its files: the same FAB, without walking .venv
         stage = stage_app(options.app_dir, options.workdir / "app" / f"run-{self._runs + 1}")
         command = [
-            self._bin("flwr"),
+            flower_command("flwr"),
             "run",
             str(stage),
             CONNECTION,
@@ -634,7 +633,11 @@ class LocalDeployment:
             status = "not-started"
         else:
             status, details = final_run_status(
-                self._bin("flwr"), CONNECTION, run_id, self.env(), cwd=str(self.options.workdir)
+                flower_command("flwr"),
+                CONNECTION,
+                run_id,
+                self.env(),
+                cwd=str(self.options.workdir),
             )
         seconds = time.monotonic() - started
         run_dir = run_dir_from_lines(process.lines)

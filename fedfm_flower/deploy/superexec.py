@@ -68,6 +68,8 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from fedfm_flower.processes import flower_command
+
 KNOWN_FLOWER = ("1.41.",)
 REFUSED = (401, 403)  # a task's token or run no longer valid: the task ends, not the process
 TASKS_DIR_VAR = "FEDFM_TASKS_DIR"  # where the running tasks are marked (LocalDeployment sets it)
@@ -498,8 +500,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
             flush=True,
         )
-        flower = Path(sys.executable).with_name("flower-superexec")
-        command = str(flower) if flower.exists() else "flower-superexec"
+        command = flower_command("flower-superexec")
         os.execvp(command, [command, *arguments])
         return 127  # execvp does not return; here only when it is replaced (tests)
     from flwr.supercore.superexec import run_superexec as loop

@@ -74,9 +74,9 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fedfm_flower.processes import flower_command
 from fedfm_flower.waits import GrowingWait
 
 if TYPE_CHECKING:
@@ -285,8 +285,7 @@ class ExecutorKeeper:
         common += ["--parent-pid", str(os.getpid())]
         if self.failures < EXECUTOR_FAILURES:
             return [sys.executable, "-m", "fedfm_flower.deploy.superexec", *common]
-        flower = Path(sys.executable).with_name("flower-superexec")
-        return [str(flower) if flower.exists() else "flower-superexec", *common]
+        return [flower_command("flower-superexec"), *common]
 
     def spawn(self) -> subprocess.Popen[bytes] | ForkedProcess:
         """The SuperExec: forked by the fork server that ``FEDFM_EXECUTOR_FORKSERVER`` names

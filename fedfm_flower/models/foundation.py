@@ -44,9 +44,15 @@ PRETRAIN_BATCH = 64
 
 
 def foundation_key(config: ExperimentConfig) -> str:
-    """Hash of every setting that changes the pretrained weights."""
+    """Hash of every setting that changes the pretrained weights of an offline ViT."""
     from fedfm_flower.models.backbones import OFFLINE_VITS
 
+    if config.backbone not in OFFLINE_VITS:
+        raise ValueError(
+            f"backbone '{config.backbone}' has no offline foundation model (those are "
+            f"{', '.join(OFFLINE_VITS)}); its weights come from timm (pretrained, weights-file) "
+            "or are random (pretrained = false)"
+        )
     base_dataset = "digits" if config.dataset.startswith("digits") else config.dataset
     fields = {
         "version": FOUNDATION_VERSION,
