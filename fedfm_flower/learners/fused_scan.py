@@ -10,8 +10,14 @@ runs as one C loop per (row, group, channel) that keeps h (n values) in register
 whole window. The backward pass recomputes the states and decays from the inputs (they are
 never stored), walks the window backwards with dh_t = C_t dy_t + exp(delta_{t+1} A) dh_{t+1}
 and returns du, d delta, dB and dC per row and dA summed over rows (each thread's rows into a
-buffer of its own, summed after). Rows are split over ``torch.get_num_threads()`` threads
-(ctypes releases the GIL); float32 and float64 are compiled.
+buffer of its own, summed after). float32 and float64 are compiled.
+
+Threads: the rows are shared by an OpenMP loop over ``torch.get_num_threads()`` threads. The
+library is linked with ``-fopenmp`` and loaded after torch, so its ``libgomp.so.1`` is the
+one torch already loaded: the kernel runs on torch's own worker threads. A thread pool of our
+own ran beside torch's OpenMP workers, which spin after each op: on 2 loaded cores the step
+then took 0.8-1.9 s instead of 0.08 s. Like torch's own OpenMP, the kernel must not be called
+in a child forked after the parent ran a parallel region (GNU OpenMP hangs there).
 
 Layout: channels last, (groups, rows, steps, channels) for u, delta and y and (groups, rows,
 steps, n) for B and C: what the layer-batched learner's matmuls produce
@@ -24,10 +30,11 @@ scan's forward. D and the gate stay in PyTorch around it.
 
 Built at first use with the system C compiler (``cc``) into a cache directory keyed by the
 source, flags, compiler and CPU, written atomically so concurrent processes share one build
-(about 0.5 s): ``-O3 -march=native`` with glibc's vectorised ``exp`` (libmvec, offered by its
-headers under ``-ffast-math`` at compile time only: the link step does not get the flag, so no
-``crtfastmath`` changes the process's floating-point mode), else a portable build with scalar
-``exp``; ``library()`` is None when neither builds, and ``auto`` then runs the eager loop.
+(about 0.5 s): ``-O3 -march=native`` with glibc's vectorised ``exp`` and ``log1p`` (libmvec,
+offered by its headers under ``-ffast-math`` at compile time only: the link step does not get
+the flag, so no ``crtfastmath`` changes the process's floating-point mode), else a portable
+build with scalar ones, else one without OpenMP; ``library()`` is None when none builds, and
+``auto`` then runs the eager loop.
 Results equal the eager loop's within float32 rounding (the sums run in another order):
 ``tests/test_pfedseq.py`` checks values and every gradient against it, in float64 to 1e-12.
 """
@@ -41,8 +48,6 @@ import logging
 import os
 import subprocess
 import tempfile
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -58,11 +63,19 @@ SOURCE = r"""
 
 #define MAX_STATE 256
 #define SOFTPLUS_THRESHOLD 20 /* torch's: softplus(x) = x above it */
+#ifdef _OPENMP
+#include <omp.h>
+#define THREAD() omp_get_thread_num()
+#else
+#define THREAD() 0
+#endif
+#define MIN_PARALLEL_ROWS 64
 
 /* Channels last: u, delta (groups, rows, steps, channels); A (groups, channels, n);
-   B, C (groups, rows, steps, n); y, dy (groups, rows, steps or 1, channels). A call takes
-   rows [lo, hi) of every group. With softplus, delta is the raw step size (before softplus)
-   and ddelta its gradient. */
+   B, C (groups, rows, steps, n); y, dy (groups, rows, steps or 1, channels). Rows are
+   shared over `threads` OpenMP threads (torch's own runtime: see the module docstring);
+   `work` holds each thread's scratch. With softplus, delta is the raw step size (before
+   softplus) and ddelta its gradient. */
 #define KERNELS(T, SUFFIX, EXP, LOG1P, NCONST)                                               \
 static void step_sizes_##SUFFIX(const T* raw, T* out, int64_t count, int64_t softplus) {    \
     if (!softplus) { memcpy(out, raw, sizeof(T) * count); return; }                         \
@@ -73,15 +86,16 @@ static void step_sizes_##SUFFIX(const T* raw, T* out, int64_t count, int64_t sof
     }                                                                                       \
 }                                                                                           \
                                                                                             \
-void scan_forward_##SUFFIX(int64_t groups, int64_t rows, int64_t lo, int64_t hi,            \
-                           int64_t steps, int64_t channels, int64_t n_, int64_t last_only,  \
+void scan_forward_##SUFFIX(int64_t groups, int64_t rows, int64_t threads, int64_t steps,   \
+                           int64_t channels, int64_t n_, int64_t last_only,                 \
                            int64_t softplus, const T* u, const T* delta, const T* A,        \
                            const T* B, const T* C, T* y, T* work) {                         \
     const int64_t n = NCONST > 0 ? NCONST : n_; /* a constant lets h live in registers */   \
     const int64_t out_steps = last_only ? 1 : steps, slab = steps * channels;               \
-    T* dts = work;                                                                          \
-    for (int64_t g = 0; g < groups; ++g)                                                    \
-    for (int64_t r = lo; r < hi; ++r) {                                                     \
+    _Pragma("omp parallel for num_threads(threads) if(rows >= MIN_PARALLEL_ROWS)")          \
+    for (int64_t r = 0; r < rows; ++r)                                                      \
+    for (int64_t g = 0; g < groups; ++g) {                                                  \
+        T* dts = work + THREAD() * slab;                                                    \
         const int64_t at = g * rows + r;                                                    \
         const T* ur = u + at * slab; const T* Bg = B + at * steps * n;                      \
         const T* Cg = C + at * steps * n; T* yr = y + at * out_steps * channels;            \
@@ -105,17 +119,20 @@ void scan_forward_##SUFFIX(int64_t groups, int64_t rows, int64_t lo, int64_t hi,
     }                                                                                       \
 }                                                                                           \
                                                                                             \
-/* dA is this call's own (groups, channels, n) buffer: its rows' sum, added to. */          \
-void scan_backward_##SUFFIX(int64_t groups, int64_t rows, int64_t lo, int64_t hi,           \
-                            int64_t steps, int64_t channels, int64_t n_, int64_t last_only, \
+/* dA_parts: a (groups, channels, n) buffer per thread, its rows' sum, added to. */        \
+void scan_backward_##SUFFIX(int64_t groups, int64_t rows, int64_t threads, int64_t steps,  \
+                            int64_t channels, int64_t n_, int64_t last_only,                \
                             int64_t softplus, const T* u, const T* delta, const T* A,       \
-                            const T* B, const T* C, const T* dy, T* du, T* ddelta, T* dA,   \
-                            T* dB, T* dC, T* work) {                                        \
+                            const T* B, const T* C, const T* dy, T* du, T* ddelta,          \
+                            T* dA_parts, T* dB, T* dC, T* work) {                           \
     const int64_t n = NCONST > 0 ? NCONST : n_;                                             \
     const int64_t out_steps = last_only ? 1 : steps, slab = steps * channels;               \
-    T* states = work; T* decays = work + steps * n; T* dts = work + 2 * steps * n;          \
-    for (int64_t g = 0; g < groups; ++g)                                                    \
-    for (int64_t r = lo; r < hi; ++r) {                                                     \
+    _Pragma("omp parallel for num_threads(threads) if(rows >= MIN_PARALLEL_ROWS)")          \
+    for (int64_t r = 0; r < rows; ++r)                                                      \
+    for (int64_t g = 0; g < groups; ++g) {                                                  \
+        T* states = work + THREAD() * (2 * steps * n + slab);                               \
+        T* decays = states + steps * n; T* dts = states + 2 * steps * n;                    \
+        T* dA = dA_parts + THREAD() * groups * channels * n;                                \
         const int64_t at = g * rows + r;                                                    \
         const T* ur = u + at * slab; const T* raw = delta + at * slab;                      \
         const T* Bg = B + at * steps * n; const T* Cg = C + at * steps * n;                 \
@@ -178,14 +195,14 @@ KERNELS(double, f64, exp, log1p, 0)
 KERNELS(float, f32_n16, expf, log1pf, 16)
 KERNELS(double, f64_n16, exp, log1p, 16)
 """
-# (compile flags, link flags), tried in order: vectorised exp (glibc's libmvec, which its
-# headers offer under -ffast-math; the link step does not get -ffast-math, so no crtfastmath
-# changes the process's floating-point mode), then a portable build with scalar exp.
+# (compile flags, link flags), tried in order: OpenMP threads and vectorised exp (glibc's
+# libmvec, which its headers offer under -ffast-math; the link step does not get -ffast-math,
+# so no crtfastmath changes the process's floating-point mode), then a portable build with
+# scalar exp, then one without threads.
+_NATIVE = ("-march=native", "-ffast-math")
 BUILDS: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = (
-    (
-        ("-O3", "-fPIC", "-std=c11", "-fopenmp-simd", "-march=native", "-ffast-math"),
-        ("-lmvec", "-lm"),
-    ),
+    (("-O3", "-fPIC", "-std=c11", "-fopenmp", *_NATIVE), ("-fopenmp", "-lmvec", "-lm")),
+    (("-O3", "-fPIC", "-std=c11", "-fopenmp"), ("-fopenmp", "-lm")),
     (("-O3", "-fPIC", "-std=c11", "-fopenmp-simd"), ("-lm",)),
 )
 MAX_STATE = 256  # the C arrays' size: the state dimension n may not exceed it
@@ -287,30 +304,9 @@ def _sizes(*values: int) -> list[ctypes.c_int64]:
     return [ctypes.c_int64(v) for v in values]
 
 
-def _split(rows: int) -> list[tuple[int, int]]:
-    """Row ranges, one per torch thread (at least 64 rows each)."""
-    parts = max(1, min(torch.get_num_threads(), rows // 64))
-    bounds = [rows * i // parts for i in range(parts + 1)]
-    return [(lo, hi) for lo, hi in zip(bounds, bounds[1:], strict=False) if hi > lo]
-
-
-@functools.lru_cache(maxsize=1)
-def _pool() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1))
-
-
-# a forked child has none of its parent's pool threads: it makes its own
-os.register_at_fork(after_in_child=_pool.cache_clear)
-
-
-def _run(ranges: list[tuple[int, int]], call: Callable[[int, int, int], None]) -> None:
-    """``call(lo, hi, part)`` for each row range, on the pool's threads when more than one."""
-    if len(ranges) == 1:
-        call(*ranges[0], 0)
-        return
-    futures = [_pool().submit(call, lo, hi, part) for part, (lo, hi) in enumerate(ranges)]
-    for future in futures:
-        future.result()
+def _threads(rows: int) -> int:
+    """OpenMP threads for a call on ``rows`` rows: torch's intra-op count."""
+    return max(1, min(torch.get_num_threads(), rows))
 
 
 class FusedScan(torch.autograd.Function):
@@ -331,13 +327,10 @@ class FusedScan(torch.autograd.Function):
         y = u.new_empty(groups, rows, 1 if last_only else steps, channels)
         kernel = getattr(library(), f"scan_forward_{_variant(u.dtype, n)}")
         flags = (steps, channels, n, int(last_only), int(softplus))
-
-        def call(lo: int, hi: int, part: int) -> None:
-            work = u.new_empty(steps * channels)
-            pointers = [_pointer(t) for t in (u, delta, A, B, C, y, work)]
-            kernel(*_sizes(groups, rows, lo, hi, *flags), *pointers)
-
-        _run(_split(rows), call)
+        threads = _threads(rows)
+        work = u.new_empty(threads, steps * channels)
+        pointers = [_pointer(t) for t in (u, delta, A, B, C, y, work)]
+        kernel(*_sizes(groups, rows, threads, *flags), *pointers)
         ctx.save_for_backward(u, delta, A, B, C)
         ctx.flags = flags
         return y
@@ -350,17 +343,13 @@ class FusedScan(torch.autograd.Function):
         groups, rows, steps, channels = u.shape
         n = A.shape[-1]
         du, ddelta, dB, dC = (torch.empty_like(t) for t in (u, delta, B, C))
-        ranges = _split(rows)
-        dA_parts = A.new_zeros(len(ranges), *A.shape)  # each range sums its own rows
+        threads = _threads(rows)
+        dA_parts = A.new_zeros(threads, *A.shape)  # each thread sums its own rows
+        work = u.new_empty(threads, 2 * steps * n + steps * channels)
         kernel = getattr(library(), f"scan_backward_{_variant(u.dtype, n)}")
-
-        def call(lo: int, hi: int, part: int) -> None:
-            work = u.new_empty(2 * steps * n + steps * channels)
-            pointers = [_pointer(t) for t in (u, delta, A, B, C, dy, du, ddelta)]
-            pointers += [_pointer(dA_parts[part]), _pointer(dB), _pointer(dC), _pointer(work)]
-            kernel(*_sizes(groups, rows, lo, hi, *ctx.flags), *pointers)
-
-        _run(ranges, call)
+        pointers = [_pointer(t) for t in (u, delta, A, B, C, dy, du, ddelta, dA_parts)]
+        pointers += [_pointer(dB), _pointer(dC), _pointer(work)]
+        kernel(*_sizes(groups, rows, threads, *ctx.flags), *pointers)
         return du, ddelta, dA_parts.sum(0), dB, dC, None, None
 
 
