@@ -5,9 +5,10 @@ needs to resume without repeating work is small: the Optuna journal, ``tuning.js
 finished run's ``config.json``, ``summary.json`` and ``metrics.jsonl``. ``StudyState`` keeps
 those under its own root (``--state``, e.g. ``bench/results/<study>/``, a directory that can be
 committed), at the same relative paths as under ``--out``. The journal lives there alone; the
-other files are copied there as they are written, and copied back into ``--out`` where it lacks
-them when a command starts: a finished trial is then neither drawn nor run again, and a
-finished final run is reused. With the root equal to ``--out`` (the default) nothing is copied.
+other files are copied there as they are written, and copied back into ``--out`` when a command
+starts (where ``--out`` lacks them; ``tuning.json`` always): a finished trial is then neither
+drawn nor run again, and a finished final run is reused. With the root equal to ``--out`` (the
+default) nothing is copied.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 from fedfm_flower.durable import atomic_path
 
 JOURNAL = Path("tuning") / "journal.log"
+TUNING = Path("tuning.json")
 RUN_FILES: tuple[str, ...] = ("config.json", "summary.json", "metrics.jsonl")
 
 
@@ -51,8 +53,8 @@ class StudyState:
                 self.keep(run_dir / name)
 
     def restore(self) -> list[Path]:
-        """Copy into ``out`` every kept file it lacks (not the journal, read in place); the
-        files copied."""
+        """Copy into ``out`` every kept file it lacks, and the kept ``tuning.json`` (the
+        state's is the newest); not the journal, read in place. The files copied."""
         if not self.apart or not self.root.is_dir():
             return []
         copied = []
@@ -61,7 +63,7 @@ class StudyState:
             if not kept.is_file() or journal or kept.name.startswith("."):
                 continue
             target = self.out / kept.relative_to(self.root)
-            if not target.exists():
+            if not target.exists() or target == self.out / TUNING:
                 _copy(kept, target)
                 copied.append(target)
         return copied

@@ -132,7 +132,7 @@ class Study:
         config["run-name"] = run_name(self.label, self.setup, f"{self.tag}-t{number:03d}", seed)
         link = None
         if self.journal is not None and self.pruner.name != "none":
-            link = TrialLink(str(self.journal), self.name, number, self.pruner)
+            link = TrialLink(str(self.journal.resolve()), self.name, number, self.pruner)
         return Cell(self.label, self.setup + self.tag, seed, config, link)
 
     def best(self) -> Any | None:
