@@ -11,7 +11,10 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fedfm_flower.pruning import TrialLink
 
 
 @dataclass(frozen=True)
@@ -22,6 +25,7 @@ class Cell:
     setup: str
     seed: int
     config: dict[str, Any]
+    trial: TrialLink | None = None  # a tuning trial's: its run reports to the trial, may stop
 
     @property
     def run_dir(self) -> Path:
@@ -62,7 +66,10 @@ def run_cell(cell: Cell) -> dict[str, Any]:
         config["resume"] = True
     elif cell.run_dir.exists():
         shutil.rmtree(cell.run_dir)  # started but never checkpointed: start it over
-    summary, _ = run_in_process(config, int(config["num-clients"]))  # sweep.check_configs
+    early_stop = cell.trial.early_stop() if cell.trial is not None else None
+    summary, _ = run_in_process(  # num-clients set: sweep.check_configs
+        config, int(config["num-clients"]), early_stop=early_stop
+    )
     return summary
 
 
@@ -88,5 +95,7 @@ def cell_record(cell: Cell) -> dict[str, Any]:
         metric = summary.get("primary-metric", "accuracy")
         value = summary.get(f"final-test-{metric}-mean", float("nan"))
         record.update(state="done", metric=metric, final=value)
+        if "stopped-at-round" in summary:  # a pruned trial: ``final`` is its last value
+            record["stopped-at-round"] = summary["stopped-at-round"]
     record["seconds"] = time.perf_counter() - started
     return record

@@ -23,7 +23,7 @@ Light: no torch, no flwr, no optuna (``suggest`` receives the trial object).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -247,3 +247,40 @@ def describe(rng: Resolved) -> str:
     scale = "log-" if isinstance(rng, LogUniform) or getattr(rng, "log", False) else ""
     kind = "int" if isinstance(rng, IntRange) else "uniform"
     return f"{scale}{kind} [{rng.lo:g}, {rng.hi:g}]"
+
+
+# States of a tuning trial whose values were tried: it ran and gave a validation value.
+TRIED_STATES: tuple[str, ...] = ("complete", "pruned")
+
+
+def tried_ranges(trials: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per key, what the ``trials`` (``tuning.json`` trial records) that ran tried: ``lo`` and
+    ``hi`` of a numeric key, the sorted distinct ``values`` of another."""
+    seen: dict[str, list[Any]] = {}
+    for trial in trials:
+        if trial["state"] in TRIED_STATES:
+            for key, value in trial["values"].items():
+                seen.setdefault(key, []).append(value)
+    return {key: _tried(values) for key, values in seen.items()}
+
+
+def _tried(values: list[Any]) -> dict[str, Any]:
+    if all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
+        return {"lo": min(values), "hi": max(values)}
+    return {"values": sorted(set(values), key=str)}
+
+
+def outside_tried(value: Any, tried: Mapping[str, Any]) -> bool:
+    """Whether ``value`` lies outside a key's ``tried_ranges`` entry ``tried``."""
+    if "values" in tried:
+        return value not in tried["values"]
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return True
+    return not tried["lo"] <= value <= tried["hi"]
+
+
+def describe_tried(tried: Mapping[str, Any]) -> str:
+    """A short text of a ``tried_ranges`` entry (``0.0021-0.047``, ``{1, 3}``)."""
+    if "values" in tried:
+        return "{" + ", ".join(map(str, tried["values"])) + "}"
+    return f"{tried['lo']:.4g}-{tried['hi']:.4g}"

@@ -12,14 +12,22 @@ tuning seed with ``evaluation-split = val``: clients evaluate on their validatio
 the setup holds none: ``val_share``) and their test split is sealed,
 so nothing read during tuning comes from test data. A trial's score is the final mean
 validation value of the task's primary metric; a run that fails or diverges (NaN) counts
-against the budget as a failed trial. The best trial's values then run at every ``--seeds``
+against the budget as a failed trial. Each evaluated round reports its value to the trial, and
+the ``--pruner`` (``fedfm_flower.pruning``: successive halving by default, the same settings
+for every study of a setup) stops a trial that falls behind: a pruned trial counts against the
+budget with the rounds it ran. The best trial's values then run at every ``--seeds``
 seed on the test split (same ``val-fraction``, so the training data is the tuning's), into
 ``<out>/runs`` with ``<out>/sweep.json``: the report over ``<out>`` is the tuned table.
 
-``<out>/tuning.json`` holds, per study, the searched space, every trial (values, score, state,
-run directory) and the chosen values; ``<out>/tuning/`` holds the trials' runs and the studies'
-Optuna journal. Rerunning the command resumes: finished trials and runs are kept, a trial that
-was running is rerun from its checkpoint, and only the missing trials are drawn. Trials and
+``<out>/tuning.json`` holds, per study, the searched space, the pruner, every trial (values,
+score, state, run directory, rounds and client-rounds run, a pruned trial's last value), the
+ranges of values tried, the chosen values and what the study spent (trials, pruned ones,
+rounds, client-rounds, seconds), and the commands' wall time; ``<out>/tuning/`` holds the
+trials' runs. The studies' Optuna journal, ``tuning.json`` and every finished run's small files
+live under ``--state`` (``fedfm_flower.study_state``; by default ``<out>``), so a copy of that
+directory alone resumes on another machine. Rerunning the command resumes: finished trials
+and runs are kept, a trial that was running is rerun from its checkpoint, and only the missing
+trials are drawn. Trials and
 final runs are cells of a pool (``fedfm_flower.pools``): serial, or parallel Ray tasks; with TPE,
 parallel trials are drawn before all earlier ones are scored (Optuna's constant liar), so the
 drawn values depend on the finishing order, while random search draws the same values either way.
@@ -29,10 +37,10 @@ finished studies' final runs.
 
 With ``--variants-at-parent`` a ``method:variant`` label (a paper's ablation) gets no study: its
 final runs use the values chosen for ``method``, except the keys its variant file sets, so it
-differs from the method's final runs in the ablated part alone and costs no trials. A resumed
-study's sampler is seeded from ``--tune-seed`` and the count of trials it drew
-(``sampler_seed``), so it draws new values instead of replaying the first command's; a study
-that drew none keeps ``--tune-seed``, and the studies of one command share its random draws.
+differs from the method's final runs in the ablated part alone and costs no trials. A study's
+sampler is seeded from ``--tune-seed``, its method label and the count of trials it drew
+(``sampler_seed``): each method draws its own points, the same on every machine, and a resumed
+study draws new values instead of replaying the first command's.
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ import hashlib
 import json
 import math
 import sys
+import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -53,6 +62,14 @@ from fedfm_flower.durable import atomic_write_text
 from fedfm_flower.overrides import parse_overrides
 from fedfm_flower.pools import CellPool
 from fedfm_flower.processes import exit_on_sigterm
+from fedfm_flower.pruning import (
+    DEFAULT_PRUNER,
+    DEFAULT_REDUCTION,
+    PRUNERS,
+    PrunerSettings,
+    TrialLink,
+    journal_storage,
+)
 from fedfm_flower.search import (
     Resolved,
     describe,
@@ -60,8 +77,10 @@ from fedfm_flower.search import (
     resolve_space,
     setup_values,
     suggest,
+    tried_ranges,
 )
 from fedfm_flower.settings import require_package
+from fedfm_flower.study_state import StudyState
 from fedfm_flower.sweep import (
     CONFIG_ROOT,
     INTERRUPTED,
@@ -77,6 +96,7 @@ from fedfm_flower.sweep import (
 
 SAMPLERS: tuple[str, ...] = ("tpe", "random")
 DEFAULT_VAL_FRACTION = 0.15
+ENDED_STATES: tuple[str, ...] = ("COMPLETE", "PRUNED", "FAIL")  # count against the budget
 
 
 @dataclass
@@ -90,9 +110,11 @@ class Study:
     space: dict[str, Resolved]
     optuna_study: Any
     trials: int  # the budget
-    finished: int = 0  # trials scored or failed (they count against the budget)
+    finished: int = 0  # trials scored, pruned or failed (they count against the budget)
     ablations: list[str] = field(default_factory=list)  # method:variant labels run at its values
     running: dict[Path, int] = field(default_factory=dict)  # run directory -> trial number
+    pruner: PrunerSettings = field(default_factory=lambda: PrunerSettings("none"))
+    journal: Path | None = None  # where the trials' runs report (None: they do not report)
 
     @property
     def name(self) -> str:
@@ -108,7 +130,10 @@ class Study:
         seed = int(self.base["seed"])
         config = {**self.base, **values}
         config["run-name"] = run_name(self.label, self.setup, f"{self.tag}-t{number:03d}", seed)
-        return Cell(self.label, self.setup + self.tag, seed, config)
+        link = None
+        if self.journal is not None and self.pruner.name != "none":
+            link = TrialLink(str(self.journal.resolve()), self.name, number, self.pruner)
+        return Cell(self.label, self.setup + self.tag, seed, config, link)
 
     def best(self) -> Any | None:
         """The best scored trial (the lowest number among equals), None when none scored."""
@@ -139,13 +164,12 @@ def make_sampler(name: str, seed: int, trials: int) -> Any:
     raise ValueError(f"sampler '{name}' unknown; known: {', '.join(SAMPLERS)}")
 
 
-def sampler_seed(tune_seed: int, drawn: int) -> int:
-    """The seed of a study's sampler: ``tune_seed`` for a study whose sampler has drawn nothing
-    yet, else one derived from ``tune_seed`` and the ``drawn`` count, so that a resumed study
-    does not replay the draws of the command that started it."""
-    if drawn == 0:
-        return tune_seed
-    digest = hashlib.sha256(f"{tune_seed}:{drawn}".encode()).digest()
+def sampler_seed(tune_seed: int, label: str, drawn: int) -> int:
+    """The seed of a study's sampler, derived (SHA-256: the same in every process and on every
+    machine) from ``tune_seed``, the method ``label`` (each method's study draws its own
+    points) and the ``drawn`` count (a resumed study does not replay the draws of the command
+    that started it)."""
+    digest = hashlib.sha256(f"{tune_seed}:{label}:{drawn}".encode()).digest()
     return int.from_bytes(digest[:4], "big")
 
 
@@ -212,19 +236,17 @@ def open_studies(
     args: argparse.Namespace,
     overrides: dict[str, Any],
 ) -> list[Study]:
-    """Every study of the command, validated (configs, spaces and the configs of the variants
-    run at a study's values) before any trial runs."""
+    """Every study of the command, validated (configs, spaces, pruner settings and the configs
+    of the variants run at a study's values) before any trial runs."""
     import optuna
-    from optuna.storages import JournalStorage
-    from optuna.storages.journal import JournalFileBackend
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     studied, ablations = split_ablations(labels, args.variants_at_parent)
-    tuning = args.out / "tuning"
-    tuning.mkdir(parents=True, exist_ok=True)
-    storage = JournalStorage(JournalFileBackend(str(tuning / "journal.log")))
+    journal = study_state(args).journal
+    storage = journal_storage(journal)
     studies = []
     for setup in setups:
+        bases = {}
         for label in studied:
             variants = [variant for variant, method in ablations.items() if method == label]
             base, *variant_bases = (
@@ -241,24 +263,72 @@ def open_studies(
                 for name in (label, *variants)
             )
             check_configs([base, *variant_bases])
+            bases[label] = (base, variants)
+        pruner = setup_pruner(args, [base for base, _ in bases.values()])
+        for label, (base, variants) in bases.items():
             space = resolve_space(method_space(base), base)
+            name = study_name(label, setup, args.tag)
             study = optuna.create_study(
-                study_name=study_name(label, setup, args.tag),
+                study_name=name,
                 storage=storage,
                 direction="maximize",
+                pruner=pruner.make(),
                 load_if_exists=True,
             )
             trials = study.get_trials(deepcopy=False)
-            seed = sampler_seed(args.tune_seed, drawn_trials(trials))
+            keep_pruner(study, name, pruner, bool(trials))
+            seed = sampler_seed(args.tune_seed, label, drawn_trials(trials))
             study.sampler = make_sampler(args.sampler, seed, args.trials)
             if args.setup_first and not trials:
                 study.enqueue_trial(setup_values(space, base))  # a new study: the untuned run
-            ended = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL)
-            finished = sum(trial.state in ended for trial in trials)
+            finished = sum(trial.state.name in ENDED_STATES for trial in trials)
             studies.append(
-                Study(label, setup, args.tag, base, space, study, args.trials, finished, variants)
+                Study(
+                    label,
+                    setup,
+                    args.tag,
+                    base,
+                    space,
+                    study,
+                    args.trials,
+                    finished,
+                    variants,
+                    pruner=pruner,
+                    journal=journal,
+                )
             )
     return studies
+
+
+def study_state(args: argparse.Namespace) -> StudyState:
+    """Where the command keeps its studies' state: ``--state``, by default ``--out``."""
+    return StudyState(args.out, args.state or args.out)
+
+
+def setup_pruner(args: argparse.Namespace, bases: list[dict[str, Any]]) -> PrunerSettings:
+    """The pruner of one setup's studies (one table): ``--pruner`` with its first rung at
+    ``--prune-min-rounds``, by default the largest ``eval-every`` of the studies (each has
+    reported by then); a ``ValueError`` names a bad value."""
+    from fedfm_flower.config import ExperimentConfig
+
+    default = ExperimentConfig().eval_every
+    min_rounds = args.prune_min_rounds
+    if min_rounds is None:
+        min_rounds = max(int(base.get("eval-every", default)) for base in bases)
+    return PrunerSettings(args.pruner, min_rounds, args.prune_reduction)
+
+
+def keep_pruner(study: Any, name: str, pruner: PrunerSettings, has_trials: bool) -> None:
+    """Record ``pruner`` in the study; a ``ValueError`` when its trials ran with another (a
+    study older than pruning ran without one): every trial of a study is pruned alike."""
+    recorded = study.user_attrs.get("pruner", {"name": "none"})
+    if has_trials and recorded != pruner.as_dict():
+        raise ValueError(
+            f"study {name} ran its trials with pruner {recorded}, and this command asks for "
+            f"{pruner.as_dict()}: give the options it ran with (--pruner, --prune-min-rounds, "
+            "--prune-reduction), or tune into another --state"
+        )
+    study.set_user_attr("pruner", pruner.as_dict())
 
 
 @dataclass
@@ -320,10 +390,13 @@ def run_trials(
     pool: CellPool,
     finals: FinalRuns | None = None,
     time_left: TimeLeft | None = None,
+    state: StudyState | None = None,
 ) -> None:
     """Draw and run every study's missing trials in ``pool``, as many at once as it holds;
     with ``finals``, a study's final runs follow as soon as its last trial has ended, in the
-    slots no trial is left to take. Each trial's line ends with ``time_left``'s estimate."""
+    slots no trial is left to take. A trial whose run the pruner stopped is told pruned. Each
+    finished run's small files go to ``state``; each trial's line ends with ``time_left``'s
+    estimate."""
     import optuna
 
     time_left = time_left or TimeLeft(sum(s.left() for s in studies), cell_kinds(studies, []))
@@ -355,13 +428,18 @@ def run_trials(
         if not pool.pending():
             return
         cell, record = pool.next_done()
+        if state is not None:
+            state.keep_run(cell.run_dir)
         if finals is not None and finals.owns(cell):
             finals.record(cell, record)
             continue
         study = next(s for s in studies if cell.run_dir in s.running)
         number = study.running.pop(cell.run_dir)
         value = record.get("final", math.nan)
-        if record["state"] == "done" and math.isfinite(value):
+        if record["state"] == "done" and "stopped-at-round" in record:
+            study.optuna_study.tell(number, state=optuna.trial.TrialState.PRUNED)
+            outcome = f"pruned at round {record['stopped-at-round']}: val {value:.4f}"
+        elif record["state"] == "done" and math.isfinite(value):
             study.optuna_study.set_user_attr("metric", record["metric"])
             study.optuna_study.tell(number, value)
             outcome = f"val {record['metric']} {value:.4f}"
@@ -381,24 +459,60 @@ def study_record(study: Study) -> dict[str, Any]:
     best = study.best()
     trials = []
     for trial in study.optuna_study.get_trials(deepcopy=False):
-        trials.append(
-            {
-                "number": trial.number,
-                "values": dict(trial.params),
-                "score": trial.value,
-                "state": trial.state.name.lower(),
-                "run": str(study.trial_cell(trial.number, dict(trial.params)).run_dir),
-            }
-        )
+        run = study.trial_cell(trial.number, dict(trial.params)).run_dir
+        pruned = trial.state.name == "PRUNED"
+        record = {
+            "number": trial.number,
+            "values": dict(trial.params),
+            "score": None if pruned else trial.value,  # a pruned trial's value is not final
+            "state": trial.state.name.lower(),
+            "run": str(run),
+            **run_spent(run),
+        }
+        if pruned and trial.last_step is not None:
+            record["last-round"] = trial.last_step
+            record["last-value"] = trial.intermediate_values[trial.last_step]
+        trials.append(record)
     return {
         **_record_head(study, study.label),
         "space": {key: describe(rng) for key, rng in study.space.items()},
+        "pruner": study.pruner.as_dict(),
         "budget": study.trials,
+        "spent": spent(trials),
         "trials": trials,
+        "tried": tried_ranges(trials),
         "chosen": None if best is None else {"trial": best.number, "values": dict(best.params)},
         "best-score": None if best is None else best.value,
         "ablations": list(study.ablations),
     }
+
+
+def run_spent(run_dir: Path) -> dict[str, Any]:
+    """What a run has spent, from its ``metrics.jsonl``: the rounds it ran, its client-rounds
+    (the clients sampled, summed over those rounds) and the seconds of those rounds."""
+    from fedfm_flower.results import RunDirectory
+
+    rounds = RunDirectory(run_dir).rounds()
+    return {
+        "rounds": len(rounds),
+        "client-rounds": sum(int(r.get("clients-sampled", 0)) for r in rounds),
+        "seconds": round(sum(float(r.get("round-seconds", 0.0)) for r in rounds), 3),
+    }
+
+
+def spent(trials: list[dict[str, Any]]) -> dict[str, Any]:
+    """A study's spending, from its trials' records: the trials that ended (of them pruned)
+    and the rounds, client-rounds and seconds all its trials ran."""
+    return {
+        "trials": sum(t["state"] in ("complete", "pruned", "fail") for t in trials),
+        "pruned": sum(t["state"] == "pruned" for t in trials),
+        **summed(trials, ("rounds", "client-rounds", "seconds")),
+    }
+
+
+def summed(records: list[dict[str, Any]], keys: tuple[str, ...]) -> dict[str, Any]:
+    """The sum over ``records`` of each of ``keys``."""
+    return {key: round(sum(record[key] for record in records), 3) for key in keys}
 
 
 def _record_head(study: Study, label: str) -> dict[str, Any]:
@@ -473,18 +587,36 @@ def _study_key(record: dict[str, Any]) -> str:
     return record.get("study") or study_name(record["label"], record["setup"], "")
 
 
+def _earlier_document(out: Path) -> dict[str, Any]:
+    """``<out>/tuning.json`` as an earlier command wrote it; empty if missing or unreadable."""
+    try:
+        document = json.loads((out / "tuning.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return document if isinstance(document, dict) else {}
+
+
 def _earlier_studies(out: Path) -> dict[str, dict[str, Any]]:
     """The study records ``<out>/tuning.json`` holds (by study name); none if unreadable."""
     try:
-        records = json.loads((out / "tuning.json").read_text())["studies"]
-        return {_study_key(record): record for record in records}
-    except (OSError, ValueError, KeyError, TypeError):
+        return {_study_key(record): record for record in _earlier_document(out)["studies"]}
+    except (KeyError, TypeError):
         return {}
 
 
-def write_tuning(studies: list[Study], out: Path, args: argparse.Namespace) -> None:
-    """``<out>/tuning.json``: the budget, the sampler and every study's record, with the
-    records of studies that earlier commands into ``out`` ran and this one does not name."""
+def earlier_wall_seconds(out: Path) -> float:
+    """The wall seconds of the commands that tuned into ``out`` so far (``tuning.json``)."""
+    return float(_earlier_document(out).get("wall-seconds", 0.0))
+
+
+def write_tuning(
+    studies: list[Study], out: Path, args: argparse.Namespace, wall_seconds: float | None = None
+) -> None:
+    """``<out>/tuning.json``: the budget, the sampler, every study's record (with the records
+    of studies that earlier commands into ``out`` ran and this one does not name), what they
+    spent, and the commands' wall seconds (``wall_seconds``, or the earlier value)."""
+    if wall_seconds is None:
+        wall_seconds = earlier_wall_seconds(out)
     records = _earlier_studies(out)
     for study in studies:
         record = study_record(study)
@@ -501,6 +633,11 @@ def write_tuning(studies: list[Study], out: Path, args: argparse.Namespace) -> N
         "tuning-seed": args.tune_seed,
         "final-seeds": args.seeds,
         "selection": "final mean client value of the primary metric on the validation split",
+        "spent": summed(
+            [r["spent"] for r in records.values() if "spent" in r],
+            ("trials", "pruned", "rounds", "client-rounds", "seconds"),
+        ),
+        "wall-seconds": round(wall_seconds, 1),
         "studies": list(records.values()),
     }
     atomic_write_text(out / "tuning.json", json.dumps(document, indent=2))
@@ -536,20 +673,50 @@ def main(argv: list[str] | None = None) -> int:
         "that hold none (the final runs hold out the same examples)",
     )
     parser.add_argument("--out", type=Path, required=True, help="tuning directory")
+    pruning = parser.add_argument_group("pruning of bad trials (the same for every method)")
+    pruning.add_argument("--pruner", choices=PRUNERS, default=DEFAULT_PRUNER)
+    pruning.add_argument(
+        "--prune-min-rounds",
+        type=int,
+        default=None,
+        help="the first rung, in rounds; default: the largest eval-every of a setup's studies",
+    )
+    pruning.add_argument(
+        "--prune-reduction",
+        type=int,
+        default=DEFAULT_REDUCTION,
+        help="1 / this share of the trials at a rung goes on (rungs at min-rounds x this^k)",
+    )
+    parser.add_argument(
+        "--state",
+        type=Path,
+        default=None,
+        help="where the journal, tuning.json and finished runs' small files are kept (e.g. "
+        "bench/results/<study>, committed as the study goes); default: --out",
+    )
     args = parser.parse_args(argv)
     from fedfm_flower.logs import configure_logging
 
     configure_logging()
+    started = time.monotonic()
+    state = study_state(args)
     try:
         require_package("--sampler", args.sampler, "optuna", " (pip install 'fedfm-flower[tune]')")
         if args.trials < 1:
             raise ValueError(f"--trials must be >= 1, got {args.trials}")
         overrides = parse_overrides(args.set)
+        state.restore()
         studies = open_studies(args.methods, args.setups, args, overrides)
         pool = pool_from_arguments(args)
     except (ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    wall_before = earlier_wall_seconds(args.out)
+
+    def save_tuning() -> None:
+        write_tuning(studies, args.out, args, wall_before + time.monotonic() - started)
+        state.keep(args.out / "tuning.json")
+
     final_total = sum(1 + len(study.ablations) for study in studies) * len(args.seeds)
     time_left = TimeLeft(
         sum(study.left() for study in studies) + final_total, cell_kinds(studies, args.seeds)
@@ -560,11 +727,11 @@ def main(argv: list[str] | None = None) -> int:
         overrides,
         args.configs,
         SweepLog(args.out, final_total, time_left),
-        on_study_done=lambda: write_tuning(studies, args.out, args),
+        on_study_done=save_tuning,
     )
     try:
-        run_trials(studies, pool, finals, time_left)
-        write_tuning(studies, args.out, args)
+        run_trials(studies, pool, finals, time_left, state)
+        save_tuning()
     except KeyboardInterrupt:
         print(INTERRUPTED, file=sys.stderr)
         return 130

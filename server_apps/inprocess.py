@@ -11,11 +11,14 @@ from __future__ import annotations
 import itertools
 import uuid
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid
+
+if TYPE_CHECKING:
+    from fedfm_flower.pruning import EarlyStop
 
 ReplyHook = Callable[[int, Message], Message | None]
 
@@ -192,8 +195,10 @@ def run_in_process(
     num_nodes: int,
     reply_hook: ReplyHook | None = None,
     node_configs: list[dict[str, Any]] | None = None,
+    early_stop: EarlyStop | None = None,
 ) -> tuple[dict[str, Any], InProcessGrid]:
-    """Run a full experiment in this process; returns (summary, grid)."""
+    """Run a full experiment in this process (``early_stop``: ``run_experiment``'s); returns
+    (summary, grid)."""
     from client_apps.app import app as client_app
     from fedfm_flower.config import ExperimentConfig
     from server_apps.runner import run_experiment
@@ -202,5 +207,5 @@ def run_in_process(
     grid = InProcessGrid(
         client_app, full, node_configs or simulation_node_configs(num_nodes), reply_hook
     )
-    summary = run_experiment(grid, ExperimentConfig.from_run_config(full))
+    summary = run_experiment(grid, ExperimentConfig.from_run_config(full), early_stop)
     return summary, grid

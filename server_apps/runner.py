@@ -67,6 +67,7 @@ from strategies.parts.context import NO_CONTEXT, RunContext
 from strategies.parts.outcome import PhaseOutcome
 
 if TYPE_CHECKING:
+    from fedfm_flower.pruning import EarlyStop
     from fedfm_flower.trackers.run import Trackers
 
 log = logging.getLogger("fedfm_flower")
@@ -117,10 +118,15 @@ def wait_for_nodes(grid: Grid, config: ExperimentConfig) -> list[int]:
     return nodes
 
 
-def run_experiment(grid: Grid, config: ExperimentConfig) -> dict[str, Any]:
+def run_experiment(
+    grid: Grid, config: ExperimentConfig, early_stop: EarlyStop | None = None
+) -> dict[str, Any]:
     """Run (or resume) the experiment described by ``config``; returns the summary.
 
-    Any exception is also recorded in the run directory's ``failure.json`` before it propagates.
+    ``early_stop`` gets each evaluated round's mean primary metric as its evaluation completes;
+    when it answers True the run ends after that round's checkpoint and its summary says
+    ``stopped-at-round`` (a pruned tuning trial). Any exception is also recorded in the run
+    directory's ``failure.json`` before it propagates.
     """
     from fedfm_flower.trackers.run import Trackers, open_trackers
 
@@ -128,7 +134,7 @@ def run_experiment(grid: Grid, config: ExperimentConfig) -> dict[str, Any]:
     trackers, failed = Trackers({}), True
     try:
         trackers = open_trackers(config, run.path, run.name)
-        summary = _run(grid, config, run, trackers)
+        summary = _run(grid, config, run, trackers, early_stop)
         failed = False
         return summary
     except Exception as err:
@@ -146,7 +152,11 @@ def run_experiment(grid: Grid, config: ExperimentConfig) -> dict[str, Any]:
 
 
 def _run(
-    grid: Grid, config: ExperimentConfig, run: RunDirectory, trackers: Trackers
+    grid: Grid,
+    config: ExperimentConfig,
+    run: RunDirectory,
+    trackers: Trackers,
+    early_stop: EarlyStop | None = None,
 ) -> dict[str, Any]:
     card = prepare_foundation(config)
     nodes = wait_for_nodes(grid, config)
@@ -207,6 +217,7 @@ def _run(
     started = time.perf_counter()
     round_times: list[float] = [r["round-seconds"] for r in run.rounds()]
     ledger = FailureLedger(run, config, trackers)
+    stopped_at = None  # the evaluated round on which early_stop ended the run
     if pending is not None and (not fused or start_round > total):
         evaluate_alone(grid, strategy, config, pending)  # a fused run resumed without fusing
         ledger.complete(pending)
@@ -237,7 +248,14 @@ def _run(
         eta = remaining * sum(recent) / len(recent)
         shown = record if "evaluate" in record or carried is None else carried
         print(progress_line(record, total, eta, primary, shown), flush=True)
+        stopped_at = _stops_early(early_stop, (carried, record), primary)
+        if stopped_at is not None and not last:  # the last round is reported, not stopped
+            log.info("run %s stopped early after round %d", run.name, server_round)
+            break
+        stopped_at = None
     summary = summarize(run, config, time.perf_counter() - started)
+    if stopped_at is not None:
+        summary["stopped-at-round"] = stopped_at
     summary["client-examples"] = client_examples
     run.write_summary(summary)
     trackers.log_summary(summary)
@@ -249,6 +267,23 @@ def _run(
         flush=True,
     )
     return summary
+
+
+def _stops_early(
+    early_stop: EarlyStop | None, records: Iterable[dict[str, Any] | None], primary: str
+) -> int | None:
+    """Give ``early_stop`` each of ``records`` (in round order) whose evaluation is complete;
+    the first round it answers True for, or None."""
+    if early_stop is None:
+        return None
+    key = f"{P.test_metric(primary)}-mean"
+    stopped = None
+    for record in records:
+        if record is None or "failed" in record or key not in record:
+            continue
+        if early_stop(record["round"], float(record[key])) and stopped is None:
+            stopped = int(record["round"])
+    return stopped
 
 
 EVALUATION_PENDING = "evaluation-pending"  # checkpoint mark: the round's evaluation is not in yet

@@ -273,12 +273,25 @@ def test_tune_selects_on_validation_then_runs_the_choice_on_test(
     assert study["trials"][1]["values"] != study["trials"][0]["values"]
     # --val-fraction 0.15 of the training examples: of all examples, 0.15 x (1 - test share)
     share = pytest.approx(0.15 * (1 - study_test_fraction(out)))
+    import optuna
+
+    from fedfm_flower.pruning import journal_storage
+    from fedfm_flower.results import RunDirectory
+
+    journal = journal_storage(out / "tuning" / "journal.log")
+    reported = optuna.load_study(study_name=study["study"], storage=journal).get_trials()
     for trial in study["trials"]:  # every trial evaluated on validation data, test sealed
         run_config = json.loads((Path(trial["run"]) / "config.json").read_text())["run-config"]
         assert run_config["evaluation-split"] == "val" and run_config["val-fraction"] == share
         summary = json.loads((Path(trial["run"]) / "summary.json").read_text())
         assert summary["final-test-accuracy-mean"] == pytest.approx(trial["score"])
         assert all(run_config[k] == v for k, v in trial["values"].items())
+        # the run reported each evaluated round to its trial (the default pruner's input)
+        rounds = RunDirectory(Path(trial["run"])).rounds()
+        values = {r["round"]: r["test-accuracy-mean"] for r in rounds}
+        assert reported[trial["number"]].intermediate_values == values and len(values) == 2
+        assert trial["rounds"] == 2 and trial["client-rounds"] == 2 * 2
+    assert study["spent"]["client-rounds"] == 2 * 2 * 2 and study["spent"]["pruned"] == 0
 
     final = out / "runs" / "fedprox-digits-label-skew-s0"
     final_config = json.loads((final / "config.json").read_text())["run-config"]
@@ -300,6 +313,27 @@ def test_tune_selects_on_validation_then_runs_the_choice_on_test(
     assert splits_read == []
     again = json.loads((out / "tuning.json").read_text())["studies"][0]
     assert again["trials"] == study["trials"] and again["chosen"] == study["chosen"]
+
+
+def test_a_run_ends_after_the_round_its_early_stop_answers_true(
+    small_run_config: dict, tmp_path: Path
+) -> None:
+    from fedfm_flower.results import RunDirectory
+    from server_apps.inprocess import run_in_process
+
+    heard: list[tuple[int, float]] = []
+
+    def stop(server_round: int, value: float) -> bool:
+        heard.append((server_round, value))
+        return True
+
+    config = {**small_run_config, "num-clients": 2, "num-server-rounds": 3, "run-name": "cut"}
+    summary, _ = run_in_process(config, 2, early_stop=stop)
+    rounds = RunDirectory(tmp_path / "runs" / "cut").rounds()
+    # fused evaluation: round 1's comes with round 2's messages, so the run ends after round 2
+    assert heard == [(1, rounds[0]["test-accuracy-mean"])]
+    assert summary["stopped-at-round"] == 1 and summary["rounds"] == len(rounds) == 2
+    assert summary["final-test-accuracy-mean"] == heard[0][1]
 
 
 def test_tune_refuses_a_bad_space_before_any_trial(tmp_path: Path, capsys) -> None:
@@ -346,15 +380,24 @@ class _OutOfOrderPool:
 
 
 def _studies(tmp_path: Path, trials: int):  # noqa: ANN202
-    import argparse
-
     from fedfm_flower import tune
 
-    args = argparse.Namespace(
-        out=tmp_path, tune_seed=0, val_fraction=0.15, tag="", configs=CONFIG_ROOT,
-        sampler="random", trials=trials, setup_first=True, variants_at_parent=False,
-    )  # fmt: skip
+    args = _tune_args(tmp_path, trials)
     return tune.open_studies(["fedavg", "fedprox"], ["digits-label-skew"], args, {"num-clients": 2})
+
+
+def _tune_args(out: Path, trials: int, **options):  # noqa: ANN003, ANN202
+    """The tuning command's arguments (``open_studies``, ``write_tuning``), random search."""
+    import argparse
+
+    args = argparse.Namespace(
+        out=out, tune_seed=0, val_fraction=0.15, tag="", configs=CONFIG_ROOT, sampler="random",
+        trials=trials, setup_first=True, variants_at_parent=False, seeds=[0], state=None,
+        pruner="none", prune_min_rounds=None, prune_reduction=3,
+    )  # fmt: skip
+    for key, value in options.items():
+        setattr(args, key, value)
+    return args
 
 
 def test_parallel_trials_keep_the_budget_and_score_every_trial(tmp_path: Path) -> None:
@@ -445,13 +488,11 @@ def test_ctrl_c_closes_the_pool_and_says_how_to_resume(
 
 def test_tuning_json_keeps_the_studies_of_earlier_commands(tmp_path: Path) -> None:
     pytest.importorskip("optuna")
-    import argparse
-
     from fedfm_flower import tune
 
     fedavg, fedprox = _studies(tmp_path, trials=2)
     tune.run_trials([fedavg, fedprox], _OutOfOrderPool(capacity=2, score=lambda c: c["lr"]))
-    args = argparse.Namespace(sampler="random", trials=2, setup_first=True, tune_seed=0, seeds=[0])
+    args = _tune_args(tmp_path, trials=2)
     tune.write_tuning([fedavg, fedprox], tmp_path, args)
     before = json.loads((tmp_path / "tuning.json").read_text())["studies"]
     tune.write_tuning([fedprox], tmp_path, args)  # a later command names one of the two
@@ -518,13 +559,18 @@ def test_a_resumed_study_draws_new_values_not_those_of_the_first_command(tmp_pat
     assert lrs(opened) == lrs(at_once) and len(set(lrs(opened))) == 3
 
 
-def test_a_samplers_seed_is_the_tuning_seed_until_it_has_drawn() -> None:
+def test_a_samplers_seed_depends_on_the_tuning_seed_the_method_and_the_draws() -> None:
     from fedfm_flower.tune import sampler_seed
 
-    assert sampler_seed(7, 0) == 7
-    derived = {sampler_seed(7, drawn) for drawn in (1, 2, 3)} | {sampler_seed(8, 1)}
-    assert len(derived) == 4 and 7 not in derived
-    assert sampler_seed(7, 2) == sampler_seed(7, 2)  # the same for every command
+    seeds = {
+        sampler_seed(tune_seed, label, drawn)
+        for tune_seed in (7, 8)
+        for label in ("fedavg", "fedprox", "fedprox:strong")
+        for drawn in (0, 1, 2)
+    }
+    assert len(seeds) == 2 * 3 * 3
+    # SHA-256 of "7:fedavg:0", not Python's hash(): the same in every process and machine
+    assert sampler_seed(7, "fedavg", 0) == 0xE94033F5
 
 
 def _variant_configs(root: Path) -> Path:
@@ -538,17 +584,12 @@ def _variant_configs(root: Path) -> Path:
 
 def test_a_variant_runs_at_its_methods_chosen_values_without_a_study(tmp_path: Path) -> None:
     pytest.importorskip("optuna")
-    import argparse
-
     from fedfm_flower import tune
     from fedfm_flower.report.tuning import markdown_tuning
     from fedfm_flower.sweep import SweepLog
 
     configs = _variant_configs(tmp_path / "c")
-    args = argparse.Namespace(
-        out=tmp_path, tune_seed=0, val_fraction=0.15, tag="", configs=configs,
-        sampler="random", trials=2, setup_first=True, variants_at_parent=True, seeds=[0, 1],
-    )  # fmt: skip
+    args = _tune_args(tmp_path, 2, configs=configs, variants_at_parent=True, seeds=[0, 1])
     labels = ["fedprox:strong", "fedprox"]
     (study,) = tune.open_studies(labels, ["digits-label-skew"], args, {"num-clients": 2})
     assert study.label == "fedprox" and study.ablations == ["fedprox:strong"]
@@ -607,3 +648,217 @@ def test_a_variant_whose_method_is_not_named_is_refused_before_any_run(
     assert tune.main([*argv, "--set", "num-clients=2"]) == 2
     assert "'tap:all-pairs' runs at the values chosen for 'tap'" in capsys.readouterr().err
     assert not (tmp_path / "o" / "tuning").exists()
+
+
+# --- pruning, budgets, per-method draws, coverage, a study's state on another machine ---------
+
+
+class _RunPool:
+    """A serial pool whose cells run no training: round r of a cell gives ``curve(trial, r)``
+    (its trial number, -1 for a final run) as its mean validation accuracy, reported to the
+    trial's pruner when the cell carries a link, as the runner does; each run writes the files
+    a run writes, and its record is ``cell_record``'s. A finished run is not run again."""
+
+    def __init__(self, curve) -> None:  # noqa: ANN001
+        self.queue: list = []
+        self.ran: list[str] = []  # run names, in the order they ran
+        self._curve = curve
+
+    def capacity(self) -> int:
+        return 1
+
+    def submit(self, cell) -> None:  # noqa: ANN001
+        self.queue.append(cell)
+
+    def pending(self) -> int:
+        return len(self.queue)
+
+    def next_done(self):  # noqa: ANN201
+        from fedfm_flower.cells import cell_record, cell_state
+
+        cell = self.queue.pop(0)
+        if cell_state(cell) != "done":
+            self._run(cell)
+        return cell, cell_record(cell)
+
+    def _run(self, cell) -> None:  # noqa: ANN001
+        name = cell.config["run-name"]
+        self.ran.append(name)
+        number = int(name.split("-t")[-1][:3]) if "-t" in name else -1
+        stop = cell.trial.early_stop() if cell.trial is not None else None
+        rounds, clients = int(cell.config["num-server-rounds"]), int(cell.config["num-clients"])
+        lines, stopped = [], {}
+        for r in range(1, rounds + 1):
+            value = self._curve(number, r)
+            lines.append({"round": r, "clients-sampled": clients, "round-seconds": 0.5})
+            lines[-1]["test-accuracy-mean"] = value
+            if stop is not None and stop(r, value) and r < rounds:
+                stopped = {"stopped-at-round": r}
+                break
+        cell.run_dir.mkdir(parents=True)
+        (cell.run_dir / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+        (cell.run_dir / "config.json").write_text(json.dumps({"run-config": cell.config}))
+        summary = {"primary-metric": "accuracy", "final-test-accuracy-mean": value, **stopped}
+        (cell.run_dir / "summary.json").write_text(json.dumps(summary))
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_trial_worst_at_its_first_report_is_pruned_and_its_rounds_count(
+    tmp_path: Path,
+) -> None:
+    pytest.importorskip("optuna")
+    from fedfm_flower import tune
+
+    args = _tune_args(tmp_path, 3, pruner="halving", prune_min_rounds=1, prune_reduction=2)
+    overrides = {"num-clients": 2, "num-server-rounds": 3}
+    (study,) = tune.open_studies(["fedavg"], ["digits-label-skew"], args, overrides)
+    first = {0: 0.5, 1: 0.1, 2: 0.6}  # each trial's value at round 1, then + 0.1 a round
+    pool = _RunPool(lambda trial, r: first[trial] + 0.1 * r)
+    tune.run_trials([study], pool)
+
+    trials = study.optuna_study.get_trials()
+    assert [t.state.name for t in trials] == ["COMPLETE", "PRUNED", "COMPLETE"]
+    # trial 1 reported 0.2 < trial 0's 0.6 at round 1 (the first rung) and ran no further
+    assert trials[1].intermediate_values == {1: pytest.approx(0.2)}
+    assert trials[0].intermediate_values == pytest.approx({1: 0.6, 2: 0.7, 3: 0.8})
+    assert pool.ran[1].endswith("-t001-s0") and len(pool.ran) == 3
+    record = tune.study_record(study)
+    pruned = record["trials"][1]
+    assert pruned["state"] == "pruned" and pruned["score"] is None
+    assert pruned["last-round"] == 1 and pruned["last-value"] == pytest.approx(0.2)
+    assert [t["rounds"] for t in record["trials"]] == [3, 1, 3]
+    assert [t["client-rounds"] for t in record["trials"]] == [6, 2, 6]
+    assert record["spent"] == {
+        "trials": 3, "pruned": 1, "rounds": 7, "client-rounds": 14, "seconds": 3.5,
+    }  # fmt: skip
+    assert record["pruner"] == {"name": "halving", "min-rounds": 1, "reduction": 2}
+    assert record["chosen"]["trial"] == 2 and record["best-score"] == pytest.approx(0.9)
+    # the study's trials ran with this pruner: a command asking for another one is refused
+    other = _tune_args(tmp_path, 3, pruner="halving", prune_min_rounds=1, prune_reduction=3)
+    with pytest.raises(ValueError, match="ran its trials with pruner .*'reduction': 2"):
+        tune.open_studies(["fedavg"], ["digits-label-skew"], other, overrides)
+
+
+def test_pruner_settings_default_to_the_setups_eval_every_and_refuse_bad_values(
+    tmp_path: Path, capsys
+) -> None:
+    from fedfm_flower.pruning import PrunerSettings
+    from fedfm_flower.tune import main, setup_pruner
+
+    bases = [{"eval-every": 5}, {"eval-every": 10}, {}]
+    assert setup_pruner(_tune_args(tmp_path, 1, pruner="halving"), bases).min_rounds == 10
+    pinned = _tune_args(tmp_path, 1, pruner="hyperband", prune_min_rounds=2)
+    assert setup_pruner(pinned, bases) == PrunerSettings("hyperband", 2, 3)
+    with pytest.raises(ValueError, match="--pruner 'asha' unknown; known: halving, hyperband"):
+        PrunerSettings("asha")
+    argv = ["--methods", "fedavg", "--setups", "digits-label-skew", "--trials", "2"]
+    argv += ["--out", str(tmp_path / "o"), "--set", "num-clients=2"]
+    assert main([*argv, "--prune-reduction", "1"]) == 2
+    assert "--prune-reduction must be >= 2, got 1" in capsys.readouterr().err
+    assert main([*argv, "--prune-min-rounds", "0"]) == 2
+    assert "--prune-min-rounds must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_each_methods_study_draws_its_own_points_and_draws_them_again(tmp_path: Path) -> None:
+    pytest.importorskip("optuna")
+    from fedfm_flower import tune
+
+    def drawn(out: Path) -> dict[str, list[float]]:
+        studies = _studies(out, trials=4)  # fedavg and fedprox, the setup's values first
+        tune.run_trials(studies, _OutOfOrderPool(capacity=1, score=lambda c: c["lr"]))
+        return {s.label: [t.params["lr"] for t in s.optuna_study.get_trials()] for s in studies}
+
+    first, again = drawn(tmp_path / "a"), drawn(tmp_path / "b")
+    assert first == again  # the same draws in a fresh directory
+    fedavg, fedprox = first["fedavg"], first["fedprox"]
+    assert fedavg[0] == fedprox[0]  # trial 0: the setup's own lr
+    assert len(set(fedavg[1:])) == 3 and not set(fedavg[1:]) & set(fedprox[1:])
+
+
+def _coverage_record(label: str, chosen: float, tried: dict[str, float]) -> dict:
+    """A ``tuning.json`` study record whose trials tried ``tried`` (lr by state)."""
+    trials = [
+        {"number": i, "values": {"lr": lr, "local-epochs": 1}, "score": 0.5, "state": state}
+        for i, (state, lr) in enumerate(tried.items())
+    ]
+    return {
+        "study": f"{label}@multitask-cpu", "label": label, "setup": "multitask-cpu",
+        "space": {"lr": "log-uniform [1e-05, 0.01]", "local-epochs": "int [1, 3]"},
+        "trials": trials, "best-score": 0.5,
+        "chosen": {"trial": 0, "values": {"lr": chosen, "local-epochs": 1}},
+    }  # fmt: skip
+
+
+def test_a_choice_outside_the_range_its_rival_tried_is_flagged() -> None:
+    from fedfm_flower.report.tuning import coverage_flags, markdown_tuning
+
+    tap = _coverage_record("tap", 0.00137, {"complete": 0.00137, "pruned": 1e-4})
+    # FedAvg tried 6e-5..4.8e-4 (a failed trial at 0.01 tried nothing)
+    fedavg = _coverage_record("fedavg", 4.8e-4, {"complete": 4.8e-4, "pruned": 6e-5, "fail": 0.01})
+    flags = coverage_flags([tap, fedavg], "tap")
+    assert flags == {
+        "fedavg@multitask-cpu": ["tap's `lr` = 0.00137 outside the tried 6e-05-0.00048"]
+    }
+    # the reverse: FedAvg's choice outside TAP's tried range, seen from FedAvg as the reference
+    assert coverage_flags([tap, fedavg], "fedavg") == {
+        "tap@multitask-cpu": ["`lr` = 0.00137 outside fedavg's tried 6e-05-0.00048"]
+    }
+    covered = _coverage_record("fedavg", 4.8e-4, {"complete": 4.8e-4, "pruned": 0.002})
+    assert coverage_flags([tap, covered], "tap") == {"fedavg@multitask-cpu": []}
+    document = {
+        "trials-per-study": 2, "sampler": "random", "tuning-seed": 0, "final-seeds": [0],
+        "selection": "final mean", "studies": [tap, fedavg],
+    }  # fmt: skip
+    table = markdown_tuning(document, "tap")
+    assert "| outside tap's tried range |" in table
+    assert "| 3 (1, 1) | — | — | tap's `lr` = 0.00137 outside the tried 6e-05-0.00048 |" in table
+    assert "Tried: `lr` 6e-05-0.00048; `local-epochs` 1-1." in table  # pruned ones count
+    document["studies"] = [tap, covered]
+    assert "| 2 (1, 0) | — | — | no |" in markdown_tuning(document, "tap")
+
+
+def test_a_study_copied_to_a_fresh_directory_resumes_without_repeating_a_trial(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("optuna")
+    import shutil
+
+    from fedfm_flower import tune
+
+    pools: list[_RunPool] = []
+
+    def pool(args) -> _RunPool:  # noqa: ANN001
+        pools.append(_RunPool(lambda trial, r: 0.9 if trial in (0, -1) else 0.3))
+        return pools[-1]
+
+    monkeypatch.setattr(tune, "pool_from_arguments", pool)
+
+    def argv(out: Path, state: Path, trials: int) -> list[str]:
+        return [
+            "--methods", "fedavg", "--setups", "digits-label-skew", "--sampler", "random",
+            "--trials", str(trials), "--seeds", "0", "--out", str(out), "--state", str(state),
+            "--set", "num-clients=2", "num-server-rounds=2",
+        ]  # fmt: skip
+
+    assert tune.main(argv(tmp_path / "out", tmp_path / "state", 2)) == 0
+    t = "fedavg-digits-label-skew-t{:03d}-s0"
+    assert pools[0].ran == [t.format(0), t.format(1), "fedavg-digits-label-skew-s0"]
+    state = tmp_path / "state"
+    assert (state / "tuning" / "journal.log").is_file()
+    assert not (tmp_path / "out" / "tuning" / "journal.log").exists()
+    assert (state / "tuning" / "runs" / t.format(1) / "summary.json").is_file()
+    assert (state / "runs" / "fedavg-digits-label-skew-s0" / "metrics.jsonl").is_file()
+
+    moved = tmp_path / "elsewhere" / "state"  # the committed state, on a new machine
+    shutil.copytree(state, moved)
+    assert tune.main(argv(tmp_path / "fresh", moved, 3)) == 0
+    assert pools[1].ran == [t.format(2)]  # the new trial only: nothing finished runs again
+    document = json.loads((tmp_path / "fresh" / "tuning.json").read_text())
+    assert json.loads((moved / "tuning.json").read_text()) == document
+    (study,) = document["studies"]
+    # the default pruner (halving, first rung at eval-every = 1): 0.3 < 0.9 stops at round 1
+    assert [x["state"] for x in study["trials"]] == ["complete", "pruned", "pruned"]
+    assert study["spent"]["client-rounds"] == (2 + 1 + 1) * 2 == document["spent"]["client-rounds"]
+    assert study["chosen"]["trial"] == 0

@@ -144,9 +144,12 @@ def write_report(
         sections += [against.markdown_against(rows, name), ""]
         numbers["against"] = against.against_numbers(rows, name)
     for document in tuning_documents or []:
-        sections += [tuning.markdown_tuning(document), ""]
+        sections += [tuning.markdown_tuning(document, reference), ""]
     if tuning_documents:
         numbers["tuning"] = tuning_documents
+        numbers["tuning-coverage"] = [
+            tuning.coverage_flags(document["studies"], reference) for document in tuning_documents
+        ]
     if unfinished:
         sections += ["## Not reported (unfinished)", ""] + [f"- `{p}`" for p in unfinished] + [""]
     numbers["runs"] = [str(r.path) for r in runs]

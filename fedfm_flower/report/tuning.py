@@ -1,4 +1,5 @@
-"""The tuning section of a report: what each study searched, its trials and the values chosen.
+"""The tuning section of a report: what each study searched and tried, what it spent, its
+trials and the values chosen, and the comparisons whose choice lies outside a rival's trials.
 
 Reads ``tuning.json`` (``fedfm_flower.tune``) of a tuning directory given to the report.
 """
@@ -9,6 +10,8 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
+
+from fedfm_flower.search import describe_tried, outside_tried, tried_ranges
 
 
 def find_tuning(paths: Iterable[Path]) -> list[dict[str, Any]]:
@@ -28,25 +31,73 @@ def _value(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
-def markdown_tuning(document: dict[str, Any]) -> str:
-    """Per study: its space, the chosen values, and every trial's values and score."""
+def _duration(seconds: float) -> str:
+    return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.1f} min"
+
+
+def coverage_flags(studies: list[dict[str, Any]], reference: str) -> dict[str, list[str]]:
+    """Per study (by name) of a method other than ``reference``: each key both it and the
+    reference's study on its setup searched where one's chosen value lies outside the range
+    the other tried (the comparison of the two is then not one of equals on that key)."""
+    rivals = {
+        s["setup"]: s for s in studies if s["label"] == reference and s.get("chosen") is not None
+    }
+    flags: dict[str, list[str]] = {}
+    for study in studies:
+        rival = rivals.get(study["setup"])
+        if rival is None or study is rival or study.get("chosen") is None:
+            continue
+        mine, theirs = tried_ranges(study["trials"]), tried_ranges(rival["trials"])
+        chosen, rival_chosen = study["chosen"]["values"], rival["chosen"]["values"]
+        said = []
+        for key in [k for k in chosen if k in rival_chosen and k in mine and k in theirs]:
+            if outside_tried(chosen[key], theirs[key]):
+                said.append(
+                    f"`{key}` = {_value(chosen[key])} outside {reference}'s tried "
+                    f"{describe_tried(theirs[key])}"
+                )
+            if outside_tried(rival_chosen[key], mine[key]):
+                said.append(
+                    f"{reference}'s `{key}` = {_value(rival_chosen[key])} outside the tried "
+                    f"{describe_tried(mine[key])}"
+                )
+        flags[study["study"]] = said
+    return flags
+
+
+def markdown_tuning(document: dict[str, Any], reference: str = "") -> str:
+    """Per study: its space, what it spent, the ranges it tried, the chosen values (flagged
+    where they lie outside the range ``reference``'s study tried, or the reverse), and every
+    trial's values and score."""
     first = "; the first at the setup's own values" if document.get("setup-first") else ""
+    total = document.get("spent")
+    spending = (
+        ""
+        if total is None
+        else f" Spent: {total['trials']} trials ({total['pruned']} pruned), "
+        f"{total['client-rounds']} client-rounds, {_duration(total['seconds'])} of rounds, "
+        f"{_duration(document.get('wall-seconds', 0.0))} wall time."
+    )
+    flags = coverage_flags(document["studies"], reference) if reference else {}
     lines = [
         "## Tuning",
         "",
         f"{document['trials-per-study']} trials per method x setup ({document['sampler']} "
         f"search, tuning seed {document['tuning-seed']}{first}), each scored by the "
         f"{document['selection']}; the chosen values ran at seeds "
-        f"{', '.join(map(str, document['final-seeds']))} on the test split (the tables above).",
+        f"{', '.join(map(str, document['final-seeds']))} on the test split (the tables above)."
+        f"{spending} A client-round is one client's round of one trial; a pruned trial counts "
+        "the rounds it ran.",
         "",
-        "| method | setup | chosen values | val score | trials (failed) |",
-        "|---|---|---|---|---|",
+        "| method | setup | chosen values | val score | trials (pruned, failed) | client-rounds "
+        f"| time | outside {reference or 'the reference'}'s tried range |",
+        "|---|---|---|---|---|---:|---:|---|",
     ]
     for study in document["studies"]:
         if study.get("values-of"):  # an ablation run at its method's values: no trials
             lines.append(
                 f"| {study['label']} | {study['setup']} | none: the values of "
-                f"{study['values-of']} | — | — |"
+                f"{study['values-of']} | — | — | — | — | — |"
             )
             continue
         chosen = study["chosen"]
@@ -56,28 +107,50 @@ def markdown_tuning(document: dict[str, Any]) -> str:
             else ", ".join(f"`{k}` = {_value(v)}" for k, v in chosen["values"].items())
         )
         score = "—" if study["best-score"] is None else f"{100 * study['best-score']:.2f}"
-        failed = sum(t["state"] == "fail" for t in study["trials"])
+        states = [t["state"] for t in study["trials"]]
+        cost = study.get("spent")
+        client_rounds = "—" if cost is None else str(cost["client-rounds"])
+        seconds = "—" if cost is None else _duration(cost["seconds"])
+        flagged = flags.get(study["study"])
+        coverage = "—" if flagged is None else "; ".join(flagged) or "no"
         lines.append(
             f"| {study['label']} | {study['setup']} | {values} | {score} | "
-            f"{len(study['trials'])} ({failed}) |"
+            f"{len(states)} ({states.count('pruned')}, {states.count('fail')}) | "
+            f"{client_rounds} | {seconds} | {coverage} |"
         )
     for study in document["studies"]:
         if study.get("values-of"):
             continue
         keys = list(study["space"])
+        tried = tried_ranges(study["trials"])
+        pruner = study.get("pruner", {"name": "none"})
+        rungs = (
+            ""
+            if pruner["name"] == "none"
+            else (f" (first rung at round {pruner['min-rounds']}, reduction {pruner['reduction']})")
+        )
         lines += [
             "",
             f"### {study['label']} on {study['setup']}",
             "",
             "Space: " + "; ".join(f"`{k}` {rng}" for k, rng in study["space"].items()) + ".",
+            "Tried: "
+            + ("; ".join(f"`{k}` {describe_tried(t)}" for k, t in tried.items()) or "nothing")
+            + f". Pruner: {pruner['name']}{rungs}.",
             "",
-            "| trial | " + " | ".join(f"`{k}`" for k in keys) + " | val score | state |",
-            "|---|" + "---|" * len(keys) + "---|---|",
+            "| trial | " + " | ".join(f"`{k}`" for k in keys) + " | val score | rounds | state |",
+            "|---|" + "---|" * len(keys) + "---|---|---|",
         ]
         for trial in study["trials"]:
             cells = [_value(trial["values"].get(k, "")) for k in keys]
-            score = "—" if trial["score"] is None else f"{100 * trial['score']:.2f}"
+            if trial["score"] is not None:
+                score = f"{100 * trial['score']:.2f}"
+            elif trial.get("last-value") is not None:
+                score = f"({100 * trial['last-value']:.2f} at round {trial['last-round']})"
+            else:
+                score = "—"
             lines.append(
-                f"| {trial['number']} | " + " | ".join(cells) + f" | {score} | {trial['state']} |"
+                f"| {trial['number']} | " + " | ".join(cells) + f" | {score} | "
+                f"{trial.get('rounds', '—')} | {trial['state']} |"
             )
     return "\n".join(lines)
