@@ -469,24 +469,22 @@ class PFedSeqServer:
         if not updates:
             raise ValueError("pFedSeq step needs at least one client update")
         reported = sorted(self._check_client(c) for c in updates)
+        columns = torch.tensor(reported)
+        received = torch.stack([updates[c].float() for c in reported])  # (R, D)
         update_matrix = torch.zeros(self.layout.size, self.num_clients)
+        update_matrix[:, columns] = received.t()
         mask = torch.zeros(self.num_clients)
-        for client in reported:
-            update_matrix[:, client] = updates[client].float()
-            mask[client] = 1.0
+        mask[columns] = 1.0
         self.round += 1
         stats: dict[str, float] = {"pfedseq-round": float(self.round)}
 
-        # eq. 1 over the reporting clients (float64 accumulation, O(D) extra memory)
-        weights = {c: float(num_examples.get(c, 0)) for c in reported}
-        if sum(weights.values()) <= 0:
-            weights = dict.fromkeys(reported, 1.0)
-        total = sum(weights.values())
-        accumulated = torch.zeros(self.layout.size, dtype=torch.float64)
-        for client in reported:
-            updated = self.personal[client].double() + update_matrix[:, client].double()
-            accumulated += updated * (weights[client] / total)
-        self.global_adapter = accumulated.float()
+        # eq. 1 over the reporting clients
+        weights = torch.tensor([float(num_examples.get(c, 0)) for c in reported])
+        if float(weights.sum()) <= 0:
+            weights = torch.ones(len(reported))
+        self.global_adapter = weighted_sum(
+            self.personal[columns], received, weights.double() / weights.double().sum()
+        )
 
         # eq. 5 on the surrogate, from the window that produced xi^{t-1}
         if self.history:
@@ -568,6 +566,20 @@ class PFedSeqServer:
 
     def _check_client(self, client: int) -> int:
         return check_client(client, self.num_clients, "pFedSeq")
+
+
+def weighted_sum(
+    personal: torch.Tensor, received: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    """Eq. 1: sum_i w_i (theta_i + Delta_i) for (R, D) adapters and updates, accumulated in
+    float64 one block of columns at a time (O(R x block) extra memory); float32 out."""
+    out = torch.empty(personal.shape[1])
+    block = max(1, SQUARE_SUM_BLOCK // max(1, personal.shape[0]))
+    for start in range(0, personal.shape[1], block):
+        part = slice(start, start + block)
+        summed = personal[:, part].double() + received[:, part].double()
+        out[part] = (weights @ summed).float()
+    return out
 
 
 def surrogate_backward(
