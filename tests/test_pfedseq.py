@@ -1102,3 +1102,35 @@ def test_fused_scan_takes_the_softplus_of_delta_like_the_eager_path(last_only: b
     names = ["y", "u", "delta", "A", "B", "C", "D", "z", "delta_bias"]
     for name, got, want in zip(names, *results[::-1], strict=True):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=name)
+
+
+@needs_fused
+@pytest.mark.parametrize("width", [2, 4])
+@pytest.mark.parametrize("steps", [1, 6])
+def test_fused_conv_equals_the_depthwise_conv1d_values_and_every_gradient(
+    width: int, steps: int
+) -> None:
+    """float64: the fused channels-last conv + SiLU equals ``causal_conv1d_silu`` (F.conv1d)
+    per layer, with the gradients of x, the weight and the bias, to 1e-12; more rows than one
+    thread takes, so the weight gradients are summed over threads."""
+    g = torch.Generator().manual_seed(width * 10 + steps)
+    groups, rows, channels = 3, 150, 5
+    x = torch.randn(groups, rows, steps, channels, generator=g, dtype=torch.float64)
+    weight = torch.randn(groups, channels, width, generator=g, dtype=torch.float64)
+    bias = torch.randn(groups, channels, generator=g, dtype=torch.float64)
+    weights = torch.randn(groups, rows, steps, channels, generator=g, dtype=torch.float64)
+
+    def reference(x, weight, bias):
+        per_layer = [
+            scan.causal_conv1d_silu(x[k].transpose(1, 2), weight[k], bias[k], "torch")
+            for k in range(groups)
+        ]
+        return torch.stack(per_layer).transpose(2, 3)
+
+    results = []
+    for conv in (reference, fused_scan.fused_conv_silu):
+        leaves = [t.clone().requires_grad_() for t in (x, weight, bias)]
+        out = conv(*leaves)
+        results.append((out.detach(), *torch.autograd.grad((out * weights).sum(), leaves)))
+    for name, got, want in zip(["out", "x", "weight", "bias"], *results[::-1], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=name)

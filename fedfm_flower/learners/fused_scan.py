@@ -1,4 +1,5 @@
-"""The selective scan fused into one C loop per row: pFedSeq's fast CPU path.
+"""The selective scan fused into one C loop per row, and the mixer's conv + SiLU: pFedSeq's
+fast CPU path.
 
 The eager scan (``selective_scan._grouped_scan``) makes a pass over the (rows, g, d / g, n)
 state per operation and step, forward and backward: memory traffic, not arithmetic, bounds it
@@ -27,6 +28,12 @@ steps, n) for B and C: what the layer-batched learner's matmuls produce
 itself, one vectorised pass per row, and returns the raw step size's gradient (times
 sigmoid); the ATen softplus on these (rows, channels, L <= 30) tensors cost as much as the
 scan's forward. D and the gate stay in PyTorch around it.
+
+The mixer's depthwise causal conv and its SiLU are one kernel too (``fused_conv_silu``,
+same layout, the pre-activation recomputed in the backward pass, weight and bias gradients
+summed per thread): in eager PyTorch on this layout they were a pad, one multiply-add per tap,
+SiLU and their backward, about 15 ms of a 100 ms step (2 cores, D = 4,096, N = 10, L = 10),
+4 ms fused.
 
 Built at first use with the system C compiler (``cc``) into a cache directory keyed by the
 source, flags, compiler and CPU, written atomically so concurrent processes share one build
@@ -194,6 +201,86 @@ KERNELS(float, f32, expf, log1pf, 0)
 KERNELS(double, f64, exp, log1p, 0)
 KERNELS(float, f32_n16, expf, log1pf, 16)
 KERNELS(double, f64_n16, exp, log1p, 16)
+
+/* SiLU(depthwise causal conv along the steps), channels last: x, out, dout (groups, rows,
+   steps, channels); taps (groups, width, channels), tap j reading step t - (width - 1) + j;
+   bias (groups, channels). The backward pass recomputes the pre-activation; dtaps_parts and
+   dbias_parts hold one (groups, width, channels) and (groups, channels) sum per thread. */
+#define CONV(T, SUFFIX, EXP)                                                                 \
+static void conv_pre_##SUFFIX(const T* xs, const T* tg, const T* bg, T* pre,                \
+                              int64_t steps, int64_t channels, int64_t width) {             \
+    for (int64_t t = 0; t < steps; ++t) {                                                   \
+        T* p = pre + t * channels;                                                          \
+        _Pragma("omp simd")                                                                 \
+        for (int64_t c = 0; c < channels; ++c) p[c] = bg[c];                                \
+        for (int64_t j = 0; j < width; ++j) {                                               \
+            int64_t s = t - (width - 1) + j;                                                \
+            if (s < 0) continue;                                                            \
+            const T* xr = xs + s * channels; const T* tj = tg + j * channels;               \
+            _Pragma("omp simd")                                                             \
+            for (int64_t c = 0; c < channels; ++c) p[c] += tj[c] * xr[c];                   \
+        }                                                                                   \
+    }                                                                                       \
+}                                                                                           \
+                                                                                            \
+void conv_forward_##SUFFIX(int64_t groups, int64_t rows, int64_t threads, int64_t steps,    \
+                           int64_t channels, int64_t width, const T* x, const T* taps,      \
+                           const T* bias, T* out) {                                         \
+    const int64_t slab = steps * channels;                                                  \
+    _Pragma("omp parallel for num_threads(threads) if(rows >= MIN_PARALLEL_ROWS)")          \
+    for (int64_t r = 0; r < rows; ++r)                                                      \
+    for (int64_t g = 0; g < groups; ++g) {                                                  \
+        const int64_t at = (g * rows + r) * slab;                                           \
+        T* o = out + at;                                                                    \
+        conv_pre_##SUFFIX(x + at, taps + g * width * channels, bias + g * channels, o,      \
+                          steps, channels, width);                                          \
+        _Pragma("omp simd")                                                                 \
+        for (int64_t i = 0; i < slab; ++i) o[i] = o[i] / (1 + EXP(-o[i]));                  \
+    }                                                                                       \
+}                                                                                           \
+                                                                                            \
+void conv_backward_##SUFFIX(int64_t groups, int64_t rows, int64_t threads, int64_t steps,   \
+                            int64_t channels, int64_t width, const T* x, const T* taps,     \
+                            const T* bias, const T* dout, T* dx, T* dtaps_parts,            \
+                            T* dbias_parts, T* work) {                                      \
+    const int64_t slab = steps * channels;                                                  \
+    _Pragma("omp parallel for num_threads(threads) if(rows >= MIN_PARALLEL_ROWS)")          \
+    for (int64_t r = 0; r < rows; ++r)                                                      \
+    for (int64_t g = 0; g < groups; ++g) {                                                  \
+        const int64_t at = (g * rows + r) * slab;                                           \
+        const T* xs = x + at; const T* tg = taps + g * width * channels;                    \
+        const T* ds = dout + at; T* dxs = dx + at;                                          \
+        T* dt = dtaps_parts + (THREAD() * groups + g) * width * channels;                   \
+        T* db = dbias_parts + (THREAD() * groups + g) * channels;                           \
+        T* dpre = work + THREAD() * slab;                                                   \
+        conv_pre_##SUFFIX(xs, tg, bias + g * channels, dpre, steps, channels, width);       \
+        _Pragma("omp simd")                                                                 \
+        for (int64_t i = 0; i < slab; ++i) { /* d silu(p) = sig (1 + p (1 - sig)) */        \
+            T p = dpre[i], sig = 1 / (1 + EXP(-p));                                         \
+            dpre[i] = ds[i] * sig * (1 + p * (1 - sig));                                    \
+            dxs[i] = 0;                                                                     \
+        }                                                                                   \
+        for (int64_t t = 0; t < steps; ++t) {                                               \
+            const T* d = dpre + t * channels;                                               \
+            _Pragma("omp simd")                                                             \
+            for (int64_t c = 0; c < channels; ++c) db[c] += d[c];                           \
+            for (int64_t j = 0; j < width; ++j) {                                           \
+                int64_t s = t - (width - 1) + j;                                            \
+                if (s < 0) continue;                                                        \
+                const T* xr = xs + s * channels; const T* tj = tg + j * channels;           \
+                T* dxr = dxs + s * channels; T* dtj = dt + j * channels;                    \
+                _Pragma("omp simd")                                                         \
+                for (int64_t c = 0; c < channels; ++c) {                                    \
+                    dxr[c] += tj[c] * d[c];                                                 \
+                    dtj[c] += xr[c] * d[c];                                                 \
+                }                                                                           \
+            }                                                                               \
+        }                                                                                   \
+    }                                                                                       \
+}
+
+CONV(float, f32, expf)
+CONV(double, f64, exp)
 """
 # (compile flags, link flags), tried in order: OpenMP threads and vectorised exp (glibc's
 # libmvec, which its headers offer under -ffast-math; the link step does not get -ffast-math,
@@ -351,6 +438,49 @@ class FusedScan(torch.autograd.Function):
         pointers += [_pointer(dB), _pointer(dC), _pointer(work)]
         kernel(*_sizes(groups, rows, threads, *ctx.flags), *pointers)
         return du, ddelta, dA_parts.sum(0), dB, dC, None, None
+
+
+class FusedConvSilu(torch.autograd.Function):
+    """SiLU(bias + sum_j taps_j x_{t - (width - 1) + j}) per channel, channels last."""
+
+    @staticmethod
+    def forward(ctx, x, taps, bias):  # noqa: ANN001, ANN205 - autograd's signature
+        """x (g, rows, L, c), taps (g, width, c), bias (g, c) -> (g, rows, L, c)."""
+        if len({t.dtype for t in (x, taps, bias)}) != 1:
+            raise TypeError(
+                "the fused conv takes one dtype, got "
+                + ", ".join(str(t.dtype) for t in (x, taps, bias))
+            )
+        x, taps, bias = (t.contiguous() for t in (x, taps, bias))
+        groups, rows, steps, channels = x.shape
+        out = torch.empty_like(x)
+        kernel = getattr(library(), f"conv_forward_{_SUFFIX[x.dtype]}")
+        sizes = (steps, channels, taps.shape[1])
+        kernel(*_sizes(groups, rows, _threads(rows), *sizes), *map(_pointer, (x, taps, bias, out)))
+        ctx.save_for_backward(x, taps, bias)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):  # noqa: ANN001, ANN205 - autograd's signature
+        """Gradients of x, the taps and the bias."""
+        x, taps, bias = ctx.saved_tensors
+        dout = dout.contiguous()
+        groups, rows, steps, channels = x.shape
+        threads = _threads(rows)
+        dx = torch.empty_like(x)
+        dtaps_parts = taps.new_zeros(threads, *taps.shape)
+        dbias_parts = bias.new_zeros(threads, *bias.shape)
+        work = x.new_empty(threads, steps * channels)
+        kernel = getattr(library(), f"conv_backward_{_SUFFIX[x.dtype]}")
+        pointers = map(_pointer, (x, taps, bias, dout, dx, dtaps_parts, dbias_parts, work))
+        kernel(*_sizes(groups, rows, threads, steps, channels, taps.shape[1]), *pointers)
+        return dx, dtaps_parts.sum(0), dbias_parts.sum(0)
+
+
+def fused_conv_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """SiLU(depthwise causal conv1d along the steps) per layer, channels last: x
+    (g, rows, L, c), weight (g, c, width) as ``MambaMixer.conv_weight``, bias (g, c)."""
+    return FusedConvSilu.apply(x, weight.transpose(1, 2), bias)
 
 
 def usable(*tensors: torch.Tensor) -> bool:

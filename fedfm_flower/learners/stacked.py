@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedfm_flower.learners.fused_scan import fused_scan
+from fedfm_flower.learners.fused_scan import fused_conv_silu, fused_scan
 from fedfm_flower.learners.selective_scan import (
     causal_conv1d_silu,
     selective_scan,
@@ -88,20 +88,6 @@ def conv_silu(
     out = torch.addcmul(bias[:, None], padded[..., :steps], weight[:, :1])
     for tap in range(1, width):
         out = torch.addcmul(out, padded[..., tap : tap + steps], weight[:, tap : tap + 1])
-    return F.silu(out)
-
-
-def conv_silu_channels_last(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
-) -> torch.Tensor:
-    """SiLU(depthwise causal conv along the steps) per layer: x (G, batch, L, c), weight
-    (G, c, kernel), bias (G, c)."""
-    width, steps = weight.shape[-1], x.shape[2]
-    padded = F.pad(x, (0, 0, width - 1, 0))
-    taps = weight.permute(0, 2, 1)[:, :, None, None, :]  # (G, kernel, 1, 1, c)
-    out = torch.addcmul(bias[:, None, None, :], padded[:, :, :steps], taps[:, 0])
-    for tap in range(1, width):
-        out = torch.addcmul(out, padded[:, :, tap : tap + steps], taps[:, tap])
     return F.silu(out)
 
 
@@ -243,13 +229,13 @@ class StackedLearners:
     def mamba_channels_last(
         self, p: Params, hidden: torch.Tensor, last_only: bool = False
     ) -> torch.Tensor:
-        """``mamba`` on the fused C scan, every tensor in the matmuls' (G, batch, L, c) layout:
-        no folding of the layers into channels, the conv along the steps as shifted
-        multiply-adds, softplus(delta + bias) inside the scan (the bias in dt_proj's matmul)."""
+        """``mamba`` on the fused C kernels, every tensor in the matmuls' (G, batch, L, c)
+        layout: no folding of the layers into channels, the conv and SiLU in one kernel,
+        softplus(delta + bias) inside the scan (the bias in dt_proj's matmul)."""
         weight = p["in_proj.weight"]
         x = linear(hidden, weight[:, : self.inner])  # (G, batch, L, inner)
         z = linear(hidden[:, :, -1:] if last_only else hidden, weight[:, self.inner :])
-        x = conv_silu_channels_last(x, p["conv_weight"], p["conv_bias"])
+        x = fused_conv_silu(x, p["conv_weight"], p["conv_bias"])
         dt, B, C = linear(x, p["x_proj.weight"]).split(
             [self.dt_rank, self.state_dim, self.state_dim], dim=-1
         )
