@@ -83,6 +83,16 @@ def test_every_methods_declared_space_resolves_on_its_setups() -> None:
     assert {"fedprox", "per-fedavg", "tap", "fedperfix", "pfedseq"} <= checked
 
 
+def test_per_fedavgs_inner_and_outer_steps_are_searched_where_plain_sgd_trains() -> None:
+    """Per-FedAvg's alpha and beta over the same absolute range on every setup: its steps are
+    plain SGD, so an AdamW setup's small lr does not shrink them (multitask-cpu: lr 3e-4)."""
+    for setup_lr, optimizer in ((3e-4, "adamw"), (0.02, "sgd")):
+        base = {**BASE, "method": "per-fedavg", "lr": setup_lr, "optimizer": optimizer}
+        space = resolve_space(search.method_space(base), base)
+        assert space["perfedavg-alpha"] == space["perfedavg-beta"] == LogUniform(1e-3, 0.1)
+        assert space["perfedavg-alpha"].contains(0.03)  # the value 4 trials never reached
+
+
 def test_a_conditional_range_is_searched_only_where_its_key_has_effect() -> None:
     """FedDPA's alpha: FedDPA-T mixes with it in training; FedDPA-F only with the fixed
     inference weight (its dynamic weighting's lambda is 1), so only there is it searched."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from fedfm_flower.methods import MethodSpec, ResourceProfile
-from fedfm_flower.search import Around
+from fedfm_flower.search import LogUniform
 from fedfm_flower.settings import MethodSettings, setting
 
 
@@ -37,9 +37,13 @@ class PerFedAvgSettings(MethodSettings):
 # The meta-model w travels; a step takes two forward-backward passes (at w, then at temp).
 _TWO_PASSES = ResourceProfile(passes=2)
 
-# Tuned besides the common training keys (fedfm_flower.search): its steps are plain SGD without
-# momentum, which wants larger steps than the setups' momentum SGD: two decades up.
-SEARCH = {"lr": Around(10.0, 100.0)}
+# Tuned besides the common training keys (fedfm_flower.search): the inner and outer steps
+# themselves, over absolute ranges. They are plain SGD without momentum whatever the setup's
+# optimizer, so a range relative to the setup's lr misses where they train (multitask-cpu's
+# AdamW lr 3e-4: 4 trials of lr 6e-5..1.9e-3 all left Per-FedAvg at validation 28-34; on
+# glyphs-whole-vit it chose 0.044). Set, they make the run's lr irrelevant to its steps.
+STEP_RANGE = LogUniform(1e-3, 0.1)
+SEARCH = {"perfedavg-alpha": STEP_RANGE, "perfedavg-beta": STEP_RANGE}
 
 SPECS = (
     MethodSpec(
