@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from fedfm_flower.config import ExperimentConfig
-    from fedfm_flower.search import Range
+    from fedfm_flower.ranges import Range
     from fedfm_flower.settings import MethodSettings
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from fedfm_flower.methods import MethodSpec, ResourceProfile
-from fedfm_flower.search import Uniform
+from fedfm_flower.ranges import Uniform
 from fedfm_flower.settings import MethodSettings, setting
 
 

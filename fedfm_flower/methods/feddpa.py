@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from fedfm_flower.methods import MethodSpec, Split
-from fedfm_flower.search import Uniform, When
+from fedfm_flower.ranges import Uniform, When
 from fedfm_flower.settings import ConfigError, MethodSettings, setting
 
 WEIGHTINGS: tuple[str, ...] = ("dynamic", "fixed")

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 from fedfm_flower.methods import MethodSpec, Split
-from fedfm_flower.search import Uniform
+from fedfm_flower.ranges import Uniform
 from fedfm_flower.settings import ConfigError, MethodSettings, setting
 
 if TYPE_CHECKING:
