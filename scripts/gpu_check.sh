@@ -56,7 +56,8 @@ part main-job 120 "$PY" -m fedfm_flower.simulation --num-supernodes 10 \
 part overhead 240 "$PY" -m bench.suite --gpu --sections overhead
 cp bench/results/suite/results-gpu.json bench/results/suite/tables-gpu.md "$OUT/" 2> /dev/null
 part pfedseq-grid 110 "$PY" -m bench.pfedseq_server_step --device cuda --d 100000 1000000 \
-    --n 10 100 --l 5 20 --paths batched --repeats 3 --timeout-per-cell 25 --out "$OUT/pfedseq"
+    --n 10 100 --l 5 20 --paths batched fused --backend torch --repeats 3 --timeout-per-cell 25 \
+    --out "$OUT/pfedseq"
 
 "$PY" - "$OUT" <<'PY'
 import json, pathlib, sys
