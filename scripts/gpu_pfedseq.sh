@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # pFedSeq's server step on a GPU machine: the CUDA grid (D = 1e5 and 1e6, N = 10 and 100,
-# L = 5 and 20), eager against compiled scan steps, and the mamba-ssm kernels when installed.
-# Needs only torch (the bench imports no Flower, Ray or datasets), so no wheels travel.
+# L = 5 and 20), the eager scan against the fused Triton scan, and the mamba-ssm kernels when
+# installed. Needs torch and Triton (the bench imports no Flower, Ray or datasets), so no
+# wheels travel.
 #
 #     OUT=/path/to/out bash scripts/gpu_pfedseq.sh      # the device tool: OUT=$OUT, one call
 #
@@ -16,7 +17,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,memory.total,memory.free --format=csv > "$OUT/gpu.txt" 2>&1
 "$PY" -c "import torch; print(torch.__version__, torch.version.cuda)" >> "$OUT/gpu.txt"
 timeout 420 "$PY" -m bench.pfedseq_server_step --device cuda --d 100000 1000000 --n 10 100 \
-    --l 5 20 --paths batched compiled --repeats 3 --timeout-per-cell 60 --out "$OUT" \
+    --l 5 20 --paths batched fused --backend torch --repeats 3 --timeout-per-cell 60 --out "$OUT" \
     > "$OUT/grid.log" 2>&1
 echo "grid exit $?" >> "$OUT/grid.log"
 if "$PY" -c "import mamba_ssm" 2> /dev/null; then

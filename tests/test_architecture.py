@@ -10,9 +10,10 @@ packages (``import a.b.c`` runs ``a/__init__`` first), which every submodule has
 modules that do not exist.
 
 Imports made by name at run time are edges too (``on_demand_imports``): a package's lazy exports
-(``_EXPORTS`` of ``fedfm_flower.lazy``) from the package to each exporting module, and the
+(``_EXPORTS`` of ``fedfm_flower.lazy``) from the package to each exporting module, the
 ``"module:name"`` paths of the method and model-family registries from the module that imports
-them (``RESOLVERS``) to the module they name.
+them (``RESOLVERS``) to the module they name, and the method registry's discovery
+(``DISCOVERERS``: ``pkgutil.iter_modules`` over a package) to every module of that package.
 """
 
 from __future__ import annotations
@@ -118,14 +119,22 @@ def _registry_paths() -> dict[str, set[str]]:
 RESOLVERS = {"methods": "fedfm_flower.halves", "families": "fedfm_flower.models.build"}
 
 
+# The modules that import every module of a package by discovery -> that package.
+DISCOVERERS = {"fedfm_flower.registry": "fedfm_flower.methods"}
+
+
 def on_demand_imports(modules: dict[str, Path]) -> dict[str, set[str]]:
-    """Module -> the modules it imports by name at run time (lazy exports, registry paths)."""
+    """Module -> the modules it imports by name at run time (lazy exports, registry paths,
+    discovery)."""
     edges = {name: lazy_exports(name, path, modules) for name, path in modules.items()}
     for resolver, targets in _registry_paths().items():
         assert "importlib.import_module" in modules[resolver].read_text(), resolver
         missing = targets - set(modules)
         assert not missing, f"registry paths name modules that do not exist: {missing}"
         edges[resolver] |= targets
+    for discoverer, package in DISCOVERERS.items():
+        assert "pkgutil.iter_modules" in modules[discoverer].read_text(), discoverer
+        edges[discoverer] |= {name for name in modules if name.startswith(f"{package}.")}
     return edges
 
 
@@ -235,6 +244,30 @@ def test_on_demand_imports_are_found():
     assert "strategies.fedavg" in edges[RESOLVERS["methods"]]
     assert "client_apps.fedprox" in edges[RESOLVERS["methods"]]
     assert "fedfm_flower.models.foundation" in edges[RESOLVERS["families"]]
+    assert "fedfm_flower.methods.fedprox" in edges["fedfm_flower.registry"]  # discovered
+
+
+def test_the_discovery_edge_closes_a_cycle_the_static_imports_miss():
+    """A method module importing something that imports the registry is a cycle only through
+    the registry's discovery: the test's graph must see it."""
+    graph = {
+        "fedfm_flower.registry": {"fedfm_flower.methods"},
+        "fedfm_flower.methods": set(),
+        "fedfm_flower.methods.fedprox": {"fedfm_flower.search"},
+        "fedfm_flower.search": {"fedfm_flower.config"},
+        "fedfm_flower.config": {"fedfm_flower.registry"},
+    }
+    assert find_cycles(graph) == []
+    graph["fedfm_flower.registry"] |= {"fedfm_flower.methods.fedprox"}  # discovery
+    assert find_cycles(graph) == [
+        [
+            "fedfm_flower.config",
+            "fedfm_flower.registry",
+            "fedfm_flower.methods.fedprox",
+            "fedfm_flower.search",
+            "fedfm_flower.config",
+        ]
+    ]
 
 
 def test_no_import_cycles():
@@ -261,9 +294,11 @@ def test_every_method_is_one_unit():
     from strategies.base import PersonalizedStrategy
 
     modules = module_files()
-    light = {"fedfm_flower.methods", "fedfm_flower.settings", "fedfm_flower.search"}
-    search = modules["fedfm_flower.search"].read_text()
-    assert "import torch" not in search and "import flwr" not in search
+    light = {"fedfm_flower.methods", "fedfm_flower.settings", "fedfm_flower.ranges"}
+    for leaf in ("fedfm_flower.ranges", "fedfm_flower.search"):
+        text = modules[leaf].read_text()
+        assert "import torch" not in text and "import flwr" not in text, leaf
+    assert imports_of("fedfm_flower.ranges", modules["fedfm_flower.ranges"], modules) == set()
     for name, path in modules.items():
         if name.startswith("fedfm_flower.methods."):
             assert imports_of(name, path, modules) <= light, name

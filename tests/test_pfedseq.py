@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from fedfm_flower.config import ConfigError, ExperimentConfig
-from fedfm_flower.learners import fused_scan
+from fedfm_flower.learners import fused_scan, triton_scan
 from fedfm_flower.learners import selective_scan as scan
 from fedfm_flower.learners import stacked as stacked_module
 from fedfm_flower.learners.layout import ParameterLayout, layer_key
@@ -1134,3 +1134,45 @@ def test_fused_conv_equals_the_depthwise_conv1d_values_and_every_gradient(
         results.append((out.detach(), *torch.autograd.grad((out * weights).sum(), leaves)))
     for name, got, want in zip(["out", "x", "weight", "bias"], *results[::-1], strict=True):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=name)
+
+
+needs_triton = pytest.mark.skipif(
+    not (fused_scan.available() and triton_scan.importable()), reason="no C compiler or Triton"
+)
+TRITON_CASES = [(s, lo, sp) for s in (1, 5) for lo in (False, True) for sp in (False, True)]
+
+
+@pytest.fixture(scope="module")
+def triton_against_c_loop() -> dict:
+    """tests/triton_interpreted.py in a fresh process with Triton's interpreter (it must be on
+    before Triton is imported): every case's outputs and gradients, Triton's and the C loop's
+    largest difference over the C loop's largest magnitude, per tensor."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = Path(__file__).with_name("triton_interpreted.py")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@needs_triton
+@pytest.mark.parametrize(("steps", "last_only", "softplus"), TRITON_CASES)
+def test_triton_scan_equals_the_c_loop_values_and_every_gradient(
+    triton_against_c_loop: dict, steps: int, last_only: bool, softplus: bool
+) -> None:
+    """The CUDA path's Triton kernels (run by Triton's interpreter on the CPU) give the C
+    loop's outputs and the gradients of u, delta, A, B and C within float32 rounding: 1-step
+    windows (A's gradient a real zero), the last step only, softplus on both sides of its
+    threshold, channels not a power of two (masked), dA summed over rows with atomics."""
+    case = triton_against_c_loop[f"{steps}-{int(last_only)}-{int(softplus)}"]
+    for name in ("y", "u", "delta", "A", "B", "C"):
+        assert case[name] <= 2e-6, (name, case)
+        assert case[f"{name}-scale"] > 0 or (name == "A" and steps == 1), (name, case)
+    if steps == 1:
+        assert case["A-zero"], case  # dA: zero, not None

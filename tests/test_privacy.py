@@ -13,13 +13,15 @@ import numpy as np
 import pytest
 import torch
 from flwr.app import Message, RecordDict
+from run_configs import method_base
 
 from fedfm_flower import protocol as P
 from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.methods import MECHANISMS, UNDECLARED
 from fedfm_flower.privacy import accountant, mechanism, noise
-from fedfm_flower.privacy.support import REFUSALS, central_dp_refusal
+from fedfm_flower.privacy.support import central_dp_refusal
 from fedfm_flower.records import from_array_record, to_array_record
-from fedfm_flower.registry import method_spec
+from fedfm_flower.registry import METHODS, method_spec
 from fedfm_flower.settings import ConfigError
 
 
@@ -224,26 +226,44 @@ def test_local_dp_epsilon_is_stated_for_sensitivity_2c(sigma: float, releases: i
 
 
 # ---------------------------------------------------------------- who can take it
-@pytest.mark.parametrize(
-    "method", ["pfedseq", "pfedpg", "tap", "feddpa-t", "feddpa-f", "feddat", "centralized"]
-)
-def test_methods_whose_server_reads_more_than_the_average_have_a_reason(method: str) -> None:
-    reason = central_dp_refusal(SimpleNamespace(method=method))
-    assert reason == REFUSALS[method_spec(method).strategy]
+def _declaring(mechanism: str, supported: bool) -> list[str]:
+    """The registry's methods that declare ``mechanism`` supported (or refused)."""
+    return [
+        name
+        for name, spec in METHODS.items()
+        if (spec.capabilities.refusal(mechanism) is None) == supported
+    ]
 
 
-@pytest.mark.parametrize("method", ["pfedseq", "pfedpg"])
+def test_every_method_declares_its_capabilities_and_refusals_say_why() -> None:
+    """No method is left with the undeclared default; every refusal is a reason, not a flag."""
+    for name, spec in METHODS.items():
+        assert spec.capabilities is not UNDECLARED, name
+        for kind in MECHANISMS:
+            reason = spec.capabilities.refusal(kind)
+            assert reason is None or len(reason.split()) >= 5, (name, kind, reason)
+    assert {"fedavg", "local"} <= set(_declaring("central-dp", True))
+    assert {"pfedseq", "pfedpg"} <= set(_declaring("local-dp", True))
+    assert {"pfedseq", "tap", "centralized"} <= set(_declaring("central-dp", False))
+
+
+@pytest.mark.parametrize("method", _declaring("central-dp", True))
+def test_a_method_that_declares_central_dp_has_the_noised_average(method: str) -> None:
+    """Its strategy is FedAvg's, the one with the clipped, noised average."""
+    from fedfm_flower.halves import strategy_class
+    from strategies.fedavg import FedAvgStrategy
+
+    assert issubclass(strategy_class(method), FedAvgStrategy)
+    config = ExperimentConfig.from_run_config({**method_base(method), "dp": "central"})
+    assert central_dp_refusal(config) is None
+
+
+@pytest.mark.parametrize("method", _declaring("central-dp", False))
 def test_a_method_that_cannot_take_central_dp_is_refused_at_start(method: str) -> None:
     with pytest.raises(ConfigError, match="'dp'") as refused:
-        ExperimentConfig.from_run_config({"method": method, "dp": "central"})
-    assert REFUSALS[method_spec(method).strategy] in str(refused.value)
-    ExperimentConfig.from_run_config({"method": method, "dp": "none"})  # the default is fine
-
-
-@pytest.mark.parametrize("method", ["fedavg", "fedrep", "fedprox", "fedvpt", "fedperfix", "local"])
-def test_fedavg_family_methods_take_central_dp(method: str) -> None:
-    config = ExperimentConfig.from_run_config({"method": method, "dp": "central"})
-    assert central_dp_refusal(config) is None
+        ExperimentConfig.from_run_config({**method_base(method), "dp": "central"})
+    assert method_spec(method).capabilities.central_dp in str(refused.value)
+    assert central_dp_refusal(SimpleNamespace(method=method, dp="central")) is not None
 
 
 @pytest.mark.parametrize(
@@ -428,18 +448,32 @@ def test_a_client_that_sends_updates_is_clipped_and_noised_around_zero(tmp_path:
     assert not torch.equal(first["adapter.a"], again["adapter.a"])  # fresh noise each time
 
 
-@pytest.mark.parametrize(
-    ("method", "allowed"),
-    [("fedavg", True), ("pfedseq", True), ("pfedpg", True), ("fedrep", True)]
-    + [(m, False) for m in ("tap", "feddpa-f", "feddat", "centralized")],
-)
-def test_local_dp_fits_methods_whose_clients_send_only_in_the_federated_rounds(
-    method: str, allowed: bool
-) -> None:
+@pytest.mark.parametrize("method", list(METHODS))
+def test_local_dp_is_taken_or_refused_at_start_as_the_method_declares(method: str) -> None:
     from fedfm_flower.privacy.support import local_dp_refusal
 
-    reason = local_dp_refusal(SimpleNamespace(method=method))
-    assert (reason is None) == allowed, reason
+    declared = method_spec(method).capabilities.local_dp
+    assert local_dp_refusal(SimpleNamespace(method=method)) == declared
+    if declared is None:
+        ExperimentConfig.from_run_config({**method_base(method), "dp": "local"})
+    else:
+        with pytest.raises(ConfigError, match="'dp'") as refused:
+            ExperimentConfig.from_run_config({**method_base(method), "dp": "local"})
+        assert declared in str(refused.value)
+
+
+def test_the_capability_table_in_the_docs_is_generated_from_the_methods() -> None:
+    """docs/privacy.md's table is ``capability_table()`` (regenerate: ``python -m
+    fedfm_flower.privacy.support --write docs/privacy.md``); every method is in it."""
+    from fedfm_flower.privacy.support import capability_table, with_table
+
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "privacy.md").read_text()
+    assert with_table(docs) == docs, "docs/privacy.md's capability table is stale"
+    table = capability_table()
+    for name in METHODS:
+        assert table.count(f" {name},") + table.count(f" {name} |") == 1, name
+    with pytest.raises(ValueError, match="capabilities:begin"):
+        with_table("no markers here")
 
 
 def test_a_local_dp_run_sends_noised_clipped_updates_and_reports_epsilon(

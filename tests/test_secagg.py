@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from flwr.app import ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
+from run_configs import method_base
 
 from client_apps.secagg import secagg_mod
 from fedfm_flower import protocol as P
@@ -23,6 +24,7 @@ from fedfm_flower.privacy.secagg import (
     secure_exchange,
 )
 from fedfm_flower.records import from_array_record, to_array_record
+from fedfm_flower.registry import METHODS
 from fedfm_flower.settings import ConfigError
 from server_apps.inprocess import InProcessGrid
 
@@ -187,23 +189,32 @@ def test_values_beyond_the_clipping_range_are_counted_and_a_weight_beyond_max_re
 
 
 # ---------------------------------------------------------------- refusals and config
-@pytest.mark.parametrize(
-    "method", ["pfedseq", "pfedpg", "tap", "feddpa-t", "feddpa-f", "feddat", "centralized"]
-)
-def test_methods_whose_server_needs_more_than_the_sum_have_a_reason(method: str) -> None:
-    reason = secagg_refusal(SimpleNamespace(method=method, dataset="digits", dp="none"))
-    assert reason is not None and "SecAgg+ reveals only that sum" in reason
+SECAGG_REFUSED = [n for n, s in METHODS.items() if s.capabilities.secagg is not None]
+SECAGG_TAKEN = [n for n, s in METHODS.items() if s.capabilities.secagg is None]
 
 
-@pytest.mark.parametrize("method", ["pfedseq", "pfedpg"])
-def test_a_method_that_cannot_take_secagg_is_refused_at_start(method: str) -> None:
-    with pytest.raises(ConfigError, match="'secagg'.*cannot take it"):
-        ExperimentConfig.from_run_config({"method": method, "secagg": True})
+@pytest.mark.parametrize("method", SECAGG_REFUSED)
+def test_a_method_that_cannot_take_secagg_is_refused_at_start_with_its_reason(
+    method: str,
+) -> None:
+    declared = METHODS[method].capabilities.secagg
+    assert secagg_refusal(SimpleNamespace(method=method, dataset="digits", dp="none")) == declared
+    with pytest.raises(ConfigError, match="'secagg'.*cannot take it") as refused:
+        ExperimentConfig.from_run_config({**method_base(method), "secagg": True})
+    assert declared in str(refused.value)
 
 
-@pytest.mark.parametrize("method", ["fedavg", "fedrep", "fedprox", "fedvpt", "fedperfix"])
-def test_fedavg_family_methods_take_secagg(method: str) -> None:
-    assert ExperimentConfig.from_run_config({"method": method, "secagg": True}).secagg
+@pytest.mark.parametrize("method", SECAGG_TAKEN)
+def test_a_method_that_declares_secagg_takes_it_on_a_strategy_with_the_secure_sum(
+    method: str,
+) -> None:
+    from fedfm_flower.halves import strategy_class
+    from strategies.base import PersonalizedStrategy
+
+    strategy = strategy_class(method)
+    assert strategy.aggregate_secure is not PersonalizedStrategy.aggregate_secure, strategy
+    assert ExperimentConfig.from_run_config({**method_base(method), "secagg": True}).secagg
+    assert {"pfedseq", "tap"} <= set(SECAGG_REFUSED) and "fedavg" in SECAGG_TAKEN
 
 
 def test_secagg_is_refused_with_central_dp_and_on_multitask() -> None:

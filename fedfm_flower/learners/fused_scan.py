@@ -484,7 +484,12 @@ def fused_conv_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -
 
 
 def usable(*tensors: torch.Tensor) -> bool:
-    """Whether the fused kernels can take these tensors (CPU, one dtype: float32 or 64)."""
+    """Whether the fused scan can take these tensors: on the CPU the C loop (float32 or 64,
+    one dtype), on a CUDA device the Triton kernels."""
+    from fedfm_flower.learners import triton_scan
+
+    if tensors and all(t.is_cuda for t in tensors):
+        return triton_scan.importable()
     return (
         all(t.device.type == "cpu" and t.dtype in _SUFFIX for t in tensors)
         and len({t.dtype for t in tensors}) == 1
@@ -502,9 +507,14 @@ def fused_scan(
     softplus: bool = False,
 ) -> torch.Tensor:
     """sum_n C_t h_t channels last: u, delta (g, rows, L, c), A (g, c, n), B and C
-    (g, rows, L, n) -> (g, rows, L or 1, c); ``softplus``: delta is the raw step size."""
+    (g, rows, L, n) -> (g, rows, L or 1, c); ``softplus``: delta is the raw step size. On a
+    CUDA device through the Triton kernels (``triton_scan``), else the C loop."""
     if A.shape[-1] > MAX_STATE:
         raise ValueError(f"the fused scan takes states of <= {MAX_STATE}, got {A.shape[-1]}")
+    if u.is_cuda:
+        from fedfm_flower.learners.triton_scan import triton_scan
+
+        return triton_scan(u, delta, A, B, C, last_only, softplus)
     return FusedScan.apply(u, delta, A, B, C, last_only, softplus)
 
 

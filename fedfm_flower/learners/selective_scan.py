@@ -85,15 +85,17 @@ def use_kernel(name: str, tensor: torch.Tensor, backend: str) -> bool:
 
 
 def use_fused(tensor: torch.Tensor, backend: str) -> bool:
-    """Whether the fused C recurrence runs for ``tensor`` under ``backend``: always for
-    ``fused`` (an error where it cannot), for ``auto`` on a CPU where it builds."""
+    """Whether the fused recurrence runs for ``tensor`` under ``backend``: always for
+    ``fused`` (an error where it cannot), for ``auto`` on a CPU where the C loop builds and on
+    a CUDA device with Triton where mamba-ssm's kernel is not installed (it goes first)."""
     from fedfm_flower.learners import fused_scan
 
     if backend == "fused":
         if not fused_scan.usable(tensor):
             raise RuntimeError(
                 "pfedseq-scan-backend = 'fused' but the fused scan cannot run here (it needs a "
-                "C compiler, `cc`, and the learner on the CPU in float32 or float64); use 'auto'"
+                "C compiler, `cc`, and the learner on the CPU in float32 or float64, or Triton "
+                "and the learner on a CUDA device); use 'auto'"
             )
         return True
     return backend == "auto" and fused_scan.usable(tensor)

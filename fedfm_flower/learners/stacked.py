@@ -198,7 +198,12 @@ class StackedLearners:
     def mamba(self, p: Params, hidden: torch.Tensor, last_only: bool = False) -> torch.Tensor:
         """``MambaMixer`` per layer: (G, batch, L, width) -> (G, batch, L or 1, width)."""
         backend = self.spec.backend
-        if not use_kernel("selective_scan", hidden, backend) and use_fused(hidden, backend):
+        on_cpu = hidden.device.type == "cpu"  # the fused conv is a C kernel
+        if (
+            on_cpu
+            and not use_kernel("selective_scan", hidden, backend)
+            and use_fused(hidden, backend)
+        ):
             return self.mamba_channels_last(p, hidden, last_only)
         groups = hidden.shape[0]
         weight = p["in_proj.weight"]

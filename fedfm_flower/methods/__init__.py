@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from fedfm_flower.config import ExperimentConfig
-    from fedfm_flower.search import Range
+    from fedfm_flower.ranges import Range
     from fedfm_flower.settings import MethodSettings
 
 
@@ -50,6 +50,41 @@ class ResourceProfile:
 
 
 @dataclass(frozen=True)
+class Capabilities:
+    """Which privacy mechanisms a method's federation takes: None where it does, else the
+    reason it does not (what a run config asking for it is refused with).
+
+    Central DP noises the average of the clients' shared tensors on the server; local DP noises
+    each client's reply before it leaves; SecAgg+ reveals only the sum of the shared tensors
+    (``fedfm_flower.privacy``). The dataset may refuse more (SecAgg+ on ``multitask``).
+    """
+
+    central_dp: str | None
+    local_dp: str | None
+    secagg: str | None
+
+    def refusal(self, mechanism: str) -> str | None:
+        """Why the method does not take ``mechanism`` (central-dp, local-dp, secagg), or None."""
+        if mechanism not in MECHANISMS:
+            raise ValueError(f"mechanism '{mechanism}' unknown; known: {', '.join(MECHANISMS)}")
+        return getattr(self, mechanism.replace("-", "_"))
+
+
+MECHANISMS: tuple[str, ...] = ("central-dp", "local-dp", "secagg")
+
+# The server needs only the (weighted) average of the clients' shared tensors, which they send
+# in the federated rounds only: every mechanism fits (the FedAvg family, Local).
+AVERAGE_ONLY = Capabilities(central_dp=None, local_dp=None, secagg=None)
+
+# A spec that declares nothing takes none of them.
+UNDECLARED = Capabilities(
+    central_dp="its spec declares no central DP support (MethodSpec.capabilities)",
+    local_dp="its spec declares no local DP support (MethodSpec.capabilities)",
+    secagg="its spec declares no SecAgg+ support (MethodSpec.capabilities)",
+)
+
+
+@dataclass(frozen=True)
 class MethodSpec:
     """One method: its halves, its tuner and modalities, its settings, its split, its profile.
 
@@ -73,6 +108,8 @@ class MethodSpec:
     # What tuning searches besides the common training keys (fedfm_flower.search): run-config
     # key -> range; an entry for a common key (lr) replaces the common range.
     search: Mapping[str, Range] = field(default_factory=dict, compare=False)
+    # Which of central DP, local DP and SecAgg+ its federation takes, and why not the others.
+    capabilities: Capabilities = UNDECLARED
 
     def split_for(self, config: ExperimentConfig) -> Split:
         """The split of a run of this method (a function of ``config`` for some methods)."""

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from fedfm_flower.methods import MethodSpec, ResourceProfile
-from fedfm_flower.search import Uniform
+from fedfm_flower.methods import AVERAGE_ONLY, MethodSpec, ResourceProfile
+from fedfm_flower.ranges import Uniform
 from fedfm_flower.settings import MethodSettings, setting
 
 
@@ -51,5 +51,6 @@ SPECS = (
         # and a step takes two forward-backward passes (at w and at the mixture).
         profile=ResourceProfile(copies=2, passes=2, extra=1),
         search=SEARCH,
+        capabilities=AVERAGE_ONLY,
     ),
 )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fedfm_flower.methods import MethodSpec, Split
+from fedfm_flower.methods import AVERAGE_ONLY, MethodSpec, Split
 
 SPECS = (
     MethodSpec(
@@ -11,5 +11,6 @@ SPECS = (
         client="client_apps.split:SplitClient",
         summary="adapter and head averaged over clients (weighted by examples)",
         split=Split(shared=None, local=()),
+        capabilities=AVERAGE_ONLY,
     ),
 )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fedfm_flower.methods import MethodSpec, Split
+from fedfm_flower.methods import AVERAGE_ONLY, MethodSpec, Split
 
 SPECS = (
     MethodSpec(
@@ -11,5 +11,6 @@ SPECS = (
         client="client_apps.fedavg_ft:FedAvgFineTuneClient",
         summary="FedAvg, then local fine-tuning of a copy before each evaluation",
         split=Split(shared=None, local=()),
+        capabilities=AVERAGE_ONLY,
     ),
 )

@@ -4,7 +4,7 @@ evaluate."""
 
 from __future__ import annotations
 
-from fedfm_flower.methods import MethodSpec, Split
+from fedfm_flower.methods import AVERAGE_ONLY, MethodSpec, Split
 
 SPECS = (
     MethodSpec(
@@ -17,5 +17,6 @@ SPECS = (
         trains_backbone=True,
         modalities=("image",),  # it needs a classification head
         split=Split(shared=None, local=("head",)),
+        capabilities=AVERAGE_ONLY,
     ),
 )

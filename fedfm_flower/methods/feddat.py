@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from fedfm_flower.methods import MethodSpec, ResourceProfile
-from fedfm_flower.search import LogUniform
+from fedfm_flower.methods import Capabilities, MethodSpec, ResourceProfile
+from fedfm_flower.ranges import LogUniform
 from fedfm_flower.settings import MethodSettings, setting
 
 
@@ -42,6 +42,14 @@ _THREE_ADAPTERS = ResourceProfile(copies=3)
 # distillation's weight.
 SEARCH = {"feddat-distill-weight": LogUniform(0.1, 10.0)}
 
+CAPABILITIES = Capabilities(
+    central_dp="not yet supported: FedDAT's server distils between adapters it keeps per round",
+    local_dp="not yet supported: its server's distillation between the adapters it keeps is "
+    "a phase the local mechanism does not cover",
+    secagg="its server distils between the adapters it keeps, which needs more than the sum "
+    "of the clients' shared tensors (SecAgg+ reveals only that sum)",
+)
+
 SPECS = (
     MethodSpec(
         "feddat",
@@ -53,6 +61,7 @@ SPECS = (
         modalities=("multimodal",),
         profile=_THREE_ADAPTERS,
         search=SEARCH,
+        capabilities=CAPABILITIES,
     ),
     MethodSpec(
         "feddat-ft",
@@ -64,5 +73,6 @@ SPECS = (
         modalities=("multimodal",),
         profile=_THREE_ADAPTERS,
         search=SEARCH,
+        capabilities=CAPABILITIES,
     ),
 )

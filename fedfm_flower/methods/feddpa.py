@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from fedfm_flower.methods import MethodSpec, Split
-from fedfm_flower.search import Uniform, When
+from fedfm_flower.methods import Capabilities, MethodSpec, Split
+from fedfm_flower.ranges import Uniform, When
 from fedfm_flower.settings import ConfigError, MethodSettings, setting
 
 WEIGHTINGS: tuple[str, ...] = ("dynamic", "fixed")
@@ -71,6 +71,21 @@ _ADAPTERS = Split(shared=("adapter.global",), local=("adapter.local",))
 # is 1, so there alpha only matters as the fixed inference weight.
 ALPHA = Uniform(0.1, 0.9)
 
+CAPABILITIES_T = Capabilities(
+    central_dp="not yet supported: its global adapter could take central DP, but that path is "
+    "not implemented and tested",
+    local_dp="not yet supported: its own strategy's replies are not covered by the local mechanism",
+    secagg="not yet supported: its own strategy has no SecAgg+ path (SecAgg+ reveals only "
+    "the sum of the clients' shared tensors)",
+)
+
+CAPABILITIES_F = Capabilities(
+    central_dp="not yet supported (as FedDPA-T)",
+    local_dp="not yet supported: its post-training phase sends more than the federated "
+    "rounds' updates",
+    secagg="not yet supported (as FedDPA-T)",
+)
+
 SPECS = (
     MethodSpec(
         "feddpa-t",
@@ -83,6 +98,7 @@ SPECS = (
         modalities=("text",),
         split=_ADAPTERS,
         search={"feddpa-alpha": ALPHA},
+        capabilities=CAPABILITIES_T,
     ),
     MethodSpec(
         "feddpa-f",
@@ -96,5 +112,6 @@ SPECS = (
         modalities=("text",),
         split=_ADAPTERS,
         search={"feddpa-alpha": When(ALPHA, "feddpa-weighting", ("fixed",))},
+        capabilities=CAPABILITIES_F,
     ),
 )

@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
-from fedfm_flower.methods import MethodSpec, Split
-from fedfm_flower.search import Uniform
+from fedfm_flower.methods import AVERAGE_ONLY, MethodSpec, Split
+from fedfm_flower.ranges import Uniform
 from fedfm_flower.settings import ConfigError, MethodSettings, setting
 
 if TYPE_CHECKING:
@@ -72,5 +72,6 @@ SPECS = (
         trains_backbone=True,
         split=personal_split,
         search=SEARCH,
+        capabilities=AVERAGE_ONLY,
     ),
 )

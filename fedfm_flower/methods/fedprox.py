@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from fedfm_flower.methods import MethodSpec, Split
-from fedfm_flower.search import LogUniform
+from fedfm_flower.methods import AVERAGE_ONLY, MethodSpec, Split
+from fedfm_flower.ranges import LogUniform
 from fedfm_flower.settings import MethodSettings, setting
 
 
@@ -42,5 +42,6 @@ SPECS = (
         settings=FedProxSettings,
         split=Split(shared=None, local=()),
         search=SEARCH,
+        capabilities=AVERAGE_ONLY,
     ),
 )

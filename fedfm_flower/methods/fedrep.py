@@ -3,8 +3,8 @@ head epochs with the adapter fixed, then adapter epochs with the head fixed."""
 
 from __future__ import annotations
 
-from fedfm_flower.methods import MethodSpec, Split
-from fedfm_flower.search import IntRange
+from fedfm_flower.methods import AVERAGE_ONLY, MethodSpec, Split
+from fedfm_flower.ranges import IntRange
 
 # Tuned besides the common training keys (fedfm_flower.search): head epochs before the adapter's
 # (FedRep trains the head longest).
@@ -19,5 +19,6 @@ SPECS = (
         "2021)",
         split=Split(shared=None, local=("head",)),
         search=SEARCH,
+        capabilities=AVERAGE_ONLY,
     ),
 )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fedfm_flower.methods import MethodSpec, Split
+from fedfm_flower.methods import AVERAGE_ONLY, MethodSpec, Split
 
 _PROMPTS_SHARED = Split(shared=None, local=("head",))
 
@@ -14,6 +14,7 @@ SPECS = (
         summary="visual prompts (VPT-shallow) averaged over clients, head local",
         tuner="vpt",
         split=_PROMPTS_SHARED,
+        capabilities=AVERAGE_ONLY,
     ),
     MethodSpec(
         "fedvpt-deep",
@@ -22,5 +23,6 @@ SPECS = (
         summary="VPT-deep prompts (one set per block) averaged over clients, head local",
         tuner="vpt-deep",
         split=_PROMPTS_SHARED,
+        capabilities=AVERAGE_ONLY,
     ),
 )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fedfm_flower.methods import MethodSpec, Split
+from fedfm_flower.methods import AVERAGE_ONLY, MethodSpec, Split
 
 SPECS = (
     MethodSpec(
@@ -11,5 +11,6 @@ SPECS = (
         client="client_apps.split:SplitClient",
         summary="each client tunes its own adapter and head; nothing is communicated",
         split=Split(shared=(), local=None),
+        capabilities=AVERAGE_ONLY,
     ),
 )

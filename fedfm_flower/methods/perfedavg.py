@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from fedfm_flower.methods import MethodSpec, ResourceProfile
-from fedfm_flower.search import LogUniform
+from fedfm_flower.methods import AVERAGE_ONLY, MethodSpec, ResourceProfile
+from fedfm_flower.ranges import LogUniform
 from fedfm_flower.settings import MethodSettings, setting
 
 
@@ -57,6 +57,7 @@ SPECS = (
         trains_backbone=True,
         profile=_TWO_PASSES,
         search=SEARCH,
+        capabilities=AVERAGE_ONLY,
     ),
     MethodSpec(
         "per-fedavg-ft",
@@ -69,5 +70,6 @@ SPECS = (
         trains_backbone=True,
         profile=_TWO_PASSES,
         search=SEARCH,
+        capabilities=AVERAGE_ONLY,
     ),
 )

@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from fedfm_flower.methods import MethodSpec, Split
-from fedfm_flower.search import LogUniform
+from fedfm_flower.methods import Capabilities, MethodSpec, Split
+from fedfm_flower.ranges import LogUniform
 from fedfm_flower.settings import MethodSettings, setting
 
 GENERATORS: tuple[str, ...] = ("cross-attention", "basis", "mlp", "adain")
@@ -37,6 +37,13 @@ class PFedPGSettings(MethodSettings):
 # each way of the default.
 SEARCH = {"pfedpg-lr": LogUniform(1e-4, 1e-2)}
 
+CAPABILITIES = Capabilities(
+    central_dp="its prompt generator is trained on each client's update, not only their average",
+    local_dp=None,  # each client's noised update is all the generator reads
+    secagg="its prompt generator is trained on each client's update, which needs more than "
+    "their sum (SecAgg+ reveals only that sum)",
+)
+
 SPECS = (
     MethodSpec(
         "pfedpg",
@@ -49,5 +56,6 @@ SPECS = (
         # Clients send the prompt change Delta P_n; the head is trained jointly and kept.
         split=Split(shared=("prompt",), local=("head",)),
         search=SEARCH,
+        capabilities=CAPABILITIES,
     ),
 )

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from fedfm_flower.methods import MethodSpec, Split
-from fedfm_flower.search import LogUniform
+from fedfm_flower.methods import Capabilities, MethodSpec, Split
+from fedfm_flower.ranges import LogUniform
 from fedfm_flower.settings import MethodSettings, setting
 
 LEARNERS: tuple[str, ...] = ("mamba", "lstm", "mlp")  # sequence.SequenceLearner
@@ -53,6 +53,14 @@ class PFedSeqSettings(MethodSettings):
 # a decade each way of the paper's.
 SEARCH = {"pfedseq-lr": LogUniform(1e-4, 1e-2)}
 
+CAPABILITIES = Capabilities(
+    central_dp="its sequential learner reads each client's update (eqs. 2 and 5), not only "
+    "their average",
+    local_dp=None,  # each client's noised update is all the learner reads
+    secagg="its sequential learner reads each client's update (eqs. 2 and 5), which needs "
+    "more than their sum (SecAgg+ reveals only that sum)",
+)
+
 SPECS = (
     MethodSpec(
         "pfedseq",
@@ -64,5 +72,6 @@ SPECS = (
         # Clients send the adapter update Delta_i^t; the head is trained jointly and kept.
         split=Split(shared=("adapter",), local=("head",)),
         search=SEARCH,
+        capabilities=CAPABILITIES,
     ),
 )

@@ -28,8 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from fedfm_flower.methods import MethodSpec, ResourceProfile
-from fedfm_flower.search import LogUniform
+from fedfm_flower.methods import Capabilities, MethodSpec, ResourceProfile
+from fedfm_flower.ranges import LogUniform
 from fedfm_flower.settings import MethodSettings, setting
 
 REPLACEMENTS: tuple[str, ...] = ("paper", "all-pairs")
@@ -85,6 +85,15 @@ class TAPSettings(MethodSettings):
 # (0.005-0.01) with room each way.
 SEARCH = {f"tap-margin-{pair}": LogUniform(1e-3, 0.05) for pair in PAIR_TYPES}
 
+CAPABILITIES = Capabilities(
+    central_dp="it averages each component over the clients that own it, so a component's "
+    "average rests on a few clients and no single noise scale covers all",
+    local_dp="not yet supported: its distillation phase sends more than the federated "
+    "rounds' updates",
+    secagg="it sums each component over the clients that own it, not one sum over all "
+    "clients (SecAgg+ reveals only that sum)",
+)
+
 SPECS = (
     MethodSpec(
         "tap",
@@ -98,5 +107,6 @@ SPECS = (
         # W~ (the client's components) travels; X, a second copy of them, stays.
         profile=ResourceProfile(copies=2),
         search=SEARCH,
+        capabilities=CAPABILITIES,
     ),
 )

@@ -52,19 +52,15 @@ log = logging.getLogger(__name__)
 # ClientApp's mod can look for it without importing Flower's crypto.
 SECAGG_RECORD = "secaggplus_configs"
 MODULUS_RANGE = 2**32  # Flower's default; the masks are drawn below it
-FEDAVG = "strategies.fedavg:FedAvgStrategy"
 
 
 def secagg_refusal(config: ExperimentConfig) -> str | None:
     """Why ``config``'s run cannot take SecAgg+, or None when it can."""
     from fedfm_flower.registry import method_spec
 
-    strategy = method_spec(config.method).strategy
-    if strategy != FEDAVG:
-        return (
-            f"its strategy {strategy} needs more than the plain average of the clients' shared "
-            "tensors (SecAgg+ reveals only that sum)"
-        )
+    refusal = method_spec(config.method).capabilities.secagg
+    if refusal is not None:
+        return refusal
     if config.dataset == "multitask":
         return "on 'multitask' each component is averaged over its owners only, not one sum"
     if config.dp == "central":

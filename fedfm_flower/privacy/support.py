@@ -8,8 +8,9 @@ or averages parts over subsets of the clients, is refused at start with the reas
 Local DP noises each client's update before it leaves the client, so whatever the server does
 with it is post-processing: it fits every method whose clients send, in the federated rounds
 only, their shared tensors or their updates (the FedAvg family, pFedSeq, pFedPG). Methods with
-a post-training phase that sends more (FedDPA-F, TAP) and the others are refused. Light: the
-config reads it in every process.
+a post-training phase that sends more (FedDPA-F, TAP) and the others are refused. Each method
+declares which it takes and why not the others (``MethodSpec.capabilities``); this module reads
+them and renders docs/privacy.md's table from them. Light: the config reads it in every process.
 """
 
 from __future__ import annotations
@@ -20,30 +21,6 @@ if TYPE_CHECKING:
     from fedfm_flower.config import ExperimentConfig
 
 DP_MODES: tuple[str, ...] = ("none", "central", "local")
-FEDAVG = "strategies.fedavg:FedAvgStrategy"
-# strategies whose clients send updates or shared tensors in the federated rounds only
-LOCAL_DP_STRATEGIES: tuple[str, ...] = (
-    FEDAVG,
-    "strategies.pfedseq:PFedSeqStrategy",
-    "strategies.pfedpg:PFedPGStrategy",
-)
-
-# strategy path -> why its server cannot work from a noised average alone
-REFUSALS: dict[str, str] = {
-    "strategies.pfedseq:PFedSeqStrategy": "its sequential learner reads each client's update "
-    "(eqs. 2 and 5), not only their average",
-    "strategies.pfedpg:PFedPGStrategy": "its prompt generator is trained on each client's "
-    "update, not only their average",
-    "strategies.tap:TAPStrategy": "it averages each component over the clients that own it, "
-    "so a component's average rests on a few clients and no single noise scale covers all",
-    "strategies.feddpa:FedDPAStrategy": "not yet supported: its global adapter could take "
-    "central DP, but that path is not implemented and tested",
-    "strategies.feddpa:FedDPAFineTuneStrategy": "not yet supported (as FedDPA)",
-    "strategies.feddat:FedDATStrategy": "not yet supported: FedDAT's server distils between "
-    "adapters it keeps per round",
-    "strategies.centralized:CentralizedStrategy": "the centralized reference pools all data in "
-    "one client; there is nothing to aggregate",
-}
 
 
 def dp_refusal(config: ExperimentConfig) -> str | None:
@@ -59,20 +36,66 @@ def local_dp_refusal(config: ExperimentConfig) -> str | None:
     """Why ``config``'s method cannot take local DP, or None when it can."""
     from fedfm_flower.registry import method_spec
 
-    strategy = method_spec(config.method).strategy
-    if strategy in LOCAL_DP_STRATEGIES:
-        return None
-    return (
-        f"not yet supported: its strategy {strategy} has phases or replies the local "
-        "mechanism does not cover"
-    )
+    return method_spec(config.method).capabilities.local_dp
 
 
 def central_dp_refusal(config: ExperimentConfig) -> str | None:
     """Why ``config``'s method cannot take central DP, or None when it can."""
     from fedfm_flower.registry import method_spec
 
-    spec = method_spec(config.method)
-    if spec.strategy == FEDAVG:
-        return None
-    return REFUSALS.get(spec.strategy, f"its strategy {spec.strategy} has no central DP path")
+    return method_spec(config.method).capabilities.central_dp
+
+
+TABLE_BEGIN, TABLE_END = "<!-- capabilities:begin -->", "<!-- capabilities:end -->"
+
+
+def capability_table() -> str:
+    """The methods' capabilities as a markdown table, methods that declare the same in one row
+    (docs/privacy.md holds it between ``TABLE_BEGIN`` and ``TABLE_END``)."""
+    from fedfm_flower.methods import MECHANISMS
+    from fedfm_flower.registry import METHODS
+
+    rows: dict[tuple[str | None, ...], list[str]] = {}
+    for name, spec in METHODS.items():
+        key = tuple(spec.capabilities.refusal(m) for m in MECHANISMS)
+        rows.setdefault(key, []).append(name)
+    lines = ["| method | central DP | local DP | SecAgg+ |", "|---|---|---|---|"]
+    for refusals, names in sorted(rows.items(), key=lambda row: sum(map(bool, row[0]))):
+        cells = [_cell(refusal) for refusal in refusals]
+        lines.append(f"| {', '.join(names)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _cell(refusal: str | None) -> str:
+    if refusal is None:
+        return "supported"
+    return refusal if refusal.startswith("not yet") else f"no: {refusal}"
+
+
+def with_table(text: str) -> str:
+    """``text`` (docs/privacy.md) with the block between the markers replaced by the table."""
+    head, begin, rest = text.partition(TABLE_BEGIN)
+    _, end, tail = rest.partition(TABLE_END)
+    if not begin or not end:
+        raise ValueError(f"the text has no {TABLE_BEGIN} ... {TABLE_END} block")
+    return f"{head}{TABLE_BEGIN}\n{capability_table()}{TABLE_END}{tail}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m fedfm_flower.privacy.support [--write FILE]``: print the table, or replace
+    it in FILE (docs/privacy.md)."""
+    import argparse
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser(description="the methods' privacy capabilities")
+    parser.add_argument("--write", type=Path, help="replace the table's block in this file")
+    args = parser.parse_args(argv)
+    if args.write is None:
+        print(capability_table(), end="")
+        return 0
+    args.write.write_text(with_table(args.write.read_text()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
