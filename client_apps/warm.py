@@ -1,6 +1,6 @@
 """A warm worker per node: the per-message ClientApp hands its work to a long-lived process.
 
-In deployment Flower 1.41 starts a fresh ``flwr-clientapp`` process for every message, which
+In deployment Flower 1.42 starts a fresh ``flwr-clientapp`` process for every message, which
 pays the imports (flwr, torch, timm, peft), the model and the data each time (5.7-7 s here).
 ``warm_worker_mod``, the ClientApp's only mod, sends train and evaluate messages instead to a
 worker process of the same node (``client_apps.warm_worker``) that keeps all of that loaded.

@@ -24,7 +24,8 @@ threads) with:
 Only the timing changes: the same messages reach the same ClientApp with the same content, so
 results are bit-identical (``tests/test_simulation.py`` runs a simulation with and without).
 Guarded: installed only when Flower's two functions have the source this module was written
-against (Flower 1.41.0, ``FLOWER_SOURCES``); on any other source it warns and leaves Flower's.
+against (``FLOWER_SOURCES``: Flower 1.41.0 and 1.42.0, whose engine modules are identical); on
+any other source it warns and leaves Flower's.
 ``FEDFM_PROMPT_ENGINE=0`` in the environment leaves Flower's too (for benchmarks comparing them).
 """
 
@@ -43,7 +44,8 @@ log = logging.getLogger("fedfm_flower")
 ENGINE_MODULE = "flwr.server.superlink.fleet.vce.vce_api"
 ENV_SWITCH = "FEDFM_PROMPT_ENGINE"
 TICK_S = 0.1  # Flower's own pause between the extractor's passes
-# sha256 (first 16 hex digits) of inspect.getsource of the functions replaced, by name.
+# sha256 (first 16 hex digits) of inspect.getsource of the functions replaced, by name
+# (the same in Flower 1.41.0 and 1.42.0).
 FLOWER_SOURCES = {
     "add_messages_to_queue": {"953f4bd41a931a77"},
     "put_message_into_state": {"3622eb5bfcd9cd1a"},
@@ -63,7 +65,7 @@ def source_digest(function: Any) -> str:
 
 def undelivered_nodes(state: Any) -> Counter[int] | None:
     """Undelivered messages per destination node in an in-memory LinkState, or None when
-    ``state`` does not keep them where Flower 1.41's ``InMemoryLinkState`` does."""
+    ``state`` does not keep them where Flower 1.42's ``InMemoryLinkState`` does."""
     store, lock = getattr(state, "message_ins_store", None), getattr(state, "lock", None)
     if not isinstance(store, dict) or lock is None:
         return None

@@ -17,7 +17,7 @@ PLATFORM=(--only-binary=:all: --python-version 3.12 --implementation cp
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64)
 PACKAGES=(
-  flwr==1.41.0 ray==2.55.1 datasets==4.8.5 flwr-datasets==0.6.1
+  flwr==1.42.0 ray==2.55.1 datasets==4.8.5 flwr-datasets==0.6.1
   cryptography==50.0.2 pycryptodome==3.24.1 iterators==0.0.2 tomli==2.5.0 tomli-w==1.2.0
   grpcio==1.85.1 grpcio-health-checking==1.81.1 protobuf==6.33.6
   typer==0.20.1 click==8.5.1 rich==14.3.4 packaging==25.0 shellingham==1.5.4

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv (if missing) and install fedfm-flower with its dev extras. Idempotent.
 # PYTHON selects the interpreter (default python3); it must satisfy requires-python in
-# pyproject.toml (flwr 1.41 and flwr-datasets 0.6 need Python 3.11 or newer).
+# pyproject.toml (flwr 1.42 and flwr-datasets 0.6 need Python 3.11 or newer).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
@@ -14,7 +14,7 @@ check_python() {  # $1: interpreter, $2: what to do about it
         exit 1
     fi
     if ! "$1" -c "import sys; sys.exit(sys.version_info[:2] < tuple(map(int, '$REQUIRED'.split('.'))))"; then
-        echo "error: fedfm-flower needs Python >= $REQUIRED (flwr 1.41 and flwr-datasets 0.6 require it), but '$1' is Python $version; $2" >&2
+        echo "error: fedfm-flower needs Python >= $REQUIRED (flwr 1.42 and flwr-datasets 0.6 require it), but '$1' is Python $version; $2" >&2
         exit 1
     fi
 }

@@ -15,9 +15,10 @@ import time
 
 import pytest
 
-from fedfm_flower.deploy import DeployOptions, LocalDeployment
+from fedfm_flower.deploy import DeployOptions, LocalDeployment, superexec
 from fedfm_flower.deploy import supernode as launcher
 from fedfm_flower.deploy.cli import build_parser
+from fedfm_flower.deploy.known_flower import flower_version, is_known
 
 
 @pytest.fixture
@@ -316,3 +317,18 @@ def test_the_superlink_keeps_its_state_in_a_fresh_file_or_where_the_options_say(
     memory = LocalDeployment(DeployOptions(workdir=tmp_path, superlink_database=":flwr-in-memory:"))
     command = memory.superlink_command()
     assert command[command.index("--database") + 1] == ":flwr-in-memory:"
+
+
+def test_the_installed_flower_is_a_known_one() -> None:
+    assert is_known(flower_version())
+
+
+@pytest.mark.parametrize("version", ["1.40.2", "1.43.0", "2.0.0", "1.4.1"])
+def test_every_guard_refuses_a_flower_not_checked(version, loop, heartbeat, monkeypatch, capsys):
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: version)
+    assert not is_known(version)
+    assert launcher.shorten_waits(0.1, 1.0) is False and loop.time is time
+    assert launcher.fail_pulls_of_stopped_runs() is False
+    assert launcher.shorten_heartbeat(10.0) is False
+    assert f"Flower {version} is not one it knows" in superexec.unsupported_flower()
+    assert capsys.readouterr().err.count(f"Flower {version}") == 3

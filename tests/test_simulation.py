@@ -89,7 +89,7 @@ def test_flwr_run_simulation_with_secagg(cache_dir: Path, tmp_path: Path) -> Non
 
 
 def test_loading_the_clientapp_in_the_simulation_process_installs_the_prompt_hand_offs() -> None:
-    """The engine imports the ClientApp's module before it starts its threads (Flower 1.41's
+    """The engine imports the ClientApp's module before it starts its threads (Flower 1.42's
     ``start_vce``); that import puts the prompt functions in place (a fresh process)."""
     script = (
         "import flwr.server.superlink.fleet.vce.vce_api as engine\n"

@@ -5,6 +5,7 @@ loopback fault tests (``test_faults.py``) run their deployments through it."""
 from __future__ import annotations
 
 import importlib.metadata
+import inspect
 import os
 import signal
 import sys
@@ -65,6 +66,26 @@ class FlowerExecutor:
 
 def test_the_installed_flower_is_the_one_it_knows() -> None:
     assert superexec.unsupported_flower() is None
+
+
+def test_a_task_talks_to_its_supernode_as_flwr_clientapp_does() -> None:
+    # What run_task mirrors: Flower's ClientApp process builds its runtime client with these
+    # interceptors, in this order, and the same retry.
+    from flwr.supernode.runtime import run_clientapp
+
+    flower = inspect.getsource(run_clientapp.run_clientapp)
+    ours = inspect.getsource(superexec.run_task)
+    interceptors = [
+        "RuntimeTracingInterceptor()",
+        'RuntimeVersionHttpInterceptor(component_name="flwr-clientapp")',
+    ]
+    for source, token in (
+        (flower, "RuntimeTokenHttpInterceptor(token)"),
+        (ours, "RuntimeTokenHttpInterceptor(spec.token)"),
+    ):
+        positions = [source.index(text) for text in [*interceptors, token]]
+        assert positions == sorted(positions)
+    assert "make_simple_http_retry_invoker()" in flower
 
 
 def test_another_flower_runs_flowers_superexec_with_the_same_arguments(monkeypatch, capsys):

@@ -3,10 +3,10 @@
     python -m fedfm_flower.deploy.superexec --runtime-api-address HOST:PORT --insecure
         [--parent-pid PID]
 
-Flower 1.41's SuperNode hands each message to its SuperExec as a task with a one-use token; the
-SuperExec's executor starts a ``flwr-clientapp`` process for it, which pays Python's start,
-Flower's imports and the FAB's installation on every message (about half of a deployed round
-on loopback, ``docs/benchmarks.md``). This command is Flower's own SuperExec loop
+Flower's SuperNode (1.41, 1.42) hands each message to its SuperExec as a task with a one-use
+token; the SuperExec's executor starts a ``flwr-clientapp`` process for it, which pays Python's
+start, Flower's imports and the FAB's installation on every message (about half of a deployed
+round on loopback, ``docs/benchmarks.md``). This command is Flower's own SuperExec loop
 (``run_superexec``: task acquisition, tracing, signals, the parent-pid watch) with one change,
 made through the loop's executor factory: ``WarmExecutor`` runs every ClientApp task in a thread
 of this process, doing what ``flwr-clientapp`` does with the token (heartbeats, pull the task
@@ -24,7 +24,7 @@ next. Other task types go to Flower's executor.
   memory) loses the task in flight as a crashed ``flwr-clientapp`` would (the SuperNode replies
   ``CLIENT_APP_CRASHED`` once its heartbeats stop); ``fedfm_flower.deploy.supernode``, which
   starts this command, starts it again.
-* **Guarded.** It runs only on the Flower it was written against (``KNOWN_FLOWER`` and the
+* **Guarded.** It runs only on the Flower it was written against (``known_flower`` and the
   functions and fields it uses, ``unsupported_flower``); on any other it says why on stderr and
   runs Flower's ``flower-superexec`` with the same arguments. ``--allow-runtime-dependency-
   installation`` tasks also go to Flower's executor.
@@ -38,7 +38,7 @@ next. Other task types go to Flower's executor.
   ``PULL_PATIENCE_S`` (90 s; ``PatientPull``), not after Flower's 500 tries per object, which
   with these short pauses ran out in ~40 s under load (16 SuperNodes on 2 cores); a task whose
   objects never come gives up then (a run stopped mid-transfer ends its task at once where the
-  node runs through ``fedfm_flower.deploy.supernode``). Flower 1.41's SuperNode stores a
+  node runs through ``fedfm_flower.deploy.supernode``). Flower's SuperNode stores a
   message's objects only once it has fetched them all, so in practice the first arrival waits
   for the whole download, which took 94-213 s with 24 SuperNodes on 2 cores:
   ``FEDFM_PULL_PATIENCE_S`` raises the patience for such loads.
@@ -56,7 +56,6 @@ next. Other task types go to Flower's executor.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import inspect
 import logging
 import os
@@ -68,9 +67,9 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from fedfm_flower.deploy.known_flower import flower_version, is_known, known_versions
 from fedfm_flower.processes import flower_command
 
-KNOWN_FLOWER = ("1.41.",)
 REFUSED = (401, 403)  # a task's token or run no longer valid: the task ends, not the process
 TASKS_DIR_VAR = "FEDFM_TASKS_DIR"  # where the running tasks are marked (LocalDeployment sets it)
 # Between looks for a message's objects at the SuperNode (a local request): they come from the
@@ -93,9 +92,9 @@ log = logging.getLogger("fedfm_flower.superexec")
 
 def unsupported_flower() -> str | None:
     """Why this SuperExec cannot run on the installed Flower, or None when it can."""
-    version = importlib.metadata.version("flwr")
-    if not version.startswith(KNOWN_FLOWER):
-        return f"Flower {version} is not one it knows ({', '.join(v + 'x' for v in KNOWN_FLOWER)})"
+    version = flower_version()
+    if not is_known(version):
+        return f"Flower {version} is not one it knows ({known_versions()})"
     try:
         from flwr.supercore.constant import TaskType
         from flwr.supercore.superexec import run_superexec

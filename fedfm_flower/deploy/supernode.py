@@ -33,14 +33,14 @@ with these sleeps; it is applied only to the Flower versions it was written agai
 other version the SuperNode runs with Flower's own waits and says so on stderr.
 
 A run stopped (``flwr stop``) while the node pulls one of its messages' objects from the
-SuperLink: Flower (1.41) then raises ``RunNotRunningException``, a ``BaseException``, which passes
-by the ``except Exception`` that would finish the message's task and delete the message and its
-objects. The task stays pending with its objects never coming, and the node's SuperExec waits
-out its pull patience on it (90 s for the warm executor) before the node takes the next message,
-the next run's included. Here that pull raises ``RunStoppedError`` (an ``Exception``) instead
-(``fail_pulls_of_stopped_runs``), so Flower's own handler runs: the task ends failed, the message
-and its objects are deleted, and the SuperExec's pull fails at once. On the Flower versions
-above only.
+SuperLink: Flower (1.41, 1.42) then raises ``RunNotRunningException``, a ``BaseException``,
+which passes by the ``except Exception`` that would finish the message's task and delete the
+message and its objects. The task stays pending with its objects never coming, and the node's
+SuperExec waits out its pull patience on it (90 s for the warm executor) before the node takes
+the next message, the next run's included. Here that pull raises ``RunStoppedError`` (an
+``Exception``) instead (``fail_pulls_of_stopped_runs``), so Flower's own handler runs: the task
+ends failed, the message and its objects are deleted, and the SuperExec's pull fails at once. On
+the Flower versions above only.
 
 ``--heartbeat-interval S`` (at least Flower's minimum, 10 s) makes the node announce ``S`` as
 its heartbeat interval and beat accordingly, instead of Flower's fixed 30 s: the SuperLink then
@@ -64,7 +64,6 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib
-import importlib.metadata
 import inspect
 import math
 import os
@@ -76,14 +75,13 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from fedfm_flower.deploy.known_flower import flower_version, is_known, known_versions
 from fedfm_flower.processes import flower_command
 from fedfm_flower.waits import GrowingWait
 
 if TYPE_CHECKING:
     from fedfm_flower.deploy.forkserver import ForkedProcess
 
-# Flower versions whose SuperNode loop is known to sleep through `time.sleep` in that module.
-KNOWN_FLOWER = ("1.41.", "1.42.")
 LOOP_MODULE = "flwr.supernode.start_client_internal"
 SUPEREXEC_POLL_VAR = "FLWR_SUPEREXEC_TASK_POLL_INTERVAL"
 DEFAULT_POLL_INTERVAL = 0.1
@@ -151,15 +149,13 @@ def check_poll_intervals(first: float, longest: float) -> tuple[float, float]:
 
 def shorten_waits(first: float, longest: float) -> bool:
     """Give the SuperNode loop ``ShortWaits``; False, changing nothing, on another Flower."""
-    version = importlib.metadata.version("flwr")
+    version = flower_version()
     loop = importlib.import_module(LOOP_MODULE)
     current = getattr(loop, "time", None)
-    if not isinstance(current, ShortWaits) and (
-        not version.startswith(KNOWN_FLOWER) or current is not time
-    ):
+    if not isinstance(current, ShortWaits) and (not is_known(version) or current is not time):
         print(
             f"fedfm_flower.deploy.supernode: Flower {version} is not one whose SuperNode waits "
-            f"are known ({', '.join(v + 'x' for v in KNOWN_FLOWER)}); running with its own "
+            f"are known ({known_versions()}); running with its own "
             "waits",
             file=sys.stderr,
         )
@@ -199,12 +195,12 @@ def fail_pulls_of_stopped_runs() -> bool:
     nothing, on a Flower this was not written against or that handles it already."""
     from flwr.supercore.run import RunNotRunningException
 
-    version = importlib.metadata.version("flwr")
+    version = flower_version()
     loop = importlib.import_module(LOOP_MODULE)
     pulls = getattr(loop, "pull_objects", None)
     if issubclass(RunNotRunningException, Exception):
         return False  # Flower's own `except Exception` finishes the task
-    if pulls is None or not version.startswith(KNOWN_FLOWER):
+    if pulls is None or not is_known(version):
         print(
             f"fedfm_flower.deploy.supernode: Flower {version}'s message pulls are not ones "
             "this knows; a run stopped during a pull leaves its task to the pull's patience",
@@ -232,9 +228,9 @@ def shorten_heartbeat(seconds: float) -> bool:
     """Announce and keep a node heartbeat of ``seconds`` (module doc); False, changing nothing,
     on a Flower whose modules do not read the constant as written against."""
     check_heartbeat_interval(seconds)
-    version = importlib.metadata.version("flwr")
+    version = flower_version()
     modules = [importlib.import_module(name) for name in HEARTBEAT_MODULES]
-    if not version.startswith(KNOWN_FLOWER) or not all(
+    if not is_known(version) or not all(
         isinstance(getattr(module, HEARTBEAT_NAME, None), (int, float)) for module in modules
     ):
         print(

@@ -1,0 +1,30 @@
+"""The Flower versions whose internals the deployment adaptations were checked against.
+
+``fedfm_flower.deploy.supernode`` (short waits, stopped-run pulls, heartbeat) and
+``fedfm_flower.deploy.superexec`` (the warm executor, its pulls and task retry) patch or call
+Flower code that is not public API; each applies its change only on these versions (and checks
+the functions and fields it uses besides), and leaves Flower's behaviour on any other. Flower
+1.41 and 1.42 have the same code in every module they touch; a new Flower is added here once
+those modules are compared with its source.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+KNOWN_FLOWER = ("1.41.", "1.42.")
+
+
+def flower_version() -> str:
+    """The installed Flower's version."""
+    return importlib.metadata.version("flwr")
+
+
+def is_known(version: str) -> bool:
+    """Whether ``version`` is one of ``KNOWN_FLOWER``'s series."""
+    return version.startswith(KNOWN_FLOWER)
+
+
+def known_versions() -> str:
+    """``KNOWN_FLOWER`` for a message: ``1.41.x, 1.42.x``."""
+    return ", ".join(version + "x" for version in KNOWN_FLOWER)
