@@ -61,12 +61,18 @@ def _records(config: dict, name: str) -> list[dict[str, Any]]:
 
 
 def _comparable(record: dict[str, Any]) -> dict[str, Any]:
-    """A round's record without its timings (train-seconds included) and downloaded bytes."""
+    """A round's record without its timings (train-seconds included), downloaded bytes and
+    the server's notes on how its step ran."""
     out = {k: v for k, v in record.items() if k not in TIMING}
     out["train"] = {
         c: {k: v for k, v in m.items() if k != P.TRAIN_SECONDS} for c, m in record["train"].items()
     }
-    out["server"] = {k: v for k, v in record["server"].items() if not k.endswith("-seconds")}
+    # how the step ran, not what it computed: a resumed pFedSeq run holds no graph from the
+    # round before the crash and recomputes that forward pass (the same numbers)
+    how = {"pfedseq-forward-held"}
+    out["server"] = {
+        k: v for k, v in record["server"].items() if not k.endswith("-seconds") and k not in how
+    }
     return out
 
 
