@@ -1176,3 +1176,20 @@ def test_triton_scan_equals_the_c_loop_values_and_every_gradient(
         assert case[f"{name}-scale"] > 0 or (name == "A" and steps == 1), (name, case)
     if steps == 1:
         assert case["A-zero"], case  # dA: zero, not None
+
+
+@needs_triton
+def test_the_triton_self_check_passes_on_working_kernels_and_falls_back_on_failing_ones(
+    triton_against_c_loop: dict, monkeypatch: pytest.MonkeyPatch, caplog
+) -> None:
+    """``works``: the kernels pass their check against the eager recurrence (interpreted);
+    kernels that fail make it False with a warning, so ``auto`` runs the eager scan."""
+    assert triton_against_c_loop["works"]["self-check"] is True
+
+    def broken(*args: object) -> torch.Tensor:
+        raise RuntimeError("PTX assembly failed")
+
+    monkeypatch.setattr(triton_scan, "triton_scan", broken)
+    with caplog.at_level("WARNING"):
+        assert triton_scan.works.__wrapped__(torch.device("cpu")) is False
+    assert "PTX assembly failed" in caplog.text and "the eager scan runs" in caplog.text

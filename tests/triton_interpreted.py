@@ -44,4 +44,5 @@ if __name__ == "__main__":
         for last_only in (False, True)
         for softplus in (False, True)
     }
+    cases["works"] = {"self-check": triton_scan.works(torch.device("cpu"))}
     print(json.dumps(cases))

@@ -489,7 +489,7 @@ def usable(*tensors: torch.Tensor) -> bool:
     from fedfm_flower.learners import triton_scan
 
     if tensors and all(t.is_cuda for t in tensors):
-        return triton_scan.importable()
+        return all(triton_scan.available(t) for t in tensors)
     return (
         all(t.device.type == "cpu" and t.dtype in _SUFFIX for t in tensors)
         and len({t.dtype for t in tensors}) == 1

@@ -28,8 +28,11 @@ kernels on the CPU through Triton's interpreter (``TRITON_INTERPRET=1``).
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
+
+log = logging.getLogger(__name__)
 
 MAX_CHANNELS = 1024  # one program covers a row's channels: (channels x n) state in registers
 
@@ -52,8 +55,50 @@ def importable() -> bool:
 
 
 def available(tensor: torch.Tensor) -> bool:
-    """Whether the Triton scan can take ``tensor``: on a CUDA device, Triton installed."""
-    return tensor.is_cuda and importable()
+    """Whether the Triton scan can take ``tensor``: on a CUDA device, Triton installed, and
+    the kernels compiled and checked there (``works``)."""
+    return tensor.is_cuda and importable() and works(tensor.device)
+
+
+@functools.cache
+def works(device: torch.device) -> bool:
+    """Compile the kernels on ``device`` and check them on a tiny window against the eager
+    recurrence (values and gradients); False, with a warning, where either fails, so that
+    ``auto`` falls back to the eager scan instead of failing mid-run."""
+    try:
+        generator = torch.Generator().manual_seed(0)
+        groups, rows, steps, channels, n = 2, 3, 4, 5, 16
+        inputs = [
+            torch.randn(groups, rows, steps, channels, generator=generator),
+            torch.randn(groups, rows, steps, channels, generator=generator) - 3,
+            -torch.rand(groups, channels, n, generator=generator),
+            torch.randn(groups, rows, steps, n, generator=generator),
+            torch.randn(groups, rows, steps, n, generator=generator),
+        ]
+        results = []
+        for scan in (_eager, triton_scan):
+            leaves = [t.to(device).requires_grad_() for t in inputs]
+            out = scan(*leaves, False, True)
+            results.append([out, *torch.autograd.grad(out.square().sum(), leaves)])
+        for got, want in zip(*results[::-1], strict=True):
+            torch.testing.assert_close(got.cpu(), want.cpu(), rtol=1e-4, atol=1e-5)
+    except Exception as error:  # noqa: BLE001 - any compile or check failure: fall back
+        log.warning("the Triton scan does not work on %s (%s); the eager scan runs", device, error)
+        return False
+    return True
+
+
+def _eager(u, delta, A, B, C, last_only, softplus):  # noqa: ANN001, ANN202 - the check's oracle
+    """The recurrence step by step in PyTorch, channels last (``works``' reference)."""
+    dt = torch.nn.functional.softplus(delta) if softplus else delta
+    h = u.new_zeros(*u.shape[:2], u.shape[-1], A.shape[-1])  # (g, rows, c, n)
+    outputs = []
+    for t in range(u.shape[2]):
+        drive = (dt[:, :, t] * u[:, :, t])[..., None] * B[:, :, t, None, :]
+        h = torch.exp(dt[:, :, t, :, None] * A[:, None]) * h + drive
+        outputs.append((h * C[:, :, t, None, :]).sum(-1))
+    y = torch.stack(outputs, dim=2)
+    return y[:, :, -1:] if last_only else y
 
 
 def _blocks(channels: int, n: int) -> dict[str, int]:
