@@ -1,11 +1,15 @@
-"""Typed settings of one method, declared next to its code and read from the run config.
+"""How a run-config key is declared and checked, and the typed settings of one method.
+
+``setting(default, doc=..., <rules>)`` declares one key as a dataclass field: its type is the
+default's (int, float, bool or str), its rules (``choices``, ``positive``, ``non_negative``,
+``within`` with ``bounds``) are checked by ``check_value``, and its one-line ``doc`` is the
+meaning docs/configuration.md shows. The common keys are declared so in ``fedfm_flower.keys``;
+``pyproject.toml``'s run config and the docs' tables are generated (``fedfm_flower.schema``).
 
 A method with keys of its own declares them as a frozen dataclass subclass of
 ``MethodSettings`` with a ``prefix``: field ``seq_len`` of ``PFedSeqSettings`` (prefix
-``pfedseq``) is run-config key ``pfedseq-seq-len``. Every field has a scalar default (int,
-float, bool or str; the same default is under ``[tool.flwr.app.config]`` in ``pyproject.toml``)
-and, through ``setting(...)``, the rules its value must satisfy; ``check()`` holds rules across
-fields. Construction validates, so a settings object is always valid. A method module
+``pfedseq``) is run-config key ``pfedseq-seq-len``; ``check()`` holds rules across its fields.
+Construction validates, so a settings object is always valid. A method module
 (``fedfm_flower/methods/<method>.py``) declares the class and names it in its ``MethodSpec``;
 ``ExperimentConfig`` carries every registered method's values and
 ``config.settings_of(PFedSeqSettings)`` returns the typed object.
