@@ -155,3 +155,29 @@ def test_the_schema_imports_neither_torch_nor_flwr() -> None:
         [sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=ROOT
     )
     assert json.loads(run.stdout.strip().splitlines()[-1]) == []
+
+
+def test_every_key_table_in_the_docs_states_the_declared_defaults() -> None:
+    """The methods' pages keep key tables of their own (what each key means in the paper):
+    each row names a declared key and its default as the schema writes it (other pages' tables
+    may list node-config keys)."""
+    defaults = {key.name: toml_value(key.default) for g in key_groups() for key in g.keys}
+    checked = 0
+    for path in sorted((ROOT / "docs").rglob("*.md")):
+        in_table = False
+        for line in path.read_text().splitlines():
+            if line.startswith("| key | default |"):
+                in_table = True
+            elif not line.startswith("|"):
+                in_table = False
+            elif in_table and not line.startswith("|---"):
+                key, default = (cell.strip() for cell in line.split("|")[1:3])
+                where = f"{path.relative_to(ROOT)}: {key}"
+                if key.strip("`") not in defaults:
+                    assert path.parent.name != "methods", f"{where} is not a declared key"
+                    continue
+                stated = default.split("`")[1] if "`" in default else default
+                expected = defaults[key.strip("`")]
+                assert stated.strip('"') == expected.strip('"'), f"{where}: default {default}"
+                checked += 1
+    assert checked > len(defaults)  # the generated tables and the methods' own
