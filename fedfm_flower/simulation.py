@@ -20,7 +20,6 @@ Flower's verdict on the run (``fedfm_flower.launch.ExitCode``): 0 only when it c
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import shutil
 import subprocess
@@ -29,7 +28,6 @@ import threading
 import time
 import traceback
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
@@ -167,37 +165,21 @@ def main(argv: list[str] | None = None) -> int:
     except FlowerCommandNotFound as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return ExitCode.BAD_INPUT
-    flwr_home = Path(os.environ.get("FLWR_HOME", ROOT / ".flwr"))
-    launch = {LAUNCH_TAG: uuid.uuid4().hex}  # inherited by all that flwr run starts, Ray too
-    # flwr run builds the FAB from a copy of its files (the same FAB, without walking .venv),
-    # copied while the checks run
-    stage_dir = flwr_home / "staged-apps" / launch[LAUNCH_TAG]
-    made = [d for d in (flwr_home, stage_dir.parent) if not d.exists()]  # removed on refusal
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        staging = pool.submit(stage_app, app, stage_dir)
-        try:
-            checked = preflight(app, args.flwr_args, args.num_supernodes)
-        except Exception as err:  # noqa: BLE001 - every failure here is the user's one line
-            if args.debug:
-                traceback.print_exc()
-            print(f"error: {err}", file=sys.stderr, flush=True)
-            staging.exception()  # wait for the copy, then remove it
-            _remove_stage(stage_dir, made)
-            return ExitCode.BAD_INPUT
     try:
-        stage = staging.result()
-    except Exception as err:  # noqa: BLE001 - Flower's FAB rules refuse the app: one line
+        checked = preflight(app, args.flwr_args, args.num_supernodes)
+    except Exception as err:  # noqa: BLE001 - every failure here is the user's one line
         if args.debug:
             traceback.print_exc()
-        print(f"error: the app's FAB cannot be built: {err}", file=sys.stderr, flush=True)
-        _remove_stage(stage_dir, made)
+        print(f"error: {err}", file=sys.stderr, flush=True)
         return ExitCode.BAD_INPUT
     for note in checked.notes:
         print(f"[check] {note}", flush=True)
     gpu_fraction = args.gpu_fraction
     if gpu_fraction is None:
         gpu_fraction = 0.25 if cuda_available() else 0.0
+    flwr_home = Path(os.environ.get("FLWR_HOME", ROOT / ".flwr"))
     env = flower_environment(flwr_home)
+    launch = {LAUNCH_TAG: uuid.uuid4().hex}  # inherited by all that flwr run starts, Ray too
     env.update(launch)
     stop_processes(local_superlink_pids(flwr_home))  # a stale one would run an old app
     foreign = foreign_local_superlinks(flwr_home)
@@ -210,8 +192,15 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
             flush=True,
         )
-        shutil.rmtree(stage, ignore_errors=True)
         return ExitCode.NOT_STARTED
+    # flwr run builds the FAB from a copy of its files: the same FAB, without walking .venv
+    try:
+        stage = stage_app(app, flwr_home / "staged-apps" / launch[LAUNCH_TAG])
+    except Exception as err:  # noqa: BLE001 - Flower's FAB rules refuse the app: one line
+        if args.debug:
+            traceback.print_exc()
+        print(f"error: the app's FAB cannot be built: {err}", file=sys.stderr, flush=True)
+        return ExitCode.BAD_INPUT
     command = [
         flwr,
         "run",
@@ -289,14 +278,6 @@ def preflight(app: Path, flwr_args: list[str], num_supernodes: int) -> Preflight
 
     overrides = parse_overrides(run_config_items(flwr_args), app)
     return check_run(resolve_config(app, overrides), num_supernodes)
-
-
-def _remove_stage(stage_dir: Path, made: list[Path]) -> None:
-    """Remove a refused launch's staged copy and the directories it created (innermost first)."""
-    shutil.rmtree(stage_dir, ignore_errors=True)
-    for directory in reversed(made):
-        with contextlib.suppress(OSError):  # not empty: something else lives there now
-            directory.rmdir()
 
 
 def launch_log_path(output_dir: Path, launch_id: str) -> Path:
