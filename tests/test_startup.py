@@ -5,6 +5,7 @@ code they know, and a simulation starts a Ray of its own."""
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import subprocess
 import sys
@@ -104,3 +105,25 @@ def test_the_launchers_checks_load_no_torch(dataset: str, tmp_path: Path) -> Non
     found = json.loads(result.stdout.strip().splitlines()[-1])
     assert found["notes"][0].startswith("10 clients; the smallest holds")
     assert not found["torch"]
+
+
+def test_the_startup_bench_stamps_each_phase_once_in_order() -> None:
+    from bench.startup import stamped_run
+
+    lines = [
+        "[check] 10 clients",
+        "Successfully started run 7",
+        "INFO :      Starting Flower Simulation",
+        "INFO fedfm_flower: run main-s0: method pfedseq, 4 rounds",
+        "[round   1/4] acc n/a",
+        "[round   1/4] again",
+    ]
+    script = "import time\n" + "".join(
+        f"print({line!r}, flush=True); time.sleep(0.05)\n" for line in lines
+    )
+    marks, exit_s, code = stamped_run([sys.executable, "-c", script], dict(os.environ))
+    assert code == 0
+    order = ["checked", "run-submitted", "simulation-started", "server-ready", "round-1-done"]
+    assert list(marks) == order
+    assert all(marks[a] <= marks[b] for a, b in zip(order, order[1:], strict=False))
+    assert marks["round-1-done"] <= exit_s
