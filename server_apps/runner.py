@@ -138,11 +138,13 @@ def run_experiment(
         failed = False
         return summary
     except Exception as err:
+        records = run.rounds()  # a failed round is recorded too, marked "failed"
         run.write_failure(
             {
                 "error": f"{type(err).__name__}: {err}",
                 "traceback": traceback.format_exc(),
-                "rounds-completed": len(run.rounds()),
+                "rounds-completed": sum("failed" not in r for r in records),
+                "rounds-failed": [r["round"] for r in records if "failed" in r],
             }
         )
         log.error("run %s failed: %s", run.name, err)
