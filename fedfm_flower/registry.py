@@ -9,9 +9,9 @@ A run's method is resolved once (``resolve``): its spec, its tuner, whether the 
 its split, and the (shared, local) parameter names of a model's groups, remembered per groups.
 The ServerApp resolves once per run and gives the result to the strategy (``RunContext.method``);
 a client process resolves once per run config and gives it to every message's runtime
-(``ClientRuntime.method``). ``tuner_of``, ``trains_backbone`` and ``split_parameters`` answer one
-question each from the config, for code that needs only that (the config's checks, the
-resource count, benchmarks).
+(``ClientRuntime.method``); the resource count resolves once per count. ``tuner_of``,
+``trains_backbone`` and ``split_parameters`` answer one question each from the config, for code
+that needs only that (the config's checks, benchmarks, tests).
 """
 
 from __future__ import annotations
