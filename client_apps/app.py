@@ -64,7 +64,7 @@ def _runtime_and_logic(message: Message, context: Context):  # noqa: ANN202
             f"{runtime.identity.client_id}; the server will re-learn the node mapping"
         )
     server_round = int(config_record.get(P.SERVER_ROUND, 0))
-    return runtime, client_class(runtime.config.method)(), server_round
+    return runtime, client_class(runtime.method.spec)(), server_round
 
 
 def _received(message: Message) -> dict:
