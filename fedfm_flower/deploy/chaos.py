@@ -221,6 +221,17 @@ class ChaosDriver:
         found = sorted(client_dir.glob(f"client_*/.round_{server_round:05d}.safetensors.*.tmp"))
         return found[0] if found else None
 
+    def _stalled_write(self, node: int, server_round: int) -> Path | None:
+        """The temporary file of node ``node``'s stalled state write of ``server_round``, once
+        the node has said it stalls (its half is in place then; the file appears earlier,
+        while it is written in full)."""
+        temp = self._temp_file(node, server_round)
+        process = self.deployment.nodes.get(node)
+        if temp is None or process is None:
+            return None
+        said = f"stalls half-way ({temp.name})"
+        return temp if any(said in line for line in list(process.lines)) else None
+
     @property
     def run_name(self) -> str:
         """The run's name (its directory under the output dir and the state dirs)."""
@@ -237,7 +248,7 @@ class ChaosDriver:
             # The stall is of round `round` only: a node that missed that round never stalls.
             found = self._wait(
                 lambda: (
-                    self._temp_file(event.node, event.round)
+                    self._stalled_write(event.node, event.round)
                     or ("missed" if self.recorded() > event.round else None)
                 ),
                 f"SuperNode {event.node}'s stalled write of round {event.round}",
@@ -267,11 +278,15 @@ class ChaosDriver:
         self._wait(checkpoint.exists, f"the round-{server_round} checkpoint")
         # Killed once the next round's training runs on a node the plan spares, not while its
         # messages are in transit (a task whose message never arrives holds its executor for
-        # the pull's patience, superexec.PULL_PATIENCE_S).
-        if self.watched is not None:
-            end = min(self.deadline, time.monotonic() + 30.0)
-            while time.monotonic() < end and not self.deployment.tasks_in_flight(self.watched):
-                time.sleep(0.05)
+        # the pull's patience, superexec.PULL_PATIENCE_S). A task of that node seen now may be
+        # the last round's, still ending: only one started after the checkpoint counts.
+        watched = self.watched
+        if watched is not None:
+            finishing = self.deployment.tasks_in_flight(watched)
+            self._wait(
+                lambda: self.deployment.tasks_in_flight(watched) - finishing,
+                f"a round-{server_round + 1} task of SuperNode {watched}",
+            )
         record.recorded_rounds = self.recorded()
         record.pids = self.deployment.kill_serverapp()
         # Its `flwr run` streams until the run is stopped: the wait's timeout is the expected end.
