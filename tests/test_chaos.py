@@ -7,6 +7,7 @@ import json
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -265,10 +266,13 @@ def test_a_short_chaos_run_loses_nothing_and_spared_clients_match_the_uninterrup
         rounds,
     )
     deployment = LocalDeployment(options)
-    reference = deployment.run_in_process(config, tmp_path / "reference")
-    driver = ChaosDriver(deployment, config, tmp_path / "runs" / "chaos", timeout=480.0)
     try:
-        deployment.start(stall_overrides(plan))
+        # The reference runs while the deployment starts (mostly `flwr` commands starting up).
+        with ThreadPoolExecutor(1) as pool:
+            uninterrupted = pool.submit(deployment.run_in_process, config, tmp_path / "reference")
+            deployment.start(stall_overrides(plan))
+            reference = uninterrupted.result()
+        driver = ChaosDriver(deployment, config, tmp_path / "runs" / "chaos", timeout=480.0)
         results = driver.run(plan)
     finally:
         deployment.stop()

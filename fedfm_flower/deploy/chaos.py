@@ -289,8 +289,9 @@ class ChaosDriver:
             )
         record.recorded_rounds = self.recorded()
         record.pids = self.deployment.kill_serverapp()
-        # Its `flwr run` streams until the run is stopped: the wait's timeout is the expected end.
-        ended = self.deployment.finish_run(run, timeout=5)
+        # Its `flwr run` streams until the run is stopped (`flwr stop`, which finish_run sends
+        # when its wait times out): nothing to wait for.
+        ended = self.deployment.finish_run(run, timeout=0)
         status = "serverapp-killed" if ended.status == "timeout" else ended.status
         self.results.append(replace(ended, status=status))
         return self.deployment.start_run({**self.run_config, "resume": True})
