@@ -41,13 +41,17 @@ from fedfm_flower.launch import ExitCode
 pytestmark = [pytest.mark.slow]
 
 
-def wait_until(condition: Callable[[], Any], timeout: float, what: str) -> Any:
-    """Poll ``condition`` every 50 ms until it is truthy; fail naming ``what`` after ``timeout``."""
+def wait_until(condition: Callable[[], Any], timeout: float, what: str, run: Any = None) -> Any:
+    """Poll ``condition`` every 50 ms until it is truthy; fail naming ``what`` after ``timeout``,
+    or as soon as ``run`` (the `flwr run` of ``start_run``) has ended without it."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = condition()
         if value:
             return value
+        if run is not None and not run.alive():
+            run.join_output()
+            raise AssertionError(f"the run ended before {what}; its output:\n{run.tail(40)}")
         time.sleep(0.05)
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
@@ -103,10 +107,12 @@ def test_supernode_killed_mid_round_rejoins_with_identical_state(cache_dir, tmp_
         ids_before = {n["node-id"] for n in deployment.online_nodes()}
         run = deployment.start_run(config)
         # Round 1 is recorded, so the next task of node 1 is round 2's training.
-        wait_until(lambda: rounds_recorded(run_dir) >= 1, 300, "round 1")
+        wait_until(lambda: rounds_recorded(run_dir) >= 1, 300, "round 1", run)
         assert rounds_recorded(run_dir) == 1, "round 2 ended before round 1 was seen"
         finishing = deployment.tasks_in_flight(1)  # round 1's evaluation may still be ending
-        wait_until(lambda: deployment.tasks_in_flight(1) - finishing, 60, "node 1's round-2 task")
+        wait_until(
+            lambda: deployment.tasks_in_flight(1) - finishing, 60, "node 1's round-2 task", run
+        )
         killed = deployment.kill_supernode(1)
         at_kill = hash_files(node_dir)
         state_at_kill = load_file(state_file)
@@ -182,6 +188,7 @@ def test_tap_runs_with_its_post_fl_round_and_a_killed_serverapp_resumes_to_the_s
             lambda: (crashed_dir / "checkpoints" / "round_00001.json").exists(),
             300,
             "the round-1 checkpoint",
+            run,
         )
         killed = deployment.kill_serverapp()
         # Without a ServerApp the run would end on its own once the SuperLink misses its

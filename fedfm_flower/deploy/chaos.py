@@ -182,6 +182,7 @@ class ChaosDriver:
         self._restarts: dict[int, threading.Thread] = {}
         self._restart_errors: list[str] = []
         self._started = 0.0  # set when ``run`` starts the run
+        self._run: ManagedProcess | None = None  # the `flwr run` in progress
         self.watched: int | None = None  # a node the plan never kills (ServerApp kill timing)
 
     # -- waiting ------------------------------------------------------------------------------
@@ -190,6 +191,13 @@ class ChaosDriver:
             value = condition()
             if value:
                 return value
+            run = self._run
+            if run is not None and not run.alive():  # what it waits for can no longer happen
+                run.join_output()
+                raise DeploymentError(
+                    f"chaos: the run ended (`flwr run` exit {run.popen.returncode}) while "
+                    f"waiting for {what}; log {run.log_path}:\n{run.tail()}"
+                )
             time.sleep(0.05)
         raise DeploymentError(f"chaos: the run's time ran out waiting for {what}")
 
@@ -294,7 +302,8 @@ class ChaosDriver:
         ended = self.deployment.finish_run(run, timeout=0)
         status = "serverapp-killed" if ended.status == "timeout" else ended.status
         self.results.append(replace(ended, status=status))
-        return self.deployment.start_run({**self.run_config, "resume": True})
+        self._run = self.deployment.start_run({**self.run_config, "resume": True})
+        return self._run
 
     def run(self, plan: Sequence[ChaosEvent]) -> list[RunResult]:
         """Start the run, carry out ``plan`` in order of rounds, wait for the run's end and for
@@ -303,7 +312,7 @@ class ChaosDriver:
         named = {e.node for e in plan}
         spared = [n for n in range(self.deployment.options.num_supernodes) if n not in named]
         self.watched = spared[0] if spared else None
-        run = self.deployment.start_run(self.run_config)
+        run = self._run = self.deployment.start_run(self.run_config)
         order = {kind: i for i, kind in enumerate(("serverapp", *NODE_KINDS))}
         for event in sorted(plan, key=lambda e: (e.round, order[e.kind])):
             record = ChaosRecord(event)
