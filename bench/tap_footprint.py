@@ -188,7 +188,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     )
     started = time.perf_counter()
     runtime = ClientRuntime.from_context(context, run_config["run-name"])
-    logic = client_class(runtime.config.method)()
+    logic = client_class(runtime.method.spec)()
     model = runtime.model()
     holds = runtime.task.holdings(runtime.data)
     received = model.tensors_named(model.names_for(holds))  # the server's initial components

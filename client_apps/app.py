@@ -31,7 +31,7 @@ from flwr.clientapp import ClientApp
 
 from client_apps.secagg import secagg_mod
 from client_apps.warm import warm_worker_mod
-from fedfm_flower import prompt_engine
+from fedfm_flower import actor_preload, prompt_engine
 from fedfm_flower import protocol as P
 
 if TYPE_CHECKING:
@@ -44,8 +44,10 @@ log = logging.getLogger(__name__)
 
 app = ClientApp(mods=[secagg_mod, warm_worker_mod])
 
-# The simulation engine loads this module before it starts its threads: give it prompt hand-offs.
+# The simulation engine loads this module before it starts its threads and builds its actors:
+# give it prompt hand-offs, and actors that import torch, timm and peft while the run starts.
 prompt_engine.install()
+actor_preload.install()
 
 
 def _runtime_and_logic(message: Message, context: Context):  # noqa: ANN202
@@ -62,7 +64,7 @@ def _runtime_and_logic(message: Message, context: Context):  # noqa: ANN202
             f"{runtime.identity.client_id}; the server will re-learn the node mapping"
         )
     server_round = int(config_record.get(P.SERVER_ROUND, 0))
-    return runtime, client_class(runtime.config.method)(), server_round
+    return runtime, client_class(runtime.method.spec)(), server_round
 
 
 def _received(message: Message) -> dict:

@@ -1,16 +1,17 @@
 """What every method's client logic shares: the runtime of one message and the base class.
 
-A ``ClientRuntime`` is built per message from Flower's ``Context``: the validated config, the
-node's stable identity, its data (prepared once per process), the cached model and the
-personal-state store. ``ClientLogic`` subclasses implement ``train`` and ``evaluate`` on tensors;
-the ClientApp wraps them into Flower messages.
+A ``ClientRuntime`` is built per message from Flower's ``Context``: the validated config and its
+method resolved (both once per run config in the process), the node's stable identity, its data
+(prepared once per process), the cached model, the split of its parameters (once per message)
+and the personal-state store. ``ClientLogic`` subclasses implement ``train`` and ``evaluate`` on
+tensors; the ClientApp wraps them into Flower messages.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -19,6 +20,7 @@ from flwr.app import Context
 from fedfm_flower.client_state import ClientStateStore
 from fedfm_flower.config import ExperimentConfig, NodeIdentity
 from fedfm_flower.models import MODEL_CACHE, TunedModel, pick_device
+from fedfm_flower.registry import ResolvedMethod, resolve
 from fedfm_flower.tasks import task_of
 from fedfm_flower.tasks.base import Task
 from fedfm_flower.training import EvalStats, TrainStats, round_seed
@@ -26,17 +28,25 @@ from fedfm_flower.training import EvalStats, TrainStats, round_seed
 
 @dataclass
 class ClientRuntime:
-    """Everything a client method needs to handle one message."""
+    """Everything a client method needs to handle one message.
+
+    ``method`` is ``config``'s method resolved (``fedfm_flower.registry.resolve``).
+    """
 
     config: ExperimentConfig
     identity: NodeIdentity
     store: ClientStateStore
     device: torch.device
+    method: ResolvedMethod
+    # model -> (model, its split): kept with the model, so an id is never reused within it
+    _splits: dict[int, tuple[TunedModel, tuple[list[str], list[str]]]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     @classmethod
     def from_context(cls, context: Context, run_name: str) -> ClientRuntime:
         """Parse config and node identity from Flower's context."""
-        config = parsed_run_config(context.run_config)
+        config, method = resolved_run_config(context.run_config)
         identity = NodeIdentity.from_node_config(context.node_config, config)
         store = ClientStateStore(
             context.state,
@@ -45,7 +55,7 @@ class ClientRuntime:
             identity.state_dir,
             keep=config.keep_checkpoints + 1,  # see fedfm_flower.client_state
         )
-        return cls(config, identity, store, pick_device(config.device))
+        return cls(config, identity, store, pick_device(config.device), method)
 
     @functools.cached_property
     def task(self) -> Task:
@@ -74,16 +84,26 @@ class ClientRuntime:
 
     def model(self) -> TunedModel:
         """The (cached) model with its trainable parts at their seeded initial values."""
-        from fedfm_flower.registry import trains_backbone, tuner_of
-
         outputs = self.task.num_outputs(self.config, self.data)
         return MODEL_CACHE.get(
             self.config,
-            tuner_of(self.config),
+            self.method.tuner,
             outputs,
             self.device,
-            train_backbone=trains_backbone(self.config),
+            train_backbone=self.method.trains_backbone,
         )
+
+    def split(self, model: TunedModel) -> tuple[list[str], list[str]]:
+        """(shared, local) parameter names of ``model`` for this method, among the parts this
+        client owns: computed once per message and model (fresh lists each call)."""
+        known = self._splits.get(id(model))
+        if known is None or known[0] is not model:
+            owned = set(model.names_for(self.task.holdings(self.data)))
+            groups = {n: g for n, g in model.parameter_groups().items() if n in owned}
+            known = (model, self.method.split_names(groups))
+            self._splits[id(model)] = known
+        shared, local = known[1]
+        return list(shared), list(local)
 
     def train(
         self,
@@ -142,7 +162,12 @@ class ClientRuntime:
 
 
 def parsed_run_config(run_config: Mapping[str, Any]) -> ExperimentConfig:
-    """``ExperimentConfig.from_run_config``, parsed once per content in this process.
+    """``ExperimentConfig.from_run_config``, parsed once per content in this process."""
+    return resolved_run_config(run_config)[0]
+
+
+def resolved_run_config(run_config: Mapping[str, Any]) -> tuple[ExperimentConfig, ResolvedMethod]:
+    """The parsed config and its resolved method, both once per content in this process.
 
     A run's config is the same for every message, but a simulation actor receives it as a
     fresh (unpickled) mapping each time, so it is cached by content: the keys, the values and
@@ -153,13 +178,19 @@ def parsed_run_config(run_config: Mapping[str, Any]) -> ExperimentConfig:
         key = tuple((name, type(value), value) for name, value in run_config.items())
         hash(key)
     except TypeError:  # an unhashable value: nothing to key on
-        return ExperimentConfig.from_run_config(run_config)
-    return _parsed_run_config(key)
+        return _resolved(ExperimentConfig.from_run_config(run_config))
+    return _resolved_run_config(key)
+
+
+def _resolved(config: ExperimentConfig) -> tuple[ExperimentConfig, ResolvedMethod]:
+    return config, resolve(config)
 
 
 @functools.lru_cache(maxsize=8)
-def _parsed_run_config(items: tuple[tuple[str, type, Any], ...]) -> ExperimentConfig:
-    return ExperimentConfig.from_run_config({name: value for name, _, value in items})
+def _resolved_run_config(
+    items: tuple[tuple[str, type, Any], ...],
+) -> tuple[ExperimentConfig, ResolvedMethod]:
+    return _resolved(ExperimentConfig.from_run_config({name: value for name, _, value in items}))
 
 
 class ClientLogic:

@@ -1,8 +1,9 @@
 """The client of the methods whose clients train what they share and what they keep jointly.
 
 What a client sends and what it keeps is its method's split (``MethodSpec.split`` in
-``fedfm_flower/methods/<method>.py``, read by ``fedfm_flower.registry.split_parameters``, as the
-strategy reads it), among the parts this client owns (all of them, unless the model's components
+``fedfm_flower/methods/<method>.py``, resolved once per run config: ``ClientRuntime.method``, as
+the strategy reads it; the names computed once per message: ``ClientRuntime.split``), among the
+parts this client owns (all of them, unless the model's components
 serve only some holdings: TAP's modality-task pairs). Shared groups come from the server and go
 back; local groups live in client state. ``local``, ``fedavg``, ``fedvpt``, ``fedvpt-deep`` and
 ``fedperfix`` use ``SplitClient`` as it is; other methods subclass it for their schedule
@@ -23,7 +24,6 @@ import torch
 
 from client_apps.base import ClientLogic, ClientRuntime
 from fedfm_flower.models import TunedModel
-from fedfm_flower.registry import split_parameters
 from fedfm_flower.training import EvalStats, TrainStats
 
 
@@ -32,10 +32,8 @@ class SplitClient(ClientLogic):
 
     def split(self, runtime: ClientRuntime, model: TunedModel) -> tuple[list[str], list[str]]:
         """(shared, local) parameter names of ``model`` for this method, among the parts this
-        client owns."""
-        owned = set(model.names_for(runtime.task.holdings(runtime.data)))
-        groups = {n: g for n, g in model.parameter_groups().items() if n in owned}
-        return split_parameters(runtime.config, groups)
+        client owns (``runtime.split``: once per message)."""
+        return runtime.split(model)
 
     def prepare(
         self, runtime: ClientRuntime, received: dict[str, torch.Tensor], personal_round: dict

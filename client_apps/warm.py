@@ -9,8 +9,8 @@ Choices (each with its reason):
 
 * **Where.** Only in a ``flwr-clientapp`` process (deployment). Simulation's Ray actors and the
   in-process test grid are warm already and never forward. Query messages are answered in the
-  ClientApp (they import no torch), but start the worker when none is running, so round 1's
-  training message usually finds it ready.
+  ClientApp (they import no torch), and then, unless the query was refused, start the worker
+  when none is running, so round 1's training message usually finds it ready.
 * **What travels.** The ``Message`` and the ``Context``, as Flower's own protobufs
   (``flwr.common.serde``), over an ``AF_UNIX`` stream socket, each frame prefixed by its 8-byte
   length. The worker calls the same ClientApp (the same handlers, fused messages included) and
@@ -528,10 +528,13 @@ def handle(
     """Forward ``message`` to the worker at ``endpoint``, or run ``call_next`` here when that
     yields no reply. Queries always run here, and start a worker when none is running."""
     if message.metadata.message_type.split(".")[0] == "query":
-        if spawn is not None:
+        # Answered first: a node the query refuses (its partition-id out of range, a bad run
+        # config) starts no worker.
+        reply = call_next(message, context)
+        if spawn is not None and not reply.has_error():
             with contextlib.suppress(OSError):
                 ensure_worker(endpoint, spawn)
-        return call_next(message, context)
+        return reply
     reply = forward(message, context, endpoint, spawn=spawn, wait_s=wait_s, on_sent=on_sent)
     return reply if reply is not None else call_next(message, context)
 

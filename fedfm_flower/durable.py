@@ -21,10 +21,10 @@ import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
+if TYPE_CHECKING:  # torch loads inside the tensor functions: the launcher's checks need none
+    import torch
 
 DIGEST_KEY = "sha256"  # safetensors metadata key of the tensors' digest
 
@@ -40,6 +40,8 @@ class DamagedFileError(OSError):
 
 def tensor_sha256(tensors: dict[str, torch.Tensor]) -> str:
     """Hex SHA-256 of named tensors: for each name in sorted order, name, dtype, shape, bytes."""
+    import torch
+
     digest = hashlib.sha256()
     for name in sorted(tensors):
         tensor = tensors[name].detach().cpu().contiguous()
@@ -105,6 +107,8 @@ def atomic_write_text(path: Path | str, text: str, durable: bool = True) -> None
 
 def save_tensors(path: Path | str, tensors: dict[str, torch.Tensor]) -> str:
     """Write ``tensors`` to ``path`` atomically and durably; returns their ``tensor_sha256``."""
+    from safetensors.torch import save_file
+
     cpu = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
     digest = tensor_sha256(cpu)
     with atomic_path(Path(path)) as tmp:
@@ -133,6 +137,8 @@ def load_tensors(path: Path | str, expected_sha256: str | None = None) -> dict[s
 
 def _open(path: Path, read_values: bool) -> tuple[dict[str, torch.Tensor], str | None]:
     """(tensors, when ``read_values``, and the stored digest) of a safetensors file."""
+    from safetensors import SafetensorError, safe_open
+
     if not path.is_file():
         raise DamagedFileError(path, "no such file")
     try:

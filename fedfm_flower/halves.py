@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from fedfm_flower.methods import MethodSpec
 from fedfm_flower.registry import method_spec
 
 
@@ -21,11 +22,16 @@ def _load(path: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
-def strategy_class(method: str) -> Any:
-    """The Strategy class of ``method``."""
-    return _load(method_spec(method).strategy)
+def _spec(method: str | MethodSpec) -> MethodSpec:
+    """``method``'s spec: itself, or its registry entry when given by name."""
+    return method if isinstance(method, MethodSpec) else method_spec(method)
 
 
-def client_class(method: str) -> Any:
-    """The client logic class of ``method``."""
-    return _load(method_spec(method).client)
+def strategy_class(method: str | MethodSpec) -> Any:
+    """The Strategy class of ``method`` (a name, or a spec already looked up)."""
+    return _load(_spec(method).strategy)
+
+
+def client_class(method: str | MethodSpec) -> Any:
+    """The client logic class of ``method`` (a name, or a spec already looked up)."""
+    return _load(_spec(method).client)

@@ -44,7 +44,8 @@ def flower_command(name: str) -> str:
 
 
 def flower_environment(flwr_home: Path, base: Mapping[str, str] | None = None) -> dict[str, str]:
-    """Environment for Flower's CLI and daemons: our FLWR_HOME, no runtime installs, HF offline.
+    """Environment for Flower's CLI and daemons: our FLWR_HOME, no runtime installs, HF offline,
+    a Ray of its own unless ``RAY_ADDRESS`` names one.
 
     ``FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION`` stops ``flwr run``/SuperLink/SuperNodes from
     running ``uv sync`` (which would download torch again); this interpreter's scripts come first
@@ -56,6 +57,9 @@ def flower_environment(flwr_home: Path, base: Mapping[str, str] | None = None) -
     env["FLWR_DISABLE_UPDATE_CHECK"] = "1"
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("HF_DATASETS_OFFLINE", "1")
+    # Without an address, ray.init joins the cluster named in /tmp/ray/ray_current_cluster (one
+    # that `ray start` left, e.g. for a sweep) instead of starting the simulation's own.
+    env.setdefault("RAY_ADDRESS", "local")
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     return env
 

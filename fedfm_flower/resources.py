@@ -55,7 +55,7 @@ from torch.overrides import TorchFunctionMode
 from fedfm_flower.config import ExperimentConfig
 from fedfm_flower.models.families import family_of
 from fedfm_flower.overrides import parse_overrides
-from fedfm_flower.registry import method_spec, split_parameters, trains_backbone, tuner_of
+from fedfm_flower.registry import method_spec, resolve
 
 CONFIG_ROOT = Path(__file__).resolve().parent.parent / "configs"
 
@@ -245,10 +245,11 @@ def method_resources(config: ExperimentConfig, num_outputs: int | None = None) -
     """Storage, computation and communication per client of ``config``'s method and model."""
     if family_of(config.backbone).modality != "image":
         raise ValueError(f"backbone '{config.backbone}': resources are counted for ViTs only")
-    profile = method_spec(config.method).profile
+    method = resolve(config)
+    profile = method.spec.profile
     outputs = _num_outputs(config, num_outputs)
-    counts = _model_counts(_model_key(config), tuner_of(config), outputs, trains_backbone(config))
-    shared, local = split_parameters(config, counts.groups)
+    counts = _model_counts(_model_key(config), method.tuner, outputs, method.trains_backbone)
+    shared, local = method.split_names(counts.groups)
     trainable = sum(counts.numel.values())
     storage = counts.total_params + (profile.copies - 1) * trainable + profile.extra
     upload = sum(counts.numel[n] for n in shared)

@@ -21,12 +21,13 @@ import re
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from fedfm_flower.config import ExperimentConfig
 from fedfm_flower.durable import DamagedFileError, atomic_write_text, load_tensors, save_tensors
+
+if TYPE_CHECKING:
+    import torch
 
 _CHECKPOINT = re.compile(r"^round_(\d{5,})\.json$")
 FAILURE_FILE = "failure.json"

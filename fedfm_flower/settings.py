@@ -1,11 +1,15 @@
-"""Typed settings of one method, declared next to its code and read from the run config.
+"""How a run-config key is declared and checked, and the typed settings of one method.
+
+``setting(default, doc=..., <rules>)`` declares one key as a dataclass field: its type is the
+default's (int, float, bool or str), its rules (``choices``, ``positive``, ``non_negative``,
+``within`` with ``bounds``) are checked by ``check_value``, and its one-line ``doc`` is the
+meaning docs/configuration.md shows. The common keys are declared so in ``fedfm_flower.keys``;
+``pyproject.toml``'s run config and the docs' tables are generated (``fedfm_flower.schema``).
 
 A method with keys of its own declares them as a frozen dataclass subclass of
 ``MethodSettings`` with a ``prefix``: field ``seq_len`` of ``PFedSeqSettings`` (prefix
-``pfedseq``) is run-config key ``pfedseq-seq-len``. Every field has a scalar default (int,
-float, bool or str; the same default is under ``[tool.flwr.app.config]`` in ``pyproject.toml``)
-and, through ``setting(...)``, the rules its value must satisfy; ``check()`` holds rules across
-fields. Construction validates, so a settings object is always valid. A method module
+``pfedseq``) is run-config key ``pfedseq-seq-len``; ``check()`` holds rules across its fields.
+Construction validates, so a settings object is always valid. A method module
 (``fedfm_flower/methods/<method>.py``) declares the class and names it in its ``MethodSpec``;
 ``ExperimentConfig`` carries every registered method's values and
 ``config.settings_of(PFedSeqSettings)`` returns the typed object.
@@ -18,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Self
 
@@ -81,24 +85,65 @@ def coerce(key: str, raw: Any, kind: type, source: str = "run config") -> Any:
     raise ConfigError(key, raw, f"expected a value of type {kind.__name__}", source=source)
 
 
+Choices = tuple[str, ...] | Callable[[], tuple[str, ...]]
+BOUNDS: tuple[str, ...] = ("[]", "(]", "[)", "()")  # which ends of ``within`` are included
+
+
 def setting(
     default: Any,
     *,
-    choices: tuple[str, ...] | None = None,
+    doc: str = "",
+    choices: Choices | None = None,
     positive: bool = False,
     non_negative: bool = False,
     within: tuple[float, float] | None = None,
+    bounds: str = "[]",
     note: str = "",
+    example: Any = None,
 ) -> Any:
-    """A settings field: its default and the rules its value must satisfy.
+    """A run-config key: its default, the rules its value must satisfy and what it means.
 
-    ``choices``: the allowed values; ``positive``: > 0; ``non_negative``: >= 0; ``within``:
-    ``(lo, hi)``, both included. ``note`` is appended to the ``within`` error (why the range).
+    ``doc``: the one-line meaning (the docs' key tables are generated from it); ``choices``:
+    the allowed values, or a function returning them (read from a registry when checked);
+    ``positive``: > 0; ``non_negative``: >= 0; ``within``: ``(lo, hi)`` with ``bounds`` saying
+    which ends are included (``"[]"`` both, ``"(]"``, ``"[)"``, ``"()"``). ``note`` is appended
+    to the ``within`` error (why the range). ``example``: a valid value other than the default,
+    for a free-form string (tests use it).
     """
     if not isinstance(default, SCALARS):
         raise TypeError(f"a setting's default must be int, float, bool or str, got {default!r}")
+    if bounds not in BOUNDS:
+        raise ValueError(f"bounds must be one of {', '.join(BOUNDS)}, got {bounds!r}")
     rules = {"choices": choices, "positive": positive, "non_negative": non_negative}
-    return dataclasses.field(default=default, metadata={**rules, "within": within, "note": note})
+    metadata = {**rules, "within": within, "bounds": bounds, "note": note}
+    return dataclasses.field(default=default, metadata={**metadata, "doc": doc, "example": example})
+
+
+def allowed_values(field: dataclasses.Field) -> tuple[str, ...] | None:
+    """The values ``field`` allows (its ``choices`` resolved), or None when any value goes."""
+    choices = field.metadata.get("choices")
+    return choices() if callable(choices) else choices
+
+
+def check_value(key: str, value: Any, field: dataclasses.Field) -> None:
+    """Raise ConfigError naming ``key``, ``value`` and the first of ``field``'s rules it breaks."""
+    rules = field.metadata
+    require_finite(key, value)
+    choices = allowed_values(field)
+    if choices is not None and value not in choices:
+        raise ConfigError(key, value, f"allowed: {', '.join(choices)}")
+    if rules.get("positive") and not value > 0:
+        raise ConfigError(key, value, "must be > 0")
+    if rules.get("non_negative") and value < 0:
+        raise ConfigError(key, value, "must be >= 0")
+    if rules.get("within") is not None:
+        lo, hi = rules["within"]
+        opening, closing = rules.get("bounds", "[]")
+        above = lo <= value if opening == "[" else lo < value
+        below = value <= hi if closing == "]" else value < hi
+        if not (above and below):
+            note = f" ({rules['note']})" if rules.get("note") else ""
+            raise ConfigError(key, value, f"must lie in {opening}{lo}, {hi}{closing}{note}")
 
 
 @dataclass(frozen=True)
@@ -153,19 +198,7 @@ class MethodSettings:
     def validate(self) -> None:
         """Raise ConfigError naming the first value that breaks its field's rules or check()."""
         for f in dataclasses.fields(self):
-            key, value, rules = self.key_of(f.name), getattr(self, f.name), f.metadata
-            require_finite(key, value)
-            if rules.get("choices") is not None and value not in rules["choices"]:
-                raise ConfigError(key, value, f"allowed: {', '.join(rules['choices'])}")
-            if rules.get("positive") and not value > 0:
-                raise ConfigError(key, value, "must be > 0")
-            if rules.get("non_negative") and value < 0:
-                raise ConfigError(key, value, "must be >= 0")
-            if rules.get("within") is not None:
-                lo, hi = rules["within"]
-                if not lo <= value <= hi:
-                    note = f" ({rules['note']})" if rules.get("note") else ""
-                    raise ConfigError(key, value, f"must lie in [{lo}, {hi}]{note}")
+            check_value(self.key_of(f.name), getattr(self, f.name), f)
         self.check()
 
     def check(self) -> None:

@@ -11,8 +11,13 @@ deployment, runs; its command line is ``fedfm_flower.deploy.cli``). See docs/dep
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
-from fedfm_flower.deploy.cli import main
+# This checkout's package, whatever else is on the path (another clone's PYTHONPATH, an
+# installed copy): the deployment runs and writes into the checkout the script belongs to.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from fedfm_flower.deploy.cli import main  # noqa: E402 - after the path is this checkout's
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

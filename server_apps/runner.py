@@ -41,6 +41,7 @@ repeats its evaluation (its training was complete).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import platform
@@ -59,6 +60,7 @@ from fedfm_flower.models.build import prepare_foundation
 from fedfm_flower.privacy import secagg
 from fedfm_flower.privacy.ledger import LedgerFile
 from fedfm_flower.records import record_dict_nbytes
+from fedfm_flower.registry import resolve
 from fedfm_flower.results import RunDirectory, progress_line
 from fedfm_flower.tasks import task_of
 from fedfm_flower.waits import GrowingWait
@@ -84,16 +86,18 @@ def build_strategy(
     config: ExperimentConfig, context: RunContext = NO_CONTEXT
 ) -> PersonalizedStrategy:
     """The configured method's strategy for the run ``context``, initialised from the seeded
-    trainable tensors."""
+    trainable tensors; the method is resolved here once (unless ``context`` brings it) and
+    given to the strategy with the context."""
     from fedfm_flower.halves import strategy_class
     from fedfm_flower.models import initial_trainable
-    from fedfm_flower.registry import trains_backbone, tuner_of
 
+    method = context.method or resolve(config)
     outputs = task_of(config).num_outputs(config)
     initial = initial_trainable(
-        config, tuner_of(config), outputs, train_backbone=trains_backbone(config)
+        config, method.tuner, outputs, train_backbone=method.trains_backbone
     )
-    return strategy_class(config.method)(config, initial, context)
+    context = dataclasses.replace(context, method=method)
+    return strategy_class(method.spec)(config, initial, context)
 
 
 def wait_for_nodes(grid: Grid, config: ExperimentConfig) -> list[int]:
@@ -138,11 +142,13 @@ def run_experiment(
         failed = False
         return summary
     except Exception as err:
+        records = run.rounds()  # a failed round is recorded too, marked "failed"
         run.write_failure(
             {
                 "error": f"{type(err).__name__}: {err}",
                 "traceback": traceback.format_exc(),
-                "rounds-completed": len(run.rounds()),
+                "rounds-completed": sum("failed" not in r for r in records),
+                "rounds-failed": [r["round"] for r in records if "failed" in r],
             }
         )
         log.error("run %s failed: %s", run.name, err)
@@ -168,6 +174,7 @@ def _run(
         run_name=run.name,
         client_tasks={int(c): label for c, label in client_tasks.items()},
         client_holdings={int(c): tuple(held) for c, held in holdings.items()},
+        method=resolve(config),
     )
     strategy = build_strategy(config, context)
     start_round = 1

@@ -5,7 +5,8 @@ the clients' *stable* ids. It keeps the method hooks (payloads, reply specs, ``a
 state, phases) and joins the parts it is composed of (``strategies.parts``: node directory,
 sampler, messages, reply validation, fused rounds, outcomes):
 
-* **Run facts** come with the constructor (``RunContext``), never by attribute writes.
+* **Run facts** come with the constructor (``RunContext``), never by attribute writes; the
+  run's method, resolved once by the runner (``RunContext.method``), is ``self.method``.
 * **Outcomes.** ``aggregate_round`` returns a ``RoundOutcome`` (training report and means, the
   evaluation it carried, ``aggregate``'s server metrics), ``aggregate_evaluation`` a
   ``PhaseOutcome``; the runner records from these. Flower's ``configure_*``/``aggregate_*``
@@ -34,6 +35,7 @@ from fedfm_flower.config import ExperimentConfig
 from fedfm_flower.models import TrainableTensors
 from fedfm_flower.privacy import accountant
 from fedfm_flower.privacy.ledger import ReleaseLedger
+from fedfm_flower.registry import ResolvedMethod, resolve
 from strategies.parts.context import NO_CONTEXT, RunContext
 from strategies.parts.fused import FusedRound
 from strategies.parts.messages import Payload, per_node_messages
@@ -48,6 +50,18 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def resolved_method(config: ExperimentConfig, context: RunContext) -> ResolvedMethod:
+    """The run's resolved method: the context's (the runner resolved it), else ``config``'s
+    resolved here; a context resolved for another method is an error."""
+    if context.method is None:
+        return resolve(config)
+    if context.method.name != config.method:
+        raise ValueError(
+            f"run context resolved method '{context.method.name}' for a '{config.method}' config"
+        )
+    return context.method
+
+
 class PersonalizedStrategy(Strategy):
     """Base of the method strategies: the method hooks, composed with the strategy parts."""
 
@@ -60,6 +74,7 @@ class PersonalizedStrategy(Strategy):
     ) -> None:
         self.config = config
         self.context = context
+        self.method = resolved_method(config, context)
         self.nodes = NodeDirectory(context.run_name, context.client_holdings)
         self.sampler = ClientSampler(config, context.client_tasks)
         self.current_round = 0  # the round configure_train was last called for

@@ -7,9 +7,10 @@ that own it (TAP's component-wise FedAvg, eq. 1).
 
 The global tensors are averaged in float64 and cast back, so the result does not depend on the
 order replies arrive in. What is shared and what stays on the clients is the method's split
-(``MethodSpec.split`` in ``fedfm_flower/methods/<method>.py``, read by
-``fedfm_flower.registry.split_parameters``, as the clients read it); subclasses choose how
-clients are weighted (``weighting``: example counts, or equal as FedDPA's eq. 2) and add phases.
+(``MethodSpec.split`` in ``fedfm_flower/methods/<method>.py``, resolved once per run:
+``self.method``, a ``fedfm_flower.registry.ResolvedMethod``, as the clients read it); subclasses
+choose how clients are weighted (``weighting``: example counts, or equal as FedDPA's eq. 2) and
+add phases.
 
 With ``dp = "central"`` (``fedfm_flower.privacy``) the average is DP-FedAvg's instead: the
 updates (reply - global) clipped to ``dp-clipping-norm`` (again here, so the bound does not rest
@@ -37,7 +38,6 @@ from fedfm_flower.config import ExperimentConfig
 from fedfm_flower.models import TrainableTensors
 from fedfm_flower.privacy import accountant, mechanism
 from fedfm_flower.records import tensor_spec
-from fedfm_flower.registry import split_parameters
 from strategies.base import PersonalizedStrategy
 from strategies.parts.context import NO_CONTEXT, RunContext
 from strategies.parts.replies import ClientReply
@@ -74,7 +74,7 @@ class FedAvgStrategy(PersonalizedStrategy):
 
     def split(self, initial: TrainableTensors) -> tuple[list[str], list[str]]:
         """(shared, local) parameter names: the method's split (the clients read the same)."""
-        return split_parameters(self.config, initial.groups)
+        return self.method.split_names(initial.groups)
 
     def train_payload(self, client_id: int, server_round: int) -> dict[str, torch.Tensor]:
         """The global shared tensors of the client's components (for most models: all)."""

@@ -30,6 +30,16 @@ def read_rounds(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def rounds_recorded(run_dir: Path) -> int:
+    """How many rounds metrics.jsonl holds so far: complete lines only (for waits while the
+    ServerApp appends)."""
+    try:
+        text = (run_dir / "metrics.jsonl").read_text()
+    except FileNotFoundError:
+        return 0
+    return text.count("\n")
+
+
 def hash_files(directory: Path) -> dict[str, str]:
     """sha256 of every file under ``directory``, by relative path."""
     return {

@@ -4,8 +4,10 @@ and a short chaos run on a loopback deployment (the long one is the module's com
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -87,24 +89,27 @@ def test_a_node_killed_again_before_it_can_be_back_is_refused() -> None:
 
 
 def test_a_stalled_state_write_leaves_half_a_temporary_file_and_the_old_state_intact(
-    tmp_path: Path,
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     store = ClientStateStore(RecordDict(), 1, "run", str(tmp_path), keep=5)
     store.save(1, _tensors(1.0))
     stall_state_write(store, seconds=30.0)
+    # Heard on the module's own logger: configure_logging stops our loggers propagating.
+    faults_log = logging.getLogger("client_apps.faults")
+    monkeypatch.setattr(faults_log, "level", logging.WARNING)
+    monkeypatch.setattr(faults_log, "handlers", [caplog.handler])
     writer = threading.Thread(target=store.save, args=(2, _tensors(2.0)), daemon=True)
     writer.start()
-    deadline = time.monotonic() + 10
-    temp: list[Path] = []
-    while time.monotonic() < deadline and not temp:
-        temp = [
-            p for p in store.directory.glob(".round_00002.safetensors.*.tmp") if p.stat().st_size
-        ]
+    # The stall is announced once the half file is in place (written in full, then truncated).
+    deadline = time.monotonic() + 60
+    while "stalls half-way" not in caplog.text:
+        assert writer.is_alive(), "the stalled write ended without stalling"
+        assert time.monotonic() < deadline, "the write did not announce its stall within 60 s"
         time.sleep(0.01)
-    assert temp, "the stalled write left no temporary file"
+    temp = list(store.directory.glob(".round_00002.safetensors.*.tmp"))
+    assert len(temp) == 1, "the stalled write left no temporary file"
     full = tmp_path / "full.safetensors"
     save_tensors(full, {k: v.contiguous() for k, v in _tensors(2.0).items()})
-    time.sleep(0.2)  # the truncation happened before the stall was announced by the size
     assert 0 < temp[0].stat().st_size < full.stat().st_size
     # What a node killed now leaves: round 1 intact and found, round 2 absent.
     restarted = ClientStateStore(RecordDict(), 1, "run", str(tmp_path), keep=5)
@@ -261,10 +266,13 @@ def test_a_short_chaos_run_loses_nothing_and_spared_clients_match_the_uninterrup
         rounds,
     )
     deployment = LocalDeployment(options)
-    reference = deployment.run_in_process(config, tmp_path / "reference")
-    driver = ChaosDriver(deployment, config, tmp_path / "runs" / "chaos", timeout=480.0)
     try:
-        deployment.start(stall_overrides(plan))
+        # The reference runs while the deployment starts (mostly `flwr` commands starting up).
+        with ThreadPoolExecutor(1) as pool:
+            uninterrupted = pool.submit(deployment.run_in_process, config, tmp_path / "reference")
+            deployment.start(stall_overrides(plan))
+            reference = uninterrupted.result()
+        driver = ChaosDriver(deployment, config, tmp_path / "runs" / "chaos", timeout=480.0)
         results = driver.run(plan)
     finally:
         deployment.stop()

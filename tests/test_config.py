@@ -17,7 +17,6 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 from fedfm_flower.config import (
-    DATASETS,
     METHODS,
     ConfigError,
     ExperimentConfig,
@@ -27,7 +26,7 @@ from fedfm_flower.methods.pfedpg import PFedPGSettings
 from fedfm_flower.methods.pfedseq import PFedSeqSettings
 from fedfm_flower.registry import METHODS as REGISTRY
 from fedfm_flower.registry import settings_class, settings_classes
-from fedfm_flower.settings import MethodSettings
+from fedfm_flower.settings import MethodSettings, allowed_values
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -88,20 +87,17 @@ def test_method_settings_are_registered_under_their_own_prefix() -> None:
     assert settings_class("fedavg") is None
 
 
-# Free-form string keys (no choices): a valid value other than the default, by hand.
-FREE_FORM = {"fedperfix-personal": "head", "feddpa-scale": "0.7"}
-
-
 def _other_value(kind: type[MethodSettings], f: dataclasses.Field) -> object:
     """A valid value of field ``f`` other than its default, from its rules."""
     key, default, rules = kind.key_of(f.name), f.default, f.metadata
-    if rules.get("choices"):
-        return next(c for c in rules["choices"] if c != default)
+    choices = allowed_values(f)
+    if choices:
+        return next(c for c in choices if c != default)
     if isinstance(default, bool):
         return not default
-    if isinstance(default, str):
-        assert key in FREE_FORM, f"{key}: a free-form string setting; add a value to FREE_FORM"
-        return FREE_FORM[key]
+    if isinstance(default, str):  # free-form: its declaration gives an example
+        assert rules.get("example") not in (None, default), f"{key}: declare example=..."
+        return rules["example"]
     lo, hi = rules.get("within") or (-math.inf, math.inf)
     step = 1 if isinstance(default, int) else 0.5 * (min(hi, default + 1) - default or 1)
     return (
@@ -292,7 +288,7 @@ def test_registry_names_are_all_accepted() -> None:
     for method in METHODS:
         config = ExperimentConfig.from_run_config({"method": method, **_model_for(method)})
         assert config.method == method
-    from fedfm_flower.data.registry import dataset_spec
+    from fedfm_flower.data.registry import DATASETS, dataset_spec
     from fedfm_flower.models.families import FAMILIES
     from fedfm_flower.tasks import task_modality
 

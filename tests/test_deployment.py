@@ -148,6 +148,33 @@ def test_script_and_module_are_the_same_command():
     assert options(["-m", "fedfm_flower.deploy"]) == script
 
 
+def test_the_deploy_script_runs_the_checkout_it_belongs_to(tmp_path: Path):
+    """Another clone's package first on the path (its PYTHONPATH, a venv installed from it):
+    the script still deploys, and writes into, its own checkout."""
+    import os
+    import subprocess
+    import sys
+
+    other = tmp_path / "other-clone" / "fedfm_flower"
+    other.mkdir(parents=True)
+    (other / "__init__.py").write_text("raise ImportError('the other clone was imported')\n")
+    env = {**os.environ, "PYTHONPATH": str(other.parent)}
+    show_root = "import fedfm_flower.deploy.cli as cli\nprint(cli.ROOT)\n"
+    through_script = (
+        f"import runpy\nrunpy.run_path({str(ROOT / 'scripts' / 'deploy_local.py')!r})\n"
+    )
+
+    def run(code: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True
+        )
+
+    assert "the other clone was imported" in run(show_root).stderr  # the decoy is first
+    result = run(through_script + show_root)
+    assert result.returncode == 0, result.stderr
+    assert Path(result.stdout.strip()) == ROOT
+
+
 @pytest.mark.parametrize(
     ("override", "message"),
     [

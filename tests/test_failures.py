@@ -315,6 +315,7 @@ def test_a_round_where_every_client_fails_stops_the_run(small_run_config: dict) 
     assert RunDirectory(run_dir).checkpoint_rounds() == [1]  # resume repeats round 2
     failure = json.loads((run_dir / "failure.json").read_text())
     assert failure["error"].startswith("RunFailed: round 2") and "Traceback" in failure["traceback"]
+    assert failure["rounds-completed"] == 1 and failure["rounds-failed"] == [2]
     assert not (run_dir / "summary.json").exists()  # no stale "final" accuracy
     # The cause fixed (no more faults), the run resumes at round 2 and completes.
     resumed, _ = run_in_process({**config, "resume": True}, 2)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from deploy_support import (
     completed_log,
     hash_files,
     read_rounds,
+    rounds_recorded,
 )
 from safetensors.torch import load_file
 
@@ -39,13 +41,17 @@ from fedfm_flower.launch import ExitCode
 pytestmark = [pytest.mark.slow]
 
 
-def wait_until(condition: Callable[[], Any], timeout: float, what: str) -> Any:
-    """Poll ``condition`` every 50 ms until it is truthy; fail naming ``what`` after ``timeout``."""
+def wait_until(condition: Callable[[], Any], timeout: float, what: str, run: Any = None) -> Any:
+    """Poll ``condition`` every 50 ms until it is truthy; fail naming ``what`` after ``timeout``,
+    or as soon as ``run`` (the `flwr run` of ``start_run``) has ended without it."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = condition()
         if value:
             return value
+        if run is not None and not run.alive():
+            run.join_output()
+            raise AssertionError(f"the run ended before {what}; its output:\n{run.tail(40)}")
         time.sleep(0.05)
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
@@ -101,18 +107,17 @@ def test_supernode_killed_mid_round_rejoins_with_identical_state(cache_dir, tmp_
         ids_before = {n["node-id"] for n in deployment.online_nodes()}
         run = deployment.start_run(config)
         # Round 1 is recorded, so the next task of node 1 is round 2's training.
-        wait_until(
-            lambda: len(read_rounds(run_dir)) == 1 if (run_dir / "metrics.jsonl").exists() else 0,
-            300,
-            "round 1",
-        )
+        wait_until(lambda: rounds_recorded(run_dir) >= 1, 300, "round 1", run)
+        assert rounds_recorded(run_dir) == 1, "round 2 ended before round 1 was seen"
         finishing = deployment.tasks_in_flight(1)  # round 1's evaluation may still be ending
-        wait_until(lambda: deployment.tasks_in_flight(1) - finishing, 60, "node 1's round-2 task")
+        wait_until(
+            lambda: deployment.tasks_in_flight(1) - finishing, 60, "node 1's round-2 task", run
+        )
         killed = deployment.kill_supernode(1)
         at_kill = hash_files(node_dir)
         state_at_kill = load_file(state_file)
         deployment.restart_supernode(1)  # same key and state-dir: the machine comes back
-        deployment.wait_for_supernodes(2, timeout=60)
+        deployment.wait_for_supernodes(2)  # the options' startup timeout
         ids_after = {n["node-id"] for n in deployment.online_nodes()}
         result = deployment.finish_run(run)
         after = hash_files(node_dir)
@@ -169,20 +174,26 @@ def test_tap_runs_with_its_post_fl_round_and_a_killed_serverapp_resumes_to_the_s
     config.update({"method": "tap", "tap-distill-steps": 2})
     crashed_dir = tmp_path / "runs" / "crashed"
     deployment = LocalDeployment(options)
-    reference_dir = deployment.run_in_process({**config, "run-name": "reference"}, tmp_path / "ref")
     try:
-        deployment.start()
+        # The reference runs while the deployment starts (mostly `flwr` commands starting up).
+        with ThreadPoolExecutor(1) as pool:
+            reference = pool.submit(
+                deployment.run_in_process, {**config, "run-name": "reference"}, tmp_path / "ref"
+            )
+            deployment.start()
+            reference_dir = reference.result()
         during = deployment.live_pids()
         run = deployment.start_run({**config, "run-name": "crashed"})
         wait_until(
             lambda: (crashed_dir / "checkpoints" / "round_00001.json").exists(),
             300,
             "the round-1 checkpoint",
+            run,
         )
         killed = deployment.kill_serverapp()
         # Without a ServerApp the run would end on its own once the SuperLink misses its
-        # heartbeats (about a minute); `flwr stop` ends it now.
-        crashed = deployment.finish_run(run, timeout=5)
+        # heartbeats (about a minute); `flwr stop` (finish_run's, at once) ends it now.
+        crashed = deployment.finish_run(run, timeout=0)
         resumed = deployment.run({**config, "run-name": "crashed", "resume": True})
     finally:
         deployment.stop()
@@ -280,8 +291,7 @@ def test_malformed_replies_and_bad_node_configs_leave_server_state_unchanged(cac
     try:
         deployment.prepare()
         deployment.start_superlink()
-        for i in range(4):
-            deployment.node_ids[i] = deployment.register_key(deployment.keys[i].with_suffix(".pub"))
+        deployment.register_keys(range(4))
         plans = {i: ",".join(f"{r}:{k}" for r, k in enumerate(FAULTS[i], start=2)) for i in (0, 1)}
         for i in (0, 1):
             deployment.start_supernode(i, node_config={"inject-fault": plans[i]})

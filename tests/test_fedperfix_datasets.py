@@ -14,7 +14,6 @@ import pytest
 import torch
 from PIL import Image
 
-from fedfm_flower.config import DATASETS as CONFIG_DATASETS
 from fedfm_flower.config import ExperimentConfig
 from fedfm_flower.data import (
     DATASETS,
@@ -77,8 +76,8 @@ def config(**changes: object) -> ExperimentConfig:
     return made
 
 
-def test_registry_and_config_list_both() -> None:
-    assert tuple(DATASETS) == CONFIG_DATASETS
+def test_registry_lists_both() -> None:
+    assert {"organamnist", "office-home"} <= set(DATASETS)  # so the config accepts them
     assert DATASETS["organamnist"].num_classes == 11
     assert DATASETS["office-home"].num_classes == 65
     assert DATASETS["office-home"].natural_id_column == "domain"

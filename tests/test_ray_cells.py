@@ -18,6 +18,7 @@ import pytest
 
 from fedfm_flower import sweep
 from fedfm_flower.processes import pid_alive, proc_stat
+from fedfm_flower.results import RunDirectory
 
 ray = pytest.importorskip("ray")
 
@@ -34,8 +35,6 @@ def _sweep_argv(methods: list[str], out: Path, cache_dir: Path, rounds: int) -> 
 
 
 def _metrics(run: Path) -> list[dict]:
-    from fedfm_flower.results import RunDirectory
-
     return RunDirectory(run).rounds_without_times()
 
 
@@ -138,25 +137,47 @@ def _worker_pids(task: str) -> list[int]:
     return pids
 
 
+def _stopped(pid: int) -> bool:
+    """Every thread of ``pid`` has stopped (SIGSTOP is delivered asynchronously)."""
+    tasks = list(Path(f"/proc/{pid}/task").glob("*"))
+    return bool(tasks) and all(proc_stat(int(t.name))[:1] == ["T"] for t in tasks)
+
+
+def _pause_cell_past_a_checkpoint(
+    process: subprocess.Popen, run: RunDirectory, timeout: float
+) -> int:
+    """The pid of the cell's worker, paused (SIGSTOP) at a look that found a committed
+    checkpoint and no summary. Each look pauses the worker first: what it sees then holds until
+    the kill, however long this process is held up on a loaded machine (unpaused, the cell could
+    finish between the look and the kill)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert process.poll() is None, "the sweep ended before the cell could be killed"
+        assert time.monotonic() < deadline, f"no checkpoint of a running cell within {timeout} s"
+        pids = _worker_pids("_ray_cell")
+        if len(pids) == 1:
+            (pid,) = pids
+            os.kill(pid, signal.SIGSTOP)
+            stop_deadline = time.monotonic() + 30
+            while not _stopped(pid) and pid_alive(pid):
+                assert time.monotonic() < stop_deadline, f"worker {pid} did not stop in 30 s"
+                time.sleep(0.01)
+            done = (run.path / "summary.json").exists()
+            if run.checkpoint_rounds() and not done and pid_alive(pid):
+                return pid
+            os.kill(pid, signal.SIGCONT)
+        time.sleep(0.1)
+
+
 def test_a_cell_whose_worker_is_killed_resumes_from_its_checkpoint(
     two_nodes: str, serial: Path, tmp_path: Path, cache_dir: Path
 ) -> None:
-    from fedfm_flower.results import RunDirectory
-
     name, parallel = "fedavg-digits-label-skew-s0", tmp_path / "ray"
     run = RunDirectory(parallel / "runs" / name)
     with _ray_sweep(_sweep_argv(["fedavg"], parallel, cache_dir, ROUNDS), two_nodes) as p:
-        deadline = time.monotonic() + 600
-        pids: list[int] = []
-        # a checkpoint, and the worker running the cell seen by its title (one look right after
-        # the checkpoint appeared could miss it; CI did once)
-        while not (run.checkpoint_rounds() and pids) and p.poll() is None:
-            assert time.monotonic() < deadline, "no checkpoint within 600 s"
-            time.sleep(0.1)
-            pids = _worker_pids("_ray_cell")
-        assert len(pids) == 1 and p.poll() is None, "the cell should still be running"
-        os.kill(pids[0], signal.SIGKILL)
+        pid = _pause_cell_past_a_checkpoint(p, run, timeout=600)
         killed_after = max(run.checkpoint_rounds())
+        os.kill(pid, signal.SIGKILL)
         output, _ = p.communicate(timeout=900)
     assert p.returncode == 0, output[-3000:]
 
@@ -173,8 +194,6 @@ def test_a_stopped_sweep_shuts_down_the_ray_instance_it_started(
 ) -> None:
     """SIGTERM (a scheduler, ``timeout``) to a ``--ray`` sweep while its cell runs: the sweep
     exits within seconds and leaves no Ray process behind (Ctrl-C takes the same path)."""
-    from fedfm_flower.results import RunDirectory
-
     out = tmp_path / "stopped"
     run = RunDirectory(out / "runs" / "fedavg-digits-label-skew-s0")
     argv = [sys.executable, "-m", "fedfm_flower.sweep", "--ray"]

@@ -284,7 +284,7 @@ def _post_training_method(monkeypatch: pytest.MonkeyPatch, rounds: int = 1) -> N
     monkeypatch.setattr(
         halves,
         "client_class",
-        lambda method: PostTrainClient if method == "fedavg" else original(method),
+        lambda method: PostTrainClient if method.name == "fedavg" else original(method),
     )
 
     def build_strategy(config: ExperimentConfig, context: RunContext):  # noqa: ANN202

@@ -78,7 +78,8 @@ def _runtime(
     """A client runtime on ``model`` (reset to its initial tensors per message), hand-made
     data and a state store on disk."""
     store = ClientStateStore(state or RecordDict(), 0, "run", str(state_dir))
-    runtime = ClientRuntime(config, NodeIdentity(0, 0, 2), store, torch.device("cpu"))
+    device = torch.device("cpu")
+    runtime = ClientRuntime(config, NodeIdentity(0, 0, 2), store, device, registry.resolve(config))
     initial = dict(model.trainable().tensors)
 
     def fresh() -> TunedModel:

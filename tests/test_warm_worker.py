@@ -341,3 +341,29 @@ def test_the_clientapp_refuses_a_bad_value_and_forwards_only_in_flwr_clientapp(
     off.node_config["warm-worker"] = False
     reply = app(exchange.message, off)
     assert comparable(reply.content) == comparable(exchange.reply.content)
+
+
+def test_a_refused_query_starts_no_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node whose query is refused (its partition-id out of range) gets no warm worker; an
+    answered query starts one."""
+    from types import SimpleNamespace
+
+    started: list[warm.SpawnSpec] = []
+    monkeypatch.setattr(warm, "ensure_worker", lambda endpoint, spawn: started.append(spawn))
+    endpoint = warm.Endpoint.for_key(f"test-{uuid.uuid4().hex[:12]}")
+    spawn = warm.SpawnSpec((os.getpid(),), idle_s=1, preload=False)
+    query = SimpleNamespace(metadata=SimpleNamespace(message_type="query"))
+
+    def reply(error: bool) -> SimpleNamespace:
+        return SimpleNamespace(has_error=lambda: error)
+
+    def raises(message: Message, context: Context) -> Message:
+        raise ValueError("node config 'partition-id' = 9 is invalid")
+
+    context = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={})
+    assert warm.handle(query, context, lambda m, c: reply(True), endpoint, spawn).has_error()
+    with pytest.raises(ValueError, match="partition-id"):
+        warm.handle(query, context, raises, endpoint, spawn)
+    assert started == []
+    assert not warm.handle(query, context, lambda m, c: reply(False), endpoint, spawn).has_error()
+    assert started == [spawn]

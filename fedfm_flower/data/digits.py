@@ -18,13 +18,16 @@ import functools
 import gzip
 import importlib.util
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from fedfm_flower.data.domains import DOMAINS
 from fedfm_flower.data.images import upscale_gray
 from fedfm_flower.data.source import Source
+
+if TYPE_CHECKING:
+    import torch
 
 NUM_CLASSES = 10
 
@@ -32,11 +35,20 @@ NUM_CLASSES = 10
 @functools.lru_cache(maxsize=1)
 def digits_arrays() -> tuple[torch.Tensor, np.ndarray]:
     """The raw digits: gray images ``[1797, 8, 8]`` in ``[0, 1]`` and int64 labels."""
+    import torch
+
     table = _digits_table()
     images = torch.from_numpy(table[:, :-1].reshape(-1, 8, 8).astype(np.float32) / 16.0)
-    return images, table[:, -1].astype(np.int64)
+    return images, digits_labels()
 
 
+@functools.lru_cache(maxsize=1)
+def digits_labels() -> np.ndarray:
+    """The digits' int64 labels (no torch: partitioning reads labels only)."""
+    return _digits_table()[:, -1].astype(np.int64)
+
+
+@functools.lru_cache(maxsize=1)
 def _digits_table() -> np.ndarray:
     """``load_digits``'s table (64 pixels and the label per row), read without its import.
 
@@ -60,13 +72,15 @@ def digits_pixels(image_size: int, sample_ids: np.ndarray | None = None) -> torc
     """The digits ``sample_ids`` (all when None) as RGB ``[n, 3, image_size, image_size]``."""
     images, _ = digits_arrays()
     if sample_ids is not None:
+        import torch
+
         images = images[torch.from_numpy(np.asarray(sample_ids, dtype=np.int64))]
     return upscale_gray(images, image_size)
 
 
 def digits_source(name: str, image_size: int, with_domains: bool) -> Source:
     """The digits as a ``Source``; ``with_domains`` adds the synthetic ``domain`` column."""
-    _, labels = digits_arrays()
+    labels = digits_labels()
     return Source(
         name=name,
         labels=labels,

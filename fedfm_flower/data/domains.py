@@ -16,11 +16,12 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-import torch.nn.functional as F
+if TYPE_CHECKING:  # torch loads with the first transform: partition checks need none
+    import torch
 
-Transform = Callable[[torch.Tensor], torch.Tensor]
+    Transform = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -36,11 +37,11 @@ class Domain:
 
 
 def _rotate(quarter_turns: int) -> Transform:
-    return lambda x: torch.rot90(x, quarter_turns, dims=(2, 3))
+    return lambda x: x.rot90(quarter_turns, dims=(2, 3))
 
 
 def _hflip(x: torch.Tensor) -> torch.Tensor:
-    return torch.flip(x, dims=(3,))
+    return x.flip(dims=(3,))
 
 
 def _invert(x: torch.Tensor) -> torch.Tensor:
@@ -52,8 +53,8 @@ def _colourize(ink: tuple[float, float, float], paper: tuple[float, float, float
 
     def apply(x: torch.Tensor) -> torch.Tensor:
         gray = x.mean(dim=1, keepdim=True)
-        ink_t = torch.tensor(ink, dtype=x.dtype).view(1, 3, 1, 1)
-        paper_t = torch.tensor(paper, dtype=x.dtype).view(1, 3, 1, 1)
+        ink_t = x.new_tensor(ink, device="cpu").view(1, 3, 1, 1)
+        paper_t = x.new_tensor(paper, device="cpu").view(1, 3, 1, 1)
         return paper_t + gray * (ink_t - paper_t)
 
     return apply
@@ -61,6 +62,9 @@ def _colourize(ink: tuple[float, float, float], paper: tuple[float, float, float
 
 def _blur(x: torch.Tensor) -> torch.Tensor:
     """Gaussian blur whose width scales with the image (sigma = H / 12, at least 0.8)."""
+    import torch
+    import torch.nn.functional as F
+
     sigma = max(0.8, x.shape[-1] / 12.0)
     radius = max(1, int(round(2 * sigma)))
     offsets = torch.arange(-radius, radius + 1, dtype=x.dtype)
@@ -73,6 +77,8 @@ def _blur(x: torch.Tensor) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=32)
 def _noise_pattern(seed: int, height: int, width: int) -> torch.Tensor:
+    import torch
+
     generator = torch.Generator().manual_seed(seed)
     return torch.randn(1, 3, height, width, generator=generator)
 

@@ -17,15 +17,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-from torch.utils.data import TensorDataset
 
 from fedfm_flower.config import ExperimentConfig
 from fedfm_flower.data.images import normalize
 from fedfm_flower.data.registry import dataset_spec
 from fedfm_flower.data.settings import DataSettings
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch loads with the first tensors: partition checks need none
+    from torch.utils.data import TensorDataset
+
     from fedfm_flower.data.domains import Domain
     from fedfm_flower.data.source import Source
 
@@ -152,6 +152,9 @@ def _tensor_dataset(
     source: Source, sample_ids: np.ndarray, domain: Domain | None = None
 ) -> TensorDataset:
     """Normalized images (seen through ``domain`` when given) and int64 labels of the samples."""
+    import torch
+    from torch.utils.data import TensorDataset
+
     images = source.images(sample_ids)
     if domain is not None:
         images = domain(images)
@@ -172,5 +175,6 @@ def clear_caches() -> None:
         partition.public_and_private,
         loaders._cached_source,
         digits.digits_arrays,
+        digits.digits_labels,
     ):
         cached.cache_clear()

@@ -38,13 +38,15 @@ import zipfile
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-import torch.nn.functional as F
 
 from fedfm_flower.data.source import Source
 from fedfm_flower.durable import atomic_path, atomic_write_text, exclusive_lock
+
+if TYPE_CHECKING:  # torch loads with the first pixels: partition checks read labels only
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -174,6 +176,9 @@ def _blend(background: np.ndarray, ink: np.ndarray, mask: np.ndarray) -> np.ndar
 
 def _smooth_field(rng: np.random.Generator, cells: int, channels: int = 3) -> np.ndarray:
     """A random field on a ``cells`` x ``cells`` grid, bicubically upsampled to 32x32."""
+    import torch
+    import torch.nn.functional as F
+
     grid = torch.from_numpy(rng.random((1, channels, cells, cells)).astype(np.float32))
     field = F.interpolate(grid, size=(NATIVE_SIZE, NATIVE_SIZE), mode="bicubic")
     return field[0].permute(1, 2, 0).clamp(0, 1).numpy()
@@ -381,9 +386,12 @@ def _read(path: Path) -> GlyphArrays | None:
 def glyph_source(cache_dir: Path, image_size: int) -> Source:
     """The benchmark as a ``Source`` with a ``domain`` natural id and a fixed public split."""
     arrays = cached_arrays(cache_dir)
-    images = torch.from_numpy(arrays.images)
 
     def pixels(sample_ids: np.ndarray) -> torch.Tensor:
+        import torch
+        import torch.nn.functional as F
+
+        images = torch.from_numpy(arrays.images)
         chosen = images[torch.from_numpy(sample_ids)].permute(0, 3, 1, 2).float().div_(255.0)
         if image_size == NATIVE_SIZE:
             return chosen.contiguous()

@@ -10,11 +10,12 @@ which antialiases when shrinking; the 8x8 digits are upscaled with
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
-import torch.nn.functional as F
+
+if TYPE_CHECKING:  # loaded with the first pixels: partition checks read labels only
+    import torch
 
 MEAN = 0.5
 STD = 0.5
@@ -27,6 +28,8 @@ def normalize(images: torch.Tensor) -> torch.Tensor:
 
 def upscale_gray(images: torch.Tensor, size: int) -> torch.Tensor:
     """Bilinearly resize gray ``[N, h, w]`` images in ``[0, 1]`` to RGB ``[N, 3, size, size]``."""
+    import torch.nn.functional as F
+
     resized = F.interpolate(
         images[:, None].float(), size=(size, size), mode="bilinear", align_corners=False
     )
@@ -35,6 +38,7 @@ def upscale_gray(images: torch.Tensor, size: int) -> torch.Tensor:
 
 def pil_to_tensor(images: Iterable[Any], size: int) -> torch.Tensor:
     """Decoded images (PIL) to an RGB float tensor ``[N, 3, size, size]`` in ``[0, 1]``."""
+    import torch
     from PIL import Image
 
     arrays = [

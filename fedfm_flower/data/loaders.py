@@ -33,15 +33,17 @@ from __future__ import annotations
 import functools
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from fedfm_flower.data.images import pil_to_tensor
 from fedfm_flower.data.registry import DatasetSpec, dataset_spec
 from fedfm_flower.data.settings import DataSettings
 from fedfm_flower.data.source import DataUnavailableError, Source
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -66,16 +68,17 @@ def _cached_source(
 ) -> Source:
     spec = dataset_spec(name)
     if spec.embedded:
-        from fedfm_flower.data.digits import digits_source
-        from fedfm_flower.data.glyphs import glyph_source
-
         if natural_id_column and natural_id_column != spec.natural_id_column:
             raise ValueError(
                 f"dataset '{name}' has no column '{natural_id_column}'; its natural-id column "
                 f"is {spec.natural_id_column or 'absent'!r}"
             )
         if name == "glyph-domains":
+            from fedfm_flower.data.glyphs import glyph_source
+
             return glyph_source(Path(cache_dir), image_size)
+        from fedfm_flower.data.digits import digits_source
+
         return digits_source(name, image_size, with_domains=bool(spec.natural_id_column))
     if spec.medmnist_flag:
         from fedfm_flower.data.medmnist import medmnist_source

@@ -1,7 +1,7 @@
 """The dataset registry: dataset name -> where it comes from and how its columns are named.
 
-Names agree with ``fedfm_flower.config.DATASETS`` (a test checks it). Two entries are embedded
-and offline (scikit-learn's digits, as label-skew ``digits`` and feature-skew
+The config's ``dataset`` key allows exactly these names (``fedfm_flower.keys``). Two entries
+are embedded and offline (scikit-learn's digits, as label-skew ``digits`` and feature-skew
 ``digits-domains``); the others are the papers' benchmarks, loaded from a local copy
 (``data-dir``) or, where a public copy is known, from the Hugging Face Hub by name.
 

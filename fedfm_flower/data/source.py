@@ -15,9 +15,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # partitioning reads labels only; the launcher's checks need no torch
+    import torch
 
 
 class DataUnavailableError(RuntimeError):

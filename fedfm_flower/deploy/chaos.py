@@ -182,6 +182,7 @@ class ChaosDriver:
         self._restarts: dict[int, threading.Thread] = {}
         self._restart_errors: list[str] = []
         self._started = 0.0  # set when ``run`` starts the run
+        self._run: ManagedProcess | None = None  # the `flwr run` in progress
         self.watched: int | None = None  # a node the plan never kills (ServerApp kill timing)
 
     # -- waiting ------------------------------------------------------------------------------
@@ -190,6 +191,13 @@ class ChaosDriver:
             value = condition()
             if value:
                 return value
+            run = self._run
+            if run is not None and not run.alive():  # what it waits for can no longer happen
+                run.join_output()
+                raise DeploymentError(
+                    f"chaos: the run ended (`flwr run` exit {run.popen.returncode}) while "
+                    f"waiting for {what}; log {run.log_path}:\n{run.tail()}"
+                )
             time.sleep(0.05)
         raise DeploymentError(f"chaos: the run's time ran out waiting for {what}")
 
@@ -221,6 +229,17 @@ class ChaosDriver:
         found = sorted(client_dir.glob(f"client_*/.round_{server_round:05d}.safetensors.*.tmp"))
         return found[0] if found else None
 
+    def _stalled_write(self, node: int, server_round: int) -> Path | None:
+        """The temporary file of node ``node``'s stalled state write of ``server_round``, once
+        the node has said it stalls (its half is in place then; the file appears earlier,
+        while it is written in full)."""
+        temp = self._temp_file(node, server_round)
+        process = self.deployment.nodes.get(node)
+        if temp is None or process is None:
+            return None
+        said = f"stalls half-way ({temp.name})"
+        return temp if any(said in line for line in list(process.lines)) else None
+
     @property
     def run_name(self) -> str:
         """The run's name (its directory under the output dir and the state dirs)."""
@@ -237,7 +256,7 @@ class ChaosDriver:
             # The stall is of round `round` only: a node that missed that round never stalls.
             found = self._wait(
                 lambda: (
-                    self._temp_file(event.node, event.round)
+                    self._stalled_write(event.node, event.round)
                     or ("missed" if self.recorded() > event.round else None)
                 ),
                 f"SuperNode {event.node}'s stalled write of round {event.round}",
@@ -267,18 +286,24 @@ class ChaosDriver:
         self._wait(checkpoint.exists, f"the round-{server_round} checkpoint")
         # Killed once the next round's training runs on a node the plan spares, not while its
         # messages are in transit (a task whose message never arrives holds its executor for
-        # the pull's patience, superexec.PULL_PATIENCE_S).
-        if self.watched is not None:
-            end = min(self.deadline, time.monotonic() + 30.0)
-            while time.monotonic() < end and not self.deployment.tasks_in_flight(self.watched):
-                time.sleep(0.05)
+        # the pull's patience, superexec.PULL_PATIENCE_S). A task of that node seen now may be
+        # the last round's, still ending: only one started after the checkpoint counts.
+        watched = self.watched
+        if watched is not None:
+            finishing = self.deployment.tasks_in_flight(watched)
+            self._wait(
+                lambda: self.deployment.tasks_in_flight(watched) - finishing,
+                f"a round-{server_round + 1} task of SuperNode {watched}",
+            )
         record.recorded_rounds = self.recorded()
         record.pids = self.deployment.kill_serverapp()
-        # Its `flwr run` streams until the run is stopped: the wait's timeout is the expected end.
-        ended = self.deployment.finish_run(run, timeout=5)
+        # Its `flwr run` streams until the run is stopped (`flwr stop`, which finish_run sends
+        # when its wait times out): nothing to wait for.
+        ended = self.deployment.finish_run(run, timeout=0)
         status = "serverapp-killed" if ended.status == "timeout" else ended.status
         self.results.append(replace(ended, status=status))
-        return self.deployment.start_run({**self.run_config, "resume": True})
+        self._run = self.deployment.start_run({**self.run_config, "resume": True})
+        return self._run
 
     def run(self, plan: Sequence[ChaosEvent]) -> list[RunResult]:
         """Start the run, carry out ``plan`` in order of rounds, wait for the run's end and for
@@ -287,7 +312,7 @@ class ChaosDriver:
         named = {e.node for e in plan}
         spared = [n for n in range(self.deployment.options.num_supernodes) if n not in named]
         self.watched = spared[0] if spared else None
-        run = self.deployment.start_run(self.run_config)
+        run = self._run = self.deployment.start_run(self.run_config)
         order = {kind: i for i, kind in enumerate(("serverapp", *NODE_KINDS))}
         for event in sorted(plan, key=lambda e: (e.round, order[e.kind])):
             record = ChaosRecord(event)

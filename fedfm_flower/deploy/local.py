@@ -24,7 +24,8 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,7 @@ from fedfm_flower.tracebacks import StreamFilter
 
 # Flower's commands a local deployment runs (each found by ``processes.flower_command``).
 FLOWER_COMMANDS = ("flwr", "flower-superlink", "flower-supernode")
+REGISTER_AT_ONCE = 4  # `flwr supernode register` commands run at the same time
 
 
 class LocalDeployment:
@@ -203,9 +205,8 @@ class LocalDeployment:
         ``node_overrides[i]`` in its node config), wait for them."""
         self.prepare()
         self.start_superlink()
-        for i in range(self.options.num_supernodes):
-            if not self.options.insecure:
-                self.node_ids[i] = self.register_key(self.keys[i].with_suffix(".pub"))
+        if not self.options.insecure:
+            self.register_keys(range(self.options.num_supernodes))
         if self.options.shared_imports:
             self.start_forkserver()
         started = time.monotonic()
@@ -351,6 +352,14 @@ class LocalDeployment:
             f"`flwr supernode register {public_key}` failed ({result.returncode}): "
             f"{(result.stdout + result.stderr).strip()}"
         )
+
+    def register_keys(self, indices: Iterable[int]) -> None:
+        """Register SuperNode ``i``'s public key for each ``i`` in ``indices`` (``node_ids``), a
+        few at a time: each `flwr supernode register` spends most of its time starting Python."""
+        indices = list(indices)
+        with ThreadPoolExecutor(max_workers=min(REGISTER_AT_ONCE, max(1, len(indices)))) as pool:
+            found = pool.map(lambda i: self.register_key(self.keys[i].with_suffix(".pub")), indices)
+            self.node_ids.update(zip(indices, found, strict=True))
 
     def start_supernode(
         self,
@@ -621,14 +630,16 @@ class LocalDeployment:
         except subprocess.TimeoutExpired:
             status = "timeout"
             self.say(f"`flwr run` still running after {timeout:.0f}s: stopping the run")
+            # Stopped before its output is awaited: `flwr run --stream` ends with its run.
+            if (running := run_id_from_lines(process.lines)) is not None:
+                self.flwr("stop", str(running), CONNECTION, timeout=30)
         process.join_output()
         self._shown.close()
         shutil.rmtree(self._stages.pop(process.name, ""), ignore_errors=True)
         run_id = run_id_from_lines(process.lines)
         details = ""
         if status == "timeout":
-            if run_id is not None:
-                self.flwr("stop", str(run_id), CONNECTION, timeout=30)
+            pass  # stopped above
         elif run_id is None:
             status = "not-started"
         else:

@@ -23,10 +23,22 @@ class APFLSettings(MethodSettings):
 
     # Initial alpha of every client: FedPerfix's saved APFL setting (system/main.py, line 69,
     # ``args.alpha = 0.25``; the argparse default, line 334, is 1.0).
-    alpha: float = setting(0.25, within=(0.0, 1.0), note="alpha mixes v and w")
+    alpha: float = setting(
+        0.25,
+        within=(0.0, 1.0),
+        note="alpha mixes v and w",
+        doc=(
+            "APFL's initial mixing weight alpha of the personal model, in [0, 1] (the authors' "
+            "FedPerfix setting; the APFL paper tunes it)"
+        ),
+    )
     # Step size of alpha; 0: the run's lr, as the authors' clientapfl.py (line 93:
     # ``alpha - learning_rate * grad_alpha``).
-    alpha_lr: float = setting(0.0, non_negative=True)
+    alpha_lr: float = setting(
+        0.0,
+        non_negative=True,
+        doc="step size of alpha's gradient step; `0` means the run's `lr` (the authors' code)",
+    )
 
     def alpha_step(self, lr: float) -> float:
         """The step size of alpha: ``alpha-lr``, or the run's ``lr`` when it is 0."""

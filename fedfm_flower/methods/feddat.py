@@ -25,14 +25,35 @@ class FedDATSettings(MethodSettings):
     # official ``Adapter.forward`` (src/modeling/models/adapter.py) averages the two adapters'
     # outputs with fixed weights 0.5 (its learned gating is commented out).
     local_weight: float = setting(
-        0.5, within=(0.0, 1.0), note="the DAT mixes its two adapters with weights w and 1 - w"
+        0.5,
+        within=(0.0, 1.0),
+        note="the DAT mixes its two adapters with weights w and 1 - w",
+        doc=(
+            "w: the client-specific adapter's weight in the Dual-Adapter Teacher, the frozen "
+            "global adapter's being 1 - w, in [0, 1] (the official `Adapter.forward` averages the "
+            "two: 0.5)"
+        ),
     )
     # The KD temperature T; the KL term is scaled by T^2 (``kl_loss`` in
     # src/train/visionlanguage_tasks/task_trainer.py: temp=3, ``l_kl * temp**2``).
-    temperature: float = setting(3.0, positive=True)
+    temperature: float = setting(
+        3.0,
+        positive=True,
+        doc=(
+            "T of the mutual knowledge distillation; the KL term is scaled by T^2 (the official "
+            "code: 3) (> 0)"
+        ),
+    )
     # The KD term's weight beside the task loss in each half of MKD: the official
     # ``TaskTrainer.train_step`` uses (task loss + KL) / 2, i.e. weight 1.
-    distill_weight: float = setting(1.0, non_negative=True)
+    distill_weight: float = setting(
+        1.0,
+        non_negative=True,
+        doc=(
+            "weight of the distillation term beside the task loss in each half of the mutual "
+            "distillation (the official code: 1) (>= 0)"
+        ),
+    )
 
 
 # The shared adapter A_s travels; A_c and the frozen global copy A_g stay on the client.

@@ -29,21 +29,73 @@ class FedDPASettings(MethodSettings):
     # FedDPA-T's training mixture (1 - alpha) Delta_g + alpha Delta_l: 0.5 on federated dataset 1,
     # 0.3 on dataset 2 (sec. 5.1). Also the fixed inference weight of the local adapter when
     # feddpa-weighting = fixed (Table 3's "w/o Auto"), for FedDPA-F as for FedDPA-T.
-    alpha: float = setting(0.5, within=(0.0, 1.0), note="alpha weights the local adapter")
+    alpha: float = setting(
+        0.5,
+        within=(0.0, 1.0),
+        note="alpha weights the local adapter",
+        doc=(
+            "FedDPA-T's training mixture `(1 - alpha) Δg + alpha Δl`, in [0, 1] (the paper: 0.5 "
+            "on its dataset 1, 0.3 on dataset 2); also the fixed inference weight of the local "
+            'adapter when `feddpa-weighting = "fixed"`'
+        ),
+    )
     # "dynamic": alpha_t = lambda * mean similarity per test instance (sec. 4.3); "fixed": alpha.
-    weighting: str = setting("dynamic", choices=WEIGHTINGS)
+    weighting: str = setting(
+        "dynamic",
+        choices=WEIGHTINGS,
+        doc=(
+            "`dynamic`: every test instance gets `alpha_t = lambda * mean similarity` to "
+            "`feddpa-instances` of the client's training instances (sec. 4.3); `fixed`: "
+            '`feddpa-alpha` for every instance (the paper\'s "w/o Auto")'
+        ),
+    )
     # lambda of sec. 4.3: "auto" is the paper's, 1 for FedDPA-F and alpha for FedDPA-T (A.2);
     # or a number in (0, 1].
-    scale: str = setting("auto")
+    scale: str = setting(
+        "auto",
+        doc=(
+            "lambda of sec. 4.3: `auto` is the paper's (1 for FedDPA-F, `feddpa-alpha` for "
+            "FedDPA-T), or a number in (0, 1]"
+        ),
+        example="0.7",
+    )
     # S, the local training instances each test instance is compared with (sec. 5.1: 5).
-    instances: int = setting(5, positive=True)
-    similarity: str = setting("cosine", choices=SIMILARITIES)
-    representation: str = setting("last", choices=REPRESENTATIONS)
+    instances: int = setting(
+        5, positive=True, doc="S, the training instances each test instance is compared with (> 0)"
+    )
+    similarity: str = setting(
+        "cosine",
+        choices=SIMILARITIES,
+        doc=(
+            "`cosine`, `neg-l2` or `pearson` (Table 9), each mapped to [0, 1] "
+            "([how](methods/feddpa.md#choices-the-paper-leaves-open))"
+        ),
+    )
+    representation: str = setting(
+        "last",
+        choices=REPRESENTATIONS,
+        doc=(
+            "the final layer's hidden state of the prompt's `last` token, or the `avg` over its "
+            "tokens (Table 10)"
+        ),
+    )
     # The adapter alpha_t weighs: "local" (the paper's text; fedfm_flower.models.dynamic_mix
     # says why) or "global" (how the authors' released code is reported to apply it).
-    direction: str = setting("local", choices=DIRECTIONS)
+    direction: str = setting(
+        "local",
+        choices=DIRECTIONS,
+        doc=(
+            "the adapter `alpha_t` weighs: `local` (the paper's text) or `global` (how the "
+            "authors' released code is reported to apply it); "
+            "[why](methods/feddpa.md#choices-the-paper-leaves-open)"
+        ),
+    )
     # FedProx's mu for the global adapter's local training (B.1); 0 is FedAvg's local step.
-    prox_mu: float = setting(0.0, non_negative=True)
+    prox_mu: float = setting(
+        0.0,
+        non_negative=True,
+        doc="FedProx's mu for the global adapter's local training (B.1); 0 is plain FedAvg",
+    )
 
     def check(self) -> None:
         """``scale`` is 'auto' or a number in (0, 1]."""

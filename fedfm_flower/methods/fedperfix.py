@@ -31,7 +31,16 @@ class FedPerfixSettings(MethodSettings):
     prefix: ClassVar[str] = "fedperfix"
 
     # FedPerfix: the prefix adapters of every attention layer and the head (Sec. 3.5).
-    personal: str = setting("prefix,head")
+    personal: str = setting(
+        "prefix,head",
+        doc=(
+            "the parts that stay on each client, comma-separated: group names (`prefix`, `head`, "
+            "`vit.norm`, `vit` for every ViT part, ...) or regular expressions over parameter "
+            "names (`blocks\\\\.11\\\\.`); everything else trainable is averaged. An entry that "
+            "selects nothing is an error at start"
+        ),
+        example="head",
+    )
 
     @property
     def personal_parts(self) -> tuple[str, ...]:

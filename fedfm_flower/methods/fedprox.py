@@ -25,7 +25,15 @@ class FedProxSettings(MethodSettings):
     prefix: ClassVar[str] = "fedprox"
 
     # The proximal weight; the paper tunes it over {0.001, 0.01, 0.1, 0.5, 1} per dataset.
-    mu: float = setting(0.01, non_negative=True)
+    mu: float = setting(
+        0.01,
+        non_negative=True,
+        doc=(
+            "FedProx's proximal weight mu on the distance to the received global parameters (>= "
+            "0; the paper tunes it over {0.001, 0.01, 0.1, 0.5, 1} per dataset); 0 is plain "
+            "FedAvg"
+        ),
+    )
 
 
 # Tuned besides the common training keys (fedfm_flower.search): FedProx's grid of mu spans 0.001-1

@@ -24,10 +24,21 @@ class PerFedAvgSettings(MethodSettings):
 
     # Inner (adaptation) step; 0: the run's lr, as clientperavg.py (line 18: the optimizer of
     # the first step and of the step before evaluation has ``lr=self.learning_rate``).
-    alpha: float = setting(0.0, non_negative=True)
+    alpha: float = setting(
+        0.0,
+        non_negative=True,
+        doc=(
+            "Per-FedAvg's inner (adaptation) step size; `0` means the run's `lr` (the authors' "
+            "code)"
+        ),
+    )
     # Outer (meta) step; 0: the run's lr, as clientperavg.py (line 15: ``self.beta =
     # self.learning_rate``; ``args.beta`` is commented out on line 14).
-    beta: float = setting(0.0, non_negative=True)
+    beta: float = setting(
+        0.0,
+        non_negative=True,
+        doc="Per-FedAvg's outer (meta) step size; `0` means the run's `lr` (the authors' code)",
+    )
 
     def steps(self, lr: float) -> tuple[float, float]:
         """(alpha, beta), each the run's ``lr`` where it is 0."""

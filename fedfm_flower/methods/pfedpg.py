@@ -26,11 +26,42 @@ class PFedPGSettings(MethodSettings):
 
     prefix: ClassVar[str] = "pfedpg"
 
-    lr: float = setting(0.001, positive=True)  # one Adam step per round
-    generator: str = setting("cross-attention", choices=GENERATORS)
-    query: str = setting("per-prompt", choices=QUERIES)
-    attention_dim: int = setting(0, non_negative=True)  # l_k = l_v; 0: the prompt width
-    hidden: int = setting(100, positive=True)  # the mlp generator's hidden width
+    lr: float = setting(
+        0.001,
+        positive=True,
+        doc=(
+            "Adam learning rate of the server's prompt generator, basis and descriptors, one step "
+            "per round (> 0)"
+        ),
+    )
+    generator: str = setting(
+        "cross-attention",
+        choices=GENERATORS,
+        doc=(
+            "`cross-attention` (the paper, eq. 3), `basis` (every client gets P_base; Table 4 "
+            '"P_base"), `mlp` (pFedHN-style MLP on the descriptor; Table 4), `adain` (client mean '
+            "and scale of P_base; Table 4)"
+        ),
+    )
+    query: str = setting(
+        "per-prompt",
+        choices=QUERIES,
+        doc=(
+            "descriptor shape of the `cross-attention` generator: `per-prompt` (K query tokens "
+            "per client) or `single` (one query vector, the paper's literal eq. 3: all K prompts "
+            "shifted alike)"
+        ),
+    )
+    attention_dim: int = setting(
+        0,
+        non_negative=True,
+        doc="internal width l_k = l_v of the cross-attention; `0` is the prompt width (>= 0)",
+    )
+    hidden: int = setting(
+        100,
+        positive=True,
+        doc="hidden width of the `mlp` generator, also its descriptors' width (> 0)",
+    )
 
 
 # Tuned besides the common training keys (fedfm_flower.search): the generator's Adam step, a decade

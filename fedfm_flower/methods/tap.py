@@ -51,26 +51,73 @@ class TAPSettings(MethodSettings):
     prefix: ClassVar[str] = "tap"
 
     # Which of X's components eq. 4 replaces (module docstring).
-    replacement: str = setting("paper", choices=REPLACEMENTS)
+    replacement: str = setting(
+        "paper",
+        choices=REPLACEMENTS,
+        doc=(
+            "which of X's components eq. 4 replaces: `paper`, every one serving a pair with R = 1 "
+            "(eq. 4, the authors' code); `all-pairs`, only those whose users among the client's "
+            "pairs all have R = 1 ([tap.md](methods/tap.md#tap))"
+        ),
+    )
     # The scale of the loss histories h that eq. 3 compares (module docstring).
-    history: str = setting("share-weighted", choices=HISTORIES)
+    history: str = setting(
+        "share-weighted",
+        choices=HISTORIES,
+        doc=(
+            "the scale of the losses eq. 3 compares: `share-weighted`, per batch the pair's loss "
+            "times n_o / B, averaged over the batches (the authors' code, the scale of Table 22's "
+            "margins); `pair-mean`, the pair's plain mean loss"
+        ),
+    )
     # The weights of eq. 1's component-wise average (module docstring).
-    aggregation: str = setting("data-size", choices=AGGREGATIONS)
+    aggregation: str = setting(
+        "data-size",
+        choices=AGGREGATIONS,
+        doc=(
+            "eq. 1's weights: `data-size`, each owner's training-set size; `uniform`, 1 / K_r per "
+            "owner of a component (App. B)"
+        ),
+    )
 
     # m_{i,o} of eq. 3 by pair type (Table 22, FLAVA).
-    margin_image_classification: float = setting(0.01, non_negative=True)
-    margin_text_classification: float = setting(0.005, non_negative=True)
-    margin_image_generation: float = setting(0.005, non_negative=True)
-    margin_text_generation: float = setting(0.01, non_negative=True)
+    margin_image_classification: float = setting(
+        0.01,
+        non_negative=True,
+        doc=(
+            "m of eq. 3: W~'s loss must beat X's by this much before X's parts are replaced (>= 0)"
+        ),
+    )
+    margin_text_classification: float = setting(
+        0.005, non_negative=True, doc="the same for text classification"
+    )
+    margin_image_generation: float = setting(
+        0.005, non_negative=True, doc="the same for image generation"
+    )
+    margin_text_generation: float = setting(
+        0.01, non_negative=True, doc="the same for text generation and VQA"
+    )
     # beta_o of eq. 6 by pair type (Table 21: 2e-3, and 1 for text generation).
-    distill_image_classification: float = setting(0.002, non_negative=True)
-    distill_text_classification: float = setting(0.002, non_negative=True)
-    distill_image_generation: float = setting(0.002, non_negative=True)
-    distill_text_generation: float = setting(1.0, non_negative=True)
+    distill_image_classification: float = setting(
+        0.002,
+        non_negative=True,
+        doc="beta of eq. 6: weight of the distillation term of image classification pairs (>= 0)",
+    )
+    distill_text_classification: float = setting(
+        0.002, non_negative=True, doc="the same for text classification"
+    )
+    distill_image_generation: float = setting(
+        0.002, non_negative=True, doc="the same for image generation (MSE to the teacher's images)"
+    )
+    distill_text_generation: float = setting(
+        1.0, non_negative=True, doc="the same for text generation and VQA"
+    )
     # The KD temperature of eq. 5 (Table 21: 1).
-    temperature: float = setting(1.0, positive=True)
+    temperature: float = setting(1.0, positive=True, doc="the temperature of eq. 5 (> 0)")
     # P of sec. 3.3: mini-batch iterations of W~ and then of X after the last round (Table 21: 50).
-    distill_steps: int = setting(50, positive=True)
+    distill_steps: int = setting(
+        50, positive=True, doc="P: iterations of W~, then of X, in the post-FL round (> 0)"
+    )
 
     def margin(self, pair_type: str) -> float:
         """m of a pair type."""

@@ -10,12 +10,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import nn
-
 from fedfm_flower.tasks.base import Batch, EvalStats, StepResult, Task
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch loads in the methods: the launcher's partition checks need none
+    import torch
+    from torch import nn
+
     from fedfm_flower.config import ExperimentConfig
     from fedfm_flower.data.sizes import ClientExamples
 
@@ -24,6 +24,8 @@ def tensor_batches(
     data: torch.utils.data.TensorDataset, batch_size: int, generator: torch.Generator | None
 ) -> Iterator[Batch]:
     """Row batches of every tensor of ``data``, in a seeded permutation or in order."""
+    import torch
+
     tensors = data.tensors
     n = len(tensors[0])
     order = torch.randperm(n, generator=generator) if generator is not None else torch.arange(n)
@@ -67,23 +69,28 @@ class ImageClassification(Task):
 
     def step(self, model: nn.Module, batch: Batch) -> StepResult:
         """Mean cross-entropy of the batch; the number of correct predictions as a sum."""
+        from torch.nn.functional import cross_entropy
+
         images, labels = batch
         logits = model(images)
-        loss = nn.functional.cross_entropy(logits, labels)
+        loss = cross_entropy(logits, labels)
         correct = (logits.argmax(1) == labels).sum().item()
         return StepResult(loss, len(labels), {"accuracy": correct})
 
-    @torch.no_grad()
     def evaluate(
         self, model: nn.Module, data: Any, device: torch.device, batch_size: int
     ) -> EvalStats:
         """Mean cross-entropy and accuracy over ``data``."""
+        import torch
+        from torch.nn.functional import cross_entropy
+
         model.eval()
         total_loss, correct, seen = 0.0, 0, 0
-        for images, labels in tensor_batches(data, batch_size, None):
-            images, labels = images.to(device), labels.to(device)
-            logits = model(images)
-            total_loss += nn.functional.cross_entropy(logits, labels, reduction="sum").item()
-            correct += (logits.argmax(1) == labels).sum().item()
-            seen += len(labels)
+        with torch.no_grad():
+            for images, labels in tensor_batches(data, batch_size, None):
+                images, labels = images.to(device), labels.to(device)
+                logits = model(images)
+                total_loss += cross_entropy(logits, labels, reduction="sum").item()
+                correct += (logits.argmax(1) == labels).sum().item()
+                seen += len(labels)
         return EvalStats(total_loss / max(seen, 1), {"accuracy": correct / max(seen, 1)}, seen)

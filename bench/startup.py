@@ -1,0 +1,127 @@
+"""Start-up of a simulation: where the seconds before round 1 and round 1's extra go.
+
+    python -m bench.startup --repeats 2 --rounds 4 [--env KEY=VALUE ...] [--out FILE.json]
+
+Runs the launcher (``python -m fedfm_flower.simulation --num-supernodes 10``, the main job's
+config with ``--rounds`` rounds, a private FLWR_HOME and output directory) ``--repeats`` times
+in fresh processes and stamps every line of its output with the seconds since the launcher
+started. Reported per run, as seconds since start:
+
+* ``checked``: the launcher's checks done (its ``[check]`` line);
+* ``run-submitted``: ``flwr run`` has its local SuperLink and submitted the run;
+* ``simulation-started``: Flower's simulation process is up (``Starting Flower Simulation``);
+* ``server-ready``: the ServerApp built its strategy (its ``run <name>: method`` line);
+* ``round-1-done``, ``exit``;
+
+and, from the run's ``metrics.jsonl``: ``launch-s`` (when round 1 started: its ``round-1-done``
+stamp less its seconds), ``first-round-extra-s`` (round 1 less the median of rounds 2..R-1)
+and their sum, the figure issue 52 targets. ``--env`` sets
+variables for the launcher (``FEDFM_ACTOR_PRELOAD=0`` compares without the actors' preload).
+Measure on an idle machine: on 2 cores anything else running shows in every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from fedfm_flower.results import RunDirectory
+
+ROOT = Path(__file__).resolve().parent.parent
+MARKS = {
+    "checked": re.compile(r"^\[check\]"),
+    "run-submitted": re.compile(r"Successfully started run"),
+    "simulation-started": re.compile(r"Starting Flower Simulation"),
+    "server-ready": re.compile(r"INFO fedfm_flower: run \S+: method"),
+    "round-1-done": re.compile(r"^\[round +1/"),
+}
+
+
+def stamped_run(command: list[str], env: dict[str, str]) -> tuple[dict[str, float], float, int]:
+    """First time (s since start) each mark's line appeared, the exit time and exit status."""
+    started = time.perf_counter()
+    seen: dict[str, float] = {}
+    process = subprocess.Popen(
+        command,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+    )
+    assert process.stdout is not None
+    for line in process.stdout:
+        now = time.perf_counter() - started
+        for mark, pattern in MARKS.items():
+            if mark not in seen and pattern.search(line):
+                seen[mark] = round(now, 2)
+    code = process.wait()
+    return seen, round(time.perf_counter() - started, 2), code
+
+
+def one_run(rounds: int, extra_env: dict[str, str], workdir: Path, name: str) -> dict:
+    """One launch of the main job with ``rounds`` rounds; its stamps and round times."""
+    env = {**os.environ, **extra_env, "FLWR_HOME": str(workdir / f"flwr-home-{name}")}
+    out = workdir / "runs"
+    command = [
+        sys.executable,
+        "-m",
+        "fedfm_flower.simulation",
+        "--num-supernodes",
+        "10",
+        "--",
+        "-c",
+        f"num-server-rounds={rounds} output-dir='{out}' run-name='{name}'",
+    ]
+    marks, exit_s, code = stamped_run(command, env)
+    run_dir = out / name
+    records = RunDirectory(run_dir).rounds() if (run_dir / "metrics.jsonl").exists() else []
+    seconds = [r["round-seconds"] for r in records]
+    result: dict = {"exit-status": code, "marks": marks, "exit": exit_s, "round-s": seconds}
+    if code == 0 and len(seconds) >= 3 and "round-1-done" in marks:
+        steady = statistics.median(seconds[1:-1])
+        result["launch-s"] = round(marks["round-1-done"] - seconds[0], 2)
+        result["first-round-extra-s"] = round(seconds[0] - steady, 2)
+        result["steady-round-s"] = round(steady, 3)
+        result["launch-plus-extra-s"] = round(result["launch-s"] + result["first-round-extra-s"], 2)
+        result["final-accuracy"] = records[-1].get("test-accuracy-mean")
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the launches; print one JSON line per run and write them all to ``--out``."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if args.rounds < 3:
+        parser.error(
+            f"--rounds must be >= 3 (a steady round between first and last): {args.rounds}"
+        )
+    extra = dict(item.split("=", 1) for item in args.env)
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="fedfm-startup-") as tmp:
+        for repeat in range(args.repeats):
+            run = one_run(args.rounds, extra, Path(tmp), f"startup-{repeat}")
+            run["env"] = extra
+            print(json.dumps(run), flush=True)
+            runs.append(run)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(runs, indent=1) + "\n")
+    return 0 if all(r["exit-status"] == 0 for r in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
