@@ -27,6 +27,10 @@ def loop(monkeypatch):
     module = importlib.import_module(launcher.LOOP_MODULE)
     monkeypatch.setattr(module, "time", time)
     monkeypatch.setattr(module, "pull_objects", module.pull_objects)
+    fleet = importlib.import_module(launcher.FLEET_MODULE)
+    factory = getattr(fleet, launcher.RETRY_FACTORY)
+    monkeypatch.setattr(fleet, launcher.RETRY_FACTORY, getattr(factory, "__wrapped__", factory))
+    monkeypatch.delenv(superexec.MAX_POLL_VAR, raising=False)
     return module
 
 
@@ -177,6 +181,9 @@ def test_main_hands_every_other_argument_to_flower_supernode(loop, monkeypatch):
         seen["superexec-poll"] = os.environ.get(launcher.SUPEREXEC_POLL_VAR)
         seen["waits"] = (loop.time.first, loop.time.longest)
         seen["stopped-runs-fail"] = loop.pull_objects.func.fails_stopped_runs
+        seen["superexec-longest-poll"] = os.environ.get(superexec.MAX_POLL_VAR)
+        fleet = importlib.import_module(launcher.FLEET_MODULE)
+        seen["500s-retried"] = getattr(fleet, launcher.RETRY_FACTORY).retries_server_errors
 
     monkeypatch.setattr(flwr.supernode.cli, "flower_supernode", fake_supernode)
     monkeypatch.setattr(sys, "argv", list(sys.argv))
@@ -188,6 +195,8 @@ def test_main_hands_every_other_argument_to_flower_supernode(loop, monkeypatch):
         "superexec-poll": "0.25",
         "waits": (0.25, 2.0),
         "stopped-runs-fail": True,
+        "superexec-longest-poll": "2.0",
+        "500s-retried": launcher.SERVER_ERROR_RETRIES,
     }
 
 
@@ -319,6 +328,28 @@ def test_the_superlink_keeps_its_state_in_a_fresh_file_or_where_the_options_say(
     assert command[command.index("--database") + 1] == ":flwr-in-memory:"
 
 
+def test_the_superlinks_superexec_polls_at_the_longest_wait_the_nodes_at_the_first(
+    tmp_path, monkeypatch
+):
+    monkeypatch.delenv(launcher.SUPEREXEC_POLL_VAR, raising=False)
+    started: dict[str, dict[str, str]] = {}
+    deployment = LocalDeployment(
+        DeployOptions(workdir=tmp_path, poll_interval=0.2, max_poll_interval=2.0, insecure=True)
+    )
+    deployment.base_port = 19190
+    monkeypatch.setattr(
+        deployment, "_start", lambda name, command, env=None: started.setdefault(name, env)
+    )
+    monkeypatch.setattr(deployment, "wait_for_superlink", lambda timeout: None)
+    deployment.start_superlink()
+    assert started["superlink"][launcher.SUPEREXEC_POLL_VAR] == "2.0"  # one ServerApp per run
+    assert deployment.env()[launcher.SUPEREXEC_POLL_VAR] == "0.2"  # the nodes' SuperExecs
+    monkeypatch.setenv(launcher.SUPEREXEC_POLL_VAR, "0.5")  # the user's setting wins
+    started.clear()
+    deployment.start_superlink()
+    assert started["superlink"][launcher.SUPEREXEC_POLL_VAR] == "0.5"
+
+
 def test_the_installed_flower_is_a_known_one() -> None:
     assert is_known(flower_version())
 
@@ -330,5 +361,65 @@ def test_every_guard_refuses_a_flower_not_checked(version, loop, heartbeat, monk
     assert launcher.shorten_waits(0.1, 1.0) is False and loop.time is time
     assert launcher.fail_pulls_of_stopped_runs() is False
     assert launcher.shorten_heartbeat(10.0) is False
+    assert launcher.retry_server_errors() is False
+    fleet = importlib.import_module(launcher.FLEET_MODULE)
+    assert not hasattr(getattr(fleet, launcher.RETRY_FACTORY), "retries_server_errors")
     assert f"Flower {version} is not one it knows" in superexec.unsupported_flower()
-    assert capsys.readouterr().err.count(f"Flower {version}") == 3
+    assert capsys.readouterr().err.count(f"Flower {version}") == 4
+
+
+def _status_error(code: int):
+    import httpx
+
+    request = httpx.Request("POST", "https://superlink/fleet")
+    response = httpx.Response(code, request=request, json={"detail": "Internal server error."})
+    return httpx.HTTPStatusError(f"{code}", request=request, response=response)
+
+
+def _invoker(loop):
+    """The retry invoker the node's Fleet connection makes, without its waits."""
+    fleet = importlib.import_module(launcher.FLEET_MODULE)
+    invoker = getattr(fleet, launcher.RETRY_FACTORY)()
+    invoker.wait_function = lambda seconds: None
+    return invoker
+
+
+def _failing(codes: list[int]):
+    """A request that fails with each status of ``codes`` in turn, then answers 'ok'."""
+    calls: list[int] = []
+
+    def request() -> str:
+        calls.append(len(calls))
+        if len(calls) <= len(codes):
+            raise _status_error(codes[len(calls) - 1])
+        return "ok"
+
+    return request, calls
+
+
+def test_in_flower_a_superlinks_500_costs_the_request_at_once(loop):
+    # What the patch is for: Flower retries 502-504, not the 500 a locked SQLite state gives.
+    request, calls = _failing([500])
+    with pytest.raises(Exception, match="500"):
+        _invoker(loop).invoke(request)
+    assert len(calls) == 1
+    request, calls = _failing([503, 503])
+    assert _invoker(loop).invoke(request) == "ok" and len(calls) == 3
+
+
+def test_with_the_patch_500s_are_retried_a_bounded_number_of_times_in_a_row(loop):
+    assert launcher.retry_server_errors(retries=3) is True
+    assert launcher.retry_server_errors(retries=3) is True  # again: no double wrap
+    invoker = _invoker(loop)
+    request, calls = _failing([500, 500, 500])
+    assert invoker.invoke(request) == "ok" and len(calls) == 4
+    request, calls = _failing([500, 503, 500, 500])  # Flower's own retries still apply
+    assert invoker.invoke(request) == "ok" and len(calls) == 5
+    request, calls = _failing([500] * 4)  # a fourth 500 in a row: given up, as Flower does
+    with pytest.raises(Exception, match="500"):
+        invoker.invoke(request)
+    assert len(calls) == 4
+    request, calls = _failing([404])  # not a server error: Flower's answer, no retry
+    with pytest.raises(Exception, match="404"):
+        _invoker(loop).invoke(request)
+    assert len(calls) == 1

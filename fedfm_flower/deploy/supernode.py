@@ -25,8 +25,10 @@ round's message follows a reply closely. An idle node thus pulls about once per
 ``--max-poll-interval`` (each pull costs the SuperLink a TLS request it authenticates, ~6 ms of
 CPU measured here), and a busy one sees its next message within a short wait. It also sets
 ``FLWR_SUPEREXEC_TASK_POLL_INTERVAL`` to ``--poll-interval`` unless the environment sets it
-(a local request; the SuperExec's idle cost was ~0.7% of a core at 0.1 s). Protocol, messages
-and results are Flower's.
+(a local request), and ``FEDFM_SUPEREXEC_MAX_POLL_INTERVAL`` to ``--max-poll-interval``: the
+warm SuperExec's task polls back off to it while no task comes and start short again when a
+task ends (``fedfm_flower.deploy.superexec``, ``TaskPolls``; at a fixed 0.1 s they were three
+quarters of an idle node's CPU). Protocol, messages and results are Flower's.
 
 The change replaces the ``time`` name inside that one Flower module by a view of ``time``
 with these sleeps; it is applied only to the Flower versions it was written against. With any
@@ -41,6 +43,14 @@ the next message, the next run's included. Here that pull raises ``RunStoppedErr
 ``Exception``) instead (``fail_pulls_of_stopped_runs``), so Flower's own handler runs: the task
 ends failed, the message and its objects are deleted, and the SuperExec's pull fails at once. On
 the Flower versions above only.
+
+A SuperLink that fails a request answers ``500`` (Flower hides the cause; under load it is its
+SQLite state's ``database is locked``: 16 SuperNodes on 2 cores met it, docs/benchmarks.md).
+Flower's SuperNode retries only 502-504 and connection errors, so a 500 to a message pull or a
+reply push cost that client its round. Here the node's Fleet requests retry a 500 with Flower's
+own backoff (1 s doubling to 20 s, jittered) up to ``SERVER_ERROR_RETRIES`` times in a row
+(``retry_server_errors``), then give up as before; on the Flower versions above only. A retried
+request is one the SuperLink failed as a whole (its state change rolled back with the error).
 
 ``--heartbeat-interval S`` (at least Flower's minimum, 10 s) makes the node announce ``S`` as
 its heartbeat interval and beat accordingly, instead of Flower's fixed 30 s: the SuperLink then
@@ -76,6 +86,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from fedfm_flower.deploy.known_flower import flower_version, is_known, known_versions
+from fedfm_flower.deploy.superexec import MAX_POLL_VAR
 from fedfm_flower.processes import flower_command
 from fedfm_flower.waits import GrowingWait
 
@@ -96,6 +107,11 @@ STOPPED_GRACE_S = 5.0  # a stopped SuperExec is started again if its SuperNode o
 HEARTBEAT_MODULES = ("flwr.supernode.fleet_http_connection", "flwr.supercore.heartbeat")
 HEARTBEAT_NAME = "HEARTBEAT_DEFAULT_INTERVAL"
 MIN_HEARTBEAT_S = 10.0  # Flower's HEARTBEAT_MIN_INTERVAL: the SuperLink refuses a shorter one
+# The module whose Fleet connection makes the node's retry invoker.
+FLEET_MODULE = "flwr.supernode.fleet_http_connection"
+RETRY_FACTORY = "make_simple_http_retry_invoker"
+# 500s retried in a row: with Flower's backoff (1, 2, 4, 8, 16, 20 s, jittered), under a minute.
+SERVER_ERROR_RETRIES = 6
 # Flower's own bounds for FLWR_SUPEREXEC_TASK_POLL_INTERVAL.
 MIN_POLL_INTERVAL, MAX_POLL_INTERVAL = 0.01, 60.0
 
@@ -214,6 +230,56 @@ def fail_pulls_of_stopped_runs() -> bool:
     loop.pull_objects = (
         functools.partial(inner, *bound.args, **bound.keywords) if bound is not None else inner
     )
+    return True
+
+
+def _retrying_server_errors(make: Any, retries: int) -> Any:
+    """``make`` (Flower's retry-invoker factory) whose invokers also retry an HTTP 500, up to
+    ``retries`` times in a row (a success starts the count over)."""
+
+    @functools.wraps(make)
+    def make_invoker(*args: Any, **kwargs: Any) -> Any:
+        import httpx
+
+        invoker = make(*args, **kwargs)
+        flowers_giveup, flowers_success = invoker.should_giveup, invoker.on_success
+        lock, streak = threading.Lock(), [0]
+
+        def should_giveup(err: Exception) -> bool:
+            if isinstance(err, httpx.HTTPStatusError) and err.response.status_code == 500:
+                with lock:
+                    streak[0] += 1
+                    return streak[0] > retries
+            return True if flowers_giveup is None else bool(flowers_giveup(err))
+
+        def on_success(state: Any) -> None:
+            with lock:
+                streak[0] = 0
+            if flowers_success is not None:
+                flowers_success(state)
+
+        invoker.should_giveup, invoker.on_success = should_giveup, on_success
+        return invoker
+
+    make_invoker.retries_server_errors = retries  # type: ignore[attr-defined]
+    return make_invoker
+
+
+def retry_server_errors(retries: int = SERVER_ERROR_RETRIES) -> bool:
+    """Let the node's Fleet requests retry a SuperLink's 500 (module doc); False, changing
+    nothing, on a Flower whose Fleet connection this was not written against."""
+    version = flower_version()
+    fleet = importlib.import_module(FLEET_MODULE)
+    make = getattr(fleet, RETRY_FACTORY, None)
+    if not is_known(version) or make is None:
+        print(
+            f"fedfm_flower.deploy.supernode: Flower {version}'s Fleet connection is not one "
+            "this knows; a SuperLink's 500 is not retried",
+            file=sys.stderr,
+        )
+        return False
+    make = getattr(make, "__wrapped__", make)
+    setattr(fleet, RETRY_FACTORY, _retrying_server_errors(make, retries))
     return True
 
 
@@ -397,8 +463,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError as err:
             parser.error(f"--heartbeat-interval: {err}")
     os.environ.setdefault(SUPEREXEC_POLL_VAR, repr(first))  # inherited by its SuperExec
+    os.environ.setdefault(MAX_POLL_VAR, repr(longest))  # read by the warm SuperExec only
     shorten_waits(first, longest)
     fail_pulls_of_stopped_runs()
+    retry_server_errors()
     if args.heartbeat_interval is not None:
         shorten_heartbeat(args.heartbeat_interval)
     if args.warm_executor:
