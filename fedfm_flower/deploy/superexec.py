@@ -81,9 +81,11 @@ from fedfm_flower.waits import GrowingWait
 
 REFUSED = (401, 403)  # a task's token or run no longer valid: the task ends, not the process
 TASKS_DIR_VAR = "FEDFM_TASKS_DIR"  # where the running tasks are marked (LocalDeployment sets it)
-# Between looks for a message's objects at the SuperNode (a local request): they come from the
-# SuperLink in about a second here, and a doubling pause would overshoot their arrival.
-PULL_FIRST_PAUSE_S, PULL_LONGEST_PAUSE_S = 0.01, 0.05
+# Between looks for a message's objects at the SuperNode (a local request its runtime API
+# serves): they come from the SuperLink in about a second on an idle machine, in 5-60 s with
+# many nodes on 2 cores. Capped at 0.05 s such looks were most of a loaded SuperNode's CPU
+# (py-spy, 4 nodes beside other work); at 0.25 s an arrival is seen at most that late.
+PULL_FIRST_PAUSE_S, PULL_LONGEST_PAUSE_S = 0.01, 0.25
 # How long a task waits for the next of its message's objects. Long enough for a loaded
 # SuperNode; short enough that a task whose objects never come (a SuperNode without
 # fedfm_flower.deploy.supernode's stopped-run mend, a lost transfer) frees the executor for the
