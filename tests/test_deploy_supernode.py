@@ -11,6 +11,7 @@ import inspect
 import math
 import os
 import sys
+import threading
 import time
 
 import pytest
@@ -31,6 +32,9 @@ def loop(monkeypatch):
     factory = getattr(fleet, launcher.RETRY_FACTORY)
     monkeypatch.setattr(fleet, launcher.RETRY_FACTORY, getattr(factory, "__wrapped__", factory))
     monkeypatch.delenv(superexec.MAX_POLL_VAR, raising=False)
+    registered = []  # main's exit handlers, not run at the test process's exit
+    monkeypatch.setattr(launcher.atexit, "register", registered.append)
+    module.registered_at_exit = registered
     return module
 
 
@@ -198,6 +202,7 @@ def test_main_hands_every_other_argument_to_flower_supernode(loop, monkeypatch):
         "superexec-longest-poll": "2.0",
         "500s-retried": launcher.SERVER_ERROR_RETRIES,
     }
+    assert launcher.stop_children in loop.registered_at_exit
 
 
 def test_the_superexec_setting_in_the_environment_wins(loop, monkeypatch):
@@ -423,3 +428,29 @@ def test_with_the_patch_500s_are_retried_a_bounded_number_of_times_in_a_row(loop
     with pytest.raises(Exception, match="404"):
         _invoker(loop).invoke(request)
     assert len(calls) == 1
+
+
+def test_an_exiting_node_takes_its_children_and_theirs_with_it(monkeypatch):
+    import subprocess
+
+    monkeypatch.setattr(launcher, "EXITING", threading.Event())
+    # a child that ignores SIGTERM (as a busy flwr-clientapp may), and a grandchild
+    stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
+    parent = (
+        "import subprocess, sys, time; "
+        f"subprocess.Popen([sys.executable, '-c', {stubborn!r}]); time.sleep(60)"
+    )
+    child = subprocess.Popen([sys.executable, "-c", parent])
+    deadline = time.monotonic() + 30
+    while len(launcher.descendants(os.getpid())) < 2:
+        assert time.monotonic() < deadline, "the grandchild did not start"
+        time.sleep(0.05)
+    started = time.monotonic()
+    stopped = launcher.stop_children(grace=0.5)
+    assert child.pid in stopped and len(stopped) == 2
+    assert child.wait(10) == -15  # SIGTERM
+    assert time.monotonic() - started < 10
+    while [pid for pid in stopped if launcher.pid_alive(pid)]:  # the stubborn one: SIGKILL
+        assert time.monotonic() - started < 10, "a child outlived its SIGKILL"
+        time.sleep(0.05)
+    assert launcher.EXITING.is_set()  # and no SuperExec is started again

@@ -59,6 +59,11 @@ marks a crashed node offline after 2 x ``S`` of silence (Flower's patience), and
 it). It replaces that constant in the two Flower modules that read it in the node's process (its
 Fleet connection and ``HeartbeatSender``), on the Flower versions above only.
 
+When the node's process exits (``flwr`` stopped it, SIGTERM, Ctrl-C), the processes it started
+and theirs (its SuperExec, a ``flwr-clientapp`` per message in flight) get SIGTERM, and SIGKILL
+after ``CHILDREN_GRACE_S`` (``stop_children``): a ``flwr-clientapp`` otherwise ran on for 19 s
+after its node's exit here (its parent watch and Flower's exit handlers), 90 s in a user's try.
+
 ``--warm-executor`` runs the node's ClientApp tasks without a process per message: the SuperNode
 starts with ``--isolation process`` and this process keeps ``fedfm_flower.deploy.superexec``
 running beside it (started again whenever it exits while the node runs, Flower's
@@ -72,6 +77,7 @@ server (``fedfm_flower.deploy.forkserver``), sharing its imports with the other 
 from __future__ import annotations
 
 import argparse
+import atexit
 import functools
 import importlib
 import inspect
@@ -87,7 +93,7 @@ from typing import TYPE_CHECKING, Any
 
 from fedfm_flower.deploy.known_flower import flower_version, is_known, known_versions
 from fedfm_flower.deploy.superexec import MAX_POLL_VAR
-from fedfm_flower.processes import flower_command
+from fedfm_flower.processes import descendants, flower_command, pid_alive, signal_process
 from fedfm_flower.waits import GrowingWait
 
 if TYPE_CHECKING:
@@ -103,6 +109,8 @@ EXECUTOR_FAILURES = 3  # quick exits of the warm SuperExec before Flower's takes
 QUICK_EXIT_S = 10.0
 STOPPED = (0, -signal.SIGTERM, -signal.SIGINT)  # a SuperExec's exits that may be its node's stop
 STOPPED_GRACE_S = 5.0  # a stopped SuperExec is started again if its SuperNode outlives this
+CHILDREN_GRACE_S = 3.0  # after SIGTERM, a child of an exiting SuperNode gets SIGKILL
+EXITING = threading.Event()  # set when the node's process exits: no SuperExec starts again
 # The modules of the node's process that read Flower's node heartbeat interval (30 s).
 HEARTBEAT_MODULES = ("flwr.supernode.fleet_http_connection", "flwr.supercore.heartbeat")
 HEARTBEAT_NAME = "HEARTBEAT_DEFAULT_INTERVAL"
@@ -373,10 +381,12 @@ class ExecutorKeeper:
     def keep(self) -> None:
         """Start the SuperExec, and again whenever it exits while the SuperNode runs (a daemon
         thread of the SuperNode: it ends with the node's process)."""
-        while True:
+        while not EXITING.is_set():
             started = time.monotonic()
             self.process = self.spawn()
             code = self.process.wait()
+            if EXITING.is_set():
+                return
             quick = time.monotonic() - started < QUICK_EXIT_S
             if code in STOPPED:
                 # A SuperNode that stops takes its SuperExec (same process group) and this
@@ -398,6 +408,22 @@ class ExecutorKeeper:
         thread = threading.Thread(target=self.keep, name="superexec-keeper", daemon=True)
         thread.start()
         return thread
+
+
+def stop_children(grace: float = CHILDREN_GRACE_S) -> list[int]:
+    """SIGTERM every descendant of this process, SIGKILL those alive after ``grace``; returns
+    their pids (registered with ``atexit`` by ``main``)."""
+    EXITING.set()
+    pids = descendants(os.getpid())
+    for pid in pids:
+        signal_process(pid, signal.SIGTERM, group=False)
+    deadline = time.monotonic() + grace
+    while any(pid_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for pid in pids:
+        if pid_alive(pid):
+            signal_process(pid, signal.SIGKILL, group=False)
+    return pids
 
 
 def with_warm_executor(arguments: list[str]) -> list[str]:
@@ -471,6 +497,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         shorten_heartbeat(args.heartbeat_interval)
     if args.warm_executor:
         rest = with_warm_executor(rest)
+    atexit.register(stop_children)
     from flwr.supernode.cli import flower_supernode
 
     sys.argv = ["flower-supernode", *rest]
