@@ -31,6 +31,8 @@ def loop(monkeypatch):
     fleet = importlib.import_module(launcher.FLEET_MODULE)
     factory = getattr(fleet, launcher.RETRY_FACTORY)
     monkeypatch.setattr(fleet, launcher.RETRY_FACTORY, getattr(factory, "__wrapped__", factory))
+    push = getattr(fleet, launcher.PUSH_FACTORY)
+    monkeypatch.setattr(fleet, launcher.PUSH_FACTORY, getattr(push, "__wrapped__", push))
     monkeypatch.delenv(superexec.MAX_POLL_VAR, raising=False)
     registered = []  # main's exit handlers, not run at the test process's exit
     monkeypatch.setattr(launcher.atexit, "register", registered.append)
@@ -188,6 +190,7 @@ def test_main_hands_every_other_argument_to_flower_supernode(loop, monkeypatch):
         seen["superexec-longest-poll"] = os.environ.get(superexec.MAX_POLL_VAR)
         fleet = importlib.import_module(launcher.FLEET_MODULE)
         seen["500s-retried"] = getattr(fleet, launcher.RETRY_FACTORY).retries_server_errors
+        seen["unstored-retried"] = getattr(fleet, launcher.PUSH_FACTORY).retries_unstored
 
     monkeypatch.setattr(flwr.supernode.cli, "flower_supernode", fake_supernode)
     monkeypatch.setattr(sys, "argv", list(sys.argv))
@@ -201,6 +204,7 @@ def test_main_hands_every_other_argument_to_flower_supernode(loop, monkeypatch):
         "stopped-runs-fail": True,
         "superexec-longest-poll": "2.0",
         "500s-retried": launcher.SERVER_ERROR_RETRIES,
+        "unstored-retried": launcher.OBJECT_PUSH_RETRIES,
     }
     assert launcher.stop_children in loop.registered_at_exit
 
@@ -367,10 +371,11 @@ def test_every_guard_refuses_a_flower_not_checked(version, loop, heartbeat, monk
     assert launcher.fail_pulls_of_stopped_runs() is False
     assert launcher.shorten_heartbeat(10.0) is False
     assert launcher.retry_server_errors() is False
+    assert launcher.retry_object_pushes() is False
     fleet = importlib.import_module(launcher.FLEET_MODULE)
     assert not hasattr(getattr(fleet, launcher.RETRY_FACTORY), "retries_server_errors")
     assert f"Flower {version} is not one it knows" in superexec.unsupported_flower()
-    assert capsys.readouterr().err.count(f"Flower {version}") == 4
+    assert capsys.readouterr().err.count(f"Flower {version}") == 5
 
 
 def _status_error(code: int):
@@ -454,3 +459,34 @@ def test_an_exiting_node_takes_its_children_and_theirs_with_it(monkeypatch):
         assert time.monotonic() - started < 10, "a child outlived its SIGKILL"
         time.sleep(0.05)
     assert launcher.EXITING.is_set()  # and no SuperExec is started again
+
+
+def test_an_object_the_superlink_did_not_store_is_pushed_again_a_bounded_number_of_times(
+    loop, monkeypatch
+):
+    from flwr.proto.message_pb2 import PushObjectResponse  # pylint: disable=E0611
+    from flwr.proto.node_pb2 import Node  # pylint: disable=E0611
+    from flwr.supercore.inflatable.inflatable_utils import ObjectPushError
+
+    slept: list[float] = []
+    monkeypatch.setattr(time, "sleep", slept.append)
+    fleet = importlib.import_module(launcher.FLEET_MODULE)
+    answers: list[bool] = []
+
+    def superlink(request):  # stored as the answers say, in turn
+        return PushObjectResponse(stored=answers.pop(0))
+
+    def pushes(stored: list[bool]):
+        answers[:] = stored
+        push = getattr(fleet, launcher.PUSH_FACTORY)(superlink, Node(node_id=1), 7, "session")
+        return push
+
+    with pytest.raises(ObjectPushError):  # Flower: the reply is given up at the first refusal
+        pushes([False, True])("abc", b"x")
+    assert launcher.retry_object_pushes(retries=3, first_pause=0.5) is True
+    pushes([False, False, True])("abc", b"x")
+    assert slept == [0.5, 1.0] and answers == []
+    slept.clear()
+    with pytest.raises(ObjectPushError):  # refused four times: given up, as Flower does
+        pushes([False] * 4)("abc", b"x")
+    assert slept == [0.5, 1.0, 2.0]

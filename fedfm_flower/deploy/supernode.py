@@ -52,6 +52,13 @@ own backoff (1 s doubling to 20 s, jittered) up to ``SERVER_ERROR_RETRIES`` time
 (``retry_server_errors``), then give up as before; on the Flower versions above only. A retried
 request is one the SuperLink failed as a whole (its state change rolled back with the error).
 
+A push of a reply's object can fail without a 500: Flower's SuperLink catches the error of its
+object store (``database is locked`` again, seen with 50 SuperNodes on 2 cores) and answers
+``stored = false``, on which Flower's SuperNode gives up the reply. Here such a push is tried
+again after 0.5 s, doubling, up to ``OBJECT_PUSH_RETRIES`` times (``retry_object_pushes``); the
+SuperLink rolled the failed store back, so a retry stores the object once. On the Flower
+versions above only.
+
 ``--heartbeat-interval S`` (at least Flower's minimum, 10 s) makes the node announce ``S`` as
 its heartbeat interval and beat accordingly, instead of Flower's fixed 30 s: the SuperLink then
 marks a crashed node offline after 2 x ``S`` of silence (Flower's patience), and a restarted node
@@ -120,6 +127,10 @@ FLEET_MODULE = "flwr.supernode.fleet_http_connection"
 RETRY_FACTORY = "make_simple_http_retry_invoker"
 # 500s retried in a row: with Flower's backoff (1, 2, 4, 8, 16, 20 s, jittered), under a minute.
 SERVER_ERROR_RETRIES = 6
+# Pushes of an object the SuperLink did not store, tried again: 0.5, 1, 2, 4, 8 s apart.
+OBJECT_PUSH_RETRIES = 5
+OBJECT_PUSH_FIRST_PAUSE_S = 0.5
+PUSH_FACTORY = "make_push_object_fn_protobuf"
 # Flower's own bounds for FLWR_SUPEREXEC_TASK_POLL_INTERVAL.
 MIN_POLL_INTERVAL, MAX_POLL_INTERVAL = 0.01, 60.0
 
@@ -288,6 +299,53 @@ def retry_server_errors(retries: int = SERVER_ERROR_RETRIES) -> bool:
         return False
     make = getattr(make, "__wrapped__", make)
     setattr(fleet, RETRY_FACTORY, _retrying_server_errors(make, retries))
+    return True
+
+
+def _retrying_unstored_pushes(make: Any, retries: int, first_pause: float) -> Any:
+    """``make`` (Flower's push-object factory) whose push functions try an object the SuperLink
+    did not store (``ObjectPushError``) again, up to ``retries`` times, pausing ``first_pause``
+    seconds, doubling."""
+    from flwr.supercore.inflatable.inflatable_utils import ObjectPushError
+
+    @functools.wraps(make)
+    def make_push(*args: Any, **kwargs: Any) -> Any:
+        push = make(*args, **kwargs)
+
+        def push_object(object_id: str, content: bytes) -> None:
+            pause = first_pause
+            for attempt in range(retries + 1):
+                try:
+                    return push(object_id, content)
+                except ObjectPushError:
+                    if attempt == retries:
+                        raise
+                    time.sleep(pause)
+                    pause *= 2
+
+        return push_object
+
+    make_push.retries_unstored = retries  # type: ignore[attr-defined]
+    return make_push
+
+
+def retry_object_pushes(
+    retries: int = OBJECT_PUSH_RETRIES, first_pause: float = OBJECT_PUSH_FIRST_PAUSE_S
+) -> bool:
+    """Let the node push an object again that the SuperLink did not store (module doc); False,
+    changing nothing, on a Flower whose Fleet connection this was not written against."""
+    version = flower_version()
+    fleet = importlib.import_module(FLEET_MODULE)
+    make = getattr(fleet, PUSH_FACTORY, None)
+    if not is_known(version) or make is None:
+        print(
+            f"fedfm_flower.deploy.supernode: Flower {version}'s object pushes are not ones "
+            "this knows; an object the SuperLink did not store is not pushed again",
+            file=sys.stderr,
+        )
+        return False
+    make = getattr(make, "__wrapped__", make)
+    setattr(fleet, PUSH_FACTORY, _retrying_unstored_pushes(make, retries, first_pause))
     return True
 
 
@@ -493,6 +551,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     shorten_waits(first, longest)
     fail_pulls_of_stopped_runs()
     retry_server_errors()
+    retry_object_pushes()
     if args.heartbeat_interval is not None:
         shorten_heartbeat(args.heartbeat_interval)
     if args.warm_executor:
