@@ -142,6 +142,23 @@ def pids_with_environment(variables: Mapping[str, str], command: str | None = No
     return found
 
 
+def descendants(pid: int) -> list[int]:
+    """Live descendants of ``pid`` (children first), from /proc's parent ids."""
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            fields = proc_stat(int(entry.name))
+            if len(fields) > 1 and fields[0] not in ("Z", "X"):
+                children.setdefault(int(fields[1]), []).append(int(entry.name))
+    found: list[int] = []
+    frontier = [pid]
+    while frontier:
+        below = [child for parent in frontier for child in children.get(parent, [])]
+        found += below
+        frontier = below
+    return found
+
+
 def stop_processes(pids: list[int], grace_s: float = 10.0) -> None:
     """SIGTERM the process groups of ``pids``, then SIGKILL what is still alive."""
     for pid in pids:

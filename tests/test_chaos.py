@@ -55,6 +55,32 @@ def test_a_plan_is_seeded_spaced_and_spares_the_nodes_it_is_told_to() -> None:
     }
 
 
+def test_a_plan_may_restart_the_superlink_never_in_a_round_of_another_server_fault() -> None:
+    plan = plan_chaos(3, 20, 4, 1, 0, 1, superlink_restarts=2)
+    assert [e.kind for e in plan].count("superlink") == 2
+    assert all(e.node is None for e in plan if e.kind == "superlink")
+    assert not any(e.kind == "superlink" for e in plan_chaos(3, 20, 4, 1, 0, 1))
+    with pytest.raises(ValueError, match="two ServerApp kills or SuperLink restarts in one"):
+        check_plan(
+            [ChaosEvent("serverapp", 4), ChaosEvent("superlink", 4)],
+            rounds=10,
+            num_nodes=3,
+            rejoin=3,
+        )
+
+
+def test_a_superlink_with_its_state_in_memory_is_not_restarted(tmp_path: Path) -> None:
+    from fedfm_flower.deploy import DeployOptions, LocalDeployment
+    from fedfm_flower.deploy.options import IN_MEMORY, DeploymentError
+
+    deployment = LocalDeployment(DeployOptions(workdir=tmp_path, superlink_database=IN_MEMORY))
+    with pytest.raises(DeploymentError, match="no SuperLink to restart"):
+        deployment.restart_superlink()
+    deployment.superlink = object()  # type: ignore[assignment]  # started, as far as it knows
+    with pytest.raises(DeploymentError, match="forgets its nodes and runs"):
+        deployment.restart_superlink()
+
+
 def test_stall_overrides_parse_as_the_nodes_fault_plan() -> None:
     plan = [ChaosEvent("node-mid-write", 3, 1), ChaosEvent("node-mid-write", 9, 1)]
     overrides = stall_overrides(plan)
@@ -69,6 +95,7 @@ def test_stall_overrides_parse_as_the_nodes_fault_plan() -> None:
         (ChaosEvent("node-mid-training", 10, 1), r"round must be in 2\.\.9"),
         (ChaosEvent("node-mid-write", 3, 5), r"node must be in 0\.\.2"),
         (ChaosEvent("serverapp", 3, 1), "names no node"),
+        (ChaosEvent("superlink", 3, 0), "names no node"),
     ],
 )
 def test_a_plan_the_driver_cannot_carry_out_is_refused_naming_the_event(event, message) -> None:
@@ -309,7 +336,7 @@ def test_a_short_chaos_run_loses_nothing_and_spared_clients_match_the_uninterrup
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--rounds", "5"], "no room for 7 events in 5 rounds of 4 nodes"),
+        (["--rounds", "5"], "no room for 8 events in 5 rounds of 4 nodes"),
         (["--set", "lr=-1"], "run config 'lr' = -1.0 is invalid"),
         (["--heartbeat-interval", "2"], "--heartbeat-interval: heartbeat interval must be"),
     ],

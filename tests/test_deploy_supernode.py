@@ -11,6 +11,7 @@ import inspect
 import math
 import os
 import sys
+import threading
 import time
 
 import pytest
@@ -27,6 +28,15 @@ def loop(monkeypatch):
     module = importlib.import_module(launcher.LOOP_MODULE)
     monkeypatch.setattr(module, "time", time)
     monkeypatch.setattr(module, "pull_objects", module.pull_objects)
+    fleet = importlib.import_module(launcher.FLEET_MODULE)
+    factory = getattr(fleet, launcher.RETRY_FACTORY)
+    monkeypatch.setattr(fleet, launcher.RETRY_FACTORY, getattr(factory, "__wrapped__", factory))
+    push = getattr(fleet, launcher.PUSH_FACTORY)
+    monkeypatch.setattr(fleet, launcher.PUSH_FACTORY, getattr(push, "__wrapped__", push))
+    monkeypatch.delenv(superexec.MAX_POLL_VAR, raising=False)
+    registered = []  # main's exit handlers, not run at the test process's exit
+    monkeypatch.setattr(launcher.atexit, "register", registered.append)
+    module.registered_at_exit = registered
     return module
 
 
@@ -177,6 +187,10 @@ def test_main_hands_every_other_argument_to_flower_supernode(loop, monkeypatch):
         seen["superexec-poll"] = os.environ.get(launcher.SUPEREXEC_POLL_VAR)
         seen["waits"] = (loop.time.first, loop.time.longest)
         seen["stopped-runs-fail"] = loop.pull_objects.func.fails_stopped_runs
+        seen["superexec-longest-poll"] = os.environ.get(superexec.MAX_POLL_VAR)
+        fleet = importlib.import_module(launcher.FLEET_MODULE)
+        seen["500s-retried"] = getattr(fleet, launcher.RETRY_FACTORY).retries_server_errors
+        seen["unstored-retried"] = getattr(fleet, launcher.PUSH_FACTORY).retries_unstored
 
     monkeypatch.setattr(flwr.supernode.cli, "flower_supernode", fake_supernode)
     monkeypatch.setattr(sys, "argv", list(sys.argv))
@@ -188,7 +202,11 @@ def test_main_hands_every_other_argument_to_flower_supernode(loop, monkeypatch):
         "superexec-poll": "0.25",
         "waits": (0.25, 2.0),
         "stopped-runs-fail": True,
+        "superexec-longest-poll": "2.0",
+        "500s-retried": launcher.SERVER_ERROR_RETRIES,
+        "unstored-retried": launcher.OBJECT_PUSH_RETRIES,
     }
+    assert launcher.stop_children in loop.registered_at_exit
 
 
 def test_the_superexec_setting_in_the_environment_wins(loop, monkeypatch):
@@ -319,6 +337,28 @@ def test_the_superlink_keeps_its_state_in_a_fresh_file_or_where_the_options_say(
     assert command[command.index("--database") + 1] == ":flwr-in-memory:"
 
 
+def test_the_superlinks_superexec_polls_at_the_longest_wait_the_nodes_at_the_first(
+    tmp_path, monkeypatch
+):
+    monkeypatch.delenv(launcher.SUPEREXEC_POLL_VAR, raising=False)
+    started: dict[str, dict[str, str]] = {}
+    deployment = LocalDeployment(
+        DeployOptions(workdir=tmp_path, poll_interval=0.2, max_poll_interval=2.0, insecure=True)
+    )
+    deployment.base_port = 19190
+    monkeypatch.setattr(
+        deployment, "_start", lambda name, command, env=None: started.setdefault(name, env)
+    )
+    monkeypatch.setattr(deployment, "wait_for_superlink", lambda timeout: None)
+    deployment.start_superlink()
+    assert started["superlink"][launcher.SUPEREXEC_POLL_VAR] == "2.0"  # one ServerApp per run
+    assert deployment.env()[launcher.SUPEREXEC_POLL_VAR] == "0.2"  # the nodes' SuperExecs
+    monkeypatch.setenv(launcher.SUPEREXEC_POLL_VAR, "0.5")  # the user's setting wins
+    started.clear()
+    deployment.start_superlink()
+    assert started["superlink"][launcher.SUPEREXEC_POLL_VAR] == "0.5"
+
+
 def test_the_installed_flower_is_a_known_one() -> None:
     assert is_known(flower_version())
 
@@ -330,5 +370,123 @@ def test_every_guard_refuses_a_flower_not_checked(version, loop, heartbeat, monk
     assert launcher.shorten_waits(0.1, 1.0) is False and loop.time is time
     assert launcher.fail_pulls_of_stopped_runs() is False
     assert launcher.shorten_heartbeat(10.0) is False
+    assert launcher.retry_server_errors() is False
+    assert launcher.retry_object_pushes() is False
+    fleet = importlib.import_module(launcher.FLEET_MODULE)
+    assert not hasattr(getattr(fleet, launcher.RETRY_FACTORY), "retries_server_errors")
     assert f"Flower {version} is not one it knows" in superexec.unsupported_flower()
-    assert capsys.readouterr().err.count(f"Flower {version}") == 3
+    assert capsys.readouterr().err.count(f"Flower {version}") == 5
+
+
+def _status_error(code: int):
+    import httpx
+
+    request = httpx.Request("POST", "https://superlink/fleet")
+    response = httpx.Response(code, request=request, json={"detail": "Internal server error."})
+    return httpx.HTTPStatusError(f"{code}", request=request, response=response)
+
+
+def _invoker(loop):
+    """The retry invoker the node's Fleet connection makes, without its waits."""
+    fleet = importlib.import_module(launcher.FLEET_MODULE)
+    invoker = getattr(fleet, launcher.RETRY_FACTORY)()
+    invoker.wait_function = lambda seconds: None
+    return invoker
+
+
+def _failing(codes: list[int]):
+    """A request that fails with each status of ``codes`` in turn, then answers 'ok'."""
+    calls: list[int] = []
+
+    def request() -> str:
+        calls.append(len(calls))
+        if len(calls) <= len(codes):
+            raise _status_error(codes[len(calls) - 1])
+        return "ok"
+
+    return request, calls
+
+
+def test_in_flower_a_superlinks_500_costs_the_request_at_once(loop):
+    # What the patch is for: Flower retries 502-504, not the 500 a locked SQLite state gives.
+    request, calls = _failing([500])
+    with pytest.raises(Exception, match="500"):
+        _invoker(loop).invoke(request)
+    assert len(calls) == 1
+    request, calls = _failing([503, 503])
+    assert _invoker(loop).invoke(request) == "ok" and len(calls) == 3
+
+
+def test_with_the_patch_500s_are_retried_a_bounded_number_of_times_in_a_row(loop):
+    assert launcher.retry_server_errors(retries=3) is True
+    assert launcher.retry_server_errors(retries=3) is True  # again: no double wrap
+    invoker = _invoker(loop)
+    request, calls = _failing([500, 500, 500])
+    assert invoker.invoke(request) == "ok" and len(calls) == 4
+    request, calls = _failing([500, 503, 500, 500])  # Flower's own retries still apply
+    assert invoker.invoke(request) == "ok" and len(calls) == 5
+    request, calls = _failing([500] * 4)  # a fourth 500 in a row: given up, as Flower does
+    with pytest.raises(Exception, match="500"):
+        invoker.invoke(request)
+    assert len(calls) == 4
+    request, calls = _failing([404])  # not a server error: Flower's answer, no retry
+    with pytest.raises(Exception, match="404"):
+        _invoker(loop).invoke(request)
+    assert len(calls) == 1
+
+
+def test_an_exiting_node_takes_its_children_and_theirs_with_it(monkeypatch):
+    import subprocess
+
+    monkeypatch.setattr(launcher, "EXITING", threading.Event())
+    # a child that ignores SIGTERM (as a busy flwr-clientapp may), and a grandchild
+    stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
+    parent = (
+        "import subprocess, sys, time; "
+        f"subprocess.Popen([sys.executable, '-c', {stubborn!r}]); time.sleep(60)"
+    )
+    child = subprocess.Popen([sys.executable, "-c", parent])
+    deadline = time.monotonic() + 30
+    while len(launcher.descendants(os.getpid())) < 2:
+        assert time.monotonic() < deadline, "the grandchild did not start"
+        time.sleep(0.05)
+    started = time.monotonic()
+    stopped = launcher.stop_children(grace=0.5)
+    assert child.pid in stopped and len(stopped) == 2
+    assert child.wait(10) == -15  # SIGTERM
+    assert time.monotonic() - started < 10
+    while [pid for pid in stopped if launcher.pid_alive(pid)]:  # the stubborn one: SIGKILL
+        assert time.monotonic() - started < 10, "a child outlived its SIGKILL"
+        time.sleep(0.05)
+    assert launcher.EXITING.is_set()  # and no SuperExec is started again
+
+
+def test_an_object_the_superlink_did_not_store_is_pushed_again_a_bounded_number_of_times(
+    loop, monkeypatch
+):
+    from flwr.proto.message_pb2 import PushObjectResponse  # pylint: disable=E0611
+    from flwr.proto.node_pb2 import Node  # pylint: disable=E0611
+    from flwr.supercore.inflatable.inflatable_utils import ObjectPushError
+
+    slept: list[float] = []
+    monkeypatch.setattr(time, "sleep", slept.append)
+    fleet = importlib.import_module(launcher.FLEET_MODULE)
+    answers: list[bool] = []
+
+    def superlink(request):  # stored as the answers say, in turn
+        return PushObjectResponse(stored=answers.pop(0))
+
+    def pushes(stored: list[bool]):
+        answers[:] = stored
+        push = getattr(fleet, launcher.PUSH_FACTORY)(superlink, Node(node_id=1), 7, "session")
+        return push
+
+    with pytest.raises(ObjectPushError):  # Flower: the reply is given up at the first refusal
+        pushes([False, True])("abc", b"x")
+    assert launcher.retry_object_pushes(retries=3, first_pause=0.5) is True
+    pushes([False, False, True])("abc", b"x")
+    assert slept == [0.5, 1.0] and answers == []
+    slept.clear()
+    with pytest.raises(ObjectPushError):  # refused four times: given up, as Flower does
+        pushes([False] * 4)("abc", b"x")
+    assert slept == [0.5, 1.0, 2.0]

@@ -413,3 +413,67 @@ def test_a_tasks_refused_request_fails_the_task_not_the_process(monkeypatch) -> 
     assert retry.should_giveup(_refusal(503)) is False
     assert retry.should_giveup(httpx.ConnectError("refused")) is False
     assert retry.should_giveup(_refusal(400)) is True  # and what it gives up on, too
+
+
+def test_task_polls_back_off_while_idle_and_start_over_when_a_task_ends(monkeypatch):
+    waited: list[float] = []
+    polls = superexec.TaskPolls(1.0)
+    monkeypatch.setattr(polls.ended, "wait", lambda timeout: waited.append(timeout) or False)
+    for _ in range(8):
+        polls.sleep(0.1)  # Flower's time.sleep(task_poll_interval) after a poll found no task
+    assert waited == pytest.approx([0.1, 0.15, 0.225, 0.3375, 0.50625, 0.759375, 1.0, 1.0])
+    waited.clear()
+    polls.task_ended()  # the next message follows a reply closely
+    polls.sleep(0.1)
+    polls.sleep(0.1)
+    assert waited == pytest.approx([0.1, 0.15])
+    waited.clear()
+    polls.sleep(3.0)  # never more often than Flower's own interval
+    assert waited == [3.0]
+    assert polls.monotonic is time.monotonic
+
+
+def test_a_task_that_ends_wakes_the_poll_at_once_even_when_it_failed(monkeypatch):
+    gate = threading.Event()
+
+    def failing_task(task, apps) -> None:
+        gate.wait(10)
+        raise RuntimeError("the ClientApp failed")
+
+    monkeypatch.setattr(superexec, "run_task", failing_task)
+    monkeypatch.setattr(threading, "excepthook", lambda args: None)
+    polls = superexec.TaskPolls(60.0)
+    polls.sleep(0.1)  # the first pause: Flower's interval
+    for _ in range(20):
+        next(polls)  # grown to a minute
+    executor = superexec.WarmExecutor(FlowerExecutor(), polls)
+    executor.launch(spec(task_id=1))
+    threading.Timer(0.2, gate.set).start()  # the task fails while the loop sleeps
+    started = time.monotonic()
+    polls.sleep(0.1)  # woken by the task's end, not after 60 s
+    assert time.monotonic() - started < 10
+    assert polls.upcoming == 0.1  # and the next pause is short again
+    executor.thread.join(10)
+
+
+def test_the_loop_gets_task_polls_only_with_a_longest_interval(monkeypatch):
+    from flwr.supercore.superexec import run_superexec as loop
+
+    monkeypatch.setattr(loop, "time", time)
+    monkeypatch.setattr(loop, "get_executor", loop.get_executor)
+    flowers = loop.get_executor
+    superexec.install(loop)
+    assert loop.time is time
+    superexec.install(loop, 2.0)  # again: wraps Flower's factory, not ours
+    assert isinstance(loop.time, superexec.TaskPolls) and loop.time.cap == 2.0
+    assert loop.get_executor.flower_factory is flowers
+    source = inspect.getsource(loop.run_superexec)
+    assert "time.sleep(task_poll_interval)" in source  # the one sleep it stretches
+
+
+@pytest.mark.parametrize("raw", ["x", "0", "-1", "61", "nan"])
+def test_a_bad_longest_task_poll_is_refused_naming_it(raw):
+    with pytest.raises(ValueError, match=superexec.MAX_POLL_VAR):
+        superexec.longest_task_poll({superexec.MAX_POLL_VAR: raw})
+    assert superexec.longest_task_poll({}) is None
+    assert superexec.longest_task_poll({superexec.MAX_POLL_VAR: "1.5"}) == 1.5

@@ -17,6 +17,10 @@ The kinds of event (``ChaosEvent.kind``):
 * ``serverapp``: the ServerApp is SIGKILLed once round ``round`` is checkpointed and the next
   round's training has started, the run is stopped, and a new ``flwr run`` resumes it
   (``resume = true``).
+* ``superlink``: at the same moment the SuperLink is SIGKILLed with its SuperExec and the
+  ServerApp (``LocalDeployment.restart_superlink``) and started again on its state file; once
+  every SuperNode has reconnected (its log says so, Flower's retries), the old run is stopped
+  and a new ``flwr run`` resumes it. Needs the SuperLink's state on disk (the default).
 
 ``check_chaos`` then asks of the run directory and the nodes' state directories: the last run
 completed; every round is recorded once, in order; no temporary file is left (but the leftover
@@ -46,12 +50,14 @@ from pathlib import Path
 from typing import Any
 
 from fedfm_flower.deploy.local import LocalDeployment
-from fedfm_flower.deploy.options import DeploymentError, DeployOptions
+from fedfm_flower.deploy.options import CONNECTION, DeploymentError, DeployOptions
 from fedfm_flower.deploy.processes import ManagedProcess
 from fedfm_flower.deploy.runs import RunResult
 
-KINDS = ("node-mid-training", "node-mid-write", "serverapp")
+KINDS = ("node-mid-training", "node-mid-write", "serverapp", "superlink")
 NODE_KINDS = KINDS[:2]
+SERVER_KINDS = KINDS[2:]  # the run is resumed after each
+RECONNECTED = "Connection successful after"  # Flower's line when a retried request succeeds
 UNTIMED = ("train-seconds",)  # metrics that differ between two identical runs
 
 
@@ -79,7 +85,8 @@ class ChaosRecord:
 def check_plan(plan: Sequence[ChaosEvent], rounds: int, num_nodes: int, rejoin: int) -> None:
     """Refuse a plan the driver cannot carry out, naming the event: a kind it does not know, a
     round outside 2..rounds-1, a node outside the federation, a node killed again within
-    ``rejoin`` rounds (it may not be back), two ServerApp kills in one round."""
+    ``rejoin`` rounds (it may not be back), two ServerApp kills or SuperLink restarts in one
+    round."""
     last: dict[int, int] = {}
     for event in sorted(plan, key=lambda e: e.round):
         if event.kind not in KINDS:
@@ -94,10 +101,12 @@ def check_plan(plan: Sequence[ChaosEvent], rounds: int, num_nodes: int, rejoin: 
                 raise ValueError(f"{event}: node {event.node} was killed in round {previous}")
             last[event.node] = event.round
         elif event.node is not None:
-            raise ValueError(f"{event}: a ServerApp kill names no node")
-    servers = [e.round for e in plan if e.kind == "serverapp"]
+            raise ValueError(f"{event}: a ServerApp kill or SuperLink restart names no node")
+    servers = [e.round for e in plan if e.kind in SERVER_KINDS]
     if len(servers) != len(set(servers)):
-        raise ValueError(f"two ServerApp kills in one round: {sorted(servers)}")
+        raise ValueError(
+            f"two ServerApp kills or SuperLink restarts in one round: {sorted(servers)}"
+        )
 
 
 def plan_chaos(
@@ -109,14 +118,16 @@ def plan_chaos(
     serverapp_kills: int,
     spared: Sequence[int] = (0,),
     rejoin: int = 4,
+    superlink_restarts: int = 0,
 ) -> list[ChaosEvent]:
     """A seeded plan: ``node_kills`` mid-training and ``write_kills`` mid-write kills of nodes
-    not in ``spared``, and ``serverapp_kills`` ServerApp kills, in distinct rounds of
+    not in ``spared``, ``serverapp_kills`` ServerApp kills and ``superlink_restarts``
+    SuperLink restarts, in distinct rounds of
     2..rounds-rejoin (so every killed node is back for the last rounds), a node's kills at
     least ``rejoin`` rounds apart; ``ValueError`` when that does not fit."""
     rng = random.Random(seed)
     victims = [n for n in range(num_nodes) if n not in set(spared)]
-    total = node_kills + write_kills + serverapp_kills
+    total = node_kills + write_kills + serverapp_kills + superlink_restarts
     window = list(range(2, rounds - rejoin + 1))
     if total and (not window or (node_kills + write_kills and not victims)):
         raise ValueError(f"no room for {total} events in {rounds} rounds of {num_nodes} nodes")
@@ -125,7 +136,7 @@ def plan_chaos(
             break
         chosen = sorted(rng.sample(window, total))
         kinds = ["node-mid-training"] * node_kills + ["node-mid-write"] * write_kills
-        kinds += ["serverapp"] * serverapp_kills
+        kinds += ["serverapp"] * serverapp_kills + ["superlink"] * superlink_restarts
         rng.shuffle(kinds)
         plan = []
         for kind, server_round in zip(kinds, chosen, strict=True):
@@ -280,14 +291,14 @@ class ChaosDriver:
         self._restarts[event.node] = thread
         thread.start()
 
-    def _kill_serverapp(self, record: ChaosRecord, run: ManagedProcess) -> ManagedProcess:
-        server_round = record.event.round
+    def _next_round_started(self, server_round: int) -> None:
+        """Wait until round ``server_round`` is checkpointed and the next round's training runs
+        on a node the plan spares: a server-side fault then strikes a round in progress, not
+        messages in transit (a task whose message never arrives holds its executor for the
+        pull's patience, superexec.PULL_PATIENCE_S). A task of that node seen now may be the
+        last round's, still ending: only one started after the checkpoint counts."""
         checkpoint = self.run_dir / "checkpoints" / f"round_{server_round:05d}.json"
         self._wait(checkpoint.exists, f"the round-{server_round} checkpoint")
-        # Killed once the next round's training runs on a node the plan spares, not while its
-        # messages are in transit (a task whose message never arrives holds its executor for
-        # the pull's patience, superexec.PULL_PATIENCE_S). A task of that node seen now may be
-        # the last round's, still ending: only one started after the checkpoint counts.
         watched = self.watched
         if watched is not None:
             finishing = self.deployment.tasks_in_flight(watched)
@@ -295,6 +306,9 @@ class ChaosDriver:
                 lambda: self.deployment.tasks_in_flight(watched) - finishing,
                 f"a round-{server_round + 1} task of SuperNode {watched}",
             )
+
+    def _kill_serverapp(self, record: ChaosRecord, run: ManagedProcess) -> ManagedProcess:
+        self._next_round_started(record.event.round)
         record.recorded_rounds = self.recorded()
         record.pids = self.deployment.kill_serverapp()
         # Its `flwr run` streams until the run is stopped (`flwr stop`, which finish_run sends
@@ -302,6 +316,36 @@ class ChaosDriver:
         ended = self.deployment.finish_run(run, timeout=0)
         status = "serverapp-killed" if ended.status == "timeout" else ended.status
         self.results.append(replace(ended, status=status))
+        self._run = self.deployment.start_run({**self.run_config, "resume": True})
+        return self._run
+
+    def _reconnections(self) -> dict[int, int]:
+        """SuperNode -> how many times its log says a retried request succeeded."""
+        return {
+            node: sum(RECONNECTED in line for line in list(process.lines))
+            for node, process in self.deployment.nodes.items()
+        }
+
+    def _restart_superlink(self, record: ChaosRecord, run: ManagedProcess) -> ManagedProcess:
+        self._next_round_started(record.event.round)
+        for node in list(self._restarts):  # a node restarting now would miss the SuperLink
+            self._node_back(node)
+        record.recorded_rounds = self.recorded()
+        before = self._reconnections()
+        killed = time.monotonic()
+        record.pids = self.deployment.restart_superlink()
+        ended = self.deployment.finish_run(run, timeout=0)
+        if ended.run_id is not None:  # still "running" in the state file, with no ServerApp
+            self.deployment.flwr("stop", str(ended.run_id), CONNECTION, timeout=60)
+        self.results.append(replace(ended, status="superlink-restarted"))
+        self._run = None  # nothing to watch until every node is back
+        self._wait(
+            lambda: all(
+                count > before.get(node, 0) for node, count in self._reconnections().items()
+            ),
+            "every SuperNode to reconnect to the restarted SuperLink",
+        )
+        record.restart_seconds = time.monotonic() - killed
         self._run = self.deployment.start_run({**self.run_config, "resume": True})
         return self._run
 
@@ -313,12 +357,14 @@ class ChaosDriver:
         spared = [n for n in range(self.deployment.options.num_supernodes) if n not in named]
         self.watched = spared[0] if spared else None
         run = self._run = self.deployment.start_run(self.run_config)
-        order = {kind: i for i, kind in enumerate(("serverapp", *NODE_KINDS))}
+        order = {kind: i for i, kind in enumerate((*SERVER_KINDS, *NODE_KINDS))}
         for event in sorted(plan, key=lambda e: (e.round, order[e.kind])):
             record = ChaosRecord(event)
             self.say(f"chaos: {event.kind} in round {event.round} (node {event.node})")
             if event.kind == "serverapp":
                 run = self._kill_serverapp(record, run)
+            elif event.kind == "superlink":
+                run = self._restart_superlink(record, run)
             else:
                 self._kill_node(record)
             record.seconds = time.monotonic() - self._started
@@ -463,6 +509,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--node-kills", type=int, default=3, help="SuperNodes killed mid-training")
     parser.add_argument("--write-kills", type=int, default=2, help="SuperNodes killed mid-write")
     parser.add_argument("--serverapp-kills", type=int, default=2)
+    parser.add_argument(
+        "--superlink-restarts", type=int, default=1, help="SuperLink restarts on its state file"
+    )
+    parser.add_argument(
+        "--shared-imports",
+        action="store_true",
+        help="fork the warm executors from one process (many SuperNodes on one machine)",
+    )
     parser.add_argument("--rejoin", type=int, default=4, help="rounds between a node's kills")
     parser.add_argument("--method", default="local")
     parser.add_argument("--round-timeout", type=float, default=40.0)
@@ -485,6 +539,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.write_kills,
             args.serverapp_kills,
             rejoin=args.rejoin,
+            superlink_restarts=args.superlink_restarts,
         )
         options = DeployOptions(
             num_supernodes=args.supernodes,
@@ -493,6 +548,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             echo=False,
             warm_executor=True,
             heartbeat_interval=args.heartbeat_interval,
+            shared_imports=args.shared_imports,
         )
         config = chaos_run_config(
             {

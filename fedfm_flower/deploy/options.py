@@ -19,6 +19,7 @@ from fedfm_flower.deploy.supernode import (
 ROOT = Path(__file__).resolve().parents[2]  # the repository: the default app, scripts/, deploy/
 HOST = "127.0.0.1"  # the only address the launcher ever binds to or dials
 DEFAULT_BASE_PORT = 19190
+IN_MEMORY = ":flwr-in-memory:"  # the SuperLink's --database for Flower's in-memory state
 CONNECTION = "fedfm-local"  # the flwr connection (in <workdir>/flwr-home/config.toml)
 
 

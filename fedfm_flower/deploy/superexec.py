@@ -49,6 +49,14 @@ next. Other task types go to Flower's executor.
   ``flwr-clientapp`` either ends one task, here it would end the process and the node's later
   tasks until it is started again. A task's requests here give up on both (``task_retry``):
   the request's error ends the task as a failed one and the process serves the next.
+* **Task polls that back off.** Flower's loop asks its SuperNode for a task every
+  ``FLWR_SUPEREXEC_TASK_POLL_INTERVAL`` seconds (0.1 s where ``fedfm_flower.deploy.supernode``
+  starts it), busy or idle: a local HTTP request the SuperNode's runtime API serves. Idle, that
+  was three quarters of a SuperNode's CPU and most of its SuperExec's (measured on loopback:
+  per 20 s, 50 and 31 ticks at 0.1 s against 12 and 3.5 at 1 s). Here the pause after a poll
+  that found no task grows 1.5 times up to ``FEDFM_SUPEREXEC_MAX_POLL_INTERVAL`` (the node's
+  ``--max-poll-interval``; without it, Flower's interval: no change), and the end of a task
+  starts it over at once (``TaskPolls``): a reply is followed closely by the next message.
 * **Tracking.** With ``FEDFM_TASKS_DIR`` set, a task in progress is a file
   ``<task id>.running`` there (``fedfm_flower.deploy.local`` uses it to see messages in flight).
 """
@@ -69,12 +77,15 @@ from typing import Any
 
 from fedfm_flower.deploy.known_flower import flower_version, is_known, known_versions
 from fedfm_flower.processes import flower_command
+from fedfm_flower.waits import GrowingWait
 
 REFUSED = (401, 403)  # a task's token or run no longer valid: the task ends, not the process
 TASKS_DIR_VAR = "FEDFM_TASKS_DIR"  # where the running tasks are marked (LocalDeployment sets it)
-# Between looks for a message's objects at the SuperNode (a local request): they come from the
-# SuperLink in about a second here, and a doubling pause would overshoot their arrival.
-PULL_FIRST_PAUSE_S, PULL_LONGEST_PAUSE_S = 0.01, 0.05
+# Between looks for a message's objects at the SuperNode (a local request its runtime API
+# serves): they come from the SuperLink in about a second on an idle machine, in 5-60 s with
+# many nodes on 2 cores. Capped at 0.05 s such looks were most of a loaded SuperNode's CPU
+# (py-spy, 4 nodes beside other work); at 0.25 s an arrival is seen at most that late.
+PULL_FIRST_PAUSE_S, PULL_LONGEST_PAUSE_S = 0.01, 0.25
 # How long a task waits for the next of its message's objects. Long enough for a loaded
 # SuperNode; short enough that a task whose objects never come (a SuperNode without
 # fedfm_flower.deploy.supernode's stopped-run mend, a lost transfer) frees the executor for the
@@ -84,6 +95,9 @@ PULL_PATIENCE_S = 90.0
 # stores a message's objects only once it has fetched them all, which took 94 s with 24
 # SuperNodes on 2 cores.
 PULL_PATIENCE_VAR = "FEDFM_PULL_PATIENCE_S"
+# The longest pause between task polls (the node's --max-poll-interval; unset: no growth).
+MAX_POLL_VAR = "FEDFM_SUPEREXEC_MAX_POLL_INTERVAL"
+TASK_POLL_GROWTH = 1.5
 SPEC_FIELDS = ("task_type", "runtime_api_address", "token", "insecure", "task_id")
 RUNTIME_FUNCTIONS = ("push_message", "push_task_output")
 
@@ -411,14 +425,60 @@ def _marker(task_id: int) -> Path | None:
     return path
 
 
+class TaskPolls(GrowingWait):
+    """The ``time`` module as Flower's SuperExec loop sees it: its one fixed sleep, between task
+    polls, grows from Flower's interval to ``longest`` (never below Flower's) while no task
+    comes; ``task_ended`` cuts the current pause short and starts the pauses over."""
+
+    def __init__(self, longest: float) -> None:
+        super().__init__(longest, longest, TASK_POLL_GROWTH)
+        self.cap = longest
+        self.ended = threading.Event()
+        self.ended.set()  # the first pause is Flower's interval
+
+    def sleep(self, seconds: float) -> None:
+        """Flower's ``time.sleep(task_poll_interval)``: ``seconds`` the first time and after a
+        task ended, then longer up to ``longest``; a task's end wakes it."""
+        self.first, self.longest = seconds, max(self.cap, seconds)
+        if self.ended.is_set():
+            self.ended.clear()
+            self.restart()
+        if self.ended.wait(max(next(self), seconds)):
+            self.ended.clear()
+            self.restart()
+
+    def task_ended(self) -> None:
+        """A task ended: poll now, then again after short pauses."""
+        self.ended.set()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+
+def longest_task_poll(environ: Mapping[str, str] = os.environ) -> float | None:
+    """``FEDFM_SUPEREXEC_MAX_POLL_INTERVAL`` in seconds, None when unset; ValueError naming it
+    when it is not a usable interval."""
+    raw = environ.get(MAX_POLL_VAR)
+    if raw is None or raw == "":
+        return None
+    try:
+        seconds = float(raw)
+    except ValueError:
+        raise ValueError(f"{MAX_POLL_VAR}={raw!r} is not a number of seconds") from None
+    if not (0.01 <= seconds <= 60.0):  # Flower's own bounds for its poll interval
+        raise ValueError(f"{MAX_POLL_VAR}={raw!r} must lie in [0.01, 60] seconds")
+    return seconds
+
+
 class WarmExecutor:
     """Flower's ``Executor`` protocol: ClientApp tasks in a thread of this process, the rest in
-    ``fallback`` (Flower's own executor)."""
+    ``fallback`` (Flower's own executor). ``polls``, when given, hears of each task's end."""
 
-    def __init__(self, fallback: Any) -> None:
+    def __init__(self, fallback: Any, polls: TaskPolls | None = None) -> None:
         from flwr.supercore.constant import TaskType
 
         self.fallback = fallback
+        self.polls = polls
         self.client_app = TaskType.CLIENT_APP
         self.apps = AppCache()
         self.thread: threading.Thread | None = None
@@ -456,11 +516,17 @@ class WarmExecutor:
 
         if spec.task_type != self.client_app or spec.runtime_dependency_install or self.busy():
             return self.fallback.launch(spec)
-        self.thread = threading.Thread(
-            target=run_task, args=(spec, self.apps), name=f"task-{spec.task_id}"
-        )
+        self.thread = threading.Thread(target=self.run, args=(spec,), name=f"task-{spec.task_id}")
         self.thread.start()
         return LaunchResult.accepted()
+
+    def run(self, spec: Any) -> None:
+        """``run_task``, then the task polls start over (the next message follows closely)."""
+        try:
+            run_task(spec, self.apps)
+        finally:
+            if self.polls is not None:
+                self.polls.task_ended()
 
     def reconcile(self) -> None:
         """Flower's."""
@@ -471,13 +537,19 @@ class WarmExecutor:
         self.fallback.close()
 
 
-def install(run_superexec_module: Any) -> None:
-    """Make Flower's SuperExec loop build a ``WarmExecutor`` around the executor it asks for."""
-    flower_factory = run_superexec_module.get_executor
+def install(run_superexec_module: Any, longest_poll: float | None = None) -> None:
+    """Make Flower's SuperExec loop build a ``WarmExecutor`` around the executor it asks for;
+    with ``longest_poll``, its task polls back off up to it (``TaskPolls``)."""
+    flower_factory = getattr(run_superexec_module.get_executor, "flower_factory", None)
+    flower_factory = flower_factory or run_superexec_module.get_executor
+    polls = TaskPolls(longest_poll) if longest_poll is not None else None
+    if polls is not None:
+        run_superexec_module.time = polls
 
     def get_executor(*args: Any, **kwargs: Any) -> WarmExecutor:
-        return WarmExecutor(flower_factory(*args, **kwargs))
+        return WarmExecutor(flower_factory(*args, **kwargs), polls)
 
+    get_executor.flower_factory = flower_factory  # type: ignore[attr-defined]
     run_superexec_module.get_executor = get_executor
 
 
@@ -492,6 +564,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--root-certificates", default=None)
     parser.add_argument("--parent-pid", type=int, default=None)
     args = parser.parse_args(arguments)
+    try:
+        longest_poll = longest_task_poll()
+    except ValueError as err:
+        parser.error(str(err))
     problem = unsupported_flower()
     if problem is not None:
         print(
@@ -504,7 +580,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 127  # execvp does not return; here only when it is replaced (tests)
     from flwr.supercore.superexec import run_superexec as loop
 
-    install(loop)
+    install(loop, longest_poll)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per runtime request otherwise
     loop.run_superexec(

@@ -25,8 +25,10 @@ round's message follows a reply closely. An idle node thus pulls about once per
 ``--max-poll-interval`` (each pull costs the SuperLink a TLS request it authenticates, ~6 ms of
 CPU measured here), and a busy one sees its next message within a short wait. It also sets
 ``FLWR_SUPEREXEC_TASK_POLL_INTERVAL`` to ``--poll-interval`` unless the environment sets it
-(a local request; the SuperExec's idle cost was ~0.7% of a core at 0.1 s). Protocol, messages
-and results are Flower's.
+(a local request), and ``FEDFM_SUPEREXEC_MAX_POLL_INTERVAL`` to ``--max-poll-interval``: the
+warm SuperExec's task polls back off to it while no task comes and start short again when a
+task ends (``fedfm_flower.deploy.superexec``, ``TaskPolls``; at a fixed 0.1 s they were three
+quarters of an idle node's CPU). Protocol, messages and results are Flower's.
 
 The change replaces the ``time`` name inside that one Flower module by a view of ``time``
 with these sleeps; it is applied only to the Flower versions it was written against. With any
@@ -42,12 +44,32 @@ the next message, the next run's included. Here that pull raises ``RunStoppedErr
 ends failed, the message and its objects are deleted, and the SuperExec's pull fails at once. On
 the Flower versions above only.
 
+A SuperLink that fails a request answers ``500`` (Flower hides the cause; under load it is its
+SQLite state's ``database is locked``: 16 SuperNodes on 2 cores met it, docs/benchmarks.md).
+Flower's SuperNode retries only 502-504 and connection errors, so a 500 to a message pull or a
+reply push cost that client its round. Here the node's Fleet requests retry a 500 with Flower's
+own backoff (1 s doubling to 20 s, jittered) up to ``SERVER_ERROR_RETRIES`` times in a row
+(``retry_server_errors``), then give up as before; on the Flower versions above only. A retried
+request is one the SuperLink failed as a whole (its state change rolled back with the error).
+
+A push of a reply's object can fail without a 500: Flower's SuperLink catches the error of its
+object store (``database is locked`` again, seen with 50 SuperNodes on 2 cores) and answers
+``stored = false``, on which Flower's SuperNode gives up the reply. Here such a push is tried
+again after 0.5 s, doubling, up to ``OBJECT_PUSH_RETRIES`` times (``retry_object_pushes``); the
+SuperLink rolled the failed store back, so a retry stores the object once. On the Flower
+versions above only.
+
 ``--heartbeat-interval S`` (at least Flower's minimum, 10 s) makes the node announce ``S`` as
 its heartbeat interval and beat accordingly, instead of Flower's fixed 30 s: the SuperLink then
 marks a crashed node offline after 2 x ``S`` of silence (Flower's patience), and a restarted node
 (same key) is admitted again that much sooner (``LocalDeployment.restart_supernode`` waits for
 it). It replaces that constant in the two Flower modules that read it in the node's process (its
 Fleet connection and ``HeartbeatSender``), on the Flower versions above only.
+
+When the node's process exits (``flwr`` stopped it, SIGTERM, Ctrl-C), the processes it started
+and theirs (its SuperExec, a ``flwr-clientapp`` per message in flight) get SIGTERM, and SIGKILL
+after ``CHILDREN_GRACE_S`` (``stop_children``): a ``flwr-clientapp`` otherwise ran on for 19 s
+after its node's exit here (its parent watch and Flower's exit handlers), 90 s in a user's try.
 
 ``--warm-executor`` runs the node's ClientApp tasks without a process per message: the SuperNode
 starts with ``--isolation process`` and this process keeps ``fedfm_flower.deploy.superexec``
@@ -62,6 +84,7 @@ server (``fedfm_flower.deploy.forkserver``), sharing its imports with the other 
 from __future__ import annotations
 
 import argparse
+import atexit
 import functools
 import importlib
 import inspect
@@ -76,7 +99,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from fedfm_flower.deploy.known_flower import flower_version, is_known, known_versions
-from fedfm_flower.processes import flower_command
+from fedfm_flower.deploy.superexec import MAX_POLL_VAR
+from fedfm_flower.processes import descendants, flower_command, pid_alive, signal_process
 from fedfm_flower.waits import GrowingWait
 
 if TYPE_CHECKING:
@@ -92,10 +116,21 @@ EXECUTOR_FAILURES = 3  # quick exits of the warm SuperExec before Flower's takes
 QUICK_EXIT_S = 10.0
 STOPPED = (0, -signal.SIGTERM, -signal.SIGINT)  # a SuperExec's exits that may be its node's stop
 STOPPED_GRACE_S = 5.0  # a stopped SuperExec is started again if its SuperNode outlives this
+CHILDREN_GRACE_S = 3.0  # after SIGTERM, a child of an exiting SuperNode gets SIGKILL
+EXITING = threading.Event()  # set when the node's process exits: no SuperExec starts again
 # The modules of the node's process that read Flower's node heartbeat interval (30 s).
 HEARTBEAT_MODULES = ("flwr.supernode.fleet_http_connection", "flwr.supercore.heartbeat")
 HEARTBEAT_NAME = "HEARTBEAT_DEFAULT_INTERVAL"
 MIN_HEARTBEAT_S = 10.0  # Flower's HEARTBEAT_MIN_INTERVAL: the SuperLink refuses a shorter one
+# The module whose Fleet connection makes the node's retry invoker.
+FLEET_MODULE = "flwr.supernode.fleet_http_connection"
+RETRY_FACTORY = "make_simple_http_retry_invoker"
+# 500s retried in a row: with Flower's backoff (1, 2, 4, 8, 16, 20 s, jittered), under a minute.
+SERVER_ERROR_RETRIES = 6
+# Pushes of an object the SuperLink did not store, tried again: 0.5, 1, 2, 4, 8 s apart.
+OBJECT_PUSH_RETRIES = 5
+OBJECT_PUSH_FIRST_PAUSE_S = 0.5
+PUSH_FACTORY = "make_push_object_fn_protobuf"
 # Flower's own bounds for FLWR_SUPEREXEC_TASK_POLL_INTERVAL.
 MIN_POLL_INTERVAL, MAX_POLL_INTERVAL = 0.01, 60.0
 
@@ -217,6 +252,103 @@ def fail_pulls_of_stopped_runs() -> bool:
     return True
 
 
+def _retrying_server_errors(make: Any, retries: int) -> Any:
+    """``make`` (Flower's retry-invoker factory) whose invokers also retry an HTTP 500, up to
+    ``retries`` times in a row (a success starts the count over)."""
+
+    @functools.wraps(make)
+    def make_invoker(*args: Any, **kwargs: Any) -> Any:
+        import httpx
+
+        invoker = make(*args, **kwargs)
+        flowers_giveup, flowers_success = invoker.should_giveup, invoker.on_success
+        lock, streak = threading.Lock(), [0]
+
+        def should_giveup(err: Exception) -> bool:
+            if isinstance(err, httpx.HTTPStatusError) and err.response.status_code == 500:
+                with lock:
+                    streak[0] += 1
+                    return streak[0] > retries
+            return True if flowers_giveup is None else bool(flowers_giveup(err))
+
+        def on_success(state: Any) -> None:
+            with lock:
+                streak[0] = 0
+            if flowers_success is not None:
+                flowers_success(state)
+
+        invoker.should_giveup, invoker.on_success = should_giveup, on_success
+        return invoker
+
+    make_invoker.retries_server_errors = retries  # type: ignore[attr-defined]
+    return make_invoker
+
+
+def retry_server_errors(retries: int = SERVER_ERROR_RETRIES) -> bool:
+    """Let the node's Fleet requests retry a SuperLink's 500 (module doc); False, changing
+    nothing, on a Flower whose Fleet connection this was not written against."""
+    version = flower_version()
+    fleet = importlib.import_module(FLEET_MODULE)
+    make = getattr(fleet, RETRY_FACTORY, None)
+    if not is_known(version) or make is None:
+        print(
+            f"fedfm_flower.deploy.supernode: Flower {version}'s Fleet connection is not one "
+            "this knows; a SuperLink's 500 is not retried",
+            file=sys.stderr,
+        )
+        return False
+    make = getattr(make, "__wrapped__", make)
+    setattr(fleet, RETRY_FACTORY, _retrying_server_errors(make, retries))
+    return True
+
+
+def _retrying_unstored_pushes(make: Any, retries: int, first_pause: float) -> Any:
+    """``make`` (Flower's push-object factory) whose push functions try an object the SuperLink
+    did not store (``ObjectPushError``) again, up to ``retries`` times, pausing ``first_pause``
+    seconds, doubling."""
+    from flwr.supercore.inflatable.inflatable_utils import ObjectPushError
+
+    @functools.wraps(make)
+    def make_push(*args: Any, **kwargs: Any) -> Any:
+        push = make(*args, **kwargs)
+
+        def push_object(object_id: str, content: bytes) -> None:
+            pause = first_pause
+            for attempt in range(retries + 1):
+                try:
+                    return push(object_id, content)
+                except ObjectPushError:
+                    if attempt == retries:
+                        raise
+                    time.sleep(pause)
+                    pause *= 2
+
+        return push_object
+
+    make_push.retries_unstored = retries  # type: ignore[attr-defined]
+    return make_push
+
+
+def retry_object_pushes(
+    retries: int = OBJECT_PUSH_RETRIES, first_pause: float = OBJECT_PUSH_FIRST_PAUSE_S
+) -> bool:
+    """Let the node push an object again that the SuperLink did not store (module doc); False,
+    changing nothing, on a Flower whose Fleet connection this was not written against."""
+    version = flower_version()
+    fleet = importlib.import_module(FLEET_MODULE)
+    make = getattr(fleet, PUSH_FACTORY, None)
+    if not is_known(version) or make is None:
+        print(
+            f"fedfm_flower.deploy.supernode: Flower {version}'s object pushes are not ones "
+            "this knows; an object the SuperLink did not store is not pushed again",
+            file=sys.stderr,
+        )
+        return False
+    make = getattr(make, "__wrapped__", make)
+    setattr(fleet, PUSH_FACTORY, _retrying_unstored_pushes(make, retries, first_pause))
+    return True
+
+
 def check_heartbeat_interval(seconds: float) -> float:
     """``seconds`` if the SuperLink accepts it as a heartbeat interval, else ValueError."""
     if not (math.isfinite(seconds) and MIN_HEARTBEAT_S <= seconds <= 1800.0):
@@ -307,10 +439,12 @@ class ExecutorKeeper:
     def keep(self) -> None:
         """Start the SuperExec, and again whenever it exits while the SuperNode runs (a daemon
         thread of the SuperNode: it ends with the node's process)."""
-        while True:
+        while not EXITING.is_set():
             started = time.monotonic()
             self.process = self.spawn()
             code = self.process.wait()
+            if EXITING.is_set():
+                return
             quick = time.monotonic() - started < QUICK_EXIT_S
             if code in STOPPED:
                 # A SuperNode that stops takes its SuperExec (same process group) and this
@@ -332,6 +466,22 @@ class ExecutorKeeper:
         thread = threading.Thread(target=self.keep, name="superexec-keeper", daemon=True)
         thread.start()
         return thread
+
+
+def stop_children(grace: float = CHILDREN_GRACE_S) -> list[int]:
+    """SIGTERM every descendant of this process, SIGKILL those alive after ``grace``; returns
+    their pids (registered with ``atexit`` by ``main``)."""
+    EXITING.set()
+    pids = descendants(os.getpid())
+    for pid in pids:
+        signal_process(pid, signal.SIGTERM, group=False)
+    deadline = time.monotonic() + grace
+    while any(pid_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for pid in pids:
+        if pid_alive(pid):
+            signal_process(pid, signal.SIGKILL, group=False)
+    return pids
 
 
 def with_warm_executor(arguments: list[str]) -> list[str]:
@@ -397,12 +547,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError as err:
             parser.error(f"--heartbeat-interval: {err}")
     os.environ.setdefault(SUPEREXEC_POLL_VAR, repr(first))  # inherited by its SuperExec
+    os.environ.setdefault(MAX_POLL_VAR, repr(longest))  # read by the warm SuperExec only
     shorten_waits(first, longest)
     fail_pulls_of_stopped_runs()
+    retry_server_errors()
+    retry_object_pushes()
     if args.heartbeat_interval is not None:
         shorten_heartbeat(args.heartbeat_interval)
     if args.warm_executor:
         rest = with_warm_executor(rest)
+    atexit.register(stop_children)
     from flwr.supernode.cli import flower_supernode
 
     sys.argv = ["flower-supernode", *rest]
