@@ -22,8 +22,9 @@ The properties, for every strategy:
 3. exactly the valid replies are accepted (an unanswered message leaves its client missing);
 4. when no reply is valid, ``state_dict()`` is bit for bit what it was.
 
-pFedPG's round costs ~30x the others' (its prompt generator runs for every client and every
-message), so it gets fewer examples (``SLOW``). The evaluation phase (``aggregate_evaluation``)
+pFedPG's and pFedSeq's rounds cost ~30x and ~4x the others' (pFedPG's prompt generator runs
+for every client and message, pFedSeq's sequential learner steps on every accepted round), so
+they get fewer examples (``SLOW``). The evaluation phase (``aggregate_evaluation``)
 and the identity query (``NodeDirectory``) get the metric and sender faults.
 """
 
@@ -59,7 +60,7 @@ from tests.run_configs import method_base
 
 NUM_CLIENTS = 4
 FRACTION_TRAIN = 0.75  # three of the four clients are sent a message; one is not
-SLOW = frozenset({"pfedpg"})
+SLOW = frozenset({"pfedpg", "pfedseq"})
 
 # Small tensors of each modality's parameter groups: name -> (shape, group).
 TENSORS: dict[str, dict[str, tuple[tuple[int, ...], str]]] = {
@@ -126,13 +127,24 @@ class Case:
     nodes: dict[int, int] = field(default_factory=dict)  # client id -> node id
 
 
+# Cases beside the registry's methods: FedAvg under central DP (a noised average, a release
+# ledger in the state), local DP (a release per dispatch) and SecAgg+ (replies hold no arrays).
+VARIANTS: dict[str, dict[str, Any]] = {
+    "fedavg+dp-central": {"method": "fedavg", "dp": "central"},
+    "fedavg+dp-local": {"method": "fedavg", "dp": "local"},
+    "fedavg+secagg": {"method": "fedavg", "secagg": True},
+}
+
+
 @functools.cache
-def case(method: str) -> Case:
-    """``method``'s strategy, built once per test session."""
+def case(name: str) -> Case:
+    """The strategy of method (or variant) ``name``, built once per test session."""
+    method = VARIANTS.get(name, {"method": name})["method"]
     spec = METHODS[method]
     modality = spec.modalities[0] if spec.modalities else "image"
     run_config = {
         **method_base(method),
+        **VARIANTS.get(name, {}),
         "num-clients": NUM_CLIENTS,
         "fraction-train": FRACTION_TRAIN,
     }
@@ -416,6 +428,12 @@ def faulty(
     return rejected(message(reply_to, arrays, metrics), "nan or inf")
 
 
+def reply_spec(strategy: Any, client_id: int) -> dict[str, tuple[tuple[int, ...], str]]:
+    """What ``client_id``'s training reply must hold: nothing under SecAgg+ (the update
+    travels masked), else the strategy's spec."""
+    return {} if strategy.secure_round(strategy.current_round) else strategy.reply_spec(client_id)
+
+
 def round_replies(
     draw: Draw, strategy: Any, messages: list[Message], nodes: dict[int, int]
 ) -> list[Planned]:
@@ -426,9 +444,9 @@ def round_replies(
     for reply_to in messages:
         client_id = int(reply_to.content[P.CONFIG][P.CLIENT_ID])
         sent[client_id] = reply_to
-        spec = strategy.reply_spec(client_id)
+        spec = reply_spec(strategy, client_id)
         required = strategy.required_reply_keys(client_id)
-        required = set(spec) if required is None else set(required)
+        required = set(spec) if required is None else set(required) & set(spec)
         kind = draw(st.sampled_from(faults_for(spec, required)))
         planned.append(faulty(draw, kind, reply_to, client_id, spec, required))
     extras = draw(st.lists(st.sampled_from(["unknown-node", "not-sent", "again"]), max_size=3))
@@ -436,7 +454,7 @@ def round_replies(
     for extra in extras:
         reply_to = messages[draw(st.integers(0, len(messages) - 1))]
         client_id = int(reply_to.content[P.CONFIG][P.CLIENT_ID])
-        arrays, metrics = content(draw, client_id, strategy.reply_spec(client_id))
+        arrays, metrics = content(draw, client_id, reply_spec(strategy, client_id))
         if extra == "unknown-node":
             node_id = draw(st.integers(0, 2**63 - 1).filter(lambda n: n not in nodes.values()))
             metrics[P.CLIENT_ID] = draw(st.integers(-(2**63), 2**63 - 1))
@@ -505,7 +523,7 @@ FAST_METHODS = sorted(m for m in METHODS if m not in SLOW)
 
 
 @pytest.mark.parametrize("method", FAST_METHODS)
-@settings(max_examples=examples(150))
+@settings(max_examples=examples(120))
 @given(data=st.data())
 def test_generated_training_replies_never_crash_or_change_state(
     method: str, data: st.DataObject
@@ -513,8 +531,15 @@ def test_generated_training_replies_never_crash_or_change_state(
     check_training_round(method, data)
 
 
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@settings(max_examples=examples(100))
+@given(data=st.data())
+def test_generated_training_replies_under_dp_and_secagg(variant: str, data: st.DataObject) -> None:
+    check_training_round(variant, data)
+
+
 @pytest.mark.parametrize("method", sorted(SLOW))
-@settings(max_examples=examples(30))
+@settings(max_examples=examples(40))
 @given(data=st.data())
 def test_generated_training_replies_slow_strategies(method: str, data: st.DataObject) -> None:
     check_training_round(method, data)
@@ -625,3 +650,48 @@ def test_generated_identity_replies_never_crash_the_node_directory(answers: list
         p for c, p, _, e in answers if not e and isinstance(c, int) and isinstance(p, int)
     ]
     assert directory.num_partitions == max([0, *partitions])
+
+
+# ------------------------------------------------------------------------------ records
+
+RECORD_SPEC = {
+    "a": ((3, 4), "float32"),
+    "b": ((5,), "float16"),
+    "c": ((2, 2), "int64"),
+    "d": ((0,), "float32"),
+}
+
+
+@settings(max_examples=examples(600))
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    name=st.sampled_from(sorted(RECORD_SPEC)),
+    flips=st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 7)), min_size=1, max_size=3),
+    cut=st.one_of(st.none(), st.integers(0, 10**6)),
+)
+def test_damaged_array_bytes_decode_to_the_declared_arrays_or_are_rejected(
+    seed: int, name: str, flips: list[tuple[int, int]], cut: int | None
+) -> None:
+    """``records.decode_checked`` on a record one of whose arrays has bits flipped anywhere
+    (its ``.npy`` header included) and is maybe cut: ``InvalidRecord``, or tensors of exactly
+    the declared names, shapes and dtypes, all finite (values may differ: a reply's values are
+    the client's)."""
+    from fedfm_flower.records import InvalidRecord, decode_checked
+
+    arrays = {n: encode_array(values(seed, 1.0, shape, d)) for n, (shape, d) in RECORD_SPEC.items()}
+    data = bytearray(arrays[name].data)
+    for offset, bit in flips:
+        data[offset % len(data)] ^= 1 << bit
+    damaged = bytes(data if cut is None else data[: cut % len(data)])
+    arrays[name] = Array(arrays[name].dtype, arrays[name].shape, arrays[name].stype, damaged)
+    record = ArrayRecord()
+    for key, array in arrays.items():
+        record[key] = array
+    try:
+        tensors = decode_checked(record, RECORD_SPEC)
+    except InvalidRecord as err:
+        assert str(err).strip()
+        return
+    for key, (shape, dtype) in RECORD_SPEC.items():
+        assert tuple(tensors[key].shape) == shape and str(tensors[key].numpy().dtype) == dtype
+        assert bool(torch.isfinite(tensors[key]).all())
