@@ -32,7 +32,9 @@ def average_over_owners(
     """Per tensor name: Sum_i w_i x_i / Sum_i w_i over the updates i holding that name.
 
     Accumulates in float64 and returns the first owner's dtype, so the result does not depend
-    on the order of the updates. A name whose owners' weights sum to <= 0 is an error.
+    on the order of the updates. A name whose owners all weigh 0 (they report no examples,
+    while other clients do: TAP's components) is averaged with equal weights among them, as
+    ``client_weights`` does for a round whose counts are all 0; a negative sum is an error.
     """
     if len(updates) != len(weights):
         raise ValueError(f"{len(updates)} updates but {len(weights)} weights")
@@ -43,8 +45,10 @@ def average_over_owners(
     out: dict[str, torch.Tensor] = {}
     for name, holders in owners.items():
         total = float(sum(weights[i] for i in holders))
-        if total <= 0:
+        if total < 0 or (total == 0 and any(weights[i] != 0 for i in holders)):
             raise ValueError(f"tensor '{name}': its owners' weights sum to {total}, not > 0")
+        held = {i: (weights[i] if total > 0 else 1.0) for i in holders}
+        total = float(sum(held.values()))
         first = updates[holders[0]][name]
         acc = torch.zeros(first.shape, dtype=torch.float64)
         for i in holders:
@@ -54,7 +58,7 @@ def average_over_owners(
                     f"tensor '{name}' has shape {tuple(tensor.shape)} in update {i}, "
                     f"{tuple(first.shape)} in update {holders[0]}"
                 )
-            acc += tensor.to(torch.float64) * (weights[i] / total)
+            acc += tensor.to(torch.float64) * (held[i] / total)
         out[name] = acc.to(first.dtype)
     return out
 

@@ -88,7 +88,8 @@ class ClientStateStore:
             else:
                 assert self.directory is not None
                 try:
-                    tensors = load_tensors(self.directory / f"round_{server_round:05d}.safetensors")
+                    path = self.directory / f"round_{server_round:05d}.safetensors"
+                    tensors = load_tensors(path, own=True)
                 except DamagedFileError as err:
                     log.warning(
                         "personal state of round %d is damaged (%s); using an older one",

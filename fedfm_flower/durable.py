@@ -8,7 +8,15 @@ carries the SHA-256 of its tensors (``tensor_sha256``: names, dtypes, shapes and
 safetensors metadata; ``load_tensors`` recomputes it, compares it with that and with a digest
 the caller kept elsewhere (a checkpoint's JSON), and raises ``DamagedFileError`` naming the
 file when anything does not match or cannot be parsed. Files written before digests existed
-(no ``sha256`` metadata) are accepted when they parse.
+(no metadata at all) are accepted when they parse; a file of this package's (``own``) whose
+metadata lacks the digest has lost it (a damaged key) and is refused.
+
+A JSON document that a resume trusts (a checkpoint's record, the privacy ledger) is *sealed*:
+written with the SHA-256 of its canonical form (sorted keys) under a key of its own
+(``sealed_json``), and read back only when it still hashes to it (``read_sealed_json``); a
+flipped bit in a key, a number or a flag is then a ``DamagedFileError`` naming the file, not
+a silently different record. A document written before seals existed is accepted when its
+keys are the ones such documents had.
 """
 
 from __future__ import annotations
@@ -16,12 +24,13 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import json
 import os
 import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # torch loads inside the tensor functions: the launcher's checks need none
     import torch
@@ -122,10 +131,16 @@ def check_tensor_file(path: Path | str) -> None:
     _open(Path(path), read_values=False)
 
 
-def load_tensors(path: Path | str, expected_sha256: str | None = None) -> dict[str, torch.Tensor]:
-    """Read and verify a tensor file; ``DamagedFileError`` names the file when it is not intact."""
+def load_tensors(
+    path: Path | str, expected_sha256: str | None = None, own: bool = False
+) -> dict[str, torch.Tensor]:
+    """Read and verify a tensor file; ``DamagedFileError`` names the file when it is not intact.
+
+    ``own``: the file was written by ``save_tensors`` (checkpoints, client state), so metadata
+    without the digest is damage, not another writer's file (a user's weights may carry other
+    metadata and no digest)."""
     path = Path(path)
-    tensors, stored = _open(path, read_values=True)
+    tensors, stored = _open(path, read_values=True, own=own)
     if stored is not None or expected_sha256 is not None:
         actual = tensor_sha256(tensors)
         for source, wanted in (("its own metadata", stored), ("its record", expected_sha256)):
@@ -135,7 +150,9 @@ def load_tensors(path: Path | str, expected_sha256: str | None = None) -> dict[s
     return tensors
 
 
-def _open(path: Path, read_values: bool) -> tuple[dict[str, torch.Tensor], str | None]:
+def _open(
+    path: Path, read_values: bool, own: bool = False
+) -> tuple[dict[str, torch.Tensor], str | None]:
     """(tensors, when ``read_values``, and the stored digest) of a safetensors file."""
     from safetensors import SafetensorError, safe_open
 
@@ -143,10 +160,49 @@ def _open(path: Path, read_values: bool) -> tuple[dict[str, torch.Tensor], str |
         raise DamagedFileError(path, "no such file")
     try:
         with safe_open(str(path), framework="pt") as handle:
-            stored = (handle.metadata() or {}).get(DIGEST_KEY)
+            metadata = handle.metadata() or {}
             names = handle.keys() if read_values else []
             tensors = {name: handle.get_tensor(name) for name in names}
     except (SafetensorError, OSError, ValueError, RuntimeError) as err:
         reason = f"not a readable safetensors file ({path.stat().st_size} bytes): {err}"
         raise DamagedFileError(path, reason) from err
-    return tensors, stored
+    if own and metadata and DIGEST_KEY not in metadata:
+        reason = f"metadata without its {DIGEST_KEY!r} (keys {sorted(metadata)[:3]})"
+        raise DamagedFileError(path, reason)
+    return tensors, metadata.get(DIGEST_KEY)
+
+
+def json_sha256(document: dict[str, Any]) -> str:
+    """Hex SHA-256 of ``document`` as canonical JSON (sorted keys)."""
+    return hashlib.sha256(json.dumps(document, sort_keys=True).encode()).hexdigest()
+
+
+def sealed_json(document: dict[str, Any], seal: str) -> str:
+    """``document`` as JSON with its ``json_sha256`` under the key ``seal``."""
+    if seal in document:
+        raise ValueError(f"a document to seal must not hold the key {seal!r}")
+    return json.dumps({**document, seal: json_sha256(document)})
+
+
+def read_sealed_json(path: Path | str, seal: str, legacy_keys: frozenset[str]) -> dict[str, Any]:
+    """The JSON object in ``path`` written by ``sealed_json(..., seal)``, without its seal;
+    ``DamagedFileError`` naming the file when it cannot be read or parsed, is not an object,
+    or does not hash to its seal. An object without a seal (written before seals existed) is
+    accepted when its keys are among ``legacy_keys``."""
+    path = Path(path)
+    try:
+        document = json.loads(path.read_text())
+    except (OSError, ValueError) as err:  # UnicodeDecodeError and JSONDecodeError included
+        raise DamagedFileError(path, f"unreadable JSON: {err}") from err
+    if not isinstance(document, dict):
+        raise DamagedFileError(path, f"holds a JSON {type(document).__name__}, not an object")
+    if seal not in document:
+        unknown = sorted(set(document) - legacy_keys)
+        if unknown:
+            raise DamagedFileError(path, f"no {seal!r} and unknown keys {unknown[:3]}")
+        return document
+    stored = document.pop(seal)
+    actual = json_sha256(document)
+    if stored != actual:
+        raise DamagedFileError(path, f"content digest {actual[:12]}... differs from {stored!r}")
+    return document

@@ -95,7 +95,9 @@ def absolute_paths(run_config: Mapping[str, Any], base_dir: Path) -> dict[str, A
     resolved = dict(run_config)
     for key in PATH_KEYS:
         value = resolved.get(key)
-        if isinstance(value, str) and value and not Path(value).expanduser().is_absolute():
+        if not isinstance(value, str) or not value or "\x00" in value:
+            continue  # not a path: the config's check names the key
+        if not Path(value).expanduser().is_absolute():
             resolved[key] = str((base_dir / value).resolve())
     return resolved
 

@@ -120,7 +120,8 @@ def decode_checked(
 
     Every key of ``spec`` must be present unless ``required`` names the ones that must; keys
     outside ``spec`` never may. Raises ``InvalidRecord`` naming the first problem (also NaN/Inf
-    in the decoded values).
+    in the decoded values, and bytes that decode to another shape or dtype than the array's
+    metadata declares).
     """
     if record is None:
         raise InvalidRecord("no arrays record")
@@ -148,6 +149,13 @@ def decode_checked(
     except Exception as err:  # noqa: BLE001 - any decoding failure rejects the reply
         raise InvalidRecord(f"cannot be decoded: {err}") from err
     for name, tensor in tensors.items():
+        shape, dtype = spec[name]
+        decoded = (tuple(tensor.shape), str(tensor.numpy().dtype))
+        if decoded != (tuple(shape), dtype):
+            raise InvalidRecord(
+                f"'{name}' holds an array of shape {decoded[0]} and dtype {decoded[1]}, not the "
+                f"{tuple(shape)} {dtype} it declares"
+            )
         if not torch.isfinite(tensor).all():
             raise InvalidRecord(f"'{name}' contains NaN or Inf")
     return tensors

@@ -24,12 +24,22 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fedfm_flower.config import ExperimentConfig
-from fedfm_flower.durable import DamagedFileError, atomic_write_text, load_tensors, save_tensors
+from fedfm_flower.durable import (
+    DamagedFileError,
+    atomic_write_text,
+    load_tensors,
+    read_sealed_json,
+    save_tensors,
+    sealed_json,
+)
 
 if TYPE_CHECKING:
     import torch
 
 _CHECKPOINT = re.compile(r"^round_(\d{5,})\.json$")
+# A checkpoint record's seal (durable.sealed_json), and the keys records had before it.
+RECORD_SEAL = "record-sha256"
+UNSEALED_RECORD_KEYS = frozenset({"round", "sha256", "strategy", "evaluation-pending"})
 FAILURE_FILE = "failure.json"
 
 log = logging.getLogger(__name__)
@@ -122,12 +132,13 @@ class RunDirectory:
     def save_checkpoint(
         self, server_round: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any], keep: int
     ) -> None:
-        """Write the server state after ``server_round``; the JSON file (with the tensors' digest)
-        commits it, and only then are checkpoints older than the newest ``keep`` removed."""
+        """Write the server state after ``server_round``; the JSON file (with the tensors' digest,
+        sealed with its own) commits it, and only then are checkpoints older than the newest
+        ``keep`` removed."""
         stem = self.checkpoint_dir / f"round_{server_round:05d}"
         digest = save_tensors(stem.with_suffix(".safetensors"), tensors)
         record = {"round": server_round, "sha256": digest, **meta}
-        atomic_write_text(stem.with_suffix(".json"), json.dumps(record))
+        atomic_write_text(stem.with_suffix(".json"), sealed_json(record, RECORD_SEAL))
         for old in self.checkpoint_rounds()[:-keep]:
             old_stem = self.checkpoint_dir / f"round_{old:05d}"
             old_stem.with_suffix(".json").unlink(missing_ok=True)
@@ -144,17 +155,18 @@ class RunDirectory:
         )
 
     def load_checkpoint(self, server_round: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """Tensors and metadata of the checkpoint after ``server_round``, verified against the
-        digest in its JSON; ``DamagedFileError`` names the file that is not intact."""
+        """Tensors and metadata of the checkpoint after ``server_round``: the JSON record checked
+        against its seal, the tensors against the digest in it; ``DamagedFileError`` names the
+        file that is not intact."""
         stem = self.checkpoint_dir / f"round_{server_round:05d}"
         marker = stem.with_suffix(".json")
         try:
-            meta = json.loads(marker.read_text())
-        except (OSError, ValueError) as err:
-            raise DamagedFileError(marker, f"unreadable checkpoint record: {err}") from err
-        if not isinstance(meta, dict) or meta.get("round") != server_round:
+            meta = read_sealed_json(marker, RECORD_SEAL, UNSEALED_RECORD_KEYS)
+        except DamagedFileError as err:
+            raise DamagedFileError(marker, f"unreadable checkpoint record: {err.reason}") from err
+        if meta.get("round") != server_round:
             raise DamagedFileError(marker, f"not the record of round {server_round}")
-        return load_tensors(stem.with_suffix(".safetensors"), meta.get("sha256")), meta
+        return load_tensors(stem.with_suffix(".safetensors"), meta.get("sha256"), own=True), meta
 
     def load_newest_checkpoint(
         self, on_damaged: Callable[[int, DamagedFileError], None] | None = None

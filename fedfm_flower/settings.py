@@ -129,6 +129,8 @@ def check_value(key: str, value: Any, field: dataclasses.Field) -> None:
     """Raise ConfigError naming ``key``, ``value`` and the first of ``field``'s rules it breaks."""
     rules = field.metadata
     require_finite(key, value)
+    if isinstance(value, str) and "\x00" in value:  # no path, name or choice holds one
+        raise ConfigError(key, value, "must not contain a NUL character")
     choices = allowed_values(field)
     if choices is not None and value not in choices:
         raise ConfigError(key, value, f"allowed: {', '.join(choices)}")

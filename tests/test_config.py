@@ -231,6 +231,10 @@ def test_methods_match_the_registry() -> None:
         ("pfedpg-hidden", "wide", "expected a value of type int"),
         ("pfedpg-attention-dim", -2, "must be >= 0"),
         ("partitioner", "natural-id", "has no natural ids"),
+        # found by tests/test_properties_config.py: a NUL raised ValueError from the path checks
+        ("weights-file", "w\x00.safetensors", "must not contain a NUL character"),
+        ("data-dir", "\x00", "must not contain a NUL character"),
+        ("run-name", "a\x00b", "must not contain a NUL character"),
     ],
 )
 def test_invalid_values_name_key_value_and_rule(key: str, value: object, fragment: str) -> None:
@@ -350,3 +354,13 @@ def test_every_config_file_in_the_repository_parses() -> None:
             ExperimentConfig.from_run_config({**base, **values})
         except ConfigError as err:
             raise AssertionError(f"{path.relative_to(ROOT)}: {err}") from err
+
+
+def test_the_launchers_check_refuses_a_path_with_a_nul_by_its_key() -> None:
+    """Found by tests/test_properties_config.py: making the path absolute raised ValueError
+    ("embedded null byte") before the config's check could name the key."""
+    from fedfm_flower.preflight import PreflightError, resolve_config
+
+    root = Path(__file__).resolve().parent.parent
+    with pytest.raises(PreflightError, match="'output-dir' = 'runs\\\\x00' is invalid: must not"):
+        resolve_config(root, {"output-dir": "runs\x00"})

@@ -467,3 +467,65 @@ def test_run_status_and_exit_codes() -> None:
     assert exit_code_for_status("finished:failed") == exit_code_for_status("finished:stopped") == 1
     assert run_id_from_lines(["x", "Successfully started run 42\n"]) == 42
     assert run_id_from_lines(["no run"]) is None
+
+
+def test_a_lost_digest_key_with_a_changed_value_is_refused_in_own_files(tmp_path: Path) -> None:
+    """Found by tests/test_properties_files.py: one bit flipped in the metadata's "sha256" key
+    and one in a value read as a pre-digest file, silently another state (client state reads
+    only the file's own digest). A file of this package's with metadata but no digest is
+    damaged; a foreign file (a user's weights) is still read."""
+    path = tmp_path / "state.safetensors"
+    save_tensors(path, _tensors(2.0))
+    data = bytearray(path.read_bytes())
+    data[data.index(b'"sha256"') + 1] ^= 0x01  # "sha256" -> "rha256"
+    data[-1] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(DamagedFileError, match="metadata without its 'sha256'"):
+        load_tensors(path, own=True)
+    assert tensor_sha256(load_tensors(path)) != tensor_sha256(_tensors(2.0))  # a foreign file
+
+
+def test_a_checkpoint_record_with_a_flipped_bit_is_refused_by_its_seal(tmp_path, caplog) -> None:
+    """Found by tests/test_properties_files.py: a bit flipped in a key of the JSON record
+    ("evaluation-pending" -> "dvaluation-pending") was read as a record without the mark. The
+    record is sealed with its own digest: the damaged round is skipped, naming its JSON."""
+    run = RunDirectory(tmp_path / "run")
+    run.checkpoint_dir.mkdir(parents=True)
+    for r in (1, 2):
+        meta = {"strategy": {"round": r}, "evaluation-pending": True}
+        run.save_checkpoint(r, _tensors(float(r)), meta, keep=2)
+    marker = run.checkpoint_dir / "round_00002.json"
+    record = marker.read_bytes()
+    flipped = bytearray(record)
+    flipped[record.index(b'"evaluation-pending"') + 1] ^= 0x01
+    marker.write_bytes(bytes(flipped))
+    with caplog.at_level(logging.WARNING):
+        server_round, _, meta = run.load_newest_checkpoint()
+    assert server_round == 1 and meta == {
+        "round": 1,
+        "sha256": tensor_sha256(_tensors(1.0)),
+        "strategy": {"round": 1},
+        "evaluation-pending": True,
+    }
+    assert str(marker) in caplog.text and "content digest" in caplog.text
+    # A record written before seals existed is still read; one with a key it never had is not.
+    unsealed = {"round": 2, "sha256": tensor_sha256(_tensors(2.0)), "strategy": {"round": 2}}
+    marker.write_text(json.dumps(unsealed))
+    assert run.load_newest_checkpoint()[2] == unsealed
+    marker.write_text(json.dumps({**unsealed, "dvaluation-pending": True}))
+    with pytest.raises(DamagedFileError, match="unknown keys"):
+        run.load_checkpoint(2)
+
+
+def test_a_privacy_ledger_with_a_changed_release_is_refused_by_its_seal(tmp_path: Path) -> None:
+    """Found by tests/test_properties_files.py: privacy.json with a release round changed
+    ("2" -> "12") was read as another ledger; sealed, it is refused naming the file."""
+    from fedfm_flower.privacy.ledger import LedgerFile, ReleaseLedger
+
+    LedgerFile(tmp_path).keep(ReleaseLedger("central", [1, 2, 3]))
+    path = tmp_path / "privacy.json"
+    path.write_text(path.read_text().replace("[1, 2, 3]", "[1, 12, 3]"))
+    with pytest.raises(DamagedFileError, match="privacy.json: unusable privacy ledger: content"):
+        LedgerFile(tmp_path).read("central")
+    path.write_text('{"mode": "central", "noise": "os-entropy", "releases": [1, 2]}')  # unsealed
+    assert LedgerFile(tmp_path).read("central").rounds == [1, 2]

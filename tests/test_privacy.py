@@ -17,6 +17,7 @@ from run_configs import method_base
 
 from fedfm_flower import protocol as P
 from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.durable import json_sha256
 from fedfm_flower.methods import MECHANISMS, UNDECLARED
 from fedfm_flower.privacy import accountant, mechanism, noise
 from fedfm_flower.privacy.support import central_dp_refusal
@@ -418,7 +419,9 @@ def test_a_central_dp_run_clips_what_travels_noises_the_average_and_reports_epsi
     assert summary["dp-releases"] == 2
     assert summary["dp-noise"] == "os-entropy" and summary["dp-sensitivity"] == clip
     ledger = json.loads((Path(run_config["output-dir"]) / "central" / "privacy.json").read_text())
+    seal = ledger.pop("sha256")  # durable.sealed_json: a flipped bit is refused, not read
     assert ledger == {"mode": "central", "noise": "os-entropy", "releases": [1, 2]}
+    assert seal == json_sha256(ledger)
 
 
 # ---------------------------------------------------------------- local DP

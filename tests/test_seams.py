@@ -53,8 +53,19 @@ def test_weightings_and_their_errors() -> None:
         weighted_average([{"x": torch.ones(1)}, {"y": torch.ones(1)}], [1.0, 1.0])
     with pytest.raises(ValueError, match="'x' has shape"):
         average_over_owners([{"x": torch.ones(2)}, {"x": torch.ones(3)}], [1.0, 1.0])
-    with pytest.raises(ValueError, match="owners' weights sum to 0"):
-        average_over_owners([{"x": torch.ones(2)}], [0.0])
+    with pytest.raises(ValueError, match="owners' weights sum to -1"):
+        average_over_owners([{"x": torch.ones(2)}], [-1.0])
+
+
+def test_a_tensor_whose_owners_all_weigh_zero_is_their_plain_mean() -> None:
+    """Found by tests/test_properties_replies.py: TAP's decoder owned by clients reporting 0
+    examples while the others report some raised ValueError and crashed the round. Like a
+    round whose counts are all 0 (``client_weights``), its owners count equally."""
+    updates = [{"enc": torch.ones(2), "dec": torch.ones(1)}, {"enc": 3 * torch.ones(2)}]
+    updates.append({"enc": 5 * torch.ones(2), "dec": 3 * torch.ones(1)})
+    out = average_over_owners(updates, client_weights([0, 10, 0], "examples"))
+    assert torch.equal(out["enc"], 3 * torch.ones(2))  # client 1 alone weighs
+    assert torch.equal(out["dec"], 2 * torch.ones(1))  # clients 0 and 2, equally
 
 
 # ------------------------------------------------------------------ parameter groups

@@ -387,3 +387,95 @@ def test_a_fused_round_returns_both_phases_outcomes() -> None:
     phase = strategy.aggregate_evaluation(2, [reply_to(m, {}, 3) for m in evaluate])
     assert phase.report.sent == [10, 11, 12] and phase.report.missing == []
     assert phase.metrics is not None and phase.metrics["num-clients"] == 3
+
+
+# Regressions found by the property-based tests (tests/test_properties_replies.py): each of these
+# replies crashed aggregate_round or was accepted.
+ODD_METRICS = {
+    "list-metric": ({"train-loss": [1.0, 2.0]}, "metric 'train-loss' is a list, not a number"),
+    "huge-int-metric": ({"train-loss": 10**400}, "metric 'train-loss' = 1000"),
+    "nan-client-id": ({P.CLIENT_ID: float("nan")}, "claims client-id nan"),
+    "inf-client-id": ({P.CLIENT_ID: float("inf")}, "claims client-id inf"),
+    "list-client-id": ({P.CLIENT_ID: [10]}, "claims client-id [10]"),
+    "float-client-id": ({P.CLIENT_ID: 12.0}, "claims client-id 12.0"),
+    "int64-overflow-examples": ({P.NUM_EXAMPLES: 2**63}, "bad num-examples 9223372036854775808"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(ODD_METRICS))
+def test_odd_metric_values_are_rejected_not_crashing(kind: str) -> None:
+    strategy, grid = make_strategy()
+    before = state_hash(strategy)
+    messages = list(strategy.configure_train(1, ArrayRecord(), ConfigRecord(), grid))
+    good = {k: torch.ones_like(v) for k, v in INITIAL.tensors.items()}
+    bad = reply_to(messages[-1], good, 10)
+    changes, reason = ODD_METRICS[kind]
+    if kind == "float-client-id":  # the client's own id, as a float
+        changes = {P.CLIENT_ID: float(strategy.nodes.client_of(messages[-1].metadata.dst_node_id))}
+    metrics = {**dict(bad.content[P.METRICS]), **changes}
+    bad.content.metric_records[P.METRICS] = MetricRecord(metrics)
+    report = strategy.aggregate_round(1, None, [bad]).train.report
+    (client,) = report.rejected
+    assert reason in report.rejected[client] and report.accepted == {}
+    assert state_hash(strategy) == before
+
+
+def test_a_second_reply_from_one_client_rejects_both() -> None:
+    """Two replies from one node in one phase (a replay): neither counts, whatever the order,
+    so the client is not weighed twice."""
+    strategy, grid = make_strategy()
+    messages = list(strategy.configure_train(1, ArrayRecord(), ConfigRecord(), grid))
+    good = {k: torch.ones_like(v) for k, v in INITIAL.tensors.items()}
+    twice = messages[0]
+    replies = [reply_to(m, good, 10) for m in messages] + [reply_to(twice, good, 90)]
+    report = strategy.aggregate_round(1, None, replies).train.report
+    client = strategy.nodes.client_of(twice.metadata.dst_node_id)
+    reason = f"2 replies from client {client} in one phase; none counts"
+    assert report.rejected == {str(client): reason}
+    assert sorted(report.accepted) == sorted(c for c in report.sent if c != client)
+    assert report.missing == []
+
+
+def test_an_array_whose_bytes_hold_another_shape_than_it_declares_is_rejected() -> None:
+    strategy, grid = make_strategy()
+    before = state_hash(strategy)
+    messages = list(strategy.configure_train(1, ArrayRecord(), ConfigRecord(), grid))
+    good = {k: torch.ones_like(v) for k, v in INITIAL.tensors.items()}
+    record = to_array_record(good)
+    name = "head.bias"
+    lying = to_array_record({name: torch.ones(5)})[name]  # the bytes of a (5,) array
+    record[name] = Array(dtype="float32", shape=(3,), stype=lying.stype, data=lying.data)
+    report = strategy.aggregate_round(1, None, [reply_to(messages[0], record, 10)]).train.report
+    (reason,) = report.rejected.values()
+    assert reason == (
+        "'head.bias' holds an array of shape (5,) and dtype float32, not the (3,) float32 it "
+        "declares"
+    )
+    assert state_hash(strategy) == before
+
+
+def test_the_mean_of_metrics_near_the_float_range_does_not_overflow() -> None:
+    from strategies.parts.outcome import mean_metrics
+
+    metrics = mean_metrics({1: {"x": 1.7e308}, 2: {"x": 1.7e308}, 3: {"x": -1.0}})
+    assert metrics is not None and math.isfinite(metrics["x-mean"])
+    assert metrics["x-mean"] == pytest.approx(1.7e308 / 3 * 2)
+
+
+@pytest.mark.parametrize("client_id", [float("nan"), 1.5, [1]])
+def test_an_identity_reply_with_an_odd_client_id_leaves_the_node_out(client_id, caplog) -> None:
+    from strategies.parts.nodes import NodeDirectory
+
+    class Grid:
+        def get_node_ids(self) -> list[int]:
+            return [7]
+
+        def send_and_receive(self, messages, timeout=None):  # noqa: ANN001, ANN202
+            metrics = MetricRecord({P.CLIENT_ID: client_id, P.NUM_PARTITIONS: float("nan")})
+            return [Message(RecordDict({P.METRICS: metrics}), reply_to=m) for m in messages]
+
+    InProcessGrid(identity_app(), {}, [])  # the server's identity, which messages read
+    nodes = NodeDirectory("run", {})
+    nodes.learn(Grid(), 1, lambda c: None)
+    assert nodes.node_to_client == {} and nodes.num_partitions == 0
+    assert "without an integer client-id" in caplog.text

@@ -18,16 +18,17 @@ disk, which holds the checkpoint's releases and those made after it.
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fedfm_flower.durable import DamagedFileError, atomic_write_text
+from fedfm_flower.durable import DamagedFileError, atomic_write_text, read_sealed_json, sealed_json
 from fedfm_flower.privacy.noise import NOISE_SOURCE
 
 LEDGER_FILE = "privacy.json"
+LEDGER_SEAL = "sha256"  # privacy.json's seal (durable.sealed_json)
+UNSEALED_LEDGER_KEYS = frozenset({"mode", "noise", "releases"})  # what it held before seals
 
 log = logging.getLogger(__name__)
 
@@ -112,9 +113,11 @@ class LedgerFile:
         if not self.path.exists():
             return None
         try:
-            data = json.loads(self.path.read_text())
+            data = read_sealed_json(self.path, LEDGER_SEAL, UNSEALED_LEDGER_KEYS)
             ledger = ReleaseLedger.from_json(data, mode, str(self.path))
-        except (OSError, ValueError) as err:
+        except DamagedFileError as err:
+            raise DamagedFileError(self.path, f"unusable privacy ledger: {err.reason}") from err
+        except ValueError as err:
             raise DamagedFileError(self.path, f"unusable privacy ledger: {err}") from err
         self.written = ledger.count
         return ledger
@@ -123,5 +126,5 @@ class LedgerFile:
         """Write ``ledger`` when it holds releases not yet on disk."""
         if ledger.count == self.written:
             return
-        atomic_write_text(self.path, json.dumps(ledger.to_json()))
+        atomic_write_text(self.path, sealed_json(ledger.to_json(), LEDGER_SEAL))
         self.written = ledger.count

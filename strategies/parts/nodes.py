@@ -79,14 +79,22 @@ class NodeDirectory:
             )
             return
         metrics = reply.content.metric_records.get(P.METRICS, MetricRecord())
-        if P.CLIENT_ID not in metrics:
-            log.warning("node %s answered the identity query without a client-id", node_id)
+        client_id = metrics.get(P.CLIENT_ID)
+        if not isinstance(client_id, int):
+            log.warning(
+                "node %s answered the identity query without an integer client-id (%r)",
+                node_id,
+                client_id,
+            )
             return
-        client_id = int(metrics[P.CLIENT_ID])
         facts = reply.content.config_records.get(P.CONFIG, ConfigRecord())
         declared = str(facts.get(P.CAPABILITIES, ""))
         self.capabilities[client_id] = frozenset(c for c in declared.split(",") if c)
-        self.num_partitions = max(self.num_partitions, int(metrics.get(P.NUM_PARTITIONS, 0)))
+        partitions = metrics.get(P.NUM_PARTITIONS, 0)
+        if isinstance(partitions, int):
+            self.num_partitions = max(self.num_partitions, partitions)
+        else:
+            log.warning("node %s reported num-partitions %r, not a count", node_id, partitions)
         refusal = refuse(client_id)
         if refusal is not None:
             log.warning("node %s is left out: %s", node_id, refusal)

@@ -9,6 +9,7 @@ strategy's own numbers of the round (``aggregate``'s return, e.g. pFedSeq's serv
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass, field
 
@@ -61,7 +62,16 @@ def mean_metrics(per_client: dict[int, dict[str, float]]) -> MetricRecord | None
     out: dict[str, float] = {}
     for name in names:
         values = [m[name] for m in per_client.values() if name in m]
-        out[f"{name}-mean"] = statistics.fmean(values)
+        out[f"{name}-mean"] = _mean(values)
         out[f"{name}-std"] = statistics.pstdev(values) if len(values) > 1 else 0.0
     out["num-clients"] = len(per_client)
     return MetricRecord(out)
+
+
+def _mean(values: list[float]) -> float:
+    """``statistics.fmean`` of finite ``values``; where their sum is beyond a float's range
+    (values near 1.8e308), the sum of ``value / n`` instead, which is not."""
+    try:
+        return statistics.fmean(values)
+    except OverflowError:
+        return math.fsum(v / len(values) for v in values)

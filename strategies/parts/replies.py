@@ -3,16 +3,19 @@
 A plain reply is one part; a fused training reply is two (``reply_part``, ``evaluation_part``),
 validated apart against different reports, so a bad training part does not drop the evaluation,
 nor the reverse. A part with an error, a missing or foreign ``client-id``, missing or extra
-keys, wrong shapes or dtypes, an oversized payload, NaN/Inf or a bad example count is dropped
-with a logged reason (in the report's ``rejected``); the round goes on with the rest. An error
-the SuperLink makes up for a message no node answered (``UNDELIVERED_CODES``) is not the
-client's: its client stays missing.
+keys, wrong shapes or dtypes, an oversized payload, NaN/Inf, a metric that is not a finite
+number or a bad example count is dropped with a logged reason (in the report's ``rejected``);
+so are all the parts of a client that replied more than once in a phase (which one is genuine
+cannot be told, and counting both would weigh the client twice). The round goes on with the
+rest. An error the SuperLink makes up for a message no node answered (``UNDELIVERED_CODES``)
+is not the client's: its client stays missing.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
@@ -33,6 +36,8 @@ log = logging.getLogger(__name__)
 UNDELIVERED_CODES = frozenset(
     {ErrorCode.NODE_UNAVAILABLE, ErrorCode.MESSAGE_UNAVAILABLE, ErrorCode.REPLY_MESSAGE_UNAVAILABLE}
 )
+# The largest example count a reply may state: an int64, what NumPy and torch weigh with.
+MAX_EXAMPLES = 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -123,14 +128,20 @@ def validate(
     """The valid parts as replies sorted by client id, recorded in ``report`` (accepted, or
     rejected with the reason); ``spec`` checks the arrays (None: evaluation, no arrays)."""
     valid: list[ClientReply] = []
+    parts = list(parts)
+    replies_of = Counter(client_of.get(p.node_id) for p in parts if not _unanswered(p))
     for part in parts:
-        if part.error_code is not None and part.error_code in UNDELIVERED_CODES:
+        if _unanswered(part):
             log.info("a message went unanswered: %s", part.error_reason)
             continue  # its client stays in report.missing
         node_id = part.node_id
         expected = client_of.get(node_id)
         key = str(expected) if expected is not None else f"node {node_id}"
-        reason = reject_reason(part, expected, report)
+        if expected is not None and replies_of[expected] > 1:
+            count = replies_of[expected]
+            reason = f"{count} replies from client {expected} in one phase; none counts"
+        else:
+            reason = reject_reason(part, expected, report)
         arrays: dict[str, torch.Tensor] = {}
         if reason is None and spec is not None:
             try:
@@ -151,6 +162,11 @@ def validate(
     return sorted(valid, key=lambda r: r.client_id)
 
 
+def _unanswered(part: ReplyPart) -> bool:
+    """Whether ``part`` is the SuperLink's error for a message no node answered."""
+    return part.error_code is not None and part.error_code in UNDELIVERED_CODES
+
+
 def reject_reason(part: ReplyPart, expected: int | None, report: RoundReport) -> str | None:
     """Why the part's sender or metrics are unacceptable (``expected``: the sender's client
     id, None when unknown), or None."""
@@ -163,14 +179,25 @@ def reject_reason(part: ReplyPart, expected: int | None, report: RoundReport) ->
     metrics = part.metrics
     if metrics is None:
         return "no metrics record"
-    if P.CLIENT_ID not in metrics or int(metrics[P.CLIENT_ID]) != expected:
-        return (
-            f"reply claims client-id {metrics.get(P.CLIENT_ID)} but node belongs to "
-            f"client {expected}"
-        )
+    claimed = metrics.get(P.CLIENT_ID)
+    if not isinstance(claimed, int) or claimed != expected:
+        return f"reply claims client-id {claimed!r} but node belongs to client {expected}"
     count = metrics.get(P.NUM_EXAMPLES)
-    if not isinstance(count, int) or count < 0:
+    if not isinstance(count, int) or not 0 <= count <= MAX_EXAMPLES:
         return f"bad num-examples {count!r}"
     if any(isinstance(v, float) and not math.isfinite(v) for v in metrics.values()):
         return "metrics contain NaN or Inf"
+    for name, value in metrics.items():
+        if isinstance(value, list):
+            return f"metric '{name}' is a list, not a number"
+        if isinstance(value, int) and not math.isfinite(_as_float(value)):
+            return f"metric '{name}' = {value} is not a finite number (beyond a float's range)"
     return None
+
+
+def _as_float(value: int) -> float:
+    """``value`` as a float; infinity where it is beyond a float's range."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf
