@@ -27,7 +27,7 @@ from fedfm_flower.config import ExperimentConfig
 from fedfm_flower.models import TrainableTensors
 from fedfm_flower.records import tensor_spec
 from strategies.base import PersonalizedStrategy
-from strategies.parts.averaging import GlobalUpdate, averaging_parts
+from strategies.parts.averaging import averaging_parts
 from strategies.parts.context import NO_CONTEXT, RunContext
 from strategies.parts.exchange import PLAIN_ROUND, RoundInputs
 from strategies.parts.replies import ClientReply
@@ -46,7 +46,8 @@ class FedAvgStrategy(PersonalizedStrategy):
         self.global_tensors = {n: initial.tensors[n].clone() for n in shared}
         # Which tensors serve which holdings (TAP's components); the values are not kept.
         self.layout = TrainableTensors({}, initial.groups, initial.users)
-        self.update: GlobalUpdate
+        # How the global tensors follow from the replies, and how the replies travel (chosen
+        # from the run config: weighted average, DP-FedAvg, or SecAgg+'s mean and exchange).
         self.exchanger, self.update = averaging_parts(config, self.privacy, self.client_weighting())
 
     def owned(self, client_id: int) -> dict[str, torch.Tensor]:

@@ -10,9 +10,10 @@ A *release* is one use of the Gaussian mechanism whose output may reach another 
 
 The noise is fresh per release (``privacy.noise``), so a round redone after a crash is a new
 release, not a replay of the old one, and counts again. The strategy's release accounting
-(``strategies.parts.accounting``) records releases in its ``ReleaseLedger`` (checkpointed in its state's metadata, with the noise source); the runner
-writes the ledger to ``privacy.json`` in the run directory (``LedgerFile``, atomic) after
-building a round's messages and after aggregating, before anything goes out. A crash between a
+(``strategies.parts.accounting``) records releases in its ``ReleaseLedger`` (checkpointed in
+its state's metadata, with the noise source); the runner writes the ledger to ``privacy.json``
+in the run directory (``LedgerFile``, atomic) after building a round's messages and after
+aggregating, before anything goes out. A crash between a
 release and the round's checkpoint therefore loses no count: a resumed run takes the ledger on
 disk, which holds the checkpoint's releases and those made after it.
 """
