@@ -18,7 +18,9 @@ the per-setup and per-method overrides below, the same in both trees). A cell re
 config, every client's per-round test metrics and train metrics (timings left out) and the
 round's top-level ``test-accuracy*`` entries, floats as ``repr``. A cell that fails is recorded
 with its error (exit status 1); ``--merge`` keeps the cells of an existing ``--out`` file and
-replaces those run again. Use the same ``--cache-dir`` on both sides (one cached foundation model).
+replaces those run again. Use the same ``--cache-dir`` on both sides (one cached foundation model)
+and the same environment: on a busy machine ``OMP_NUM_THREADS=1 MKL_NUM_THREADS=1`` on both (torch's
+threads spin when cores are short; a cell then takes about a minute instead of five to thirteen).
 
 **Privacy cells.** Besides the plain cells, ``run`` adds cells under DP and SecAgg+ (``--privacy``):
 the variants of ``PRIVACY`` (``dp-central``: DP-FedAvg at a target epsilon; ``dp-local``: local DP
