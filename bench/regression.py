@@ -18,7 +18,33 @@ the per-setup and per-method overrides below, the same in both trees). A cell re
 config, every client's per-round test metrics and train metrics (timings left out) and the
 round's top-level ``test-accuracy*`` entries, floats as ``repr``. A cell that fails is recorded
 with its error (exit status 1); ``--merge`` keeps the cells of an existing ``--out`` file and
-replaces those run again. Use the same ``--cache-dir`` on both sides (one cached foundation model).
+replaces those run again. Use the same ``--cache-dir`` on both sides (one cached foundation model)
+and the same environment: on a busy machine ``OMP_NUM_THREADS=1 MKL_NUM_THREADS=1`` on both (torch's
+threads spin when cores are short; a cell then takes about a minute instead of five to thirteen).
+
+**Privacy cells.** Besides the plain cells, ``run`` adds cells under DP and SecAgg+ (``--privacy``):
+the variants of ``PRIVACY`` (``dp-central``: DP-FedAvg at a target epsilon; ``dp-local``: local DP
+at a noise multiplier; ``secagg``: SecAgg+; ``secagg-dp-local``: both), each for the methods whose
+``MethodSpec.capabilities`` take every mechanism it uses, on the method's first setup. With
+``--privacy servers`` (the default: a run of every cell at two seeds takes hours on 2 cores) one
+method per server half (``MethodSpec.strategy``) is run, the one its module is named after
+(``strategies.fedavg``: fedavg), else the first in the registry: today fedavg for every variant
+(``FedAvgStrategy``, the only server half that takes central DP or SecAgg+), and pfedpg and
+pfedseq for local DP, 6 cells a seed. ``--privacy halves`` runs one method per pair of server
+and client halves (34 cells a seed), ``--privacy all`` every method that takes a variant (50),
+``--privacy none`` none. A privacy cell is keyed
+``method+variant/setup/seed``. DP noise is drawn from OS entropy by design
+(``fedfm_flower.privacy.noise``), so a privacy cell, in its own process and here only,
+replaces ``noise.fresh_generator`` by a Philox generator keyed by (seed, index of the release),
+and seeds Python's and NumPy's global generators with the seed (SecAgg+'s neighbour shuffle and
+Flower's stochastic quantization read them); the cell records that it did (``privacy``). The
+in-process run puts the server and the clients in one process, so the server's central noise and
+the clients' local noise (``mechanism.add_gaussian_noise`` looks ``fresh_gaussian`` up at call
+time, and that ``fresh_generator``) both come from it, in message order.
+
+A round's record holds, besides the clients' metrics, the server's metrics (``server``: the
+epsilon and releases under DP, ``secagg-clients``, ``update-norm-median``, ...) and the bytes
+both ways (``bytes-*``, SecAgg+'s own included), all compared.
 
 ``compare`` prints a markdown table with one row per cell of either file: ``identical``,
 ``new`` (only in the new file; not a failure), ``missing`` (only in the old file), ``error: ...``
@@ -56,13 +82,27 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "feddpa-t": {"feddpa-instances": 2},
     "feddpa-f": {"feddpa-instances": 2},
 }
+# Privacy variants: the mechanisms (``fedfm_flower.methods.MECHANISMS``) a method must take for
+# it, and the settings it runs with (docs/privacy.md).
+LOCAL_DP = {"dp": "local", "dp-clipping-norm": 0.5, "dp-noise-multiplier": 0.3}
+SECAGG = {"secagg": True, "secagg-clipping-range": 1.0}
+PRIVACY: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
+    "dp-central": (
+        ("central-dp",),
+        {"dp": "central", "dp-clipping-norm": 0.5, "dp-target-epsilon": 50.0},
+    ),
+    "dp-local": (("local-dp",), LOCAL_DP),
+    "secagg": (("secagg",), SECAGG),
+    "secagg-dp-local": (("secagg", "local-dp"), {**SECAGG, **LOCAL_DP}),
+}
+PRIVACY_SELECTIONS = ("servers", "halves", "all", "none")
 # Config keys that name places on disk, not settings.
 PATH_KEYS = ("output-dir", "client-state-dir", "cache-dir", "run-name")
 
 
-def registered_methods() -> list[tuple[str, tuple[str, ...]]]:
-    """(name, modalities) of every registered method, for a registry that is a mapping or a
-    sequence of specs (old and new ``fedfm_flower.registry`` alike)."""
+def registered_specs() -> list[tuple[str, Any]]:
+    """(name, spec) of every registered method, for a registry that is a mapping or a sequence
+    of specs (old and new ``fedfm_flower.registry`` alike)."""
     from fedfm_flower import registry
 
     entries: Iterable[tuple[str, Any]]
@@ -70,10 +110,47 @@ def registered_methods() -> list[tuple[str, tuple[str, ...]]]:
         entries = registry.METHODS.items()
     else:
         entries = ((spec.name, spec) for spec in registry.METHODS)
+    return [(getattr(spec, "name", name), spec) for name, spec in entries]
+
+
+def registered_methods() -> list[tuple[str, tuple[str, ...]]]:
+    """(name, modalities) of every registered method."""
     return [
-        (getattr(spec, "name", name), tuple(getattr(spec, "modalities", ()) or ()))
-        for name, spec in entries
+        (name, tuple(getattr(spec, "modalities", ()) or ())) for name, spec in registered_specs()
     ]
+
+
+def takes(spec: Any, mechanisms: tuple[str, ...]) -> bool:
+    """Whether ``spec``'s capabilities take every one of ``mechanisms`` (a spec that declares
+    none takes none)."""
+    capabilities = getattr(spec, "capabilities", None)
+    return capabilities is not None and all(capabilities.refusal(m) is None for m in mechanisms)
+
+
+def privacy_cells(methods: list[str], selection: str) -> list[tuple[str, str]]:
+    """(method, variant) of the privacy cells among ``methods``: those whose capabilities take
+    the variant; with ``servers`` one per strategy half (the method its module is named after
+    first), with ``halves`` the first of those with the same strategy and client halves."""
+    if selection == "none":
+        return []
+    specs = dict(registered_specs())
+
+    def namesake_first(method: str) -> bool:
+        module = str(getattr(specs[method], "strategy", "")).partition(":")[0]
+        return module.rpartition(".")[2] != method.replace("-", "_")
+
+    ordered = sorted(methods, key=namesake_first) if selection == "servers" else methods
+    cells = []
+    for variant, (mechanisms, _) in PRIVACY.items():
+        seen: set[tuple[str, ...]] = set()
+        for method in ordered:
+            spec = specs[method]
+            halves = (getattr(spec, "strategy", method), getattr(spec, "client", method))
+            kind = {"servers": halves[:1], "halves": halves}.get(selection, (method,))
+            if takes(spec, mechanisms) and kind not in seen:
+                seen.add(kind)
+                cells.append((method, variant))
+    return sorted(cells, key=lambda cell: (methods.index(cell[0]), list(PRIVACY).index(cell[1])))
 
 
 def setups_for(modalities: tuple[str, ...]) -> tuple[str, ...]:
@@ -86,9 +163,17 @@ def setups_for(modalities: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def cell_run_config(
-    method: str, setup: str, seed: int, rounds: int, clients: int, out: Path, cache_dir: str
+    method: str,
+    setup: str,
+    seed: int,
+    rounds: int,
+    clients: int,
+    out: Path,
+    cache_dir: str,
+    variant: str = "",
 ) -> dict[str, Any]:
-    """The run config of one cell: the method's config files, else fedavg's, plus overrides."""
+    """The run config of one cell: the method's config files, else fedavg's, plus overrides
+    (and the privacy ``variant``'s settings, if any)."""
     from bench.compare_methods import cell_config
 
     own = ROOT / "configs" / method / f"{setup}.toml"
@@ -99,8 +184,36 @@ def cell_run_config(
     config.update(COMMON)
     config.update(SETUP_OVERRIDES.get(setup, {}))
     config.update(OVERRIDES.get(method, {}))
+    if variant:
+        config.update(PRIVACY[variant][1])
+        config["run-name"] = f"{method}+{variant}-{setup}-s{seed}"
     config["cache-dir"] = cache_dir
     return config
+
+
+def seed_privacy_randomness(seed: int) -> str:
+    """For a privacy cell, in its own process only: DP noise keyed by (``seed``, release index)
+    instead of OS entropy, and Python's and NumPy's global generators seeded (SecAgg+); says
+    what it replaced (recorded in the cell)."""
+    import itertools
+    import random
+
+    import numpy as np
+
+    from fedfm_flower.privacy import noise
+
+    releases = itertools.count()
+
+    def seeded_generator() -> np.random.Generator:
+        return np.random.Generator(np.random.Philox(key=(seed << 64) | next(releases)))
+
+    noise.fresh_generator = seeded_generator
+    random.seed(seed)
+    np.random.seed(seed)
+    return (
+        "bench only: noise.fresh_generator replaced by Philox keyed by (seed, release index); "
+        "random and numpy.random seeded with the seed"
+    )
 
 
 def _numbers(metrics: Mapping[str, Any]) -> dict[str, str]:
@@ -109,17 +222,28 @@ def _numbers(metrics: Mapping[str, Any]) -> dict[str, str]:
 
 
 def run_cell(
-    method: str, setup: str, seed: int, rounds: int, clients: int, cache_dir: str
+    method: str,
+    setup: str,
+    seed: int,
+    rounds: int,
+    clients: int,
+    cache_dir: str,
+    variant: str = "",
 ) -> dict[str, Any]:
-    """One cell in this process: its config and its per-round numbers."""
+    """One cell in this process: its config and its per-round numbers (a privacy ``variant``
+    with its randomness seeded, ``seed_privacy_randomness``)."""
     from fedfm_flower.results import RunDirectory
     from server_apps.inprocess import run_in_process
 
+    replaced = seed_privacy_randomness(seed) if variant else ""
     with tempfile.TemporaryDirectory(prefix="fedfm-regression-") as tmp:
-        config = cell_run_config(method, setup, seed, rounds, clients, Path(tmp), cache_dir)
+        config = cell_run_config(
+            method, setup, seed, rounds, clients, Path(tmp), cache_dir, variant
+        )
         run_in_process(config, clients)
         records = RunDirectory(Path(tmp) / "runs" / config["run-name"]).rounds()
     return {
+        **({"privacy": {"variant": variant, "randomness": replaced}} if variant else {}),
         "config": {k: repr(v) for k, v in sorted(config.items()) if k not in PATH_KEYS},
         "rounds": [
             {
@@ -128,6 +252,8 @@ def run_cell(
                 "accuracy": _numbers({k: v for k, v in r.items() if k.startswith("test-accuracy")}),
                 "train": {c: _numbers(m) for c, m in sorted(r.get("train", {}).items())},
                 "evaluate": {c: _numbers(m) for c, m in sorted(r.get("evaluate", {}).items())},
+                "server": _numbers(r.get("server", {})),
+                "bytes": _numbers({k: v for k, v in r.items() if k.startswith("bytes-")}),
             }
             for r in records
         ],
@@ -159,8 +285,10 @@ def run_cells(
     cache_dir: str,
     merge: bool = False,
     timeout: float = 900.0,
+    privacy: str = "servers",
 ) -> dict[str, Any]:
-    """Every cell of ``methods``, each in a fresh process, keyed 'method/setup/seed'."""
+    """Every cell of ``methods``, each in a fresh process, keyed 'method/setup/seed', then the
+    privacy cells (``privacy_cells``), keyed 'method+variant/setup/seed'."""
     registered = dict(registered_methods())
     unknown = [m for m in methods if m not in registered]
     if unknown:
@@ -168,18 +296,22 @@ def run_cells(
     cells: dict[str, Any] = json.loads(out.read_text()) if merge and out.is_file() else {}
     path = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
-    for method in methods:
-        for setup in setups_for(registered[method]):
-            for seed in seeds:
-                key = f"{method}/{setup}/{seed}"
-                start = time.perf_counter()
-                argv = [sys.executable, "-m", "bench.regression", "cell", method, setup]
-                argv += [str(seed), str(rounds), str(clients), cache_dir]
-                cells[key] = _child(argv, env, timeout)
-                seconds = time.perf_counter() - start
-                verdict = cells[key].get("error") or f"{len(cells[key]['rounds'])} rounds"
-                print(f"[regression] {key}: {verdict} ({seconds:.1f} s)", flush=True)
-                out.write_text(json.dumps(cells, indent=1))
+    plain = [(m, "", setup) for m in methods for setup in setups_for(registered[m])]
+    private = [
+        (m, variant, setups_for(registered[m])[0]) for m, variant in privacy_cells(methods, privacy)
+    ]
+    for method, variant, setup in plain + private:
+        for seed in seeds:
+            key = f"{method}{'+' + variant if variant else ''}/{setup}/{seed}"
+            start = time.perf_counter()
+            argv = [sys.executable, "-m", "bench.regression", "cell", method, setup]
+            argv += [str(seed), str(rounds), str(clients), cache_dir]
+            argv += ["--variant", variant] if variant else []
+            cells[key] = _child(argv, env, timeout)
+            seconds = time.perf_counter() - start
+            verdict = cells[key].get("error") or f"{len(cells[key]['rounds'])} rounds"
+            print(f"[regression] {key}: {verdict} ({seconds:.1f} s)", flush=True)
+            out.write_text(json.dumps(cells, indent=1))
     return cells
 
 
@@ -207,11 +339,11 @@ def _cell_diffs(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
                             f"{where} {part} client {client} {name}: "
                             f"{mine.get(name)} vs {theirs.get(name)}"
                         )
-        for name in sorted(x["accuracy"].keys() | y["accuracy"].keys()):
-            if x["accuracy"].get(name) != y["accuracy"].get(name):
-                diffs.append(
-                    f"{where} {name}: {x['accuracy'].get(name)} vs {y['accuracy'].get(name)}"
-                )
+        for part in ("accuracy", "server", "bytes"):
+            mine, theirs = x.get(part, {}), y.get(part, {})
+            for name in sorted(mine.keys() | theirs.keys()):
+                if mine.get(name) != theirs.get(name):
+                    diffs.append(f"{where} {name}: {mine.get(name)} vs {theirs.get(name)}")
     if len(a["rounds"]) != len(b["rounds"]):
         diffs.append(f"{len(a['rounds'])} vs {len(b['rounds'])} rounds")
     return diffs
@@ -247,18 +379,28 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--cache-dir", default=str(Path(tempfile.gettempdir()) / "fedfm-regcache"))
     run.add_argument("--merge", action="store_true", help="keep the other cells of --out")
     run.add_argument("--timeout", type=float, default=900.0, help="seconds per cell")
+    run.add_argument(
+        "--privacy", choices=PRIVACY_SELECTIONS, default="servers", help="which privacy cells"
+    )
     cell = sub.add_parser("cell")
     for name, kind in (("method", str), ("setup", str), ("seed", int), ("rounds", int)):
         cell.add_argument(name, type=kind)
     for name, kind in (("clients", int), ("cache_dir", str), ("result", Path)):
         cell.add_argument(name, type=kind)
+    cell.add_argument("--variant", default="", choices=("", *PRIVACY))
     cmp = sub.add_parser("compare")
     cmp.add_argument("old", type=Path)
     cmp.add_argument("new", type=Path)
     args = parser.parse_args(argv)
     if args.command == "cell":
         record = run_cell(
-            args.method, args.setup, args.seed, args.rounds, args.clients, args.cache_dir
+            args.method,
+            args.setup,
+            args.seed,
+            args.rounds,
+            args.clients,
+            args.cache_dir,
+            args.variant,
         )
         args.result.write_text(json.dumps(record))
         return 0
@@ -273,6 +415,7 @@ def main(argv: list[str] | None = None) -> int:
             args.cache_dir,
             args.merge,
             args.timeout,
+            args.privacy,
         )
         return 1 if any("error" in c for c in cells.values()) else 0
     rows = compare(json.loads(args.old.read_text()), json.loads(args.new.read_text()))

@@ -57,7 +57,7 @@ from fedfm_flower import __version__
 from fedfm_flower import protocol as P
 from fedfm_flower.config import ExperimentConfig
 from fedfm_flower.models.build import prepare_foundation
-from fedfm_flower.privacy import secagg
+from fedfm_flower.privacy.accountant import privacy_spent
 from fedfm_flower.privacy.ledger import LedgerFile
 from fedfm_flower.records import record_dict_nbytes
 from fedfm_flower.registry import resolve
@@ -192,11 +192,12 @@ def _run(
         run.truncate_rounds(start_round - 1)
         if newest is not None and newest[2].get(EVALUATION_PENDING):
             pending = awaiting_evaluation(run.rounds(), start_round - 1)
-    ledger_file = LedgerFile(run.path) if config.dp != "none" else None
-    if ledger_file is not None:  # releases after the newest checkpoint count too
-        written = ledger_file.read(config.dp)
+    releases, ledger_file = strategy.releases, None  # the DP release ledger (None: no DP)
+    if releases is not None:  # releases after the newest checkpoint count too
+        ledger_file = LedgerFile(run.path)
+        written = ledger_file.read(releases.mode)
         if written is not None:
-            strategy.releases.absorb(written)
+            releases.absorb(written)
     run.write_config(
         config,
         {
@@ -413,7 +414,8 @@ def run_round(
     this round's phase (fused into the training messages). With ``fused`` this round's own
     evaluation is left to the next round (the record has no ``evaluate``), unless ``last`` or
     no training reply was usable. Under DP, ``ledger`` receives the strategy's releases before
-    any message that may carry one goes out.
+    any message that may carry one goes out. The replies come back by the strategy's exchange
+    (plain, or SecAgg+: its own traffic is recorded as the exchange names it).
     """
     started = time.perf_counter()
     evaluate_round = carried["round"] if carried is not None else None
@@ -422,22 +424,10 @@ def run_round(
         ledger.keep(strategy.releases)
     server_seconds = time.perf_counter() - started
     bytes_down, carried_down = _split_bytes(messages)
-    secure = None
-    if strategy.secure_round(server_round):
-        secure = secagg.secure_exchange(
-            grid,
-            messages,
-            secagg.SecAggSettings.of(config),
-            config.round_timeout,
-            strategy.client_weighting(),
-        )
-        replies = secure.replies
-    else:
-        replies = list(grid.send_and_receive(messages, timeout=config.round_timeout))
-    bytes_up, carried_up = _split_bytes(r for r in replies if not r.has_error())
+    exchanged = strategy.exchange(grid, messages, server_round)
+    bytes_up, carried_up = _split_bytes(r for r in exchanged.replies if not r.has_error())
     aggregate_started = time.perf_counter()
-    mean = secure.mean if secure is not None else None
-    outcome = strategy.aggregate_round(server_round, evaluate_round, replies, mean)
+    outcome = strategy.aggregate_round(server_round, evaluate_round, exchanged)
     if ledger is not None:  # central DP: the noised average leaves with the next messages
         ledger.keep(strategy.releases)
     aggregate_seconds = time.perf_counter() - aggregate_started
@@ -458,11 +448,7 @@ def run_round(
         "bytes-down-train": bytes_down,
         "bytes-up-train": bytes_up,
         "aggregate-seconds": aggregate_seconds,
-        **(
-            {"bytes-down-secagg": secure.bytes_down, "bytes-up-secagg": secure.bytes_up}
-            if secure is not None
-            else {}
-        ),
+        **exchanged.traffic,  # the exchange's own bytes (SecAgg+'s: bytes-{down,up}-secagg)
         "server": dict(outcome.server_metrics),
     }
     record.update(_means(outcome.train.metrics, "train-", ("-mean",)))
@@ -530,12 +516,13 @@ def _record_evaluation(record: dict[str, Any], evaluation: PhaseOutcome) -> None
 
 
 def _record_bytes(record: dict[str, Any], eval_down: int, eval_up: int) -> None:
-    """A round's bytes both ways: its training phase's plus its evaluation's (plus, under
-    SecAgg+, the protocol's keys, shares and masked vectors)."""
-    record["bytes-down"] = (
-        record["bytes-down-train"] + eval_down + record.get("bytes-down-secagg", 0)
-    )
-    record["bytes-up"] = record["bytes-up-train"] + eval_up + record.get("bytes-up-secagg", 0)
+    """A round's bytes both ways: its training phase's plus its evaluation's plus its exchange's
+    own (``bytes-down-<exchange>``: under SecAgg+, the protocol's keys, shares and masked
+    vectors)."""
+    for way, evaluation in (("down", eval_down), ("up", eval_up)):
+        prefix, train = f"bytes-{way}-", f"bytes-{way}-train"
+        own = sum(v for k, v in record.items() if k.startswith(prefix) and k != train)
+        record[f"bytes-{way}"] = record[train] + evaluation + own
 
 
 def summarize(run: RunDirectory, config: ExperimentConfig, seconds: float) -> dict[str, Any]:
@@ -569,31 +556,7 @@ def summarize(run: RunDirectory, config: ExperimentConfig, seconds: float) -> di
         "total-bytes-up": sum(r["bytes-up"] for r in rounds),
         "total-round-seconds": sum(r["round-seconds"] for r in rounds),
         "wall-seconds-this-session": seconds,
-        **_privacy_spent(rounds, config),
-    }
-
-
-def _privacy_spent(rounds: list[dict[str, Any]], config: ExperimentConfig) -> dict[str, Any]:
-    """Under central or local DP: the settings and the epsilon spent by the last noised round,
-    at ``dp-delta``."""
-    if config.dp == "none":
-        return {}
-    from fedfm_flower.privacy import accountant
-    from fedfm_flower.privacy.noise import NOISE_SOURCE
-
-    released = [r["server"] for r in rounds if "dp-epsilon" in r.get("server", {})]
-    last = released[-1] if released else {}
-    return {
-        "dp": config.dp,
-        "dp-delta": config.dp_delta,
-        "dp-noise-multiplier": accountant.noise_multiplier(config),
-        "dp-target-epsilon": config.dp_target_epsilon,
-        "dp-clipping-norm": config.dp_clipping_norm,
-        "dp-sensitivity": accountant.sensitivity(config.dp) * config.dp_clipping_norm,
-        "dp-neighbouring": accountant.NEIGHBOURING[config.dp],
-        "dp-noise": NOISE_SOURCE,
-        "dp-releases": int(last.get("dp-releases", 0)),
-        "dp-epsilon": last.get("dp-epsilon", 0.0),
+        **privacy_spent(config, rounds),
     }
 
 

@@ -7,6 +7,11 @@ sampler, messages, reply validation, fused rounds, outcomes):
 
 * **Run facts** come with the constructor (``RunContext``), never by attribute writes; the
   run's method, resolved once by the runner (``RunContext.method``), is ``self.method``.
+* **Privacy parts**, chosen at build from the run config: ``self.exchanger``, how a round's
+  messages travel (``strategies.parts.exchange``: plain here; a strategy that can aggregate a
+  SecAgg+ mean composes SecAgg+'s, as ``FedAvgStrategy`` does), and ``self.privacy``, the count
+  of DP releases (``strategies.parts.accounting``: none, local or central). The runner calls
+  ``configure_round``, ``exchange`` and ``aggregate_round`` whatever they are.
 * **Outcomes.** ``aggregate_round`` returns a ``RoundOutcome`` (training report and means, the
   evaluation it carried, ``aggregate``'s server metrics), ``aggregate_evaluation`` a
   ``PhaseOutcome``; the runner records from these. Flower's ``configure_*``/``aggregate_*``
@@ -33,19 +38,27 @@ from flwr.serverapp.strategy import Strategy
 
 from fedfm_flower.config import ExperimentConfig
 from fedfm_flower.models import TrainableTensors
-from fedfm_flower.privacy import accountant
-from fedfm_flower.privacy.ledger import ReleaseLedger
 from fedfm_flower.registry import ResolvedMethod, resolve
+from strategies.parts.accounting import accounting_for
 from strategies.parts.context import NO_CONTEXT, RunContext
+from strategies.parts.exchange import (
+    PLAIN_ROUND,
+    Exchange,
+    Exchanged,
+    PlainExchange,
+    RoundInputs,
+)
 from strategies.parts.fused import FusedRound
 from strategies.parts.messages import Payload, per_node_messages
 from strategies.parts.nodes import NodeDirectory
 from strategies.parts.outcome import PhaseOutcome, RoundOutcome, RoundReport
-from strategies.parts.replies import NO_ARRAYS, ClientReply, reply_part, validate
+from strategies.parts.replies import ClientReply, reply_part, validate
 from strategies.parts.sampling import ClientSampler
 
 if TYPE_CHECKING:
-    from fedfm_flower.privacy.secagg import SecureMean
+    from collections.abc import Sequence
+
+    from fedfm_flower.privacy.ledger import ReleaseLedger
 
 log = logging.getLogger(__name__)
 
@@ -80,11 +93,8 @@ class PersonalizedStrategy(Strategy):
         self.current_round = 0  # the round configure_train was last called for
         self._training = FusedRound(RoundReport())  # the training phase in flight
         self._evaluation = RoundReport()  # the evaluation phase in flight
-        # the DP releases so far (privacy.ledger): central counts in aggregate, local here
-        self.releases = ReleaseLedger(config.dp)
-        if config.dp != "none":  # Opacus missing (or a bad target epsilon) fails now
-            accountant.require_opacus()
-            accountant.noise_multiplier(config)
+        self.privacy = accounting_for(config)  # the DP releases so far (dp = none: none)
+        self.exchanger: Exchange = PlainExchange(config.round_timeout)
 
     # ----------------------------------------------------------------- to implement
     def train_payload(self, client_id: int, server_round: int) -> dict[str, torch.Tensor]:
@@ -99,26 +109,12 @@ class PersonalizedStrategy(Strategy):
         """Names, shapes and dtypes a training reply of ``client_id`` must have."""
         raise NotImplementedError
 
-    def secure_round(self, server_round: int) -> bool:
-        """Whether ``server_round``'s training runs under SecAgg+ (``secagg``, federated rounds;
-        a post-training phase aggregates nothing)."""
-        return self.config.secagg and self.phase(server_round) == "train"
-
-    def client_weighting(self) -> str:
-        """How the strategy weighs clients where it averages their replies
-        (``fedfm_flower.aggregation.WEIGHTINGS``)."""
-        return "examples"
-
-    def aggregate_secure(
-        self, server_round: int, replies: list[ClientReply], secure: SecureMean
+    def aggregate(
+        self, server_round: int, replies: list[ClientReply], inputs: RoundInputs = PLAIN_ROUND
     ) -> dict[str, float]:
-        """Update the state from a SecAgg+ round's mean update (``replies`` hold no tensors);
-        returns server metrics. Only strategies that ``secagg_refusal`` admits implement it."""
-        raise NotImplementedError(f"{type(self).__name__} does not take SecAgg+")
-
-    def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, float]:
-        """Update the strategy state from the validated training replies; the server's own
-        numbers of the round (``{}``: none)."""
+        """Update the strategy state from the validated training replies (``inputs``: how
+        many clients were sampled, and how the replies travelled); the server's own numbers of
+        the round (``{}``: none)."""
         raise NotImplementedError
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
@@ -191,36 +187,32 @@ class PersonalizedStrategy(Strategy):
             alone, evaluate_round, MessageType.EVALUATE, self.evaluate_payload, ConfigRecord()
         )
 
+    def exchange(self, grid: Grid, messages: Sequence[Message], server_round: int) -> Exchanged:
+        """Send ``configure_round(server_round, ...)``'s messages and collect the replies, by
+        the exchange chosen at build (plain, or SecAgg+ for a federated round's training)."""
+        return self.exchanger.exchange(grid, messages, self.phase(server_round))
+
     def aggregate_round(
         self,
         server_round: int,
         evaluate_round: int | None,
-        replies: Iterable[Message],
-        secure: SecureMean | None = None,
+        replies: Exchanged | Iterable[Message],
     ) -> RoundOutcome:
         """Validate and aggregate the replies to ``configure_round(server_round,
-        evaluate_round)``'s messages: the training outcome, ``evaluate_round``'s evaluation
-        (None when it is None) and the server metrics of the aggregation. ``secure``: the
-        round's SecAgg+ mean update, whose training replies hold no tensors."""
+        evaluate_round)``'s messages (``exchange``'s result, or bare replies of a plain
+        exchange): the training outcome, ``evaluate_round``'s evaluation (None when it is None)
+        and the server metrics of the aggregation (with the round's release metrics)."""
+        exchanged = Exchanged.of(replies)
         flight, client_of = self._training, self.nodes.node_to_client
-        training, evaluation = flight.sort(replies, client_of)
-        under_secagg = self.secure_round(server_round)
-        valid = validate(training, flight.train, client_of, NO_ARRAYS if under_secagg else self)
+        training, evaluation = flight.sort(exchanged.replies, client_of)
+        valid = validate(training, flight.train, client_of, exchanged.reply_spec(self))
         server_metrics: dict[str, float] = {}
-        if under_secagg and valid:
-            if secure is None:
-                log.warning("round %s: SecAgg+ gave no aggregate; state unchanged", server_round)
-            else:
-                server_metrics = self.aggregate_secure(server_round, valid, secure)
-        elif valid:
-            server_metrics = self.aggregate(server_round, valid)
+        if valid:
+            inputs = exchanged.inputs(len(flight.train.sent))
+            server_metrics = self.aggregate(server_round, valid, inputs)
+            server_metrics = {**server_metrics, **self.privacy.round_metrics()}
         else:
             log.warning("round %s: no valid training reply; state unchanged", server_round)
-        if valid and self.config.dp == "local":
-            config = self.config
-            std = accountant.noise_multiplier(config) * config.dp_clipping_norm
-            release = accountant.release_metrics(config, self.releases.count, std)
-            server_metrics = {**server_metrics, **release}
         train = PhaseOutcome.of(flight.train)
         if evaluate_round is None or flight.evaluation is None:
             return RoundOutcome(train, None, server_metrics)
@@ -242,8 +234,7 @@ class PersonalizedStrategy(Strategy):
         self.learn_node_mapping(grid, server_round)
         chosen = self.train_clients(server_round)
         self._training = FusedRound(RoundReport(sent=chosen))
-        if self.config.dp == "local" and self.phase(server_round) == "train":
-            self.releases.record(server_round)  # each sampled client may release once
+        self.privacy.dispatched(server_round, self.phase(server_round))  # local DP's release
         return self._messages(chosen, server_round, MessageType.TRAIN, self.train_payload, config)
 
     def aggregate_train(
@@ -274,12 +265,17 @@ class PersonalizedStrategy(Strategy):
         log.info("%s on %d clients", type(self).__name__, len(self.clients()))
 
     # ----------------------------------------------------------------- state
+    @property
+    def releases(self) -> ReleaseLedger | None:
+        """The ledger of the DP releases so far (None without DP), which the runner keeps on
+        disk before anything that may carry a release goes out."""
+        return self.privacy.ledger
+
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """(tensors, JSON metadata) of the full strategy state; under DP the metadata holds the
         release ledger (and so the noise source)."""
         meta: dict[str, Any] = {"strategy": type(self).__name__, "method": self.config.method}
-        if self.config.dp != "none":
-            meta["privacy"] = self.releases.to_json()
+        meta.update(self.privacy.state_meta())
         return self.state_tensors(), meta
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
@@ -292,10 +288,7 @@ class PersonalizedStrategy(Strategy):
             found, expected = meta.get("strategy"), type(self).__name__
         if found != expected:
             raise ValueError(f"checkpoint holds a {found} state, not {expected}")
-        if self.config.dp != "none":
-            self.releases = ReleaseLedger.from_json(
-                meta.get("privacy"), self.config.dp, "checkpoint"
-            )
+        self.privacy.load_state_meta(meta)
         self.load_state_tensors(tensors)
 
     def _messages(

@@ -5,47 +5,32 @@ models; for a model whose components serve only some holdings (TAP's modality-ta
 ``TunedModel.group_users``), those of its holdings, so a component is averaged over the clients
 that own it (TAP's component-wise FedAvg, eq. 1).
 
-The global tensors are averaged in float64 and cast back, so the result does not depend on the
-order replies arrive in. What is shared and what stays on the clients is the method's split
-(``MethodSpec.split`` in ``fedfm_flower/methods/<method>.py``, resolved once per run:
-``self.method``, a ``fedfm_flower.registry.ResolvedMethod``, as the clients read it); subclasses
-choose how clients are weighted (``weighting``: example counts, or equal as FedDPA's eq. 2) and
-add phases.
+What is shared and what stays on the clients is the method's split (``MethodSpec.split`` in
+``fedfm_flower/methods/<method>.py``, resolved once per run: ``self.method``, a
+``fedfm_flower.registry.ResolvedMethod``, as the clients read it); subclasses choose how clients
+are weighted (``weighting``: example counts, or equal as FedDPA's eq. 2) and add phases.
 
-With ``dp = "central"`` (``fedfm_flower.privacy``) the average is DP-FedAvg's instead: the
-updates (reply - global) clipped to ``dp-clipping-norm`` (again here, so the bound does not rest
-on the clients), summed with equal weights, divided by the number of clients sampled for the
-round and noised with N(0, (sigma C / m)^2) per coordinate, fresh noise no one can regenerate
-(``privacy.noise``); each such round is a release, counted in the strategy's ledger
-(``privacy.ledger``), and the privacy spent so far is in the round's server metrics
-(``dp-epsilon`` at ``dp-delta``).
-
-With ``secagg = true`` (``fedfm_flower.privacy.secagg``) the replies hold no tensors: the round's
-SecAgg+ protocol gives the weighted mean of the clients' updates, which is added to the global
-tensors (``aggregate_secure``), the same as averaging the trained tensors up to quantization.
+How the global tensors follow from a round's replies is a part chosen at build from the run
+config (``strategies.parts.averaging``): the weighted average in float64 (the result does not
+depend on the order replies arrive in), DP-FedAvg's noised average of clipped updates under
+``dp = "central"``, or the SecAgg+ mean update under ``secagg = true``, whose exchange the
+strategy composes with it (``strategies.parts.exchange``).
 """
 
 from __future__ import annotations
 
-import logging
-import statistics
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 
-from fedfm_flower.aggregation import average_over_owners, client_weights
 from fedfm_flower.config import ExperimentConfig
 from fedfm_flower.models import TrainableTensors
-from fedfm_flower.privacy import accountant, mechanism
 from fedfm_flower.records import tensor_spec
 from strategies.base import PersonalizedStrategy
+from strategies.parts.averaging import averaging_parts
 from strategies.parts.context import NO_CONTEXT, RunContext
+from strategies.parts.exchange import PLAIN_ROUND, RoundInputs
 from strategies.parts.replies import ClientReply
-
-if TYPE_CHECKING:
-    from fedfm_flower.privacy.secagg import SecureMean
-
-log = logging.getLogger(__name__)
 
 
 class FedAvgStrategy(PersonalizedStrategy):
@@ -61,6 +46,9 @@ class FedAvgStrategy(PersonalizedStrategy):
         self.global_tensors = {n: initial.tensors[n].clone() for n in shared}
         # Which tensors serve which holdings (TAP's components); the values are not kept.
         self.layout = TrainableTensors({}, initial.groups, initial.users)
+        # How the global tensors follow from the replies, and how the replies travel (chosen
+        # from the run config: weighted average, DP-FedAvg, or SecAgg+'s mean and exchange).
+        self.exchanger, self.update = averaging_parts(config, self.privacy, self.client_weighting())
 
     def owned(self, client_id: int) -> dict[str, torch.Tensor]:
         """The global tensors of the components ``client_id`` owns (all, for most models)."""
@@ -84,72 +72,16 @@ class FedAvgStrategy(PersonalizedStrategy):
         """Replies carry the client's shared tensors, shaped like the global ones."""
         return tensor_spec(self.owned(client_id))
 
-    def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, float]:
-        """Average of the replies per tensor over its senders (eq. 1 of pFedSeq, FedAvg); the
-        median norm of the clients' updates of the shared tensors (not under DP: a statistic of
-        unnoised updates)."""
-        if not self.global_tensors:
-            return {}
-        if self.config.dp == "central":
-            return self.aggregate_privately(server_round, replies)
-        weights = client_weights([r.num_examples for r in replies], self.client_weighting())
-        norms = [mechanism.update_norm(r.arrays, self.global_tensors) for r in replies]
-        averaged = average_over_owners([r.arrays for r in replies], weights)
-        self.global_tensors = {**self.global_tensors, **averaged}
-        # the size of the clients' updates: what a dp-clipping-norm is chosen against
-        return {"update-norm-median": statistics.median(norms)}
-
-    def aggregate_secure(
-        self, server_round: int, replies: list[ClientReply], secure: SecureMean
+    def aggregate(
+        self, server_round: int, replies: list[ClientReply], inputs: RoundInputs = PLAIN_ROUND
     ) -> dict[str, float]:
-        """global + the SecAgg+ weighted mean update; kept only when the sum holds exactly the
-        validated replies' clients (a rejected reply's update cannot be taken out of it)."""
-        accepted = {r.node_id for r in replies}
-        if set(secure.nodes) != accepted:
-            log.warning(
-                "round %s: SecAgg+ summed nodes %s but the valid replies came from %s; the sum "
-                "is discarded, state unchanged",
-                server_round,
-                sorted(secure.nodes),
-                sorted(accepted),
-            )
-            return {"secagg-clients": 0.0}
-        if set(secure.update) != set(self.global_tensors):
-            raise ValueError("SecAgg+ aggregate does not hold the global tensors")
-        self.global_tensors = {
-            n: (t.to(torch.float64) + secure.update[n]).to(t.dtype)
-            for n, t in self.global_tensors.items()
-        }
-        # sum of w / secagg-max-weight: with a mean far below 1 the step is coarse (docs/privacy.md)
-        return {"secagg-clients": float(len(accepted)), "secagg-weight": secure.total_weight}
-
-    def aggregate_privately(
-        self, server_round: int, replies: list[ClientReply]
-    ) -> dict[str, float]:
-        """DP-FedAvg: global + (sum of clipped updates) / m + N(0, (sigma C / m)^2); the
-        round's noise and the privacy spent after it."""
-        config = self.config
-        sampled = max(len(self._training.train.sent), len(replies))
-        totals = {
-            n: torch.zeros(t.shape, dtype=torch.float64) for n, t in self.global_tensors.items()
-        }
-        for reply in replies:  # validated: only global tensors' names (reply_spec)
-            clipped = mechanism.clip_update(
-                reply.arrays, self.global_tensors, config.dp_clipping_norm
-            )
-            for name, tensor in clipped.items():
-                totals[name] += tensor.double() - self.global_tensors[name].double()
-        sigma = accountant.noise_multiplier(config)
-        std = mechanism.noise_std(sigma, config.dp_clipping_norm, sampled)
-        noised = mechanism.add_gaussian_noise(
-            {n: total / sampled for n, total in totals.items()}, std
+        """The global tensors updated from the replies by the part chosen at build
+        (``self.update``: the weighted average per tensor over its senders, eq. 1 of pFedSeq,
+        FedAvg; DP-FedAvg's; or the SecAgg+ mean update); its server metrics."""
+        self.global_tensors, metrics = self.update.apply(
+            server_round, self.global_tensors, replies, inputs
         )
-        self.global_tensors = {
-            n: (self.global_tensors[n].to(torch.float64) + step).to(self.global_tensors[n].dtype)
-            for n, step in noised.items()
-        }
-        self.releases.record(server_round)
-        return accountant.release_metrics(config, self.releases.count, std)
+        return metrics
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """The global shared tensors."""

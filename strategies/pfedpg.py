@@ -16,6 +16,7 @@ from fedfm_flower.models import TrainableTensors, pick_device
 from fedfm_flower.records import tensor_spec
 from strategies.client_slots import ClientSlotStrategy, brief
 from strategies.parts.context import NO_CONTEXT, RunContext
+from strategies.parts.exchange import PLAIN_ROUND, RoundInputs
 from strategies.parts.replies import ClientReply
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,9 @@ class PFedPGStrategy(ClientSlotStrategy):
         """A reply is the prompt change, shaped like the prompts."""
         return tensor_spec({self.prompt_name: torch.zeros(self.prompt_shape)})
 
-    def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, float]:
+    def aggregate(
+        self, server_round: int, replies: list[ClientReply], inputs: RoundInputs = PLAIN_ROUND
+    ) -> dict[str, float]:
         """One generator step (eqs. 4, 5) from the reporting clients' prompt changes; its
         statistics."""
         server = self.require_server()

@@ -16,6 +16,7 @@ from fedfm_flower.models import TrainableTensors, pick_device
 from fedfm_flower.records import tensor_spec
 from strategies.client_slots import ClientSlotStrategy, brief
 from strategies.parts.context import NO_CONTEXT, RunContext
+from strategies.parts.exchange import PLAIN_ROUND, RoundInputs
 from strategies.parts.replies import ClientReply
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,9 @@ class PFedSeqStrategy(ClientSlotStrategy):
         """A reply is the adapter update, shaped like the adapter."""
         return tensor_spec(self.initial_adapter)
 
-    def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, float]:
+    def aggregate(
+        self, server_round: int, replies: list[ClientReply], inputs: RoundInputs = PLAIN_ROUND
+    ) -> dict[str, float]:
         """One pFedSeq server step (eqs. 1, 5, 6, 3) from the reporting clients' updates; its
         statistics."""
         server = self.require_server()

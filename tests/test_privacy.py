@@ -14,6 +14,7 @@ import pytest
 import torch
 from flwr.app import Message, RecordDict
 from run_configs import method_base
+from tiny_strategy import TINY, TINY_SPLITS, play, tiny_strategy
 
 from fedfm_flower import protocol as P
 from fedfm_flower.config import ExperimentConfig
@@ -550,49 +551,6 @@ def test_a_target_epsilon_sets_the_noise_multiplier_that_spends_it_over_the_roun
         config.replace(dp_target_epsilon=-1.0).validate()
 
 
-TINY = {"adapter.a": (4, 3), "head.w": (2,)}
-
-
-def tiny_strategy(config: ExperimentConfig):  # noqa: ANN201
-    """A FedAvg-family strategy over a tiny adapter and head, and a grid of 3 identity nodes."""
-    from fedfm_flower.halves import strategy_class
-    from fedfm_flower.models import TrainableTensors
-    from server_apps.inprocess import InProcessGrid, identity_app
-
-    initial = TrainableTensors(
-        {n: torch.zeros(shape) for n, shape in TINY.items()},
-        {"adapter.a": "adapter", "head.w": "head"},
-    )
-    grid = InProcessGrid(
-        identity_app(), config.to_run_config(), [{"client-id": i} for i in range(3)]
-    )
-    return strategy_class(config.method)(config, initial), grid
-
-
-def play(strategy, grid, rounds) -> dict:  # noqa: ANN001
-    """Rounds where client c sends what it got plus (c + t) everywhere; the last round's
-    server metrics."""
-    from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
-
-    metrics = {}
-    for t in rounds:
-        messages = list(strategy.configure_train(t, ArrayRecord(), ConfigRecord(), grid))
-        replies = []
-        for m in messages:
-            client = int(m.content[P.CONFIG][P.CLIENT_ID])
-            got = from_array_record(m.content[P.ARRAYS])
-            sent = {n: a + (client + t) for n, a in got.items()}
-            content = RecordDict(
-                {
-                    P.ARRAYS: to_array_record(sent),
-                    P.METRICS: MetricRecord({P.CLIENT_ID: client, P.NUM_EXAMPLES: 5}),
-                }
-            )
-            replies.append(Message(content, reply_to=m))
-        metrics = strategy.aggregate_round(t, None, replies).server_metrics
-    return metrics
-
-
 def test_a_resumed_central_dp_strategy_counts_on_with_fresh_noise() -> None:
     """Three rounds straight, and two rounds, a checkpoint, a fresh strategy restored from it
     and the third round: the same count and epsilon, other noise (it is fresh); the checkpoint
@@ -690,3 +648,152 @@ def test_resuming_a_dp_run_without_a_fresh_noise_ledger_is_refused_before_start(
     (run.path / "privacy.json").write_text('{"mode": "central", "noise": "os-entropy", "rel')
     with pytest.raises(PreflightError, match="unusable privacy ledger"):
         check_run(config, 4)
+
+
+# ---------------------------------------------------------------- the privacy parts
+@pytest.mark.parametrize(
+    ("settings", "accounting", "exchange", "update"),
+    [
+        ({}, "ReleaseAccounting", "PlainExchange", "WeightedAverage"),
+        ({"dp": "central"}, "CentralReleases", "PlainExchange", "DPFedAvg"),
+        ({"dp": "local"}, "LocalReleases", "PlainExchange", "WeightedAverage"),
+        ({"secagg": True}, "ReleaseAccounting", "SecAggExchange", "SecureMeanUpdate"),
+        ({"secagg": True, "dp": "local"}, "LocalReleases", "SecAggExchange", "SecureMeanUpdate"),
+    ],
+)
+def test_fedavg_is_composed_of_the_privacy_parts_its_run_config_asks_for(
+    settings: dict, accounting: str, exchange: str, update: str
+) -> None:
+    """The release accounting (base), the exchange and FedAvg's update are chosen at build;
+    without DP nothing is checkpointed of the releases and the runner keeps no ledger."""
+    config = ExperimentConfig.from_run_config({"method": "fedavg", "num-clients": 3, **settings})
+    strategy, _ = tiny_strategy(config)
+    parts = (strategy.privacy, strategy.exchanger, strategy.update)
+    assert [type(part).__name__ for part in parts] == [accounting, exchange, update]
+    assert (strategy.releases is None) == ("dp" not in settings)
+    assert ("privacy" in strategy.state_dict()[1]) == ("dp" in settings)
+
+
+@pytest.mark.parametrize(
+    ("method", "mechanism"),
+    [
+        (name, mechanism)
+        for name, spec in METHODS.items()
+        for mechanism in ("central-dp", "local-dp")
+        if spec.capabilities.refusal(mechanism) is None
+    ],
+)
+def test_every_method_that_takes_dp_is_composed_of_its_part(method: str, mechanism: str) -> None:
+    """Derived from ``MethodSpec.capabilities``: a method that takes central DP runs
+    DP-FedAvg's update (on FedAvg's strategy), one that takes local DP counts local releases
+    (the base's part, whatever the strategy; SecAgg+: ``tests/test_secagg.py``)."""
+    from fedfm_flower.halves import strategy_class
+    from strategies.fedavg import FedAvgStrategy
+    from strategies.parts.accounting import LocalReleases, accounting_for
+    from strategies.parts.averaging import DPFedAvg
+
+    mode = "central" if mechanism == "central-dp" else "local"
+    fit = TINY_SPLITS.get(method, {})
+    config = ExperimentConfig.from_run_config({**method_base(method), "dp": mode, **fit})
+    if not issubclass(strategy_class(method), FedAvgStrategy):  # pFedSeq, pFedPG
+        assert mode == "local" and isinstance(accounting_for(config), LocalReleases), method
+        return
+    strategy, _ = tiny_strategy(config.replace(num_clients=3))
+    if mode == "central":
+        assert isinstance(strategy.update, DPFedAvg), (method, strategy.update)
+    else:
+        assert isinstance(strategy.privacy, LocalReleases), (method, strategy.privacy)
+
+
+def _attributes_and_imports(path: Path) -> tuple[set[str], set[str]]:
+    """The attribute names a module reads and the modules (and names) it imports."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    attributes = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+    imports: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imports |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            imports |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return attributes, imports
+
+
+def test_the_round_loop_and_the_base_name_no_dp_mode_and_no_secagg() -> None:
+    """The runner calls configure_round, exchange and aggregate_round whatever the privacy
+    parts are: it neither imports SecAgg+ nor reads the dp or secagg settings; the strategy
+    base reads neither (its parts were chosen at build)."""
+    root = Path(__file__).resolve().parent.parent
+    for module in ("server_apps/runner.py", "strategies/base.py"):
+        attributes, imports = _attributes_and_imports(root / module)
+        assert not {"dp", "secagg", "secure_exchange", "secure_round"} & attributes, module
+        assert not [name for name in imports if "secagg" in name], module
+    attributes, _ = _attributes_and_imports(root / "server_apps/runner.py")
+    assert {"configure_round", "exchange", "aggregate_round"} <= attributes
+
+
+def test_the_dp_fedavg_part_equals_a_hand_computation_with_known_noise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Three replies, five clients sampled: global + (sum of the updates clipped to C) / 5 +
+    the drawn noise, whose std is sigma C / 5; the release is counted and its metrics are
+    the accountant's."""
+    from strategies.parts.accounting import CentralReleases
+    from strategies.parts.averaging import DPFedAvg
+    from strategies.parts.exchange import RoundInputs
+    from strategies.parts.replies import ClientReply
+
+    config = ExperimentConfig(method="fedavg", dp="central", dp_clipping_norm=0.5, seed=3)
+    stds: list[float] = []
+
+    def known(shapes: dict, std: float) -> dict[str, torch.Tensor]:
+        stds.append(std)
+        return {n: torch.full(shapes[n], 0.01, dtype=torch.float64) for n in sorted(shapes)}
+
+    monkeypatch.setattr(noise, "fresh_gaussian", known)
+    g = torch.Generator().manual_seed(11)
+    tensors = {"a": torch.randn(4, 3, generator=g), "b": torch.randn(2, generator=g)}
+    scales = (0.05, 1.0, 3.0)  # the first update is within C, the others are clipped
+    sent = [
+        {n: t + scale * torch.randn(t.shape, generator=g) for n, t in tensors.items()}
+        for scale in scales
+    ]
+    replies = [ClientReply(c, 100 + c, arrays, 10, {}) for c, arrays in enumerate(sent)]
+    releases = CentralReleases(config)
+    updated, metrics = DPFedAvg(config, releases).apply(7, tensors, replies, RoundInputs(5))
+
+    expected = {n: t.double().clone() for n, t in tensors.items()}
+    for arrays in sent:
+        deltas = {n: arrays[n].double() - tensors[n].double() for n in tensors}
+        norm = math.sqrt(sum(float((d**2).sum()) for d in deltas.values()))
+        for n, d in deltas.items():
+            expected[n] += d * min(1.0, 0.5 / norm) / 5
+    sigma = accountant.noise_multiplier(config)
+    assert stds == [pytest.approx(sigma * 0.5 / 5)]
+    for n, t in tensors.items():
+        assert updated[n].dtype == t.dtype
+        assert torch.allclose(updated[n].double(), expected[n] + 0.01, atol=1e-6), n
+    assert releases.ledger.rounds == [7]
+    assert metrics == accountant.release_metrics(config, 1, stds[0])
+
+
+def test_local_dp_counts_one_release_per_dispatched_round_across_a_resume() -> None:
+    """Local DP counts a release when a round's training messages are built: three rounds
+    straight, and two rounds, a checkpoint, a restored strategy and the third, both count
+    [1, 2, 3] and report the same epsilon; each round's metrics carry the count so far."""
+    config = ExperimentConfig(method="fedavg", num_clients=3, dp="local", dp_clipping_norm=0.5)
+    straight, grid = tiny_strategy(config)
+    last = play(straight, grid, [1, 2, 3])
+    first, grid = tiny_strategy(config)
+    assert play(first, grid, [1])["dp-releases"] == 1.0
+    play(first, grid, [2])
+    tensors, meta = first.state_dict()
+    assert meta["privacy"] == {"mode": "local", "noise": "os-entropy", "releases": [1, 2]}
+    resumed, grid = tiny_strategy(config)
+    resumed.load_state_dict(tensors, meta)
+    again = play(resumed, grid, [3])
+    assert resumed.releases is not None and resumed.releases.rounds == [1, 2, 3]
+    assert again == last and last["dp-releases"] == 3.0
+    assert last["dp-epsilon"] == accountant.epsilon_of(config, 3)
+    assert last["dp-noise-std"] == accountant.noise_multiplier(config) * 0.5

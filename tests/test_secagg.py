@@ -12,6 +12,7 @@ import pytest
 import torch
 from flwr.app import ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 from run_configs import method_base
+from tiny_strategy import TINY_SPLITS, tiny_strategy
 
 from client_apps.secagg import secagg_mod
 from fedfm_flower import protocol as P
@@ -205,15 +206,18 @@ def test_a_method_that_cannot_take_secagg_is_refused_at_start_with_its_reason(
 
 
 @pytest.mark.parametrize("method", SECAGG_TAKEN)
-def test_a_method_that_declares_secagg_takes_it_on_a_strategy_with_the_secure_sum(
-    method: str,
-) -> None:
-    from fedfm_flower.halves import strategy_class
-    from strategies.base import PersonalizedStrategy
+def test_a_method_that_declares_secagg_is_composed_of_the_secagg_parts(method: str) -> None:
+    """Its strategy, built for a ``secagg = true`` run, exchanges its training under SecAgg+
+    and updates from the unmasked mean (FedAvg's parts; no other strategy has them)."""
+    from strategies.parts.averaging import SecureMeanUpdate
+    from strategies.parts.exchange import SecAggExchange
 
-    strategy = strategy_class(method)
-    assert strategy.aggregate_secure is not PersonalizedStrategy.aggregate_secure, strategy
-    assert ExperimentConfig.from_run_config({**method_base(method), "secagg": True}).secagg
+    fit = TINY_SPLITS.get(method, {})
+    config = ExperimentConfig.from_run_config({**method_base(method), "secagg": True, **fit})
+    assert config.secagg
+    strategy, _ = tiny_strategy(config.replace(num_clients=3))
+    assert isinstance(strategy.exchanger, SecAggExchange), strategy.exchanger
+    assert isinstance(strategy.update, SecureMeanUpdate), strategy.update
     assert {"pfedseq", "tap"} <= set(SECAGG_REFUSED) and "fedavg" in SECAGG_TAKEN
 
 
@@ -374,3 +378,67 @@ def test_a_round_without_training_messages_sends_the_others_plainly() -> None:
     outcome = secure_exchange(grid, [evaluation], SETTINGS, None, "examples")
     assert outcome.mean is None and outcome.bytes_up == outcome.bytes_down == 0
     assert [m.metadata.message_type for m in grid.sent] == [MessageType.EVALUATE]
+
+
+# ---------------------------------------------------------------- the strategy's SecAgg+ parts
+def test_the_secagg_exchange_runs_the_protocol_in_federated_rounds_only() -> None:
+    """A training round's replies come with the unmasked mean and the protocol's traffic,
+    under the names the round record keeps; a post-training round travels plainly, with no
+    traffic of its own; replies under SecAgg+ must hold no tensors."""
+    from strategies.parts.exchange import SecAggExchange
+    from strategies.parts.replies import NO_ARRAYS
+
+    inner = FixedUpdates()
+    grid = InProcessGrid(with_mod(inner), {}, [{"partition-id": c} for c in range(3)])
+    exchange = SecAggExchange(SETTINGS, None, "examples")
+    secured = exchange.exchange(grid, training_messages(3), "train")
+    assert secured.under_secagg and secured.secure_mean is not None
+    assert secured.secure_mean.nodes == frozenset({1001, 1002, 1003})
+    assert set(secured.traffic) == {"bytes-down-secagg", "bytes-up-secagg"}
+    assert all(v > 0 for v in secured.traffic.values())
+    assert secured.reply_spec(SimpleNamespace()) is NO_ARRAYS
+    sent = len(grid.sent)
+    plain = exchange.exchange(grid, training_messages(3)[:1], "post-training")
+    assert not plain.under_secagg and plain.secure_mean is None and plain.traffic == {}
+    assert len(grid.sent) == sent + 1  # the message itself, no protocol stage
+    strategy = SimpleNamespace()
+    assert plain.reply_spec(strategy) is strategy
+
+
+def test_the_secure_mean_update_adds_the_mean_of_exactly_the_accepted_replies(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """global + the unmasked mean when the sum holds exactly the validated replies' nodes;
+    a sum over other nodes (a summed client's reply was rejected) is discarded with a warning
+    and ``secagg-clients`` 0; no mean leaves the state unchanged; a round that did not travel
+    under SecAgg+ is averaged plainly."""
+    from strategies.parts.averaging import SecureMeanUpdate, WeightedAverage
+    from strategies.parts.exchange import RoundInputs
+    from strategies.parts.replies import ClientReply
+
+    tensors = received_tensors()
+    replies = [ClientReply(c, 1001 + c, {}, 10, {}) for c in range(3)]  # no tensors travel
+    step = {n: torch.full(t.shape, 0.25, dtype=torch.float64) for n, t in tensors.items()}
+    mean = SecureMean(step, frozenset({1001, 1002, 1003}), 0.6)
+    part = SecureMeanUpdate(WeightedAverage("examples"))
+    updated, metrics = part.apply(2, tensors, replies, RoundInputs(3, True, mean))
+    assert metrics == {"secagg-clients": 3.0, "secagg-weight": 0.6}
+    for name, tensor in tensors.items():
+        expected = (tensor.double() + 0.25).to(tensor.dtype)
+        assert updated[name].dtype == tensor.dtype and torch.equal(updated[name], expected)
+
+    with caplog.at_level("WARNING"):
+        kept, metrics = part.apply(2, tensors, replies[:2], RoundInputs(3, True, mean))
+        assert kept is tensors and metrics == {"secagg-clients": 0.0}
+        assert "summed nodes [1001, 1002, 1003] but the valid replies came from [1001, 1002]" in (
+            caplog.text
+        )
+        kept, metrics = part.apply(2, tensors, replies, RoundInputs(3, True, None))
+        assert kept is tensors and metrics == {} and "gave no aggregate" in caplog.text
+
+    plain = [
+        ClientReply(c, 1001 + c, {n: t + c for n, t in tensors.items()}, 10, {}) for c in (0, 2)
+    ]
+    averaged, metrics = part.apply(2, tensors, plain, RoundInputs(2))
+    assert torch.allclose(averaged["adapter.a"], tensors["adapter.a"] + 1.0)
+    assert set(metrics) == {"update-norm-median"}

@@ -31,7 +31,9 @@ Modules: ``support`` (which methods can take which mode, and why not; light, rea
 ``mechanism`` (clipping and noising), ``noise`` (draws no one can regenerate), ``accountant``
 (epsilon per neighbouring relation), ``ledger`` (the releases, written ahead of each),
 ``secagg`` (SecAgg+'s server side). Flower's DP strategy wrapper and client mod are not used
-as they are: our strategies aggregate per tensor over owners and keep their state keyed by
-client id, and the noise must be added where ``FedAvgStrategy`` averages
-(``strategies.fedavg``); the client clips in ``client_apps.app`` before the reply is built.
+as they are (our strategies aggregate per tensor over owners and keep their state keyed by
+client id), but the composition is Flower's: the strategy is built of parts chosen from the run
+config (``strategies.parts``: the exchange, plain or SecAgg+; FedAvg's update, the weighted
+average, DP-FedAvg or the SecAgg+ mean; the release accounting, none, local or central), and
+the client clips (and, under local DP, noises) in ``client_apps.app`` before the reply is built.
 """

@@ -24,7 +24,7 @@ then an upper bound for every client, sampled or not. The releases are counted b
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from fedfm_flower.config import ExperimentConfig
@@ -98,6 +98,30 @@ def release_metrics(config: ExperimentConfig, releases: int, std: float) -> dict
         "dp-releases": float(releases),
         "dp-epsilon": epsilon_of(config, releases),
         "dp-sensitivity": sensitivity(config.dp) * config.dp_clipping_norm,
+    }
+
+
+def privacy_spent(config: ExperimentConfig, rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """A run summary's privacy entries: under central or local DP the settings and the epsilon
+    spent by the last noised round of ``rounds`` (the run's records), at ``dp-delta``; none
+    without DP."""
+    if config.dp == "none":
+        return {}
+    from fedfm_flower.privacy.noise import NOISE_SOURCE
+
+    released = [r["server"] for r in rounds if "dp-epsilon" in r.get("server", {})]
+    last = released[-1] if released else {}
+    return {
+        "dp": config.dp,
+        "dp-delta": config.dp_delta,
+        "dp-noise-multiplier": noise_multiplier(config),
+        "dp-target-epsilon": config.dp_target_epsilon,
+        "dp-clipping-norm": config.dp_clipping_norm,
+        "dp-sensitivity": sensitivity(config.dp) * config.dp_clipping_norm,
+        "dp-neighbouring": NEIGHBOURING[config.dp],
+        "dp-noise": NOISE_SOURCE,
+        "dp-releases": int(last.get("dp-releases", 0)),
+        "dp-epsilon": last.get("dp-epsilon", 0.0),
     }
 
 

@@ -2,16 +2,18 @@
 
 A *release* is one use of the Gaussian mechanism whose output may reach another party:
 
-* central DP: a round's noised average (``FedAvgStrategy.aggregate_privately``); it leaves in
+* central DP: a round's noised average (``strategies.parts.averaging.DPFedAvg``); it leaves in
   the round's evaluation messages or the next round's training messages;
-* local DP: a round's training dispatch (``PersonalizedStrategy.configure_train``); each
-  sampled client answers with at most one noised update, so the count bounds every client's.
+* local DP: a round's training dispatch (``strategies.parts.accounting.LocalReleases``, when
+  ``configure_train`` builds the messages); each sampled client answers with at most one
+  noised update, so the count bounds every client's.
 
 The noise is fresh per release (``privacy.noise``), so a round redone after a crash is a new
-release, not a replay of the old one, and counts again. The strategy records releases in its
-``ReleaseLedger`` (checkpointed in its state's metadata, with the noise source); the runner
-writes the ledger to ``privacy.json`` in the run directory (``LedgerFile``, atomic) after
-building a round's messages and after aggregating, before anything goes out. A crash between a
+release, not a replay of the old one, and counts again. The strategy's release accounting
+(``strategies.parts.accounting``) records releases in its ``ReleaseLedger`` (checkpointed in
+its state's metadata, with the noise source); the runner writes the ledger to ``privacy.json``
+in the run directory (``LedgerFile``, atomic) after building a round's messages and after
+aggregating, before anything goes out. A crash between a
 release and the round's checkpoint therefore loses no count: a resumed run takes the ledger on
 disk, which holds the checkpoint's releases and those made after it.
 """

@@ -26,7 +26,9 @@ quantization error, not bit for bit; each client counts the values it had to cli
 
 Only methods whose server needs the plain average of the same shared tensors from every client
 take it (``secagg_refusal``); the evaluation messages of a fused round travel beside step 3
-unchanged.
+unchanged. A strategy runs it through its exchange part (``strategies.parts.exchange``,
+``SecAggExchange``) and adds the mean with its update part (``strategies.parts.averaging``,
+``SecureMeanUpdate``).
 """
 
 from __future__ import annotations
