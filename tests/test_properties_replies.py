@@ -53,6 +53,7 @@ from fedfm_flower.records import encode_array
 from fedfm_flower.registry import METHODS
 from server_apps.inprocess import InProcessGrid, identity_app
 from strategies.parts.context import RunContext
+from strategies.parts.exchange import Exchanged
 from strategies.parts.nodes import NodeDirectory
 from strategies.parts.replies import UNDELIVERED_CODES
 from tests.properties import examples
@@ -429,10 +430,16 @@ def faulty(
     return rejected(message(reply_to, arrays, metrics), "nan or inf")
 
 
+def under_secagg(strategy: Any) -> bool:
+    """Whether the round's training travels under SecAgg+ (a federated round of a run with
+    ``secagg``): its replies then hold no tensors."""
+    return bool(strategy.config.secagg) and strategy.phase(strategy.current_round) == "train"
+
+
 def reply_spec(strategy: Any, client_id: int) -> dict[str, tuple[tuple[int, ...], str]]:
     """What ``client_id``'s training reply must hold: nothing under SecAgg+ (the update
     travels masked), else the strategy's spec."""
-    return {} if strategy.secure_round(strategy.current_round) else strategy.reply_spec(client_id)
+    return {} if under_secagg(strategy) else strategy.reply_spec(client_id)
 
 
 def round_replies(
@@ -511,7 +518,10 @@ def check_training_round(method: str, data: st.DataObject) -> None:
     planned = round_replies(data.draw, strategy, messages, c.nodes)
     before = state_digest(strategy)
     try:
-        outcome = strategy.aggregate_round(1, None, [p.reply for p in planned])
+        replies = [p.reply for p in planned]
+        # under SecAgg+ as the exchange hands them over: no tensors, and here no mean
+        exchanged = Exchanged(replies, under_secagg=True) if under_secagg(strategy) else replies
+        outcome = strategy.aggregate_round(1, None, exchanged)
         check_report(outcome.train.report, planned)
         if not any(p.outcome == "accepted" for p in planned):
             assert state_digest(strategy) == before
