@@ -95,7 +95,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from fedfm_flower.deploy.known_flower import flower_version, is_known, known_versions
@@ -284,22 +284,32 @@ def _retrying_server_errors(make: Any, retries: int) -> Any:
     return make_invoker
 
 
-def retry_server_errors(retries: int = SERVER_ERROR_RETRIES) -> bool:
-    """Let the node's Fleet requests retry a SuperLink's 500 (module doc); False, changing
-    nothing, on a Flower whose Fleet connection this was not written against."""
+def _wrap_fleet_factory(name: str, wrap: Callable[[Any], Any], lacking: str) -> bool:
+    """Replace factory ``name`` of the node's Fleet connection by ``wrap`` of Flower's own
+    (never of an earlier wrapper); False, saying ``lacking`` on stderr, on a Flower whose
+    Fleet connection this was not written against."""
     version = flower_version()
     fleet = importlib.import_module(FLEET_MODULE)
-    make = getattr(fleet, RETRY_FACTORY, None)
+    make = getattr(fleet, name, None)
     if not is_known(version) or make is None:
         print(
             f"fedfm_flower.deploy.supernode: Flower {version}'s Fleet connection is not one "
-            "this knows; a SuperLink's 500 is not retried",
+            f"this knows; {lacking}",
             file=sys.stderr,
         )
         return False
-    make = getattr(make, "__wrapped__", make)
-    setattr(fleet, RETRY_FACTORY, _retrying_server_errors(make, retries))
+    setattr(fleet, name, wrap(getattr(make, "__wrapped__", make)))
     return True
+
+
+def retry_server_errors(retries: int = SERVER_ERROR_RETRIES) -> bool:
+    """Let the node's Fleet requests retry a SuperLink's 500 (module doc); False, changing
+    nothing, on a Flower whose Fleet connection this was not written against."""
+    return _wrap_fleet_factory(
+        RETRY_FACTORY,
+        lambda make: _retrying_server_errors(make, retries),
+        "a SuperLink's 500 is not retried",
+    )
 
 
 def _retrying_unstored_pushes(make: Any, retries: int, first_pause: float) -> Any:
@@ -334,19 +344,11 @@ def retry_object_pushes(
 ) -> bool:
     """Let the node push an object again that the SuperLink did not store (module doc); False,
     changing nothing, on a Flower whose Fleet connection this was not written against."""
-    version = flower_version()
-    fleet = importlib.import_module(FLEET_MODULE)
-    make = getattr(fleet, PUSH_FACTORY, None)
-    if not is_known(version) or make is None:
-        print(
-            f"fedfm_flower.deploy.supernode: Flower {version}'s object pushes are not ones "
-            "this knows; an object the SuperLink did not store is not pushed again",
-            file=sys.stderr,
-        )
-        return False
-    make = getattr(make, "__wrapped__", make)
-    setattr(fleet, PUSH_FACTORY, _retrying_unstored_pushes(make, retries, first_pause))
-    return True
+    return _wrap_fleet_factory(
+        PUSH_FACTORY,
+        lambda make: _retrying_unstored_pushes(make, retries, first_pause),
+        "an object the SuperLink did not store is not pushed again",
+    )
 
 
 def check_heartbeat_interval(seconds: float) -> float:
