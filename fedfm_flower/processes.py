@@ -159,16 +159,19 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def stop_processes(pids: list[int], grace_s: float = 10.0) -> None:
-    """SIGTERM the process groups of ``pids``, then SIGKILL what is still alive."""
+def stop_processes(
+    pids: list[int], grace_s: float = 10.0, *, group: bool = True, poll_s: float = 0.2
+) -> None:
+    """SIGTERM ``pids`` (their process groups unless ``group`` is false), then SIGKILL what is
+    still alive after ``grace_s``."""
     for pid in pids:
-        signal_process(pid, signal.SIGTERM)
+        signal_process(pid, signal.SIGTERM, group=group)
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline and any(pid_alive(p) for p in pids):
-        time.sleep(0.2)
+        time.sleep(poll_s)
     for pid in pids:
         if pid_alive(pid):
-            signal_process(pid, signal.SIGKILL)
+            signal_process(pid, signal.SIGKILL, group=group)
 
 
 def stop_tagged(variables: Mapping[str, str], grace_s: float = 10.0) -> None:

@@ -319,19 +319,29 @@ class ChaosDriver:
         self._run = self.deployment.start_run({**self.run_config, "resume": True})
         return self._run
 
-    def _reconnections(self) -> dict[int, int]:
-        """SuperNode -> how many times its log says a retried request succeeded."""
-        return {
-            node: sum(RECONNECTED in line for line in list(process.lines))
-            for node, process in self.deployment.nodes.items()
-        }
+    def _log_ends(self) -> dict[int, int]:
+        """SuperNode -> how many lines its log has now."""
+        return {node: len(process.lines) for node, process in self.deployment.nodes.items()}
+
+    def _reconnected(self, waiting: dict[int, int]) -> bool:
+        """Whether every SuperNode in ``waiting`` (node -> first log line not yet read) has
+        logged a retried request's success since; reads each line once, dropping the nodes
+        that have."""
+        for node in list(waiting):
+            lines = self.deployment.nodes[node].lines
+            end = len(lines)
+            if any(RECONNECTED in line for line in lines[waiting[node] : end]):
+                del waiting[node]
+            else:
+                waiting[node] = end
+        return not waiting
 
     def _restart_superlink(self, record: ChaosRecord, run: ManagedProcess) -> ManagedProcess:
         self._next_round_started(record.event.round)
         for node in list(self._restarts):  # a node restarting now would miss the SuperLink
             self._node_back(node)
         record.recorded_rounds = self.recorded()
-        before = self._reconnections()
+        waiting = self._log_ends()
         killed = time.monotonic()
         record.pids = self.deployment.restart_superlink()
         ended = self.deployment.finish_run(run, timeout=0)
@@ -340,9 +350,7 @@ class ChaosDriver:
         self.results.append(replace(ended, status="superlink-restarted"))
         self._run = None  # nothing to watch until every node is back
         self._wait(
-            lambda: all(
-                count > before.get(node, 0) for node, count in self._reconnections().items()
-            ),
+            lambda: self._reconnected(waiting),
             "every SuperNode to reconnect to the restarted SuperLink",
         )
         record.restart_seconds = time.monotonic() - killed

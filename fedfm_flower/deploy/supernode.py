@@ -100,7 +100,11 @@ from typing import TYPE_CHECKING, Any
 
 from fedfm_flower.deploy.known_flower import flower_version, is_known, known_versions
 from fedfm_flower.deploy.superexec import MAX_POLL_VAR
-from fedfm_flower.processes import descendants, flower_command, pid_alive, signal_process
+from fedfm_flower.processes import (
+    descendants,
+    flower_command,
+    stop_processes,
+)
 from fedfm_flower.waits import GrowingWait
 
 if TYPE_CHECKING:
@@ -475,14 +479,7 @@ def stop_children(grace: float = CHILDREN_GRACE_S) -> list[int]:
     their pids (registered with ``atexit`` by ``main``)."""
     EXITING.set()
     pids = descendants(os.getpid())
-    for pid in pids:
-        signal_process(pid, signal.SIGTERM, group=False)
-    deadline = time.monotonic() + grace
-    while any(pid_alive(pid) for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    for pid in pids:
-        if pid_alive(pid):
-            signal_process(pid, signal.SIGKILL, group=False)
+    stop_processes(pids, grace, group=False, poll_s=0.05)
     return pids
 
 
