@@ -141,6 +141,7 @@ def run_load(
     row: dict[str, Any] = {
         "supernodes": num_nodes,
         "superlink-database": options.superlink_database or "sqlite file",
+        "superlink-lock-wait-s": options.superlink_lock_wait,
         "pull-patience-s": options.pull_patience,
         "shared-imports": options.shared_imports,
         "max-poll-interval-s": options.max_poll_interval,
@@ -238,6 +239,8 @@ def deploy_overrides(args: argparse.Namespace) -> dict[str, Any]:
         "pull_patience": args.pull_patience,
         "shared_imports": args.shared_imports,
     }
+    if args.flower_superlink:
+        deploy["superlink_lock_wait"] = None
     if args.max_poll_interval is not None:
         deploy["max_poll_interval"] = args.max_poll_interval
     if args.run_timeout is not None:
@@ -258,6 +261,11 @@ def main(argv: list[str] | None = None) -> int:
         "--superlink-database",
         default=None,
         help="the SuperLink's --database (default: a fresh SQLite file; :flwr-in-memory:)",
+    )
+    parser.add_argument(
+        "--flower-superlink",
+        action="store_true",
+        help="plain flower-superlink (SQLite lock wait 5 s, a token sweep per status read)",
     )
     parser.add_argument(
         "--pull-patience",

@@ -12,10 +12,12 @@ app = ServerApp()
 def main(grid: Grid, context: Context) -> None:
     """Validate the run config, then run (or resume) the experiment."""
     from fedfm_flower.config import ExperimentConfig
+    from fedfm_flower.deploy.object_pushes import retry_grid_object_pushes
     from fedfm_flower.logs import configure_logging
     from server_apps.polling import PromptGrid
     from server_apps.runner import run_experiment
 
     configure_logging()
+    retry_grid_object_pushes(grid)
     config = ExperimentConfig.from_run_config(context.run_config)
     run_experiment(PromptGrid(grid) if config.prompt_replies else grid, config)

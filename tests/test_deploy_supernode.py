@@ -16,10 +16,11 @@ import time
 
 import pytest
 
-from fedfm_flower.deploy import DeployOptions, LocalDeployment, superexec
+from fedfm_flower.deploy import DeployOptions, LocalDeployment, object_pushes, superexec
 from fedfm_flower.deploy import supernode as launcher
 from fedfm_flower.deploy.cli import build_parser
 from fedfm_flower.deploy.known_flower import flower_version, is_known
+from fedfm_flower.processes import pid_alive
 
 
 @pytest.fixture
@@ -31,8 +32,8 @@ def loop(monkeypatch):
     fleet = importlib.import_module(launcher.FLEET_MODULE)
     factory = getattr(fleet, launcher.RETRY_FACTORY)
     monkeypatch.setattr(fleet, launcher.RETRY_FACTORY, getattr(factory, "__wrapped__", factory))
-    push = getattr(fleet, launcher.PUSH_FACTORY)
-    monkeypatch.setattr(fleet, launcher.PUSH_FACTORY, getattr(push, "__wrapped__", push))
+    push = getattr(fleet, object_pushes.PUSH_FACTORY)
+    monkeypatch.setattr(fleet, object_pushes.PUSH_FACTORY, getattr(push, "__wrapped__", push))
     monkeypatch.delenv(superexec.MAX_POLL_VAR, raising=False)
     registered = []  # main's exit handlers, not run at the test process's exit
     monkeypatch.setattr(launcher.atexit, "register", registered.append)
@@ -190,7 +191,7 @@ def test_main_hands_every_other_argument_to_flower_supernode(loop, monkeypatch):
         seen["superexec-longest-poll"] = os.environ.get(superexec.MAX_POLL_VAR)
         fleet = importlib.import_module(launcher.FLEET_MODULE)
         seen["500s-retried"] = getattr(fleet, launcher.RETRY_FACTORY).retries_server_errors
-        seen["unstored-retried"] = getattr(fleet, launcher.PUSH_FACTORY).retries_unstored
+        seen["unstored-retried"] = getattr(fleet, object_pushes.PUSH_FACTORY).retries_unstored
 
     monkeypatch.setattr(flwr.supernode.cli, "flower_supernode", fake_supernode)
     monkeypatch.setattr(sys, "argv", list(sys.argv))
@@ -204,7 +205,7 @@ def test_main_hands_every_other_argument_to_flower_supernode(loop, monkeypatch):
         "stopped-runs-fail": True,
         "superexec-longest-poll": "2.0",
         "500s-retried": launcher.SERVER_ERROR_RETRIES,
-        "unstored-retried": launcher.OBJECT_PUSH_RETRIES,
+        "unstored-retried": object_pushes.RETRIES,
     }
     assert launcher.stop_children in loop.registered_at_exit
 
@@ -455,7 +456,7 @@ def test_an_exiting_node_takes_its_children_and_theirs_with_it(monkeypatch):
     assert child.pid in stopped and len(stopped) == 2
     assert child.wait(10) == -15  # SIGTERM
     assert time.monotonic() - started < 10
-    while [pid for pid in stopped if launcher.pid_alive(pid)]:  # the stubborn one: SIGKILL
+    while [pid for pid in stopped if pid_alive(pid)]:  # the stubborn one: SIGKILL
         assert time.monotonic() - started < 10, "a child outlived its SIGKILL"
         time.sleep(0.05)
     assert launcher.EXITING.is_set()  # and no SuperExec is started again
@@ -478,7 +479,7 @@ def test_an_object_the_superlink_did_not_store_is_pushed_again_a_bounded_number_
 
     def pushes(stored: list[bool]):
         answers[:] = stored
-        push = getattr(fleet, launcher.PUSH_FACTORY)(superlink, Node(node_id=1), 7, "session")
+        push = getattr(fleet, object_pushes.PUSH_FACTORY)(superlink, Node(node_id=1), 7, "session")
         return push
 
     with pytest.raises(ObjectPushError):  # Flower: the reply is given up at the first refusal

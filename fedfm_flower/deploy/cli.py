@@ -29,6 +29,7 @@ from fedfm_flower.deploy.options import (
 )
 from fedfm_flower.deploy.processes import become_subreaper
 from fedfm_flower.deploy.runs import RunConfigError, parse_run_config, resolve_run_config
+from fedfm_flower.deploy.superlink import DEFAULT_LOCK_WAIT_S
 from fedfm_flower.deploy.supernode import DEFAULT_MAX_POLL_INTERVAL, DEFAULT_POLL_INTERVAL
 from fedfm_flower.launch import ExitCode
 from fedfm_flower.preflight import PreflightError, check_run, resolve_config
@@ -137,6 +138,18 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         ":flwr-in-memory: keeps its state in memory, faster under load, lost on a restart)",
     )
     parser.add_argument(
+        "--superlink-lock-wait",
+        type=float,
+        default=DEFAULT_LOCK_WAIT_S,
+        help="seconds the SuperLink's SQLite state waits for its write lock (default "
+        f"{DEFAULT_LOCK_WAIT_S:g}; fedfm_flower.deploy.superlink)",
+    )
+    parser.add_argument(
+        "--flower-superlink",
+        action="store_true",
+        help="plain flower-superlink: SQLite waits 5 s for its lock, sweeps tokens on every read",
+    )
+    parser.add_argument(
         "--heartbeat-interval",
         type=float,
         default=None,
@@ -178,6 +191,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
             shared_imports=args.shared_imports,
             heartbeat_interval=args.heartbeat_interval,
             superlink_database=args.superlink_database,
+            superlink_lock_wait=None if args.flower_superlink else args.superlink_lock_wait,
         )
     except ValueError as err:
         parser.error(str(err))

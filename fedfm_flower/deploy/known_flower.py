@@ -10,7 +10,11 @@ those modules are compared with its source.
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
+import sys
+from collections.abc import Callable
+from typing import Any
 
 KNOWN_FLOWER = ("1.41.", "1.42.")
 
@@ -28,3 +32,23 @@ def is_known(version: str) -> bool:
 def known_versions() -> str:
     """``KNOWN_FLOWER`` for a message: ``1.41.x, 1.42.x``."""
     return ", ".join(version + "x" for version in KNOWN_FLOWER)
+
+
+def wrap_flower_factory(
+    module_name: str, name: str, wrap: Callable[[Any], Any], who: str, lacking: str
+) -> bool:
+    """Replace factory ``name`` of Flower's module ``module_name`` by ``wrap`` of Flower's own
+    (never of an earlier wrapper); False, saying on stderr as ``who`` that ``lacking``, on a
+    Flower this was not written against."""
+    version = flower_version()
+    module = importlib.import_module(module_name)
+    make = getattr(module, name, None)
+    if not is_known(version) or make is None:
+        print(
+            f"{who}: Flower {version}'s {module_name}.{name} is not one this knows "
+            f"({known_versions()}); {lacking}",
+            file=sys.stderr,
+        )
+        return False
+    setattr(module, name, wrap(getattr(make, "__wrapped__", make)))
+    return True

@@ -227,11 +227,21 @@ class LocalDeployment:
 
     def superlink_command(self) -> list[str]:
         """How the SuperLink starts: TLS and SuperNode authentication unless insecure, its
-        state in a fresh SQLite file (or ``options.superlink_database``)."""
+        state in a fresh SQLite file (or ``options.superlink_database``), through
+        ``fedfm_flower.deploy.superlink`` unless ``options.superlink_lock_wait`` is None."""
         options = self.options
         database = options.superlink_database or str(options.workdir / "superlink" / "state.db")
+        launcher = [flower_command("flower-superlink")]  # a missing Flower fails here
+        if options.superlink_lock_wait is not None:
+            launcher = [
+                sys.executable,
+                "-m",
+                "fedfm_flower.deploy.superlink",
+                "--lock-wait",
+                repr(options.superlink_lock_wait),
+            ]
         command = [
-            flower_command("flower-superlink"),
+            *launcher,
             "--host",
             HOST,
             "--port",

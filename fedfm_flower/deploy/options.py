@@ -9,6 +9,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from fedfm_flower.deploy.superlink import DEFAULT_LOCK_WAIT_S, check_lock_wait
 from fedfm_flower.deploy.supernode import (
     DEFAULT_MAX_POLL_INTERVAL,
     DEFAULT_POLL_INTERVAL,
@@ -60,6 +61,10 @@ class DeployOptions:
     # The SuperLink's --database: None, a fresh SQLite file <workdir>/superlink/state.db;
     # ":flwr-in-memory:", Flower's in-memory state (no SQLite, nothing survives the SuperLink).
     superlink_database: str | None = None
+    # Seconds the SuperLink's SQLite connections wait for the write lock; its expired task
+    # tokens are then swept at most once a second (fedfm_flower.deploy.superlink). None: plain
+    # `flower-superlink` (5 s, a sweep on every status read).
+    superlink_lock_wait: float | None = DEFAULT_LOCK_WAIT_S
     # How long a warm executor's task waits for its message's next object (seconds; None:
     # superexec.PULL_PATIENCE_S, 90). Raise it for many SuperNodes on few cores.
     pull_patience: float | None = None
@@ -85,6 +90,11 @@ class DeployOptions:
                 check_poll_intervals(self.poll_interval, self.max_poll_interval)
             except ValueError as err:
                 raise ValueError(f"--poll-interval/--max-poll-interval: {err}") from None
+        if self.superlink_lock_wait is not None:
+            try:
+                check_lock_wait(self.superlink_lock_wait)
+            except ValueError as err:
+                raise ValueError(f"--superlink-lock-wait: {err}") from None
         if self.pull_patience is not None and not 0 < self.pull_patience < float("inf"):
             raise ValueError(
                 f"pull patience must be a positive number of seconds, not {self.pull_patience!r}"

@@ -55,8 +55,8 @@ request is one the SuperLink failed as a whole (its state change rolled back wit
 A push of a reply's object can fail without a 500: Flower's SuperLink catches the error of its
 object store (``database is locked`` again, seen with 50 SuperNodes on 2 cores) and answers
 ``stored = false``, on which Flower's SuperNode gives up the reply. Here such a push is tried
-again after 0.5 s, doubling, up to ``OBJECT_PUSH_RETRIES`` times (``retry_object_pushes``); the
-SuperLink rolled the failed store back, so a retry stores the object once. On the Flower
+again after 0.5 s, doubling, up to ``object_pushes.RETRIES`` times (``retry_object_pushes``);
+the SuperLink rolled the failed store back, so a retry stores the object once. On the Flower
 versions above only.
 
 ``--heartbeat-interval S`` (at least Flower's minimum, 10 s) makes the node announce ``S`` as
@@ -95,10 +95,17 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from fedfm_flower.deploy.known_flower import flower_version, is_known, known_versions
+from fedfm_flower.deploy import object_pushes
+from fedfm_flower.deploy.known_flower import (
+    flower_version,
+    is_known,
+    known_versions,
+    wrap_flower_factory,
+)
+from fedfm_flower.deploy.object_pushes import FIRST_PAUSE_S, FLEET_MODULE, RETRIES
 from fedfm_flower.deploy.superexec import MAX_POLL_VAR
 from fedfm_flower.processes import (
     descendants,
@@ -126,15 +133,9 @@ EXITING = threading.Event()  # set when the node's process exits: no SuperExec s
 HEARTBEAT_MODULES = ("flwr.supernode.fleet_http_connection", "flwr.supercore.heartbeat")
 HEARTBEAT_NAME = "HEARTBEAT_DEFAULT_INTERVAL"
 MIN_HEARTBEAT_S = 10.0  # Flower's HEARTBEAT_MIN_INTERVAL: the SuperLink refuses a shorter one
-# The module whose Fleet connection makes the node's retry invoker.
-FLEET_MODULE = "flwr.supernode.fleet_http_connection"
 RETRY_FACTORY = "make_simple_http_retry_invoker"
 # 500s retried in a row: with Flower's backoff (1, 2, 4, 8, 16, 20 s, jittered), under a minute.
 SERVER_ERROR_RETRIES = 6
-# Pushes of an object the SuperLink did not store, tried again: 0.5, 1, 2, 4, 8 s apart.
-OBJECT_PUSH_RETRIES = 5
-OBJECT_PUSH_FIRST_PAUSE_S = 0.5
-PUSH_FACTORY = "make_push_object_fn_protobuf"
 # Flower's own bounds for FLWR_SUPEREXEC_TASK_POLL_INTERVAL.
 MIN_POLL_INTERVAL, MAX_POLL_INTERVAL = 0.01, 60.0
 
@@ -288,71 +289,22 @@ def _retrying_server_errors(make: Any, retries: int) -> Any:
     return make_invoker
 
 
-def _wrap_fleet_factory(name: str, wrap: Callable[[Any], Any], lacking: str) -> bool:
-    """Replace factory ``name`` of the node's Fleet connection by ``wrap`` of Flower's own
-    (never of an earlier wrapper); False, saying ``lacking`` on stderr, on a Flower whose
-    Fleet connection this was not written against."""
-    version = flower_version()
-    fleet = importlib.import_module(FLEET_MODULE)
-    make = getattr(fleet, name, None)
-    if not is_known(version) or make is None:
-        print(
-            f"fedfm_flower.deploy.supernode: Flower {version}'s Fleet connection is not one "
-            f"this knows; {lacking}",
-            file=sys.stderr,
-        )
-        return False
-    setattr(fleet, name, wrap(getattr(make, "__wrapped__", make)))
-    return True
-
-
 def retry_server_errors(retries: int = SERVER_ERROR_RETRIES) -> bool:
     """Let the node's Fleet requests retry a SuperLink's 500 (module doc); False, changing
     nothing, on a Flower whose Fleet connection this was not written against."""
-    return _wrap_fleet_factory(
+    return wrap_flower_factory(
+        FLEET_MODULE,
         RETRY_FACTORY,
         lambda make: _retrying_server_errors(make, retries),
+        "fedfm_flower.deploy.supernode",
         "a SuperLink's 500 is not retried",
     )
 
 
-def _retrying_unstored_pushes(make: Any, retries: int, first_pause: float) -> Any:
-    """``make`` (Flower's push-object factory) whose push functions try an object the SuperLink
-    did not store (``ObjectPushError``) again, up to ``retries`` times, pausing ``first_pause``
-    seconds, doubling."""
-    from flwr.supercore.inflatable.inflatable_utils import ObjectPushError
-
-    @functools.wraps(make)
-    def make_push(*args: Any, **kwargs: Any) -> Any:
-        push = make(*args, **kwargs)
-
-        def push_object(object_id: str, content: bytes) -> None:
-            pause = first_pause
-            for attempt in range(retries + 1):
-                try:
-                    return push(object_id, content)
-                except ObjectPushError:
-                    if attempt == retries:
-                        raise
-                    time.sleep(pause)
-                    pause *= 2
-
-        return push_object
-
-    make_push.retries_unstored = retries  # type: ignore[attr-defined]
-    return make_push
-
-
-def retry_object_pushes(
-    retries: int = OBJECT_PUSH_RETRIES, first_pause: float = OBJECT_PUSH_FIRST_PAUSE_S
-) -> bool:
+def retry_object_pushes(retries: int = RETRIES, first_pause: float = FIRST_PAUSE_S) -> bool:
     """Let the node push an object again that the SuperLink did not store (module doc); False,
     changing nothing, on a Flower whose Fleet connection this was not written against."""
-    return _wrap_fleet_factory(
-        PUSH_FACTORY,
-        lambda make: _retrying_unstored_pushes(make, retries, first_pause),
-        "an object the SuperLink did not store is not pushed again",
-    )
+    return object_pushes.retry_object_pushes(FLEET_MODULE, retries, first_pause)
 
 
 def check_heartbeat_interval(seconds: float) -> float:
