@@ -39,6 +39,7 @@ FORKSERVER = "fedfm_flower.deploy.forkserver"
 EXECUTOR = "superexec (warm ClientApp)"
 ROLES = (
     ("flower-superlink", "superlink"),
+    ("fedfm_flower.deploy.superlink", "superlink"),
     ("fedfm_flower.deploy.superexec", EXECUTOR),
     ("flower-superexec", "superlink's superexec"),
     ("fedfm_flower.deploy.supernode", "supernode"),

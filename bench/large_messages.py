@@ -39,6 +39,8 @@ def peak_memory_mb(pid: int) -> tuple[str, float] | None:
 
 def role(command: str) -> str:
     """Which part of the deployment a command line is."""
+    if "fedfm_flower.deploy.superlink" in command:  # flower-superlink through our launcher
+        return "flower-superlink"
     for name in ("flower-superlink", "superexec", "supernode", "flwr-clientapp", "flwr run"):
         if name.replace("-", "") in command.replace("-", "").replace("_", ""):
             return name

@@ -107,11 +107,7 @@ from fedfm_flower.deploy.known_flower import (
 )
 from fedfm_flower.deploy.object_pushes import FIRST_PAUSE_S, FLEET_MODULE, RETRIES
 from fedfm_flower.deploy.superexec import MAX_POLL_VAR
-from fedfm_flower.processes import (
-    descendants,
-    flower_command,
-    stop_processes,
-)
+from fedfm_flower.processes import descendants, flower_command, stop_processes
 from fedfm_flower.waits import GrowingWait
 
 if TYPE_CHECKING:
