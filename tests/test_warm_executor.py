@@ -477,3 +477,80 @@ def test_a_bad_longest_task_poll_is_refused_naming_it(raw):
         superexec.longest_task_poll({superexec.MAX_POLL_VAR: raw})
     assert superexec.longest_task_poll({}) is None
     assert superexec.longest_task_poll({superexec.MAX_POLL_VAR: "1.5"}) == 1.5
+
+
+def test_a_message_whose_content_never_arrives_is_still_answered(monkeypatch) -> None:
+    """A task whose message's objects never reach it (the pull patience ran out) pushes Flower's
+    error reply to that message, so its SuperNode is not left waiting for a reply for the rest
+    of the run; a task that failed before it knew its message pushes none, as Flower's."""
+    import numpy as np
+    from flwr.app import Array, ArrayRecord, Context, Message, RecordDict
+    from flwr.app.message import remove_content_from_message
+    from flwr.common.constant import ErrorCode, SubStatus
+    from flwr.common.serde import message_to_proto
+    from flwr.supercore import runtime
+    from flwr.supercore.inflatable.inflatable_object import get_object_tree
+    from flwr.supercore.inflatable.inflatable_utils import ObjectPullError
+    from flwr.supercore.task_identity import TaskIdentity
+    from flwr.supernode.runtime import run_clientapp
+
+    for name, value in (("_run_id", 1), ("_node_id", 3), ("_task_id", 7)):
+        monkeypatch.setattr(TaskIdentity, name, value)  # what a task's process has set
+    content = RecordDict({"arrays": ArrayRecord({"w": Array(np.arange(6.0))})})
+    message = Message(content, dst_node_id=3, message_type="train", group_id="4")
+    message.metadata.__dict__["_src_node_id"] = 1
+    tree = get_object_tree(message)
+    listed = message_to_proto(remove_content_from_message(message))  # what PullMessages lists
+    shell = superexec.message_shell(listed, tree.object_id)
+    assert shell.metadata.message_id == tree.object_id == message.object_id
+    assert (shell.metadata.message_type, shell.metadata.group_id) == ("train", "4")
+    assert shell.metadata.dst_node_id == 3 and len(shell.content) == 0
+
+    context = Context(run_id=1, node_id=3, node_config={}, state=RecordDict(), run_config={})
+    pushed: list[Message] = []
+    outputs: list[str] = []
+
+    class Runtime:  # the SuperNode's runtime API as the task's client sees it
+        def SendTaskHeartbeat(self, request):  # noqa: N802 - Flower's method name
+            return type("Response", (), {"success": True})()
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(runtime.RuntimeHttpClient, "from_server_address", lambda **kw: Runtime())
+    monkeypatch.setattr(run_clientapp, "push_message", lambda c, reply, ctx: pushed.append(reply))
+    monkeypatch.setattr(
+        run_clientapp, "push_task_output", lambda **kw: outputs.append(kw["sub_status"])
+    )
+
+    def never_arrives(client, announced):
+        announced(superexec.message_shell(listed, tree.object_id), context)
+        raise ObjectPullError(tree.object_id, "no object of the message arrived in 90 s")
+
+    spec = type(
+        "Spec",
+        (),
+        {
+            "task_id": 7,
+            "runtime_api_address": "127.0.0.1:1",
+            "insecure": True,
+            "root_certificates_path": None,
+            "token": "t",
+        },
+    )()
+    monkeypatch.setattr(superexec, "pull_task_input", never_arrives)
+    superexec.run_task(spec, superexec.AppCache())
+    (reply,) = pushed
+    assert reply.has_error() and reply.error.code == ErrorCode.CLIENT_APP_RAISED_EXCEPTION
+    assert "no object of the message arrived in 90 s" in reply.error.reason
+    assert reply.metadata.reply_to_message_id == message.object_id
+    assert reply.metadata.dst_node_id == 1 and reply.metadata.group_id == "4"
+    assert outputs == [SubStatus.FAILED]
+
+    def refused_at_once(client, announced):  # before the task knew its message
+        raise RuntimeError("No messages received from Runtime API")
+
+    pushed.clear()
+    monkeypatch.setattr(superexec, "pull_task_input", refused_at_once)
+    superexec.run_task(spec, superexec.AppCache())
+    assert pushed == [] and outputs == [SubStatus.FAILED, SubStatus.FAILED]

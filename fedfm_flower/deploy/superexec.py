@@ -41,7 +41,11 @@ next. Other task types go to Flower's executor.
   node runs through ``fedfm_flower.deploy.supernode``). Flower's SuperNode stores a
   message's objects only once it has fetched them all, so in practice the first arrival waits
   for the whole download, which took 94-213 s with 24 SuperNodes on 2 cores:
-  ``FEDFM_PULL_PATIENCE_S`` raises the patience for such loads.
+  ``FEDFM_PULL_PATIENCE_S`` raises the patience for such loads. A task that gave up on its
+  message's content still answers it with Flower's error reply (``message_shell``): Flower's
+  ``flwr-clientapp`` replies only to a message it pulled whole, and Flower's SuperNode makes an
+  error reply only when a task's heartbeat stops, so an unanswered node waited for that reply for
+  the rest of the run (34 of 50 SuperNodes at the 90 s patience, 2026-11-28).
 * **A refused task ends alone.** Flower's retry of a runtime request sends SIGINT to the
   process when the SuperNode answers 401 (the task's token is no longer valid: the SuperNode
   ended the task, e.g. its run was stopped while its message arrived) and raises
@@ -70,7 +74,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -174,9 +178,13 @@ class AppCache:
         sys.path[:] = [entry for entry in sys.path if os.path.realpath(entry or ".") != root]
 
 
-def pull_task_input(client: Any) -> tuple[Any, Any, Any, Any]:
+def pull_task_input(
+    client: Any, announced: Callable[[Any, Any], None] | None = None
+) -> tuple[Any, Any, Any, Any]:
     """Flower's ``pull_task_input`` (the task's context, run and FAB, then its message), with
-    short pauses while the message's objects are not yet at the SuperNode."""
+    short pauses while the message's objects are not yet at the SuperNode; ``announced`` gets
+    the message without its content (``message_shell``) and the context before they are
+    pulled."""
     from flwr.common.serde import context_from_proto, fab_from_proto, run_from_proto
     from flwr.proto.node_pb2 import Node  # pylint: disable=E0611
     from flwr.proto.runtime_pb2 import (  # pylint: disable=E0611
@@ -200,6 +208,8 @@ def pull_task_input(client: Any) -> tuple[Any, Any, Any, Any]:
         raise RuntimeError("No messages received from Runtime API")
     node = Node(node_id=context.node_id)
     tree = pulled.message_object_trees[0]
+    if announced is not None:
+        announced(message_shell(pulled.messages_list[0], tree.object_id), context)
     message = pull_message(
         tree,
         make_pull_object_fn_protobuf(client.PullObject, node, context.run_id),
@@ -208,6 +218,16 @@ def pull_task_input(client: Any) -> tuple[Any, Any, Any, Any]:
         ),
     )
     return message, context, run, fab
+
+
+def message_shell(proto: Any, message_id: str) -> Any:
+    """The message of ``proto`` (as the runtime API lists it: metadata, no content) with its
+    id: what an error reply needs when its content could not be pulled."""
+    from flwr.common.serde import message_from_proto
+
+    shell = message_from_proto(proto)
+    shell.metadata.__dict__["_message_id"] = message_id
+    return shell
 
 
 def pull_message(tree: Any, pull_object: Any, confirm_received: Any) -> Any:
@@ -331,14 +351,19 @@ def run_task(spec: Any, apps: AppCache) -> None:
         retry_invoker=retry,
     )
     heartbeat = None
-    message = reply = context = None
+    message = reply = context = shell = None
     sub_status, details = SubStatus.FAILED, "ClientApp task failed due to unknown reason"
     marker = None
     try:
         marker = _marker(spec.task_id)
         heartbeat = HeartbeatSender(task_heartbeat(client, spec.task_id))
         heartbeat.start()
-        message, context, run, fab = pull_task_input(client)
+
+        def announced(pulled_shell: Any, pulled_context: Any) -> None:
+            nonlocal shell, context
+            shell, context = pulled_shell, pulled_context
+
+        message, context, run, fab = pull_task_input(client, announced)
         phases["pull"] = time.perf_counter() - started
         client_app = apps.load(run, fab)
         reply = client_app(message=message, context=context)
@@ -352,8 +377,12 @@ def run_task(spec: Any, apps: AppCache) -> None:
             reason = "An exception was raised when attempting to load `ClientApp`"
         log.error("ClientApp raised an exception", exc_info=ex)
         details = reason
-        if message is not None:
-            reply = Message(Error(code=code, reason=reason), reply_to=message)
+        if message is not None or shell is not None:
+            # A message whose content never arrived is answered too: unanswered, its SuperNode
+            # waits for the reply for the rest of the run (Flower stores error replies only for
+            # tasks whose heartbeat stopped), and its round for its timeout.
+            replied = message if message is not None else shell
+            reply = Message(Error(code=code, reason=reason), reply_to=replied)
     finally:
         try:
             if reply is not None and context is not None:
