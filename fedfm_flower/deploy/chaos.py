@@ -525,6 +525,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="fork the warm executors from one process (many SuperNodes on one machine)",
     )
+    parser.add_argument(
+        "--pull-patience",
+        type=float,
+        default=None,
+        help="seconds a warm executor waits for its message's next object (default 90; raise "
+        "it for many SuperNodes on few cores)",
+    )
     parser.add_argument("--rejoin", type=int, default=4, help="rounds between a node's kills")
     parser.add_argument("--method", default="local")
     parser.add_argument("--round-timeout", type=float, default=40.0)
@@ -557,6 +564,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             warm_executor=True,
             heartbeat_interval=args.heartbeat_interval,
             shared_imports=args.shared_imports,
+            pull_patience=args.pull_patience,
         )
         config = chaos_run_config(
             {
