@@ -554,3 +554,44 @@ def test_a_message_whose_content_never_arrives_is_still_answered(monkeypatch) ->
     monkeypatch.setattr(superexec, "pull_task_input", refused_at_once)
     superexec.run_task(spec, superexec.AppCache())
     assert pushed == [] and outputs == [SubStatus.FAILED, SubStatus.FAILED]
+
+
+def test_a_long_pull_looks_at_the_nodes_longest_interval(monkeypatch) -> None:
+    """Looks for a message's objects come every PULL_LONGEST_PAUSE_S (Flower's backoff pause)
+    for the first SLOW_PULL_S without an arrival, then every --max-poll-interval: the extra
+    wait is taken before the look reports "not yet"."""
+    from flwr.supercore.inflatable.inflatable_utils import ObjectUnavailableError
+
+    clock = [100.0]
+    slept: list[float] = []
+    monkeypatch.setattr(superexec.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(superexec.time, "sleep", slept.append)
+    arrived = {"now": False}
+
+    def pull(object_id: str) -> bytes:
+        if arrived["now"]:
+            return b"x"
+        raise ObjectUnavailableError(object_id)
+
+    patient = superexec.PatientPull(pull, patience=90.0, slow_pause=2.0)
+    clock[0] += superexec.SLOW_PULL_S - 0.1  # not slow yet: no extra wait
+    with pytest.raises(ObjectUnavailableError):
+        patient("a")
+    assert slept == []
+    clock[0] += 0.2  # past SLOW_PULL_S without an arrival
+    with pytest.raises(ObjectUnavailableError):
+        patient("a")
+    assert slept == [pytest.approx(2.0 - superexec.PULL_LONGEST_PAUSE_S)]
+    arrived["now"] = True
+    assert patient("a") == b"x"  # an arrival starts the count over
+    arrived["now"] = False
+    slept.clear()
+    with pytest.raises(ObjectUnavailableError):
+        patient("b")
+    assert slept == []
+    # The pause is the node's longest wait, else 1 s, never below Flower's 0.25 s.
+    assert superexec.slow_pull_pause({}) == superexec.SLOW_PULL_PAUSE_S == 1.0
+    assert superexec.slow_pull_pause({superexec.MAX_POLL_VAR: "3"}) == 3.0
+    assert superexec.slow_pull_pause({superexec.MAX_POLL_VAR: "0.1"}) == 0.25
+    with pytest.raises(ValueError, match=superexec.MAX_POLL_VAR):
+        superexec.slow_pull_pause({superexec.MAX_POLL_VAR: "soon"})

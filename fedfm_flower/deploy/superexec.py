@@ -31,7 +31,8 @@ next. Other task types go to Flower's executor.
 * **Prompt pulls.** A task can reach this process before its SuperNode holds every object of the
   message; Flower's object pull then waits 1 s, then 2 s, ... (its ``PULL_INITIAL_BACKOFF``,
   sized for a ``flwr-clientapp`` that starts a second later). ``pull_task_input`` here is
-  Flower's, with the pauses from ``PULL_FIRST_PAUSE_S`` doubling up to ``PULL_LONGEST_PAUSE_S``
+  Flower's, with the pauses from ``PULL_FIRST_PAUSE_S`` doubling up to ``PULL_LONGEST_PAUSE_S``,
+  and every ``--max-poll-interval`` once ``SLOW_PULL_S`` passed without an arrival
   (measured on loopback: 1.2-3.3 s of a 1.3-3.9 s training task was that wait; what is left is
   the SuperNode's own download of the objects from the SuperLink, about 1 s on the busy 2-core
   machine). The pull gives up once no object of the message has arrived for
@@ -90,6 +91,12 @@ TASKS_DIR_VAR = "FEDFM_TASKS_DIR"  # where the running tasks are marked (LocalDe
 # many nodes on 2 cores. Capped at 0.05 s such looks were most of a loaded SuperNode's CPU
 # (py-spy, 4 nodes beside other work); at 0.25 s an arrival is seen at most that late.
 PULL_FIRST_PAUSE_S, PULL_LONGEST_PAUSE_S = 0.01, 0.25
+# A pull that has waited this long without an arrival looks every --max-poll-interval instead
+# (1 s by default): with 50 SuperNodes on 2 cores a task waited 109 s for its message (its app
+# ran 3 s), ~435 looks at 0.25 s, and serving them gave the SuperNodes 2.4x the executors' CPU,
+# which the SuperLink, slowed, then lacked for the downloads (a loop). Short pulls keep 0.25 s.
+SLOW_PULL_S = 5.0
+SLOW_PULL_PAUSE_S = 1.0  # without FEDFM_SUPEREXEC_MAX_POLL_INTERVAL
 # How long a task waits for the next of its message's objects. Long enough for a loaded
 # SuperNode; short enough that a task whose objects never come (a SuperNode without
 # fedfm_flower.deploy.supernode's stopped-run mend, a lost transfer) frees the executor for the
@@ -238,7 +245,7 @@ def pull_message(tree: Any, pull_object: Any, confirm_received: Any) -> Any:
 
     message = pull_and_inflate_object_from_tree(
         tree,
-        PatientPull(pull_object, pull_patience()),
+        PatientPull(pull_object, pull_patience(), slow_pause=slow_pull_pause()),
         confirm_received,
         return_type=Message,
         initial_backoff=PULL_FIRST_PAUSE_S,
@@ -268,14 +275,26 @@ def pull_patience(environ: Mapping[str, str] = os.environ) -> float:
     return seconds
 
 
+def slow_pull_pause(environ: Mapping[str, str] = os.environ) -> float:
+    """Seconds between a slow pull's looks: the node's ``--max-poll-interval``
+    (``FEDFM_SUPEREXEC_MAX_POLL_INTERVAL``), else ``SLOW_PULL_PAUSE_S``; never below
+    ``PULL_LONGEST_PAUSE_S``."""
+    return max(longest_task_poll(environ) or SLOW_PULL_PAUSE_S, PULL_LONGEST_PAUSE_S)
+
+
 class PatientPull:
     """A pull of one object (Flower's ``pull_object_fn``) that gives up, failing the whole
     message's pull, once no object of the message has arrived for ``patience`` seconds (since
-    the first try or the last arrival): a slow transfer goes on, a dead one ends."""
+    the first try or the last arrival): a slow transfer goes on, a dead one ends. Once none has
+    arrived for ``SLOW_PULL_S``, each look that finds nothing first waits so that looks come
+    every ``slow_pause`` seconds, not every ``PULL_LONGEST_PAUSE_S`` (Flower's pause follows)."""
 
-    def __init__(self, pull_object: Any, patience: float) -> None:
+    def __init__(
+        self, pull_object: Any, patience: float, slow_pause: float = PULL_LONGEST_PAUSE_S
+    ) -> None:
         self.pull_object = pull_object
         self.patience = patience
+        self.slow_pause = slow_pause
         self.last_arrival = time.monotonic()
 
     def __call__(self, object_id: str) -> bytes:
@@ -294,6 +313,8 @@ class PatientPull:
                 raise ObjectPullError(
                     object_id, f"no object of the message arrived in {waited:.0f} s"
                 ) from None
+            if waited > SLOW_PULL_S and self.slow_pause > PULL_LONGEST_PAUSE_S:
+                time.sleep(self.slow_pause - PULL_LONGEST_PAUSE_S)
             raise
         self.last_arrival = time.monotonic()
         return content
