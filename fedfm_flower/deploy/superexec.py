@@ -92,8 +92,8 @@ TASKS_DIR_VAR = "FEDFM_TASKS_DIR"  # where the running tasks are marked (LocalDe
 # (py-spy, 4 nodes beside other work); at 0.25 s an arrival is seen at most that late.
 PULL_FIRST_PAUSE_S, PULL_LONGEST_PAUSE_S = 0.01, 0.25
 # A pull that has waited this long without an arrival looks every --max-poll-interval instead
-# (1 s by default): with 50 SuperNodes on 2 cores a task waited 109 s for its message (its app
-# ran 3 s), ~435 looks at 0.25 s, and serving them gave the SuperNodes 2.4x the executors' CPU,
+# (1 s by default): with 50 SuperNodes on 2 cores a task waited 111 s for its message (its app
+# ran 3 s), ~440 looks at 0.25 s, and serving them gave the SuperNodes 2.4x the executors' CPU,
 # which the SuperLink, slowed, then lacked for the downloads (a loop). Short pulls keep 0.25 s.
 SLOW_PULL_S = 5.0
 SLOW_PULL_PAUSE_S = 1.0  # without FEDFM_SUPEREXEC_MAX_POLL_INTERVAL
