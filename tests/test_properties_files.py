@@ -23,6 +23,7 @@ garbage appended, or emptied. Then the file is read back as a resume reads it. P
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from collections.abc import Iterator
@@ -144,15 +145,16 @@ class Pristine:
     path: Path
     data: bytes
 
-    def damage(self, damage: Damage) -> bool:
-        """Write the damaged bytes; False when the damage changes nothing (a burst of the
-        same bytes): the example has no damage to test."""
+    @contextlib.contextmanager
+    def damaged(self, damage: Damage) -> Iterator[bool]:
+        """The file with ``damage`` written, its bytes restored on exit; yields False when the
+        damage changes nothing (a burst of the same bytes): the example has no damage to test."""
         damaged = damage.apply(self.data)
-        self.path.write_bytes(damaged)
-        return damaged != self.data
-
-    def restore(self) -> None:
-        self.path.write_bytes(self.data)
+        try:
+            self.path.write_bytes(damaged)
+            yield damaged != self.data
+        finally:
+            self.path.write_bytes(self.data)
 
 
 # ------------------------------------------------------------------------------ tensor files
@@ -175,8 +177,8 @@ def test_a_damaged_tensor_file_is_refused_or_read_exactly(
     reads its own (``own``: the digest in the file's metadata only)."""
     pristine, digest = tensor_file
     size, header = len(pristine.data), header_size(pristine.data)
-    try:
-        if not pristine.damage(data.draw(damages(size, header))):
+    with pristine.damaged(data.draw(damages(size, header))) as changed:
+        if not changed:
             return
         try:
             loaded = load_tensors(pristine.path, digest if kept_digest else None, own=True)
@@ -184,8 +186,6 @@ def test_a_damaged_tensor_file_is_refused_or_read_exactly(
             assert err.path == pristine.path and str(pristine.path) in str(err)
             return
         assert same_tensors(loaded, tensors_of(7)), "a damaged file was read as another state"
-    finally:
-        pristine.restore()
 
 
 # ------------------------------------------------------------------------------ checkpoints
@@ -224,8 +224,8 @@ def test_a_damaged_checkpoint_is_skipped_for_an_older_one_never_loaded(
     run, files = checkpoints
     pristine = data.draw(st.sampled_from(files), label="file")
     damaged_round = _round_of(pristine.path)
-    try:
-        if not pristine.damage(data.draw(damages(len(pristine.data)), label="damage")):
+    with pristine.damaged(data.draw(damages(len(pristine.data)), label="damage")) as changed:
+        if not changed:
             return
         reported: list[DamagedFileError] = []
         newest = run.load_newest_checkpoint(on_damaged=lambda r, err: reported.append(err))
@@ -238,8 +238,6 @@ def test_a_damaged_checkpoint_is_skipped_for_an_older_one_never_loaded(
         if server_round != ROUNDS:  # fell back: only past the damaged newest checkpoint
             assert damaged_round == ROUNDS and server_round == ROUNDS - 1
             assert [err.path.name for err in reported] == [pristine.path.name], reported
-    finally:
-        pristine.restore()
 
 
 @pytest.fixture(scope="module")
@@ -261,8 +259,8 @@ def test_a_damaged_only_checkpoint_is_an_error_naming_its_file(
 ) -> None:
     run, files = single_checkpoint
     pristine = data.draw(st.sampled_from(files), label="file")
-    try:
-        if not pristine.damage(data.draw(damages(len(pristine.data)), label="damage")):
+    with pristine.damaged(data.draw(damages(len(pristine.data)), label="damage")) as changed:
+        if not changed:
             return
         try:
             newest = run.load_newest_checkpoint(on_damaged=lambda r, err: None)
@@ -274,8 +272,6 @@ def test_a_damaged_only_checkpoint_is_an_error_naming_its_file(
         assert same_tensors(tensors, tensors_of(1))
         written = {"round": 1, "sha256": tensor_sha256(tensors_of(1)), **checkpoint_meta(1)}
         assert meta == written, meta
-    finally:
-        pristine.restore()
 
 
 # ------------------------------------------------------------------------------ client state
@@ -323,9 +319,9 @@ def test_a_damaged_client_state_falls_back_to_an_older_round_never_loaded(
     pristine = data.draw(st.sampled_from(files), label="file")
     damaged_round = _round_of(pristine.path)
     quiet_state_warnings.clear()
-    try:
-        damage = damages(len(pristine.data), header_size(pristine.data))
-        if not pristine.damage(data.draw(damage, label="damage")):
+    damage = damages(len(pristine.data), header_size(pristine.data))
+    with pristine.damaged(data.draw(damage, label="damage")) as changed:
+        if not changed:
             return
         store = ClientStateStore(RecordDict(), 4, "run", str(root), keep=ROUNDS)
         loaded = store.load(before=ROUNDS + 1)
@@ -337,8 +333,6 @@ def test_a_damaged_client_state_falls_back_to_an_older_round_never_loaded(
         if store.loaded_round != ROUNDS:
             assert damaged_round == ROUNDS and store.loaded_round == ROUNDS - 1
             assert any(str(pristine.path) in w for w in quiet_state_warnings)
-    finally:
-        pristine.restore()
 
 
 # ------------------------------------------------------------------------------ privacy ledger
@@ -361,8 +355,8 @@ def test_a_damaged_privacy_ledger_is_refused_or_read_exactly(
 ) -> None:
     directory, pristine = ledger_file
     written = json.loads(pristine.data)
-    try:
-        if not pristine.damage(data.draw(damages(len(pristine.data)))):
+    with pristine.damaged(data.draw(damages(len(pristine.data)))) as changed:
+        if not changed:
             return
         try:
             ledger = LedgerFile(directory).read("central")
@@ -373,5 +367,3 @@ def test_a_damaged_privacy_ledger_is_refused_or_read_exactly(
         assert ledger.to_json() == {k: written[k] for k in ("mode", "noise", "releases")}, (
             "a damaged ledger was read as another count of releases"
         )
-    finally:
-        pristine.restore()

@@ -40,15 +40,20 @@ def wrap_flower_factory(
     """Replace factory ``name`` of Flower's module ``module_name`` by ``wrap`` of Flower's own
     (never of an earlier wrapper); False, saying on stderr as ``who`` that ``lacking``, on a
     Flower this was not written against."""
-    version = flower_version()
     module = importlib.import_module(module_name)
     make = getattr(module, name, None)
-    if not is_known(version) or make is None:
-        print(
-            f"{who}: Flower {version}'s {module_name}.{name} is not one this knows "
-            f"({known_versions()}); {lacking}",
-            file=sys.stderr,
-        )
-        return False
+    if not is_known(flower_version()) or make is None:
+        return refuse(who, f"{module_name}.{name}", lacking)
     setattr(module, name, wrap(getattr(make, "__wrapped__", make)))
     return True
+
+
+def refuse(who: str, what: str, consequence: str) -> bool:
+    """Say on stderr, as ``who``, that the installed Flower's ``what`` is not the code this was
+    written against and what is kept instead (``consequence``); False."""
+    print(
+        f"{who}: Flower {flower_version()}'s {what} is not the code this knows "
+        f"({known_versions()}); {consequence}",
+        file=sys.stderr,
+    )
+    return False

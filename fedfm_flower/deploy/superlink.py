@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from fedfm_flower.deploy.known_flower import flower_version, is_known, known_versions
+from fedfm_flower.deploy.known_flower import flower_version, is_known, refuse
 
 PRAGMAS_MODULE = "flwr.supercore.sql_mixin"
 STATE_MODULE = "flwr.supercore.corestate.sql_corestate"
@@ -47,16 +47,7 @@ SWEEP_EVERY_S = 1.0
 # sha256 (first 16 hex digits) of inspect.getsource of the sweep, on the versions above.
 FLOWER_SOURCES = {SWEEP: {"34301eae2ee4a008"}}
 _SWEEP_LOCK = threading.Lock()
-
-
-def _refuse(what: str, consequence: str) -> bool:
-    """Say on stderr that ``what`` is not the code this knows and what the SuperLink keeps."""
-    print(
-        f"fedfm_flower.deploy.superlink: Flower {flower_version()}'s {what} is not the code "
-        f"this knows ({known_versions()}); {consequence}",
-        file=sys.stderr,
-    )
-    return False
+WHO = "fedfm_flower.deploy.superlink"
 
 
 def check_lock_wait(seconds: float) -> float:
@@ -76,7 +67,7 @@ def wait_longer_for_locks(seconds: float = DEFAULT_LOCK_WAIT_S) -> bool:
         isinstance(p, tuple) and p[:1] == ("busy_timeout",) for p in pragmas
     )
     if not is_known(flower_version()) or not known:
-        return _refuse("SQLite settings", "SQLite waits 5 s for its lock")
+        return refuse(WHO, "SQLite settings", "SQLite waits 5 s for its lock")
     module.SQLITE_PRAGMAS = tuple(
         ("busy_timeout", str(round(seconds * 1000))) if name == "busy_timeout" else (name, value)
         for name, value in pragmas
@@ -115,7 +106,7 @@ def sweep_tokens_at_most_every(seconds: float = SWEEP_EVERY_S) -> bool:
         or original is None
         or source_digest(original) not in FLOWER_SOURCES[SWEEP]
     ):
-        return _refuse("task-token sweep", "it sweeps on every status read")
+        return refuse(WHO, "task-token sweep", "it sweeps on every status read")
     setattr(state, SWEEP, _sweeping_at_most_every(original, seconds))
     return True
 
