@@ -45,11 +45,15 @@ def flower_command(name: str) -> str:
 
 def flower_environment(flwr_home: Path, base: Mapping[str, str] | None = None) -> dict[str, str]:
     """Environment for Flower's CLI and daemons: our FLWR_HOME, no runtime installs, HF offline,
-    a Ray of its own unless ``RAY_ADDRESS`` names one.
+    no usage reports, a Ray of its own unless ``RAY_ADDRESS`` names one.
 
     ``FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION`` stops ``flwr run``/SuperLink/SuperNodes from
     running ``uv sync`` (which would download torch again); this interpreter's scripts come first
-    on PATH because Flower spawns ``flower-superlink`` and ``flwr-clientapp`` by name.
+    on PATH because Flower spawns ``flower-superlink`` and ``flwr-clientapp`` by name. Flower's
+    telemetry and Ray's usage stats are off unless the caller's environment turns them on
+    (``FLWR_TELEMETRY_ENABLED=1``, ``RAY_USAGE_STATS_ENABLED=1``): every Flower process of a run
+    otherwise posts events to telemetry.flower.ai (an HTTPS request with a fresh TLS context,
+    0.5 s of CPU in the simulation process at start-up), and the runs are offline by design.
     """
     env = dict(os.environ if base is None else base)
     env["FLWR_HOME"] = str(flwr_home)
@@ -57,6 +61,8 @@ def flower_environment(flwr_home: Path, base: Mapping[str, str] | None = None) -
     env["FLWR_DISABLE_UPDATE_CHECK"] = "1"
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("HF_DATASETS_OFFLINE", "1")
+    env.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+    env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     # Without an address, ray.init joins the cluster named in /tmp/ray/ray_current_cluster (one
     # that `ray start` left, e.g. for a sweep) instead of starting the simulation's own.
     env.setdefault("RAY_ADDRESS", "local")

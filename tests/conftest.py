@@ -14,6 +14,9 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
+# No network at run time: Flower's telemetry and Ray's usage stats would post from every run.
+os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 # Configs without a cache-dir cache under $XDG_CACHE_HOME: keep the tests' out of the user's.
 os.environ["XDG_CACHE_HOME"] = _XDG_CACHE = tempfile.mkdtemp(prefix="fedfm-test-xdg-")
 _XDG_OWNER = os.getpid()

@@ -88,6 +88,14 @@ def test_a_simulation_starts_its_own_ray_unless_ray_address_names_one() -> None:
     assert chosen["RAY_ADDRESS"] == "10.0.0.1:6379"
 
 
+def test_flower_and_ray_report_no_usage_unless_the_caller_asks() -> None:
+    quiet = flower_environment(Path("/tmp/home"), base={})
+    assert quiet["FLWR_TELEMETRY_ENABLED"] == "0" and quiet["RAY_USAGE_STATS_ENABLED"] == "0"
+    asked = {"FLWR_TELEMETRY_ENABLED": "1", "RAY_USAGE_STATS_ENABLED": "1"}
+    chosen = flower_environment(Path("/tmp/home"), base=asked)
+    assert chosen["FLWR_TELEMETRY_ENABLED"] == "1" and chosen["RAY_USAGE_STATS_ENABLED"] == "1"
+
+
 @pytest.mark.parametrize("dataset", ["digits", "digits-domains"])
 def test_the_launchers_checks_load_no_torch(dataset: str, tmp_path: Path) -> None:
     code = (
