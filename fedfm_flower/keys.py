@@ -373,8 +373,10 @@ class ModelKeys:
     cache_dir: str = setting(
         "",
         doc=(
-            "cache for the offline foundation model and the clients' partition plans (so a "
-            "ClientApp started per message skips partitioning and its imports); empty is "
+            "cache for the offline foundation model, the clients' partition plans (so a "
+            "ClientApp started per message skips partitioning and its imports) and the models' "
+            "initial trainable tensors (so the ServerApp of a later run of the same model builds "
+            "no model); empty is "
             "`$XDG_CACHE_HOME/fedfm-flower`, i.e. `~/.cache/fedfm-flower` by default"
         ),
     )

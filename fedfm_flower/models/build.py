@@ -1,5 +1,5 @@
-"""Building a method's model for a run, its seeded initial trainable tensors, its foundation
-model, and a per-process model cache.
+"""Building a method's model for a run, its seeded initial trainable tensors (cached on disk by
+``fedfm_flower.models.initial_cache``), its foundation model, and a per-process model cache.
 
 The families' builders and foundation hooks (``ModelFamily.builder``, ``.foundation``) are
 imported here, on demand, by their ``"module:function"`` paths.
@@ -16,6 +16,7 @@ import torch
 from fedfm_flower.config import ExperimentConfig
 from fedfm_flower.models.families import family_of
 from fedfm_flower.models.groups import TrainableTensors, TunedModel
+from fedfm_flower.models.initial_cache import cached_initial
 
 
 def build_model(
@@ -54,11 +55,13 @@ def _resolve(path: str) -> Any:
 def _initial_state(
     config: ExperimentConfig, tuner: str, num_outputs: int, train_backbone: bool
 ) -> TrainableTensors:
-    # A trainable backbone starts from its pretrained weights, which every node loads alike.
-    model = build_model(
-        config, tuner, num_outputs, load_weights=train_backbone, train_backbone=train_backbone
-    )
-    return model.trainable()
+    if train_backbone:  # it starts from its pretrained weights, which every node loads alike
+        return build_model(config, tuner, num_outputs, train_backbone=True).trainable()
+
+    def build() -> TrainableTensors:
+        return build_model(config, tuner, num_outputs, load_weights=False).trainable()
+
+    return cached_initial(config, tuner, num_outputs, build)
 
 
 def initial_trainable(
