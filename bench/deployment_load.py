@@ -31,7 +31,7 @@ from typing import Any
 
 from bench.process_memory import PeakMemory
 from fedfm_flower.deploy import DeployOptions, LocalDeployment
-from fedfm_flower.processes import exit_on_sigterm, proc_cmdline, proc_stat
+from fedfm_flower.processes import cpu_seconds, exit_on_sigterm, proc_cmdline, proc_stat
 from fedfm_flower.results import RunDirectory
 
 MB = 2**20
@@ -65,14 +65,6 @@ def parent_pid(pid: int) -> int:
     """The parent of a process (0 when it is gone)."""
     fields = proc_stat(pid)
     return int(fields[1]) if fields else 0
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process so far (0 when it is gone)."""
-    fields = proc_stat(pid)
-    if not fields:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / 100.0  # utime, stime in clock ticks (USER_HZ)
 
 
 def available_bytes() -> int:

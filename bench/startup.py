@@ -15,7 +15,11 @@ started. Reported per run, as seconds since start:
 
 and, from the run's ``metrics.jsonl``: ``launch-s`` (when round 1 started: its ``round-1-done``
 stamp less its seconds), ``first-round-extra-s`` (round 1 less the median of rounds 2..R-1)
-and their sum, the figure issue 52 targets. ``--env`` sets
+and their sum, the figure issue 52 targets; ``cpu-s``: CPU seconds per role (``ROLES``: the
+launcher, Flower's CLI, SuperLink, SuperExec, the simulation process that runs the ServerApp,
+Ray's own processes, Ray's workers: the actors and idle workers) when round 1 ended and at the
+exit, and ``processes``, how many each role had, from ``/proc`` every 0.2 s over the processes
+carrying the run's tag variable. ``--env`` sets
 variables for the launcher (``FEDFM_ACTOR_PRELOAD=0`` compares without the actors' preload).
 Measure on an idle machine: on 2 cores anything else running shows in every figure.
 """
@@ -30,9 +34,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import uuid
 from pathlib import Path
 
+from fedfm_flower.processes import cpu_seconds, pids_with_environment, proc_cmdline
 from fedfm_flower.results import RunDirectory
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,8 +52,77 @@ MARKS = {
 }
 
 
-def stamped_run(command: list[str], env: dict[str, str]) -> tuple[dict[str, float], float, int]:
-    """First time (s since start) each mark's line appeared, the exit time and exit status."""
+# (marker in the command line, role), first match wins; Ray's workers are "ray::<what runs>".
+ROLES = (
+    ("fedfm_flower.simulation", "launcher"),
+    ("bin/flwr ", "flwr cli"),
+    ("flower-superlink", "superlink"),
+    ("flower-superexec", "superexec"),
+    ("flwr-simulation", "simulation (serverapp)"),
+    ("ray::DashboardAgent", "ray"),
+    ("ray::RuntimeEnvAgent", "ray"),
+    ("ray::", "ray workers"),
+    ("default_worker.py", "ray workers"),  # a worker before it names itself ray::<task>
+    ("/ray/", "ray"),
+)
+TAG = "FEDFM_STARTUP_TAG"
+
+
+def startup_role(command: str) -> str:
+    """The role of a process of the run, from its command line."""
+    return next((role for marker, role in ROLES if marker in command), "other")
+
+
+class RoleCpu(threading.Thread):
+    """Samples the CPU seconds of every process tagged ``TAG=tag``, by role, until stopped."""
+
+    def __init__(self, tag: str, interval: float = 0.2) -> None:
+        super().__init__(daemon=True)
+        self.tag, self.interval = tag, interval
+        self.seen: dict[int, tuple[str, float]] = {}  # pid -> (role, CPU seconds last seen)
+        self.stopped = threading.Event()
+        self.at_round_1: dict[str, float] = {}
+
+    def run(self) -> None:
+        """Sample until ``stop``."""
+        while not self.stopped.wait(self.interval):
+            self.sample()
+
+    def sample(self) -> None:
+        """Read every tagged process's CPU seconds (a process that is gone keeps its last)."""
+        for pid in pids_with_environment({TAG: self.tag}):
+            command = " ".join(proc_cmdline(pid))  # Ray's workers rename themselves
+            role = startup_role(command) if command else self.seen.get(pid, ("other", 0))[0]
+            self.seen[pid] = (role, max(cpu_seconds(pid), self.seen.get(pid, (role, 0.0))[1]))
+
+    def by_role(self) -> dict[str, float]:
+        """CPU seconds per role so far (rounded to 0.01 s), and their ``total``."""
+        totals: dict[str, float] = {}
+        for role, seconds in self.seen.values():
+            totals[role] = totals.get(role, 0.0) + seconds
+        totals["total"] = sum(totals.values())
+        return {role: round(value, 2) for role, value in sorted(totals.items())}
+
+    def processes(self) -> dict[str, int]:
+        """How many processes of each role were seen."""
+        counts: dict[str, int] = {}
+        for role, _ in self.seen.values():
+            counts[role] = counts.get(role, 0) + 1
+        return dict(sorted(counts.items()))
+
+    def stop(self) -> None:
+        """Stop sampling after one last sample."""
+        self.stopped.set()
+        if self.ident is not None:  # started
+            self.join()
+        self.sample()
+
+
+def stamped_run(
+    command: list[str], env: dict[str, str], cpu: RoleCpu | None = None
+) -> tuple[dict[str, float], float, int]:
+    """First time (s since start) each mark's line appeared, the exit time and exit status;
+    ``cpu``, sampling the run's processes, is read when round 1 ends."""
     started = time.perf_counter()
     seen: dict[str, float] = {}
     process = subprocess.Popen(
@@ -64,13 +140,17 @@ def stamped_run(command: list[str], env: dict[str, str]) -> tuple[dict[str, floa
         for mark, pattern in MARKS.items():
             if mark not in seen and pattern.search(line):
                 seen[mark] = round(now, 2)
+                if mark == "round-1-done" and cpu is not None:
+                    cpu.sample()
+                    cpu.at_round_1 = cpu.by_role()
     code = process.wait()
     return seen, round(time.perf_counter() - started, 2), code
 
 
 def one_run(rounds: int, extra_env: dict[str, str], workdir: Path, name: str) -> dict:
     """One launch of the main job with ``rounds`` rounds; its stamps and round times."""
-    env = {**os.environ, **extra_env, "FLWR_HOME": str(workdir / f"flwr-home-{name}")}
+    tag = uuid.uuid4().hex
+    env = {**os.environ, **extra_env, "FLWR_HOME": str(workdir / f"flwr-home-{name}"), TAG: tag}
     out = workdir / "runs"
     command = [
         sys.executable,
@@ -82,11 +162,19 @@ def one_run(rounds: int, extra_env: dict[str, str], workdir: Path, name: str) ->
         "-c",
         f"num-server-rounds={rounds} output-dir='{out}' run-name='{name}'",
     ]
-    marks, exit_s, code = stamped_run(command, env)
+    cpu = RoleCpu(tag)
+    cpu.start()
+    try:
+        marks, exit_s, code = stamped_run(command, env, cpu)
+    finally:
+        cpu.stop()
     run_dir = out / name
     records = RunDirectory(run_dir).rounds() if (run_dir / "metrics.jsonl").exists() else []
     seconds = [r["round-seconds"] for r in records]
     result: dict = {"exit-status": code, "marks": marks, "exit": exit_s, "round-s": seconds}
+    result["cpu-s-at-round-1"] = cpu.at_round_1
+    result["cpu-s-at-exit"] = cpu.by_role()
+    result["processes"] = cpu.processes()
     if code == 0 and len(seconds) >= 3 and "round-1-done" in marks:
         steady = statistics.median(seconds[1:-1])
         result["launch-s"] = round(marks["round-1-done"] - seconds[0], 2)

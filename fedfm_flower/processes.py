@@ -63,6 +63,11 @@ def flower_environment(flwr_home: Path, base: Mapping[str, str] | None = None) -
     env.setdefault("HF_DATASETS_OFFLINE", "1")
     env.setdefault("FLWR_TELEMETRY_ENABLED", "0")
     env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # Ray's raylet starts idle workers for tasks (one per CPU, and again when the driver joins);
+    # a simulation runs only actors, each in a worker of its own, so they would import Ray's
+    # worker code and sit idle: 3 of the main job's 5 workers on 2 cores.
+    env.setdefault("RAY_enable_worker_prestart", "0")
+    env.setdefault("RAY_prestart_worker_first_driver", "0")
     # Without an address, ray.init joins the cluster named in /tmp/ray/ray_current_cluster (one
     # that `ray start` left, e.g. for a sweep) instead of starting the simulation's own.
     env.setdefault("RAY_ADDRESS", "local")
@@ -105,6 +110,15 @@ def proc_stat(pid: int) -> list[str]:
             return handle.read().rsplit(b")", 1)[1].decode().split()
     except (OSError, IndexError):
         return []
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process so far (0 when it is gone)."""
+    fields = proc_stat(pid)
+    if not fields:
+        return 0.0
+    ticks = os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / ticks  # utime, stime in clock ticks
 
 
 def proc_cmdline(pid: int) -> list[str]:

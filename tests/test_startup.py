@@ -96,6 +96,14 @@ def test_flower_and_ray_report_no_usage_unless_the_caller_asks() -> None:
     assert chosen["FLWR_TELEMETRY_ENABLED"] == "1" and chosen["RAY_USAGE_STATS_ENABLED"] == "1"
 
 
+def test_a_simulations_ray_starts_no_idle_workers_unless_asked() -> None:
+    quiet = flower_environment(Path("/tmp/home"), base={})
+    assert quiet["RAY_enable_worker_prestart"] == "0"
+    assert quiet["RAY_prestart_worker_first_driver"] == "0"
+    chosen = flower_environment(Path("/tmp/home"), base={"RAY_enable_worker_prestart": "1"})
+    assert chosen["RAY_enable_worker_prestart"] == "1"
+
+
 @pytest.mark.parametrize("dataset", ["digits", "digits-domains"])
 def test_the_launchers_checks_load_no_torch(dataset: str, tmp_path: Path) -> None:
     code = (
@@ -135,3 +143,32 @@ def test_the_startup_bench_stamps_each_phase_once_in_order() -> None:
     assert list(marks) == order
     assert all(marks[a] <= marks[b] for a, b in zip(order, order[1:], strict=False))
     assert marks["round-1-done"] <= exit_s
+
+
+def test_the_startup_bench_counts_cpu_by_role_when_round_1_ends(tmp_path: Path) -> None:
+    from bench.startup import TAG, RoleCpu, stamped_run, startup_role
+
+    assert startup_role("/v/bin/python /v/bin/flwr run /x --stream") == "flwr cli"
+    assert startup_role("/v/bin/python /v/bin/flwr-simulation --token t") == (
+        "simulation (serverapp)"
+    )
+    assert startup_role("ray::ClientAppActor.__init__") == "ray workers"
+    assert startup_role("/v/python /v/ray/_private/workers/default_worker.py --x") == "ray workers"
+    assert startup_role("ray::DashboardAgent") == "ray"
+    assert startup_role("/v/site-packages/ray/core/src/ray/raylet/raylet --x") == "ray"
+    server = tmp_path / "flwr-simulation"  # its command line names the simulation's role
+    server.write_text(
+        "import time\n"
+        "end = time.process_time() + 0.4\n"
+        "while time.process_time() < end:\n"
+        "    pass\n"
+        "print('[round   1/4] acc n/a', flush=True)\n"
+        "time.sleep(0.5)\n"
+    )
+    cpu = RoleCpu("t-" + tmp_path.name)
+    env = {**os.environ, TAG: cpu.tag}
+    marks, _, code = stamped_run([sys.executable, str(server)], env, cpu)
+    cpu.stop()
+    assert code == 0 and "round-1-done" in marks
+    assert 0.35 <= cpu.at_round_1["simulation (serverapp)"] <= cpu.at_round_1["total"]
+    assert cpu.by_role()["simulation (serverapp)"] >= cpu.at_round_1["simulation (serverapp)"]
