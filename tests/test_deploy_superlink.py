@@ -202,3 +202,35 @@ def test_a_deployed_serverapp_pushes_an_unstored_object_again(monkeypatch):
     assert object_pushes.retry_grid_object_pushes(deployed_grid) is True
     push([False, False, True])
     assert slept == [0.5, 1.0] and answers == []
+
+
+@pytest.mark.parametrize("form", ["separate", "joined"])
+def test_the_database_directory_is_made_before_flower_opens_it(form: str, tmp_path: Path) -> None:
+    database = tmp_path / "var" / "lib" / "fedfm" / "state.db"
+    args = ["--insecure", *(["--database", str(database)] if form == "separate" else [])]
+    if form == "joined":
+        args.append(f"--database={database}")
+    assert launcher.make_database_directory(args) == database.parent
+    assert database.parent.is_dir()
+    assert sqlite3.connect(database).execute("select 1").fetchone() == (1,)
+
+
+def test_an_in_memory_database_makes_no_directory(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert launcher.make_database_directory(["--database", ":flwr-in-memory:"]) is None
+    assert launcher.make_database_directory(["--insecure"]) is None
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_launchers_run_as_modules_without_runpys_warning() -> None:
+    import subprocess
+
+    for module in ("superlink", "supernode", "superexec"):
+        command = [sys.executable, "-W", "error::RuntimeWarning", "-m"]
+        result = subprocess.run(
+            [*command, f"fedfm_flower.deploy.{module}", "--help"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert result.returncode == 0 and "RuntimeWarning" not in result.stderr, result.stderr

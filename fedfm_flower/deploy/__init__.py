@@ -54,56 +54,41 @@ completed, 1 run failed or stopped, 2 bad arguments or run config, 3 the deploym
 start, 124 ``--run-timeout`` reached, 130 interrupted.
 
 Importing this package loads no torch and no Flower: ``tomli_w`` and ``cryptography`` are
-imported when first needed, and Flower runs in the processes the launcher starts.
+imported when first needed, and Flower runs in the processes the launcher starts. Its exports
+load their module on first use, so ``python -m fedfm_flower.deploy.superlink`` (``supernode``,
+``superexec``) runs a module the package has not already imported.
 """
 
-from fedfm_flower.deploy.certificates import (
-    CERT_FILES,
-    ensure_certificates,
-    ensure_supernode_keys,
-    generate_supernode_key,
-)
-from fedfm_flower.deploy.cli import build_parser, main
-from fedfm_flower.deploy.connection import choose_base_port, port_is_free, write_flwr_config
-from fedfm_flower.deploy.local import LocalDeployment
-from fedfm_flower.deploy.options import (
-    CONNECTION,
-    DEFAULT_BASE_PORT,
-    HOST,
-    DeploymentError,
-    DeployOptions,
-)
-from fedfm_flower.deploy.processes import ManagedProcess, become_subreaper, tagged_pids
-from fedfm_flower.deploy.runs import (
-    RunConfigError,
-    RunResult,
-    parse_run_config,
-    resolve_run_config,
-    write_toml,
-)
+from __future__ import annotations
 
-__all__ = [
-    "CERT_FILES",
-    "CONNECTION",
-    "DEFAULT_BASE_PORT",
-    "HOST",
-    "DeployOptions",
-    "DeploymentError",
-    "LocalDeployment",
-    "ManagedProcess",
-    "RunConfigError",
-    "RunResult",
-    "become_subreaper",
-    "build_parser",
-    "choose_base_port",
-    "ensure_certificates",
-    "ensure_supernode_keys",
-    "generate_supernode_key",
-    "main",
-    "parse_run_config",
-    "port_is_free",
-    "resolve_run_config",
-    "tagged_pids",
-    "write_flwr_config",
-    "write_toml",
-]
+from fedfm_flower.lazy import lazy_getattr
+
+_EXPORTS = {
+    "CERT_FILES": "fedfm_flower.deploy.certificates",
+    "ensure_certificates": "fedfm_flower.deploy.certificates",
+    "ensure_supernode_keys": "fedfm_flower.deploy.certificates",
+    "generate_supernode_key": "fedfm_flower.deploy.certificates",
+    "build_parser": "fedfm_flower.deploy.cli",
+    "main": "fedfm_flower.deploy.cli",
+    "choose_base_port": "fedfm_flower.deploy.connection",
+    "port_is_free": "fedfm_flower.deploy.connection",
+    "write_flwr_config": "fedfm_flower.deploy.connection",
+    "LocalDeployment": "fedfm_flower.deploy.local",
+    "CONNECTION": "fedfm_flower.deploy.options",
+    "DEFAULT_BASE_PORT": "fedfm_flower.deploy.options",
+    "DeployOptions": "fedfm_flower.deploy.options",
+    "DeploymentError": "fedfm_flower.deploy.options",
+    "HOST": "fedfm_flower.deploy.options",
+    "ManagedProcess": "fedfm_flower.deploy.processes",
+    "become_subreaper": "fedfm_flower.deploy.processes",
+    "tagged_pids": "fedfm_flower.deploy.processes",
+    "RunConfigError": "fedfm_flower.deploy.runs",
+    "RunResult": "fedfm_flower.deploy.runs",
+    "parse_run_config": "fedfm_flower.deploy.runs",
+    "resolve_run_config": "fedfm_flower.deploy.runs",
+    "write_toml": "fedfm_flower.deploy.runs",
+}
+
+__all__ = sorted(_EXPORTS)
+
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

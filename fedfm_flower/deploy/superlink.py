@@ -35,6 +35,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from fedfm_flower.deploy.known_flower import flower_version, is_known, refuse
@@ -111,6 +112,22 @@ def sweep_tokens_at_most_every(seconds: float = SWEEP_EVERY_S) -> bool:
     return True
 
 
+def make_database_directory(arguments: Sequence[str]) -> Path | None:
+    """Create the directory of ``--database FILE`` among Flower's ``arguments`` (SQLite cannot
+    open a file in a directory that does not exist); the directory, or None without one."""
+    database = None
+    for i, argument in enumerate(arguments):
+        if argument == "--database" and i + 1 < len(arguments):
+            database = arguments[i + 1]
+        elif argument.startswith("--database="):
+            database = argument.split("=", 1)[1]
+    if not database or database.startswith(":"):  # Flower's :flwr-in-memory: and SQLite's
+        return None
+    directory = Path(database).expanduser().parent
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``--lock-wait``, apply both changes, then run ``flower-superlink`` on the rest."""
     parser = argparse.ArgumentParser(
@@ -131,6 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--lock-wait: {err}")
     wait_longer_for_locks(args.lock_wait)
     sweep_tokens_at_most_every()
+    make_database_directory(rest)
     from flwr.superlink.cli import flower_superlink
 
     sys.argv = ["flower-superlink", *rest]
