@@ -234,3 +234,14 @@ def test_the_launchers_run_as_modules_without_runpys_warning() -> None:
             timeout=120,
         )
         assert result.returncode == 0 and "RuntimeWarning" not in result.stderr, result.stderr
+
+
+def test_a_database_directory_that_cannot_be_made_is_one_line_naming_it(
+    flower_state, tmp_path: Path, capsys
+) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(SystemExit) as exited:
+        launcher.main(["--database", str(blocker / "state.db")])
+    assert exited.value.code == 2
+    assert "--database: cannot create its directory" in capsys.readouterr().err

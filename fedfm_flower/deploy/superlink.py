@@ -148,7 +148,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--lock-wait: {err}")
     wait_longer_for_locks(args.lock_wait)
     sweep_tokens_at_most_every()
-    make_database_directory(rest)
+    try:
+        make_database_directory(rest)
+    except OSError as err:
+        parser.error(f"--database: cannot create its directory: {err}")
     from flwr.superlink.cli import flower_superlink
 
     sys.argv = ["flower-superlink", *rest]

@@ -2,8 +2,8 @@
 
 A strategy starts from the trainable tensors every client builds from the run's seed, so the
 ServerApp needs their values, names and groups before round 1. Building the model for them
-imports timm and peft and builds the backbone: 1.8 s of the main job's 20 s start-up on two
-cores, on the critical path, for tensors that are the same in every run of the same model.
+imports timm and peft and builds the backbone: for the main job on two cores, 2-2.5 CPU s of
+the ServerApp's start, which is ready 4.5 s earlier without it (docs/benchmarks.md, start-up).
 The first build writes them to ``<cache-dir>/initial/<backbone>-<key>.safetensors`` with a JSON
 file beside it (names in model order, groups, users); later runs read them back and import
 neither timm nor peft. Clients still build the model (they need the backbone).
@@ -152,7 +152,7 @@ def cached_initial(
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with exclusive_lock(path.with_suffix(".lock")):
-            write_initial(path, initial)
+            write_initial(path, initial)  # a writer that waited for the lock writes it again
     except OSError as err:
         log.warning("initial tensors not cached in %s: %s", path.parent, err)
     return initial
