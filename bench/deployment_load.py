@@ -29,9 +29,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from bench.process_cpu import CpuByRole
 from bench.process_memory import PeakMemory
 from fedfm_flower.deploy import DeployOptions, LocalDeployment
-from fedfm_flower.processes import cpu_seconds, exit_on_sigterm, proc_cmdline, proc_stat
+from fedfm_flower.processes import exit_on_sigterm, proc_cmdline, proc_stat
 from fedfm_flower.results import RunDirectory
 
 MB = 2**20
@@ -81,20 +82,13 @@ class DeploymentSampler(PeakMemory):
     def __init__(self, deployment: LocalDeployment, interval: float = 0.5) -> None:
         super().__init__(interval=interval, pids=deployment.live_pids)
         self.role_peak: dict[str, int] = {}
-        self.cpu: dict[int, tuple[str, float]] = {}  # pid -> (role, last CPU seconds seen)
+        self.cpu = CpuByRole()
 
     def observe(self, pid: int, size: int) -> None:
         """A process's role's peak PSS and its CPU seconds so far."""
-        role = self.cpu[pid][0] if pid in self.cpu else role_of(pid)
+        role = self.cpu.role(pid) or role_of(pid)
         self.role_peak[role] = max(self.role_peak.get(role, 0), size)
-        self.cpu[pid] = (role, max(cpu_seconds(pid), self.cpu.get(pid, (role, 0.0))[1]))
-
-    def cpu_by_role(self) -> dict[str, float]:
-        """CPU seconds per role, summed over its processes."""
-        totals: dict[str, float] = {}
-        for role, seconds in self.cpu.values():
-            totals[role] = totals.get(role, 0.0) + seconds
-        return totals
+        self.cpu.record(pid, role)
 
 
 def run_load(
@@ -146,7 +140,7 @@ def run_load(
         "peak-pss-mb": sampler.peak_bytes / MB,
         "peak-processes": sampler.peak_processes,
         "role-peak-pss-mb": {k: v / MB for k, v in sorted(sampler.role_peak.items())},
-        "role-cpu-s": {k: round(v, 1) for k, v in sorted(sampler.cpu_by_role().items())},
+        "role-cpu-s": {k: round(v, 1) for k, v in sorted(sampler.cpu.by_role().items())},
     }
     if result.ok:
         records = RunDirectory(output / name).rounds()

@@ -39,7 +39,8 @@ import time
 import uuid
 from pathlib import Path
 
-from fedfm_flower.processes import cpu_seconds, pids_with_environment, proc_cmdline
+from bench.process_cpu import CpuByRole
+from fedfm_flower.processes import pids_with_environment, proc_cmdline
 from fedfm_flower.results import RunDirectory
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -79,7 +80,7 @@ class RoleCpu(threading.Thread):
     def __init__(self, tag: str, interval: float = 0.2) -> None:
         super().__init__(daemon=True)
         self.tag, self.interval = tag, interval
-        self.seen: dict[int, tuple[str, float]] = {}  # pid -> (role, CPU seconds last seen)
+        self.cpu = CpuByRole()
         self.stopped = threading.Event()
         self.at_round_1: dict[str, float] = {}
 
@@ -92,23 +93,23 @@ class RoleCpu(threading.Thread):
         """Read every tagged process's CPU seconds (a process that is gone keeps its last)."""
         for pid in pids_with_environment({TAG: self.tag}):
             command = " ".join(proc_cmdline(pid))  # Ray's workers rename themselves
-            role = startup_role(command) if command else self.seen.get(pid, ("other", 0))[0]
-            self.seen[pid] = (role, max(cpu_seconds(pid), self.seen.get(pid, (role, 0.0))[1]))
+            role = startup_role(command) if command else self.cpu.role(pid) or "other"
+            self.cpu.record(pid, role)
 
     def by_role(self) -> dict[str, float]:
         """CPU seconds per role so far (rounded to 0.01 s), and their ``total``."""
-        totals: dict[str, float] = {}
-        for role, seconds in self.seen.values():
-            totals[role] = totals.get(role, 0.0) + seconds
+        totals = self.cpu.by_role()
         totals["total"] = sum(totals.values())
         return {role: round(value, 2) for role, value in sorted(totals.items())}
 
     def processes(self) -> dict[str, int]:
         """How many processes of each role were seen."""
-        counts: dict[str, int] = {}
-        for role, _ in self.seen.values():
-            counts[role] = counts.get(role, 0) + 1
-        return dict(sorted(counts.items()))
+        return self.cpu.processes()
+
+    def mark_round_1(self) -> None:
+        """Keep the CPU seconds per role as they are now, when round 1 has ended."""
+        self.sample()
+        self.at_round_1 = self.by_role()
 
     def stop(self) -> None:
         """Stop sampling after one last sample."""
@@ -141,8 +142,7 @@ def stamped_run(
             if mark not in seen and pattern.search(line):
                 seen[mark] = round(now, 2)
                 if mark == "round-1-done" and cpu is not None:
-                    cpu.sample()
-                    cpu.at_round_1 = cpu.by_role()
+                    cpu.mark_round_1()
     code = process.wait()
     return seen, round(time.perf_counter() - started, 2), code
 

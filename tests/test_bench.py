@@ -400,3 +400,29 @@ def test_the_gpu_modes_overhead_and_server_fraction_sections_run_a_timm_vit_on_t
         assert fraction["backbone"] == suite.VIT_S and fraction["clients"] == 2
         assert math.isfinite(fraction["fraction"]) and 0 < fraction["fraction"] < 1
     assert "(2 clients, vit_small_patch16_224" in suite.tables(results)
+
+
+def test_cpu_by_role_sums_roles_and_keeps_what_an_exited_process_used() -> None:
+    import os
+    import subprocess
+    import sys
+
+    from bench.process_cpu import CpuByRole
+    from fedfm_flower.processes import cpu_seconds
+
+    burn = "import time\nend = time.process_time() + 0.3\nwhile time.process_time() < end: pass\n"
+    child = subprocess.Popen([sys.executable, "-c", burn + "input()"], stdin=subprocess.PIPE)
+    try:
+        cpu = CpuByRole()
+        while cpu_seconds(child.pid) < 0.3:
+            cpu.record(child.pid, "worker")
+        cpu.record(child.pid, "worker")
+        used = cpu.by_role()["worker"]
+    finally:
+        child.communicate(b"\n")
+    cpu.record(child.pid, "worker")  # gone: its last reading stays
+    cpu.record(os.getpid(), "driver")
+    assert cpu.role(child.pid) == "worker" and cpu.role(-1) is None
+    assert cpu.by_role()["worker"] == used >= 0.3
+    assert cpu.by_role()["driver"] == pytest.approx(cpu_seconds(os.getpid()), abs=0.05)
+    assert cpu.processes() == {"driver": 1, "worker": 1}
