@@ -85,3 +85,19 @@ def flowerless_interpreter(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> P
     monkeypatch.setattr(sys, "executable", str(interpreter / "python3"))
     monkeypatch.setenv("PATH", str(scripts))
     return scripts
+
+
+@pytest.fixture
+def flowers_link_states(monkeypatch: pytest.MonkeyPatch) -> dict[str, type]:
+    """Flower's LinkState classes (in memory and SQLite) with Flower's own ``activate_node`` and
+    ``get_message_res``, restored after the test whatever it installs on them."""
+    from fedfm_flower.deploy.restarted_nodes import STATE_CLASSES
+
+    classes = {}
+    for module, name in STATE_CLASSES.items():
+        cls = getattr(__import__(module, fromlist=[name]), name)
+        for method in ("activate_node", "get_message_res"):
+            function = getattr(cls, method)
+            monkeypatch.setattr(cls, method, getattr(function, "__wrapped__", function))
+        classes[name] = cls
+    return classes

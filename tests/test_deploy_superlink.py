@@ -17,7 +17,7 @@ from fedfm_flower.deploy.cli import build_parser
 
 
 @pytest.fixture
-def flower_state(monkeypatch):
+def flower_state(monkeypatch, flowers_link_states):
     """Flower's SQLite settings and sweep, restored after the test."""
     pragmas = importlib.import_module(launcher.PRAGMAS_MODULE)
     monkeypatch.setattr(pragmas, "SQLITE_PRAGMAS", pragmas.SQLITE_PRAGMAS)
@@ -130,6 +130,7 @@ def test_a_bad_lock_wait_is_refused_naming_it(bad, flower_state, capsys):
 
 def test_main_hands_every_other_argument_to_flower_superlink(flower_state, monkeypatch):
     import flwr.superlink.cli
+    from flwr.server.superlink.linkstate.sql_linkstate import SqlLinkState
 
     pragmas, state = flower_state
     seen: dict[str, object] = {}
@@ -138,6 +139,7 @@ def test_main_hands_every_other_argument_to_flower_superlink(flower_state, monke
         seen["argv"] = list(sys.argv)
         seen["lock-wait-ms"] = dict(pragmas.SQLITE_PRAGMAS)["busy_timeout"]
         seen["sweep-every-s"] = getattr(state, launcher.SWEEP).sweep_every_s
+        seen["answers-for-restarted-nodes"] = hasattr(SqlLinkState.get_message_res, "__wrapped__")
 
     monkeypatch.setattr(flwr.superlink.cli, "flower_superlink", fake_superlink)
     monkeypatch.setattr(sys, "argv", list(sys.argv))
@@ -147,6 +149,7 @@ def test_main_hands_every_other_argument_to_flower_superlink(flower_state, monke
         "argv": ["flower-superlink", *args],
         "lock-wait-ms": "30000",
         "sweep-every-s": launcher.SWEEP_EVERY_S,
+        "answers-for-restarted-nodes": True,
     }
 
 

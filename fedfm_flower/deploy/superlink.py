@@ -1,4 +1,5 @@
-"""``flower-superlink`` whose SQLite state holds under many SuperNodes.
+"""``flower-superlink`` whose SQLite state holds under many SuperNodes, and that answers for
+the messages a restarted SuperNode lost (``fedfm_flower.deploy.restarted_nodes``).
 
     python -m fedfm_flower.deploy.superlink [--lock-wait 60] <flower-superlink arguments>
 
@@ -39,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from fedfm_flower.deploy.known_flower import flower_version, is_known, refuse
+from fedfm_flower.deploy.restarted_nodes import answer_for_restarted_nodes
 
 PRAGMAS_MODULE = "flwr.supercore.sql_mixin"
 STATE_MODULE = "flwr.supercore.corestate.sql_corestate"
@@ -129,7 +131,7 @@ def make_database_directory(arguments: Sequence[str]) -> Path | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Parse ``--lock-wait``, apply both changes, then run ``flower-superlink`` on the rest."""
+    """Parse ``--lock-wait``, apply the changes, then run ``flower-superlink`` on the rest."""
     parser = argparse.ArgumentParser(
         prog="python -m fedfm_flower.deploy.superlink",
         description=__doc__.splitlines()[0],
@@ -148,6 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--lock-wait: {err}")
     wait_longer_for_locks(args.lock_wait)
     sweep_tokens_at_most_every()
+    answer_for_restarted_nodes()
     try:
         make_database_directory(rest)
     except OSError as err:
