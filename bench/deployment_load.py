@@ -32,6 +32,7 @@ from typing import Any
 from bench.process_cpu import CpuByRole
 from bench.process_memory import PeakMemory
 from fedfm_flower.deploy import DeployOptions, LocalDeployment
+from fedfm_flower.overrides import parse_overrides
 from fedfm_flower.processes import exit_on_sigterm, proc_cmdline, proc_stat
 from fedfm_flower.results import RunDirectory
 
@@ -283,12 +284,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--supernodes and --rounds must be >= 1")
     if not 0 < args.memory_fraction <= 1:
         parser.error(f"--memory-fraction must lie in (0, 1], not {args.memory_fraction}")
-    config: dict[str, Any] = {}
-    for item in args.set:
-        key, sep, value = item.partition("=")
-        if not sep:
-            parser.error(f"--set expects KEY=VALUE, not {item!r}")
-        config[key] = json.loads(value) if value[:1] in '0123456789-[{tf"' else value
+    try:
+        config = parse_overrides(args.set)  # partitioner=iid and partitioner='iid' alike
+    except ValueError as err:
+        parser.error(str(err))
     rows = sweep(
         args.supernodes,
         args.rounds,

@@ -91,7 +91,7 @@ EOF
     openssl x509 -req -in "$out_dir/server.csr" -CA "$out_dir/ca.crt" -CAkey "$out_dir/ca.key" \
         -CAcreateserial -days "$days" -sha256 -extfile "$cfg" -extensions v3_req \
         -out "$out_dir/server.crt" 2>/dev/null
-    rm -f "$out_dir/server.csr" "$out_dir/ca.srl"
+    rm -f "$out_dir/server.csr" "$out_dir/ca.srl" "$cfg"
     chmod 644 "$out_dir/ca.crt" "$out_dir/server.crt"
     openssl verify -CAfile "$out_dir/ca.crt" "$out_dir/server.crt" >/dev/null
     echo "TLS: $out_dir/{ca.crt,server.crt,server.key} (SANs: $san_line)"

@@ -426,3 +426,23 @@ def test_cpu_by_role_sums_roles_and_keeps_what_an_exited_process_used() -> None:
     assert cpu.by_role()["worker"] == used >= 0.3
     assert cpu.by_role()["driver"] == pytest.approx(cpu_seconds(os.getpid()), abs=0.05)
     assert cpu.processes() == {"driver": 1, "worker": 1}
+
+
+def test_the_load_bench_reads_set_values_quoted_or_bare(monkeypatch, tmp_path, capsys) -> None:
+    from bench import deployment_load
+
+    seen = {}
+
+    def fake_sweep(supernodes, rounds, workdir, config, fraction, deploy):  # noqa: ANN001, ANN202
+        seen.update(config)
+        return []
+
+    monkeypatch.setattr(deployment_load, "sweep", fake_sweep)
+    monkeypatch.setattr(deployment_load, "exit_on_sigterm", lambda: None)
+    sets = ["partitioner=iid", "dataset='digits'", "num-server-rounds=3", "lr=0.01"]
+    argv = ["--supernodes", "2", "--workdir", str(tmp_path)]
+    assert deployment_load.main([*argv, *(a for s in sets for a in ("--set", s))]) == 0
+    assert seen == {"partitioner": "iid", "dataset": "digits", "num-server-rounds": 3, "lr": 0.01}
+    with pytest.raises(SystemExit) as exit_:
+        deployment_load.main([*argv, "--set", "no-value"])
+    assert exit_.value.code == 2 and "'no-value'" in capsys.readouterr().err

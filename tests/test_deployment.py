@@ -93,6 +93,8 @@ def test_default_certificates_and_keys_are_generated(tmp_path: Path):
     options = DeployOptions(num_supernodes=2, workdir=tmp_path / "work")
     certs = ensure_certificates(options)
     assert all((certs / name).is_file() for name in CERT_FILES)
+    # and nothing else: no work file of the script's is left
+    assert sorted(p.name for p in certs.iterdir()) == sorted([*CERT_FILES, "ca.key"])
     keys = ensure_supernode_keys(options)
     assert [k.name for k in keys] == ["supernode_0", "supernode_1"]
     assert keys[0].with_suffix(".pub").read_text().startswith("ecdsa-sha2-nistp384 ")
