@@ -59,6 +59,22 @@ def test_idle_waits_grow_to_the_longest_and_a_reply_wait_starts_them_over(monkey
     assert waits.time is time.time and waits.monotonic is time.monotonic
 
 
+def test_a_message_wakes_the_superexec_once_at_the_first_look_for_its_reply(monkeypatch):
+    monkeypatch.setattr(time, "sleep", lambda seconds: None)
+    woken: list[int] = []
+    waits = launcher.ShortWaits(0.1, 1.0)
+    waits.wake = lambda: woken.append(1)
+    waits.sleep(3)
+    waits.sleep(3)  # idle: nothing stored
+    assert woken == []
+    for _ in range(5):
+        waits.sleep(0.5)  # one message: its reply awaited five times
+    assert woken == [1]
+    waits.sleep(3)
+    waits.sleep(0.5)  # the next message
+    assert woken == [1, 1]
+
+
 def test_the_waits_it_shortens_are_flowers_sleeps_in_that_module(loop):
     # What the launcher relies on: the SuperNode loop sleeps 3 s after an empty pull and
     # 0.5 s between looks for a reply, through the module's own `time` name.

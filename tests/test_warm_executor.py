@@ -18,7 +18,7 @@ import pytest
 from flwr.supercore.constant import TaskType
 from flwr.supercore.superexec.executor.types import ExecutionSpec, LaunchResultStatus
 
-from fedfm_flower.deploy import DeployOptions, LocalDeployment, superexec
+from fedfm_flower.deploy import DeployOptions, LocalDeployment, superexec, wake
 from fedfm_flower.deploy import supernode as launcher
 
 
@@ -94,9 +94,10 @@ def test_another_flower_runs_flowers_superexec_with_the_same_arguments(monkeypat
     executed = []
     monkeypatch.setattr(superexec.os, "execvp", lambda path, argv: executed.append(argv))
     argv = ["--runtime-api-address", "127.0.0.1:9094", "--insecure", "--parent-pid", "1"]
-    superexec.main(argv)
+    superexec.main([*argv[:2], "--wake", "channel", *argv[2:]])
     assert executed and Path(executed[0][0]).name == "flower-superexec"
-    assert executed[0][1:] == argv
+    assert executed[0][1:] == argv  # but ours, which Flower's would refuse
+    assert superexec.without_wake(["--wake=x", "--insecure"]) == ["--insecure"]
     assert "running flower-superexec instead" in capsys.readouterr().err
 
 
@@ -155,13 +156,56 @@ def test_a_new_fab_drops_the_modules_of_the_old_one(tmp_path, monkeypatch):
 
 
 def test_the_launcher_starts_the_node_in_process_isolation_beside_a_kept_superexec(monkeypatch):
-    started = []
-    monkeypatch.setattr(
-        launcher.ExecutorKeeper, "start", lambda self: started.append(self.runtime_address)
-    )
+    loop = importlib.import_module(launcher.LOOP_MODULE)
+    monkeypatch.setattr(loop, "time", time)  # Flower's waits: nothing knows a message arrived
+    keepers = []
+    monkeypatch.setattr(launcher.ExecutorKeeper, "start", lambda self: keepers.append(self))
     args = ["--superlink", "127.0.0.1:9092", "--host", "127.0.0.1", "--port", "9111"]
     assert launcher.with_warm_executor(args) == [*args, "--isolation", "process"]
-    assert started == ["127.0.0.1:9111"]
+    assert [k.runtime_address for k in keepers] == ["127.0.0.1:9111"]
+    assert "--wake" not in keepers[0].command()
+
+    # With the short waits, the node wakes its SuperExec on a channel named on its command line.
+    waits = launcher.ShortWaits(0.1, 1.0)
+    monkeypatch.setattr(loop, "time", waits)
+    monkeypatch.setattr(time, "sleep", lambda seconds: None)
+    assert launcher.with_warm_executor(args) == [*args, "--isolation", "process"]
+    command = keepers[1].command()
+    name = command[command.index("--wake") + 1]
+    heard = threading.Event()
+    assert wake.listen(name, heard.set)
+    waits.sleep(0.5)  # the first look for a message's reply
+    assert heard.wait(10)
+    keepers[1].failures = launcher.EXECUTOR_FAILURES
+    assert "--wake" not in keepers[1].command()  # Flower's SuperExec would refuse it
+
+
+def test_the_wake_channel_reaches_its_listener_only() -> None:
+    name = wake.new_name()
+    assert wake.send(name) is False  # nobody listens yet: the send fails at once, harmlessly
+    heard: list[int] = []
+    arrived = threading.Event()
+    assert wake.listen(name, lambda: heard.append(1) or arrived.set()) is True
+    assert wake.listen(name, lambda: None) is False  # one listener per name
+    assert wake.send(name) is True and arrived.wait(10)
+    assert wake.send(wake.new_name()) is False and heard == [1]
+
+
+def test_a_wake_cuts_an_idle_poll_short_and_lets_idle_polls_grow_to_ten_seconds() -> None:
+    polls = superexec.TaskPolls(1.0)
+    name = wake.new_name()
+    assert superexec.hear_wakes(polls, name) is True
+    assert polls.cap == superexec.WOKEN_LONGEST_POLL_S == 10.0
+    polls.sleep(0.1)  # the first pause: Flower's interval
+    for _ in range(20):
+        next(polls)
+    assert polls.upcoming == 10.0  # idle: a poll every 10 s, not every --max-poll-interval
+    threading.Timer(0.2, wake.send, args=(name,)).start()  # the SuperNode stored a message
+    started = time.monotonic()
+    polls.sleep(0.1)
+    assert time.monotonic() - started < 5  # woken, not after 10 s
+    assert polls.upcoming == 0.1  # and the next pauses are short again
+    assert superexec.hear_wakes(superexec.TaskPolls(1.0), name) is False  # the name is taken
 
 
 @pytest.mark.parametrize(
@@ -423,7 +467,7 @@ def test_task_polls_back_off_while_idle_and_start_over_when_a_task_ends(monkeypa
         polls.sleep(0.1)  # Flower's time.sleep(task_poll_interval) after a poll found no task
     assert waited == pytest.approx([0.1, 0.15, 0.225, 0.3375, 0.50625, 0.759375, 1.0, 1.0])
     waited.clear()
-    polls.task_ended()  # the next message follows a reply closely
+    polls.poll_now()  # a task ended: the next message follows a reply closely
     polls.sleep(0.1)
     polls.sleep(0.1)
     assert waited == pytest.approx([0.1, 0.15])

@@ -26,8 +26,8 @@ next. Other task types go to Flower's executor.
   starts this command, starts it again.
 * **Guarded.** It runs only on the Flower it was written against (``known_flower`` and the
   functions and fields it uses, ``unsupported_flower``); on any other it says why on stderr and
-  runs Flower's ``flower-superexec`` with the same arguments. ``--allow-runtime-dependency-
-  installation`` tasks also go to Flower's executor.
+  runs Flower's ``flower-superexec`` with the same arguments (but ``--wake``).
+  ``--allow-runtime-dependency-installation`` tasks also go to Flower's executor.
 * **Prompt pulls.** A task can reach this process before its SuperNode holds every object of the
   message; Flower's object pull then waits 1 s, then 2 s, ... (its ``PULL_INITIAL_BACKOFF``,
   sized for a ``flwr-clientapp`` that starts a second later). ``pull_task_input`` here is
@@ -62,6 +62,10 @@ next. Other task types go to Flower's executor.
   that found no task grows 1.5 times up to ``FEDFM_SUPEREXEC_MAX_POLL_INTERVAL`` (the node's
   ``--max-poll-interval``; without it, Flower's interval: no change), and the end of a task
   starts it over at once (``TaskPolls``): a reply is followed closely by the next message.
+  With ``--wake NAME`` (``fedfm_flower.deploy.supernode`` passes it) the SuperNode also wakes
+  the poll when it has stored a message (``fedfm_flower.deploy.wake``), so the idle pause can
+  grow to ``WOKEN_LONGEST_POLL_S`` without delaying a task: an idle node's runtime API then
+  serves a poll every 10 s instead of every ``--max-poll-interval``.
 * **Tracking.** With ``FEDFM_TASKS_DIR`` set, a task in progress is a file
   ``<task id>.running`` there (``fedfm_flower.deploy.local`` uses it to see messages in flight).
 """
@@ -109,6 +113,7 @@ PULL_PATIENCE_VAR = "FEDFM_PULL_PATIENCE_S"
 # The longest pause between task polls (the node's --max-poll-interval; unset: no growth).
 MAX_POLL_VAR = "FEDFM_SUPEREXEC_MAX_POLL_INTERVAL"
 TASK_POLL_GROWTH = 1.5
+WOKEN_LONGEST_POLL_S = 10.0  # the longest idle pause when the SuperNode wakes this process
 SPEC_FIELDS = ("task_type", "runtime_api_address", "token", "insecure", "task_id")
 RUNTIME_FUNCTIONS = ("push_message", "push_task_output")
 
@@ -478,7 +483,7 @@ def _marker(task_id: int) -> Path | None:
 class TaskPolls(GrowingWait):
     """The ``time`` module as Flower's SuperExec loop sees it: its one fixed sleep, between task
     polls, grows from Flower's interval to ``longest`` (never below Flower's) while no task
-    comes; ``task_ended`` cuts the current pause short and starts the pauses over."""
+    comes; ``poll_now`` cuts the current pause short and starts the pauses over."""
 
     def __init__(self, longest: float) -> None:
         super().__init__(longest, longest, TASK_POLL_GROWTH)
@@ -488,7 +493,7 @@ class TaskPolls(GrowingWait):
 
     def sleep(self, seconds: float) -> None:
         """Flower's ``time.sleep(task_poll_interval)``: ``seconds`` the first time and after a
-        task ended, then longer up to ``longest``; a task's end wakes it."""
+        task ended, then longer up to ``longest``; ``poll_now`` wakes it."""
         self.first, self.longest = seconds, max(self.cap, seconds)
         if self.ended.is_set():
             self.ended.clear()
@@ -497,8 +502,8 @@ class TaskPolls(GrowingWait):
             self.ended.clear()
             self.restart()
 
-    def task_ended(self) -> None:
-        """A task ended: poll now, then again after short pauses."""
+    def poll_now(self) -> None:
+        """A task ended or a message arrived: poll now, then again after short pauses."""
         self.ended.set()
 
     def __getattr__(self, name: str) -> Any:
@@ -576,7 +581,7 @@ class WarmExecutor:
             run_task(spec, self.apps)
         finally:
             if self.polls is not None:
-                self.polls.task_ended()
+                self.polls.poll_now()
 
     def reconcile(self) -> None:
         """Flower's."""
@@ -587,9 +592,9 @@ class WarmExecutor:
         self.fallback.close()
 
 
-def install(run_superexec_module: Any, longest_poll: float | None = None) -> None:
+def install(run_superexec_module: Any, longest_poll: float | None = None) -> TaskPolls | None:
     """Make Flower's SuperExec loop build a ``WarmExecutor`` around the executor it asks for;
-    with ``longest_poll``, its task polls back off up to it (``TaskPolls``)."""
+    with ``longest_poll``, its task polls back off up to it (``TaskPolls``, returned)."""
     flower_factory = getattr(run_superexec_module.get_executor, "flower_factory", None)
     flower_factory = flower_factory or run_superexec_module.get_executor
     polls = TaskPolls(longest_poll) if longest_poll is not None else None
@@ -601,6 +606,33 @@ def install(run_superexec_module: Any, longest_poll: float | None = None) -> Non
 
     get_executor.flower_factory = flower_factory  # type: ignore[attr-defined]
     run_superexec_module.get_executor = get_executor
+    return polls
+
+
+def hear_wakes(polls: TaskPolls, name: str) -> bool:
+    """Poll at once whenever the SuperNode wakes this process on channel ``name``
+    (``fedfm_flower.deploy.wake``), and so seldom while idle (``WOKEN_LONGEST_POLL_S``); False,
+    polls unchanged, when the channel cannot be opened."""
+    from fedfm_flower.deploy import wake
+
+    if not wake.listen(name, polls.poll_now):
+        return False
+    polls.cap = max(polls.cap, WOKEN_LONGEST_POLL_S)
+    return True
+
+
+def without_wake(arguments: Sequence[str]) -> list[str]:
+    """``arguments`` without ``--wake NAME`` (ours; Flower's ``flower-superexec`` refuses it)."""
+    kept: list[str] = []
+    skip = False
+    for argument in arguments:
+        if skip:
+            skip = False
+        elif argument == "--wake":
+            skip = True
+        elif not argument.startswith("--wake="):
+            kept.append(argument)
+    return kept
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -613,6 +645,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--insecure", action="store_true")
     parser.add_argument("--root-certificates", default=None)
     parser.add_argument("--parent-pid", type=int, default=None)
+    parser.add_argument("--wake", default=None, help="the SuperNode's wake channel (its name)")
     args = parser.parse_args(arguments)
     try:
         longest_poll = longest_task_poll()
@@ -626,11 +659,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             flush=True,
         )
         command = flower_command("flower-superexec")
-        os.execvp(command, [command, *arguments])
+        os.execvp(command, [command, *without_wake(arguments)])
         return 127  # execvp does not return; here only when it is replaced (tests)
     from flwr.supercore.superexec import run_superexec as loop
 
-    install(loop, longest_poll)
+    polls = install(loop, longest_poll)
+    if polls is not None and args.wake and not hear_wakes(polls, args.wake):
+        print(
+            f"fedfm_flower.deploy.superexec: cannot listen on wake channel {args.wake!r}; "
+            "polling for tasks instead",
+            file=sys.stderr,
+            flush=True,
+        )
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per runtime request otherwise
     loop.run_superexec(

@@ -79,6 +79,9 @@ does not know, or with TLS on the node's runtime API (``--appio-ssl-*``), the no
 Flower's subprocess isolation and says so on stderr. With ``FEDFM_EXECUTOR_FORKSERVER`` naming a
 fork server's socket (``DeployOptions.shared_imports``), the warm SuperExec is forked by that
 server (``fedfm_flower.deploy.forkserver``), sharing its imports with the other nodes' forks.
+Where the node runs with the short waits, it wakes that SuperExec when it has stored a message
+(``--wake``, ``fedfm_flower.deploy.wake``), so the SuperExec's idle polls of the node's runtime
+API can be 10 s apart instead of ``--max-poll-interval`` without delaying a task.
 """
 
 from __future__ import annotations
@@ -95,10 +98,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from fedfm_flower.deploy import object_pushes
+from fedfm_flower.deploy import object_pushes, wake
 from fedfm_flower.deploy.known_flower import (
     flower_version,
     is_known,
@@ -138,10 +141,14 @@ MIN_POLL_INTERVAL, MAX_POLL_INTERVAL = 0.01, 60.0
 
 class ShortWaits(GrowingWait):
     """The ``time`` module as the SuperNode loop sees it, with the sleeps of the module doc:
-    its empty-pull waits are this ``GrowingWait``. No sleep is longer than Flower asked for."""
+    its empty-pull waits are this ``GrowingWait``. No sleep is longer than Flower asked for.
+    ``wake``, when set, is called once per message, at the first look for its reply (the
+    message and its task are stored by then)."""
 
     def __init__(self, first: float, longest: float) -> None:
         super().__init__(first, longest, GROWTH)
+        self.wake: Callable[[], object] | None = None
+        self.handling = False  # a message is being handled (its reply is awaited)
 
     @property
     def next_idle(self) -> float:
@@ -152,9 +159,13 @@ class ShortWaits(GrowingWait):
         """An empty pull's wait (Flower: 3 s) grows; a reply wait (0.5 s) is short and restarts."""
         if seconds > REPLY_WAIT_S:
             pause = min(next(self), seconds)
+            self.handling = False
         else:
             pause = min(seconds, self.first)
             self.restart()
+            if not self.handling and self.wake is not None:
+                self.wake()
+            self.handling = True
         time.sleep(pause)
 
     def __getattr__(self, name: str) -> Any:
@@ -356,8 +367,9 @@ class ExecutorKeeper:
     """Keeps a SuperExec running for this SuperNode: ours, and Flower's after repeated quick
     failures of ours."""
 
-    def __init__(self, runtime_address: str) -> None:
+    def __init__(self, runtime_address: str, wake_name: str | None = None) -> None:
         self.runtime_address = runtime_address
+        self.wake_name = wake_name  # the channel ours listens on (fedfm_flower.deploy.wake)
         self.failures = 0
         self.process: subprocess.Popen[bytes] | ForkedProcess | None = None
 
@@ -366,7 +378,8 @@ class ExecutorKeeper:
         common = ["--insecure", "--runtime-api-address", self.runtime_address]
         common += ["--parent-pid", str(os.getpid())]
         if self.failures < EXECUTOR_FAILURES:
-            return [sys.executable, "-m", "fedfm_flower.deploy.superexec", *common]
+            wake = ["--wake", self.wake_name] if self.wake_name else []
+            return [sys.executable, "-m", "fedfm_flower.deploy.superexec", *common, *wake]
         return [flower_command("flower-superexec"), *common]
 
     def spawn(self) -> subprocess.Popen[bytes] | ForkedProcess:
@@ -448,7 +461,12 @@ def with_warm_executor(arguments: list[str]) -> list[str]:
 
     host = _option(arguments, "--host", UVICORN_DEFAULT_HOST)
     port = _option(arguments, "--port", str(SUPERNODE_UVICORN_DEFAULT_PORT))
-    ExecutorKeeper(resolve_bind_address(f"{host}:{port}")).start()
+    waits = getattr(importlib.import_module(LOOP_MODULE), "time", None)
+    name = None
+    if isinstance(waits, ShortWaits):  # only these waits know when a message arrived
+        name = wake.new_name()
+        waits.wake = functools.partial(wake.send, name)
+    ExecutorKeeper(resolve_bind_address(f"{host}:{port}"), name).start()
     return [*arguments, "--isolation", "process"]
 
 
