@@ -29,6 +29,8 @@ def loop(monkeypatch):
     module = importlib.import_module(launcher.LOOP_MODULE)
     monkeypatch.setattr(module, "time", time)
     monkeypatch.setattr(module, "pull_objects", module.pull_objects)
+    pull = getattr(module, launcher.PULL_AND_STORE)
+    monkeypatch.setattr(module, launcher.PULL_AND_STORE, getattr(pull, "__wrapped__", pull))
     fleet = importlib.import_module(launcher.FLEET_MODULE)
     factory = getattr(fleet, launcher.RETRY_FACTORY)
     monkeypatch.setattr(fleet, launcher.RETRY_FACTORY, getattr(factory, "__wrapped__", factory))
@@ -59,20 +61,34 @@ def test_idle_waits_grow_to_the_longest_and_a_reply_wait_starts_them_over(monkey
     assert waits.time is time.time and waits.monotonic is time.monotonic
 
 
-def test_a_message_wakes_the_superexec_once_at_the_first_look_for_its_reply(monkeypatch):
-    monkeypatch.setattr(time, "sleep", lambda seconds: None)
+def test_the_node_wakes_its_superexec_after_each_message_it_stored(loop, monkeypatch):
+    stored = iter([None, 7, None, 7])  # the loop's pulls: empty, a message, empty, a message
+    monkeypatch.setattr(loop, launcher.PULL_AND_STORE, lambda **kwargs: next(stored))
     woken: list[int] = []
-    waits = launcher.ShortWaits(0.1, 1.0)
-    waits.wake = lambda: woken.append(1)
-    waits.sleep(3)
-    waits.sleep(3)  # idle: nothing stored
-    assert woken == []
-    for _ in range(5):
-        waits.sleep(0.5)  # one message: its reply awaited five times
-    assert woken == [1]
-    waits.sleep(3)
-    waits.sleep(0.5)  # the next message
-    assert woken == [1, 1]
+    assert launcher.wake_on_stored_messages(lambda: woken.append(1)) is True
+    pull = getattr(loop, launcher.PULL_AND_STORE)
+    assert [pull(state=None), pull(state=None)] == [None, 7] and woken == [1]
+    assert launcher.wake_on_stored_messages(lambda: woken.append(2)) is True  # no double wrap
+    pull = getattr(loop, launcher.PULL_AND_STORE)
+    assert [pull(state=None), pull(state=None)] == [None, 7]
+    assert woken == [1, 2]
+    # What it relies on: the loop calls the pull by that module name.
+    source = inspect.getsource(loop.start_client_internal)
+    assert f"run_id = {launcher.PULL_AND_STORE}(" in source
+
+
+def test_an_unknown_flower_gets_no_wake_ups_and_says_so(loop, monkeypatch, capsys):
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "9.0.0")
+    pull = getattr(loop, launcher.PULL_AND_STORE)
+    assert launcher.wake_on_stored_messages(lambda: None) is False
+    assert getattr(loop, launcher.PULL_AND_STORE) is pull
+    assert "without wake-ups" in capsys.readouterr().err
+
+
+def test_flowers_pull_stores_the_objects_before_it_returns(loop):
+    source = inspect.getsource(getattr(loop, launcher.PULL_AND_STORE))
+    puts, returned = source.index("object_store.put(obj_id"), source.rindex("return run_id")
+    assert puts < returned  # a task taken on the wake finds its message's objects
 
 
 def test_the_waits_it_shortens_are_flowers_sleeps_in_that_module(loop):

@@ -157,27 +157,22 @@ def test_a_new_fab_drops_the_modules_of_the_old_one(tmp_path, monkeypatch):
 
 def test_the_launcher_starts_the_node_in_process_isolation_beside_a_kept_superexec(monkeypatch):
     loop = importlib.import_module(launcher.LOOP_MODULE)
-    monkeypatch.setattr(loop, "time", time)  # Flower's waits: nothing knows a message arrived
+    stored = iter([7])  # the loop's next pull stores a message
+    monkeypatch.setattr(loop, launcher.PULL_AND_STORE, lambda **kwargs: next(stored))
     keepers = []
     monkeypatch.setattr(launcher.ExecutorKeeper, "start", lambda self: keepers.append(self))
     args = ["--superlink", "127.0.0.1:9092", "--host", "127.0.0.1", "--port", "9111"]
     assert launcher.with_warm_executor(args) == [*args, "--isolation", "process"]
     assert [k.runtime_address for k in keepers] == ["127.0.0.1:9111"]
-    assert "--wake" not in keepers[0].command()
-
-    # With the short waits, the node wakes its SuperExec on a channel named on its command line.
-    waits = launcher.ShortWaits(0.1, 1.0)
-    monkeypatch.setattr(loop, "time", waits)
-    monkeypatch.setattr(time, "sleep", lambda seconds: None)
-    assert launcher.with_warm_executor(args) == [*args, "--isolation", "process"]
-    command = keepers[1].command()
+    # the SuperExec listens on a channel named on its command line, and a stored message wakes it
+    command = keepers[0].command()
     name = command[command.index("--wake") + 1]
     heard = threading.Event()
     assert wake.listen(name, heard.set)
-    waits.sleep(0.5)  # the first look for a message's reply
+    assert getattr(loop, launcher.PULL_AND_STORE)(state=None) == 7
     assert heard.wait(10)
-    keepers[1].failures = launcher.EXECUTOR_FAILURES
-    assert "--wake" not in keepers[1].command()  # Flower's SuperExec would refuse it
+    keepers[0].failures = launcher.EXECUTOR_FAILURES
+    assert "--wake" not in keepers[0].command()  # Flower's SuperExec would refuse it
 
 
 def test_the_wake_channel_reaches_its_listener_only() -> None:
@@ -191,19 +186,19 @@ def test_the_wake_channel_reaches_its_listener_only() -> None:
     assert wake.send(wake.new_name()) is False and heard == [1]
 
 
-def test_a_wake_cuts_an_idle_poll_short_and_lets_idle_polls_grow_to_ten_seconds() -> None:
+def test_a_wake_cuts_an_idle_poll_short_and_lets_idle_polls_grow_to_half_a_minute() -> None:
     polls = superexec.TaskPolls(1.0)
     name = wake.new_name()
     assert superexec.hear_wakes(polls, name) is True
-    assert polls.cap == superexec.WOKEN_LONGEST_POLL_S == 10.0
+    assert polls.cap == superexec.WOKEN_LONGEST_POLL_S == 30.0
     polls.sleep(0.1)  # the first pause: Flower's interval
     for _ in range(20):
         next(polls)
-    assert polls.upcoming == 10.0  # idle: a poll every 10 s, not every --max-poll-interval
+    assert polls.upcoming == 30.0  # idle: a poll every 30 s, not every --max-poll-interval
     threading.Timer(0.2, wake.send, args=(name,)).start()  # the SuperNode stored a message
     started = time.monotonic()
     polls.sleep(0.1)
-    assert time.monotonic() - started < 5  # woken, not after 10 s
+    assert time.monotonic() - started < 5  # woken, not after 30 s
     assert polls.upcoming == 0.1  # and the next pauses are short again
     assert superexec.hear_wakes(superexec.TaskPolls(1.0), name) is False  # the name is taken
 

@@ -79,9 +79,10 @@ does not know, or with TLS on the node's runtime API (``--appio-ssl-*``), the no
 Flower's subprocess isolation and says so on stderr. With ``FEDFM_EXECUTOR_FORKSERVER`` naming a
 fork server's socket (``DeployOptions.shared_imports``), the warm SuperExec is forked by that
 server (``fedfm_flower.deploy.forkserver``), sharing its imports with the other nodes' forks.
-Where the node runs with the short waits, it wakes that SuperExec when it has stored a message
-(``--wake``, ``fedfm_flower.deploy.wake``), so the SuperExec's idle polls of the node's runtime
-API can be 10 s apart instead of ``--max-poll-interval`` without delaying a task.
+The node wakes that SuperExec when it has stored a message and all its objects (``--wake``,
+``fedfm_flower.deploy.wake``; ``wake_on_stored_messages``, on the Flower versions above), so
+the SuperExec's idle polls of the node's runtime API can be 30 s apart instead of
+``--max-poll-interval`` without delaying a task, and its task finds the objects there.
 """
 
 from __future__ import annotations
@@ -117,6 +118,7 @@ if TYPE_CHECKING:
     from fedfm_flower.deploy.forkserver import ForkedProcess
 
 LOOP_MODULE = "flwr.supernode.start_client_internal"
+PULL_AND_STORE = "_pull_and_store_message"  # the loop's pull: stores a message and its objects
 SUPEREXEC_POLL_VAR = "FLWR_SUPEREXEC_TASK_POLL_INTERVAL"
 DEFAULT_POLL_INTERVAL = 0.1
 DEFAULT_MAX_POLL_INTERVAL = 1.0
@@ -141,14 +143,10 @@ MIN_POLL_INTERVAL, MAX_POLL_INTERVAL = 0.01, 60.0
 
 class ShortWaits(GrowingWait):
     """The ``time`` module as the SuperNode loop sees it, with the sleeps of the module doc:
-    its empty-pull waits are this ``GrowingWait``. No sleep is longer than Flower asked for.
-    ``wake``, when set, is called once per message, at the first look for its reply (the
-    message and its task are stored by then)."""
+    its empty-pull waits are this ``GrowingWait``. No sleep is longer than Flower asked for."""
 
     def __init__(self, first: float, longest: float) -> None:
         super().__init__(first, longest, GROWTH)
-        self.wake: Callable[[], object] | None = None
-        self.handling = False  # a message is being handled (its reply is awaited)
 
     @property
     def next_idle(self) -> float:
@@ -159,13 +157,9 @@ class ShortWaits(GrowingWait):
         """An empty pull's wait (Flower: 3 s) grows; a reply wait (0.5 s) is short and restarts."""
         if seconds > REPLY_WAIT_S:
             pause = min(next(self), seconds)
-            self.handling = False
         else:
             pause = min(seconds, self.first)
             self.restart()
-            if not self.handling and self.wake is not None:
-                self.wake()
-            self.handling = True
         time.sleep(pause)
 
     def __getattr__(self, name: str) -> Any:
@@ -351,6 +345,33 @@ def _option(arguments: Sequence[str], name: str, default: str) -> str:
     return default
 
 
+def wake_on_stored_messages(send_wake: Callable[[], object]) -> bool:
+    """Call ``send_wake`` whenever the node's loop has stored a message and its objects (its
+    task can then run at once); False, changing nothing, on a Flower whose loop this was not
+    written against."""
+    version = flower_version()
+    loop = importlib.import_module(LOOP_MODULE)
+    pull = getattr(loop, PULL_AND_STORE, None)
+    original = getattr(pull, "__wrapped__", pull)
+    if not is_known(version) or not callable(original):
+        print(
+            f"fedfm_flower.deploy.supernode: Flower {version}'s SuperNode loop is not one this "
+            f"knows ({known_versions()}); its SuperExec polls for tasks without wake-ups",
+            file=sys.stderr,
+        )
+        return False
+
+    @functools.wraps(original)
+    def pull_store_and_wake(*args: Any, **kwargs: Any) -> int | None:
+        run_id = original(*args, **kwargs)
+        if run_id is not None:
+            send_wake()
+        return run_id
+
+    setattr(loop, PULL_AND_STORE, pull_store_and_wake)
+    return True
+
+
 def warm_executor_refusal(arguments: Sequence[str]) -> str | None:
     """Why the node must keep Flower's subprocess isolation, or None when it can run the warm
     SuperExec."""
@@ -461,11 +482,9 @@ def with_warm_executor(arguments: list[str]) -> list[str]:
 
     host = _option(arguments, "--host", UVICORN_DEFAULT_HOST)
     port = _option(arguments, "--port", str(SUPERNODE_UVICORN_DEFAULT_PORT))
-    waits = getattr(importlib.import_module(LOOP_MODULE), "time", None)
-    name = None
-    if isinstance(waits, ShortWaits):  # only these waits know when a message arrived
-        name = wake.new_name()
-        waits.wake = functools.partial(wake.send, name)
+    name: str | None = wake.new_name()
+    if not wake_on_stored_messages(functools.partial(wake.send, name)):
+        name = None
     ExecutorKeeper(resolve_bind_address(f"{host}:{port}"), name).start()
     return [*arguments, "--isolation", "process"]
 
