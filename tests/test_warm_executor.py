@@ -186,20 +186,25 @@ def test_the_wake_channel_reaches_its_listener_only() -> None:
     assert wake.send(wake.new_name()) is False and heard == [1]
 
 
-def test_a_wake_cuts_an_idle_poll_short_and_lets_idle_polls_grow_to_half_a_minute() -> None:
+def test_a_woken_superexec_polls_on_wakes_and_task_ends_and_else_every_half_minute(monkeypatch):
     polls = superexec.TaskPolls(1.0)
     name = wake.new_name()
     assert superexec.hear_wakes(polls, name) is True
-    assert polls.cap == superexec.WOKEN_LONGEST_POLL_S == 30.0
-    polls.sleep(0.1)  # the first pause: Flower's interval
-    for _ in range(20):
-        next(polls)
-    assert polls.upcoming == 30.0  # idle: a poll every 30 s, not every --max-poll-interval
-    threading.Timer(0.2, wake.send, args=(name,)).start()  # the SuperNode stored a message
+    assert polls.woken and polls.cap == superexec.WOKEN_LONGEST_POLL_S == 30.0
+    waited: list[float] = []
+    wait = polls.ended.wait
+    monkeypatch.setattr(polls.ended, "wait", lambda timeout: waited.append(timeout) or False)
+    for _ in range(3):
+        polls.sleep(0.1)  # Flower's time.sleep(task_poll_interval) after an empty poll
+    assert waited == [30.0, 30.0, 30.0]  # no short polls, not even the first
+    monkeypatch.setattr(polls.ended, "wait", wait)
+    polls.poll_now()  # a task ended: poll at once
     started = time.monotonic()
     polls.sleep(0.1)
-    assert time.monotonic() - started < 5  # woken, not after 30 s
-    assert polls.upcoming == 0.1  # and the next pauses are short again
+    assert time.monotonic() - started < 5
+    threading.Timer(0.2, wake.send, args=(name,)).start()  # the SuperNode stored a message
+    polls.sleep(0.1)
+    assert time.monotonic() - started < 10  # woken, not after 30 s
     assert superexec.hear_wakes(superexec.TaskPolls(1.0), name) is False  # the name is taken
 
 

@@ -64,10 +64,12 @@ next. Other task types go to Flower's executor.
   starts it over at once (``TaskPolls``): a reply is followed closely by the next message.
   With ``--wake NAME`` (``fedfm_flower.deploy.supernode`` passes it) the SuperNode also wakes
   the poll when it has stored a message with all its objects (``fedfm_flower.deploy.wake``),
-  so the idle pause can grow to ``WOKEN_LONGEST_POLL_S`` without delaying a task: an idle
-  node's runtime API serves a poll every 30 s instead of every ``--max-poll-interval``, and a
-  task taken on a wake finds its message's objects at once instead of looking for them while
-  the node downloads them (53 s on average at 50 nodes). Flower's parent watch is a thread of
+  and the loop polls only then, when a task ends, and every ``WOKEN_LONGEST_POLL_S`` (in case a
+  wake was lost): an idle node's runtime API serves a poll every 30 s instead of every
+  ``--max-poll-interval``, and the task, taken on the wake, finds its message's objects at
+  once instead of looking for them while the node downloads them (53 s on average at 50
+  nodes; with short polls after a task's end, tasks at 30 nodes were still taken mid-download
+  and waited up to 12 s for their objects). Flower's parent watch is a thread of
   its own (every 0.2 s), so the long pause does not delay the exit when the SuperNode dies.
 * **Tracking.** With ``FEDFM_TASKS_DIR`` set, a task in progress is a file
   ``<task id>.running`` there (``fedfm_flower.deploy.local`` uses it to see messages in flight).
@@ -486,11 +488,14 @@ def _marker(task_id: int) -> Path | None:
 class TaskPolls(GrowingWait):
     """The ``time`` module as Flower's SuperExec loop sees it: its one fixed sleep, between task
     polls, grows from Flower's interval to ``longest`` (never below Flower's) while no task
-    comes; ``poll_now`` cuts the current pause short and starts the pauses over."""
+    comes; ``poll_now`` cuts the current pause short and starts the pauses over. ``woken``
+    (the SuperNode wakes this process when a task is there): every pause is ``cap``, cut short by
+    ``poll_now``."""
 
     def __init__(self, longest: float) -> None:
         super().__init__(longest, longest, TASK_POLL_GROWTH)
         self.cap = longest
+        self.woken = False
         self.ended = threading.Event()
         self.ended.set()  # the first pause is Flower's interval
 
@@ -498,6 +503,10 @@ class TaskPolls(GrowingWait):
         """Flower's ``time.sleep(task_poll_interval)``: ``seconds`` the first time and after a
         task ended, then longer up to ``longest``; ``poll_now`` wakes it."""
         self.first, self.longest = seconds, max(self.cap, seconds)
+        if self.woken:
+            if self.ended.wait(self.longest):
+                self.ended.clear()
+            return
         if self.ended.is_set():
             self.ended.clear()
             self.restart()
@@ -614,13 +623,14 @@ def install(run_superexec_module: Any, longest_poll: float | None = None) -> Tas
 
 def hear_wakes(polls: TaskPolls, name: str) -> bool:
     """Poll at once whenever the SuperNode wakes this process on channel ``name``
-    (``fedfm_flower.deploy.wake``), and so seldom while idle (``WOKEN_LONGEST_POLL_S``); False,
-    polls unchanged, when the channel cannot be opened."""
+    (``fedfm_flower.deploy.wake``) or a task ends, and otherwise every ``WOKEN_LONGEST_POLL_S``
+    only; False, polls unchanged, when the channel cannot be opened."""
     from fedfm_flower.deploy import wake
 
     if not wake.listen(name, polls.poll_now):
         return False
     polls.cap = max(polls.cap, WOKEN_LONGEST_POLL_S)
+    polls.woken = True
     return True
 
 
