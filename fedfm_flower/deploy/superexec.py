@@ -64,13 +64,14 @@ next. Other task types go to Flower's executor.
   starts it over at once (``TaskPolls``): a reply is followed closely by the next message.
   With ``--wake NAME`` (``fedfm_flower.deploy.supernode`` passes it) the SuperNode also wakes
   the poll when it has stored a message with all its objects (``fedfm_flower.deploy.wake``),
-  and the loop polls only then, when a task ends, and every ``WOKEN_LONGEST_POLL_S`` (in case a
-  wake was lost): an idle node's runtime API serves a poll every 30 s instead of every
+  and the loop polls only then, when a task ends, and every ``WOKEN_LONGEST_POLL_S`` (5 min, in
+  case a wake was lost): an idle node's runtime API serves no polls instead of one every
   ``--max-poll-interval``, and the task, taken on the wake, finds its message's objects at
   once instead of looking for them while the node downloads them (53 s on average at 50
-  nodes; with short polls after a task's end, tasks at 30 nodes were still taken mid-download
-  and waited up to 12 s for their objects). Flower's parent watch is a thread of
-  its own (every 0.2 s), so the long pause does not delay the exit when the SuperNode dies.
+  nodes; with short polls after a task's end, or a poll every 30 s, tasks at 30 nodes were
+  still taken mid-download and asked for their objects for a median 11 s). Flower's parent
+  watch is a thread of its own (every 0.2 s), so the long pause does not delay the exit when
+  the SuperNode dies.
 * **Tracking.** With ``FEDFM_TASKS_DIR`` set, a task in progress is a file
   ``<task id>.running`` there (``fedfm_flower.deploy.local`` uses it to see messages in flight).
 """
@@ -118,7 +119,11 @@ PULL_PATIENCE_VAR = "FEDFM_PULL_PATIENCE_S"
 # The longest pause between task polls (the node's --max-poll-interval; unset: no growth).
 MAX_POLL_VAR = "FEDFM_SUPEREXEC_MAX_POLL_INTERVAL"
 TASK_POLL_GROWTH = 1.5
-WOKEN_LONGEST_POLL_S = 30.0  # the longest idle pause when the SuperNode wakes this process
+# The pause between a woken SuperExec's polls when nothing wakes it: a safety net only (a wake
+# is lost only if the process is not listening, and a starting one polls first). Longer than a
+# round: at 30 s it fell inside the next message's download at 30 nodes (42 s rounds), and the
+# task taken then asked for its objects until they came (median 11 s).
+WOKEN_LONGEST_POLL_S = 300.0
 SPEC_FIELDS = ("task_type", "runtime_api_address", "token", "insecure", "task_id")
 RUNTIME_FUNCTIONS = ("push_message", "push_task_output")
 

@@ -81,7 +81,7 @@ fork server's socket (``DeployOptions.shared_imports``), the warm SuperExec is f
 server (``fedfm_flower.deploy.forkserver``), sharing its imports with the other nodes' forks.
 The node wakes that SuperExec when it has stored a message and all its objects (``--wake``,
 ``fedfm_flower.deploy.wake``; ``wake_on_stored_messages``, on the Flower versions above), so
-the SuperExec's idle polls of the node's runtime API can be 30 s apart instead of
+the SuperExec's idle polls of the node's runtime API can be minutes apart instead of
 ``--max-poll-interval`` without delaying a task, and its task finds the objects there.
 """
 
