@@ -72,6 +72,13 @@ def database(request, tmp_path: Path) -> str:
     return FLWR_IN_MEMORY_DB_NAME if request.param == "in-memory" else str(tmp_path / "s.db")
 
 
+@pytest.fixture
+def answering(database, flowers_link_states) -> Federation:
+    """A federation on a state whose SuperLink answers for restarted nodes."""
+    assert restarted_nodes.answer_for_restarted_nodes() is True
+    return Federation(database)
+
+
 def test_flower_alone_waits_for_a_message_the_restarted_nodes_predecessor_took(
     database, flowers_link_states
 ) -> None:
@@ -83,12 +90,11 @@ def test_flower_alone_waits_for_a_message_the_restarted_nodes_predecessor_took(
 
 
 def test_a_message_the_predecessor_took_is_answered_with_the_node_unavailable_error(
-    database, flowers_link_states
+    answering,
 ) -> None:
     from flwr.common.constant import ErrorCode
 
-    assert restarted_nodes.answer_for_restarted_nodes() is True
-    federation = Federation(database)
+    federation = answering
     lost = federation.send("lost")
     assert len(federation.node_pulls()) == 1
     federation.node_restarts()
@@ -104,11 +110,8 @@ def test_a_message_the_predecessor_took_is_answered_with_the_node_unavailable_er
     assert federation.replies(late) == []  # the new process's message waits for its reply
 
 
-def test_a_reply_stored_before_the_restart_is_delivered_not_replaced(
-    database, flowers_link_states
-) -> None:
-    assert restarted_nodes.answer_for_restarted_nodes() is True
-    federation = Federation(database)
+def test_a_reply_stored_before_the_restart_is_delivered_not_replaced(answering) -> None:
+    federation = answering
     answered = federation.send("answered")
     (instruction,) = federation.node_pulls()
     reply = Message(RecordDict({"config": ConfigRecord({"ok": 1})}), reply_to=instruction)
@@ -119,11 +122,8 @@ def test_a_reply_stored_before_the_restart_is_delivered_not_replaced(
     assert not got.has_error() and got.content["config"]["ok"] == 1
 
 
-def test_a_node_back_after_lapsed_heartbeats_keeps_its_messages(
-    database, flowers_link_states
-) -> None:
-    assert restarted_nodes.answer_for_restarted_nodes() is True
-    federation = Federation(database)
+def test_a_node_back_after_lapsed_heartbeats_keeps_its_messages(answering) -> None:
+    federation = answering
     held = federation.send("held")
     assert len(federation.node_pulls()) == 1
     time.sleep(2.5 * HEARTBEAT_S)  # the same process's heartbeats lapse, then one arrives
