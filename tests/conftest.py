@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import importlib
 import os
 import shutil
 import sys
@@ -95,7 +96,7 @@ def flowers_link_states(monkeypatch: pytest.MonkeyPatch) -> dict[str, type]:
 
     classes = {}
     for module, name in STATE_CLASSES.items():
-        cls = getattr(__import__(module, fromlist=[name]), name)
+        cls = getattr(importlib.import_module(module), name)
         for method in ("activate_node", "get_message_res"):
             function = getattr(cls, method)
             monkeypatch.setattr(cls, method, getattr(function, "__wrapped__", function))
