@@ -38,16 +38,13 @@ def wire_bytes(message: Any) -> int:
 
 def parameter_bytes(message: Any) -> int:
     """numel x itemsize of the tensors in the message's arrays record."""
-    import numpy as np
-
     from fedfm_flower import protocol as P
+    from fedfm_flower.records import numpy_arrays
 
     record = message.content.array_records.get(P.ARRAYS)
     if record is None:
         return 0
-    return sum(
-        int(np.prod(array.shape)) * np.dtype(array.dtype).itemsize for array in record.values()
-    )
+    return sum(array.nbytes for array in numpy_arrays(record).values())
 
 
 def measure_method(method: str, overrides: dict[str, Any]) -> dict[str, Any]:

@@ -78,7 +78,7 @@ PHASES: tuple[tuple[str, str, str, bool], ...] = (
     ("compute: train", "fedfm_flower.training", "train", True),
     ("compute: evaluate", "fedfm_flower.training", "evaluate", True),
     ("reply encoding", "fedfm_flower.models.groups", "TunedModel.tensors_named", True),
-    ("reply encoding", "fedfm_flower.records", "to_array_record", True),
+    ("reply encoding", "fedfm_flower.records", "to_message_record", True),
 )
 COMPUTE = ("compute: train", "compute: evaluate")
 ORDER = tuple(dict.fromkeys(p for p, *_ in PHASES)) + ("other",)

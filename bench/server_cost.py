@@ -32,7 +32,7 @@ def synthetic_reply(message: Any, spec: dict, generator: torch.Generator) -> Any
     from flwr.app import Message, MetricRecord, RecordDict
 
     from fedfm_flower import protocol as P
-    from fedfm_flower.records import to_array_record
+    from fedfm_flower.records import to_message_record
 
     tensors = {
         name: (0.01 * torch.randn(shape, generator=generator)).to(getattr(torch, dtype))
@@ -41,7 +41,7 @@ def synthetic_reply(message: Any, spec: dict, generator: torch.Generator) -> Any
     client_id = int(message.content[P.CONFIG][P.CLIENT_ID])
     metrics = MetricRecord({P.CLIENT_ID: client_id, P.NUM_EXAMPLES: 32, P.TRAIN_LOSS: 1.0})
     return Message(
-        RecordDict({P.ARRAYS: to_array_record(tensors), P.METRICS: metrics}), reply_to=message
+        RecordDict({P.ARRAYS: to_message_record(tensors), P.METRICS: metrics}), reply_to=message
     )
 
 

@@ -146,7 +146,7 @@ def _train_content(
 ) -> RecordDict:
     """The training (or post-training) reply's records, faults injected where configured."""
     from client_apps.faults import FAULT_KINDS, inject_fault, parse_faults, stall_state_write
-    from fedfm_flower.records import to_array_record
+    from fedfm_flower.records import to_message_record
 
     server_round = int(config_record.get(P.SERVER_ROUND, 0))
     faults = parse_faults(context.node_config)  # before training: a bad value fails fast
@@ -169,7 +169,7 @@ def _train_content(
             P.STATE_DIGEST: runtime.store.loaded_digest,
         }
     )
-    content = RecordDict({P.ARRAYS: to_array_record(sent), P.METRICS: metrics})
+    content = RecordDict({P.ARRAYS: to_message_record(sent), P.METRICS: metrics})
     if faults.get(server_round) in FAULT_KINDS:
         log.warning("inject-fault: corrupting this reply (%s)", faults[server_round])
         content = inject_fault(content, faults[server_round])

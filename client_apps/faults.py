@@ -16,6 +16,7 @@ clients of one ``flwr run``, or every SuperNode started with it. Kinds (``FAULT_
 * ``missing-key`` / ``extra-key``: the first tensor is dropped / an unexpected tensor is added;
 * ``client-id``: the reply claims the next client id;
 * ``oversize``: the first tensor keeps its declared shape and dtype but carries 100x the bytes;
+* ``torn-pack``: the packed tensors (``fedfm_flower.packed_arrays``) lose their last byte;
 * ``metric-type``: ``num-examples`` is sent as a float (12.5), not an int;
 * ``no-metrics``: the reply has no metrics record;
 * ``crash``: the ClientApp raises instead of replying (Flower turns it into an error reply; in
@@ -23,6 +24,8 @@ clients of one ``flwr run``, or every SuperNode started with it. Kinds (``FAULT_
   reported as failed with the same reason and the evaluation still counts).
 
 Faults that need a tensor apply to the ``arrays`` record; a reply without tensors is unchanged.
+The tensor faults other than ``torn-pack`` lay the record out as one ``Array`` per tensor
+first (the form other clients may send, read alike by the server), so each names one tensor.
 
 One kind breaks the client's state instead of its reply (``STATE_FAULT_KINDS``):
 
@@ -42,10 +45,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from flwr.app import Array, RecordDict
+from flwr.app import Array, ArrayRecord, RecordDict
 
 from fedfm_flower import protocol as P
 from fedfm_flower.config import ConfigError
+from fedfm_flower.packed_arrays import pack
+from fedfm_flower.records import numpy_arrays
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +65,7 @@ FAULT_KINDS = (
     "extra-key",
     "client-id",
     "oversize",
+    "torn-pack",
     "metric-type",
     "no-metrics",
     "crash",
@@ -116,6 +122,14 @@ def inject_fault(content: RecordDict, kind: str) -> RecordDict:
     arrays = content.array_records.get(P.ARRAYS)
     if arrays is None or not len(arrays):
         return content
+    plain = numpy_arrays(arrays)
+    if kind == "torn-pack":
+        whole = pack(plain)
+        torn = Array(dtype=whole.dtype, shape=whole.shape, stype=whole.stype, data=whole.data[:-1])
+        content[P.ARRAYS] = ArrayRecord({"torn": torn})
+        return content
+    arrays = ArrayRecord({name: Array(values) for name, values in plain.items()})
+    content[P.ARRAYS] = arrays
     name = next(iter(arrays))
     values = arrays[name].numpy()
     if kind in ("nan", "inf"):

@@ -17,7 +17,7 @@ path); a fused reply's evaluation is then lost with it.
 from __future__ import annotations
 
 import numpy as np
-from flwr.app import ConfigRecord, Context, Message, MessageType, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord
 from flwr.clientapp.typing import ClientAppCallable
 
 from fedfm_flower import protocol as P
@@ -36,10 +36,9 @@ def secagg_mod(message: Message, context: Context, call_next: ClientAppCallable)
         return call_next(message, context)
     from flwr.client.mod import secaggplus_mod
 
-    received = {
-        name: np.array(array.numpy(), copy=True)
-        for name, array in content.array_records.get(P.ARRAYS, {}).items()
-    }
+    from fedfm_flower.records import numpy_arrays
+
+    received = numpy_arrays(content.array_records.get(P.ARRAYS, ArrayRecord()))
 
     def reply_as_fitres(inner: Message, inner_context: Context) -> Message:
         reply = call_next(inner, inner_context)
@@ -66,22 +65,22 @@ def _reply_as_fitres(
     from flwr.common import Code, FitRes, Status, ndarrays_to_parameters
     from flwr.compat.common.recorddict_compat import fitres_to_recorddict
 
+    from fedfm_flower.records import numpy_arrays
+
     if reply.has_error():
         raise RuntimeError(f"training failed: {reply.error.reason}")
     content = reply.content
     config = content.config_records.get(P.CONFIG, ConfigRecord())
     if P.TRAIN_ERROR in config:
         raise RuntimeError(f"training failed: {config[P.TRAIN_ERROR]}")
-    trained = content.array_records.get(P.ARRAYS, {})
+    trained = numpy_arrays(content.array_records.get(P.ARRAYS, ArrayRecord()))
     if set(trained) != set(received):
         raise ValueError(
             f"SecAgg+ needs the reply to hold the received tensors: sent {sorted(received)}, "
             f"reply holds {sorted(trained)}"
         )
     names = sorted(received)
-    updates = [
-        trained[n].numpy().astype(np.float64) - received[n].astype(np.float64) for n in names
-    ]
+    updates = [trained[n].astype(np.float64) - received[n].astype(np.float64) for n in names]
     metrics = content.metric_records[P.METRICS]
     sent_config = sent.content.config_records.get(P.CONFIG, ConfigRecord())
     equal = sent_config.get(P.SECAGG_WEIGHTING, "examples") == "uniform"

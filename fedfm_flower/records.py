@@ -1,8 +1,12 @@
 """Conversions between torch tensors and Flower records, keyed by parameter name.
 
-Replies are never deserialized with pickle: Flower's ``Array`` stores ``np.save`` bytes and
-loads them with ``allow_pickle=False``; shapes and dtypes are checked from the metadata before
-any array is decoded, so an oversized or malformed payload is rejected cheaply.
+Messages carry their tensors packed (``to_message_record``: one ``Array`` per pack,
+``packed_arrays``), because Flower transfers every ``Array`` of a message as an object of its
+own; records of one ``Array`` per name (``to_array_record``: the client's saved state, and
+replies of other clients) are read alike. Replies are never deserialized with pickle: a plain
+``Array`` holds ``np.save`` bytes loaded with ``allow_pickle=False``, a pack raw bytes read
+with ``np.frombuffer``; shapes and dtypes are checked from the metadata and the packs'
+headers before any array is decoded, so an oversized or malformed payload is rejected cheaply.
 
 Every message encodes and decodes the same few shapes, and ``np.save``/``np.load`` spend most
 of their time on the ``.npy`` header (``np.load`` parses it with ``ast.literal_eval``). So the
@@ -15,14 +19,17 @@ yet, another header, a size that does not match) goes through ``np.save``/``np.l
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, RecordDict
 
+from fedfm_flower.packed_arrays import MalformedPack, header_of, is_packed, pack, unpack
+
 _NUMPY_STYPE = "numpy.ndarray"  # Flower's SType.NUMPY: np.save bytes
+PACK_KEY = "fedfm.packed."  # a message record's packs: fedfm.packed.0, .1, ...
 _MAX_SPECS = 4096  # (dtype, shape) pairs remembered; a model has a bounded set of shapes
 
 
@@ -40,6 +47,10 @@ class _NpySpec:
 # Looked up when encoding (by dtype and shape) and when decoding (by Array.dtype and shape).
 _BY_DTYPE: dict[tuple[np.dtype, tuple[int, ...]], _NpySpec] = {}
 _BY_NAME: dict[tuple[str, tuple[int, ...]], _NpySpec] = {}
+
+
+class InvalidRecord(ValueError):
+    """An ArrayRecord that breaks the expected spec; the message says how."""
 
 
 def encode_array(array: np.ndarray) -> Array:
@@ -83,16 +94,61 @@ def decode_array(array: Array) -> np.ndarray:
 
 
 def to_array_record(tensors: Mapping[str, torch.Tensor]) -> ArrayRecord:
-    """Pack named tensors into an ArrayRecord (copied to CPU, order kept)."""
+    """Named tensors as an ArrayRecord of one ``Array`` each (copied to CPU, order kept)."""
     record = ArrayRecord()
     for name, tensor in tensors.items():
-        record[name] = encode_array(tensor.detach().cpu().contiguous().numpy())
+        record[name] = encode_array(_numpy(tensor))
     return record
 
 
+def to_message_record(
+    tensors: Mapping[str, torch.Tensor], groups: Iterable[Collection[str]] = ()
+) -> ArrayRecord:
+    """Named tensors as a message's ArrayRecord: packed (``packed_arrays``), each of ``groups``
+    in a pack of its own and the rest in one more, so a group sent alike to every client
+    travels as the same object, which Flower stores once."""
+    left = dict(tensors)
+    packs: list[dict[str, np.ndarray]] = []
+    for group in groups:
+        chosen = {name: _numpy(left.pop(name)) for name in list(left) if name in group}
+        if chosen:
+            packs.append(chosen)
+    if left:
+        packs.append({name: _numpy(tensor) for name, tensor in left.items()})
+    return ArrayRecord({f"{PACK_KEY}{i}": pack(arrays) for i, arrays in enumerate(packs)})
+
+
+def _numpy(tensor: torch.Tensor) -> np.ndarray:
+    return tensor.detach().cpu().contiguous().numpy()
+
+
+def numpy_arrays(record: ArrayRecord) -> dict[str, np.ndarray]:
+    """The named arrays an ArrayRecord holds, plain or packed (writable copies); InvalidRecord
+    when a pack is malformed or a name appears twice."""
+    out: dict[str, np.ndarray] = {}
+    for key, array in record.items():
+        if is_packed(array):
+            try:
+                arrays = unpack(array)
+            except MalformedPack as err:
+                raise InvalidRecord(f"pack '{key}': {err}") from None
+        else:
+            arrays = {key: decode_array(array)}
+        for name, values in arrays.items():
+            if name in out:
+                raise InvalidRecord(f"'{name}' appears twice")
+            out[name] = values
+    return out
+
+
+def record_names(record: ArrayRecord) -> list[str]:
+    """The tensor names an ArrayRecord holds, plain or packed, nothing decoded."""
+    return list(_declared(record))
+
+
 def from_array_record(record: ArrayRecord) -> dict[str, torch.Tensor]:
-    """Unpack an ArrayRecord into named CPU tensors."""
-    return {name: torch.from_numpy(decode_array(array)) for name, array in record.items()}
+    """The named CPU tensors an ArrayRecord holds, plain or packed."""
+    return {name: torch.from_numpy(values) for name, values in numpy_arrays(record).items()}
 
 
 def record_dict_nbytes(content: RecordDict) -> int:
@@ -107,8 +163,24 @@ def tensor_spec(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[tuple[in
     }
 
 
-class InvalidRecord(ValueError):
-    """An ArrayRecord that breaks the expected spec; the message says how."""
+def _declared(record: ArrayRecord) -> dict[str, tuple[tuple[int, ...], str, int]]:
+    """Name -> (shape, dtype, payload bytes) as the record's metadata and pack headers declare
+    them, nothing decoded; InvalidRecord when a pack is malformed or a name appears twice."""
+    declared: dict[str, tuple[tuple[int, ...], str, int]] = {}
+    for key, array in record.items():
+        if is_packed(array):
+            try:
+                entries = header_of(array)
+            except MalformedPack as err:
+                raise InvalidRecord(f"pack '{key}': {err}") from None
+            items = [(e.name, (e.shape, str(e.dtype), e.nbytes)) for e in entries]
+        else:
+            items = [(key, (tuple(array.shape), str(array.dtype), len(array.data)))]
+        for name, meta in items:
+            if name in declared:
+                raise InvalidRecord(f"'{name}' appears twice")
+            declared[name] = meta
+    return declared
 
 
 def decode_checked(
@@ -125,25 +197,24 @@ def decode_checked(
     """
     if record is None:
         raise InvalidRecord("no arrays record")
-    missing = sorted((set(spec) if required is None else set(required)) - set(record.keys()))
-    extra = sorted(set(record.keys()) - set(spec))
+    declared = _declared(record)
+    missing = sorted((set(spec) if required is None else set(required)) - set(declared))
+    extra = sorted(set(declared) - set(spec))
     if missing:
         raise InvalidRecord(f"missing keys {missing[:3]}{'...' if len(missing) > 3 else ''}")
     if extra:
         raise InvalidRecord(f"unexpected keys {extra[:3]}{'...' if len(extra) > 3 else ''}")
     for name, (shape, dtype) in spec.items():
-        if name not in record:
+        if name not in declared:
             continue
-        array = record[name]
-        if tuple(array.shape) != tuple(shape):
-            raise InvalidRecord(f"'{name}' has shape {tuple(array.shape)}, expected {tuple(shape)}")
-        if array.dtype != dtype:
-            raise InvalidRecord(f"'{name}' has dtype {array.dtype}, expected {dtype}")
+        got_shape, got_dtype, payload = declared[name]
+        if got_shape != tuple(shape):
+            raise InvalidRecord(f"'{name}' has shape {got_shape}, expected {tuple(shape)}")
+        if got_dtype != dtype:
+            raise InvalidRecord(f"'{name}' has dtype {got_dtype}, expected {dtype}")
         expected_bytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
-        if len(array.data) > expected_bytes + 1024:
-            raise InvalidRecord(
-                f"'{name}' payload is {len(array.data)} bytes, expected ~{expected_bytes}"
-            )
+        if payload > expected_bytes + 1024:
+            raise InvalidRecord(f"'{name}' payload is {payload} bytes, expected ~{expected_bytes}")
     try:
         tensors = from_array_record(record)
     except Exception as err:  # noqa: BLE001 - any decoding failure rejects the reply

@@ -9,11 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from client_apps.faults import inject_fault
 from fedfm_flower import protocol as P
 from fedfm_flower import registry
 from fedfm_flower.config import ExperimentConfig
 from fedfm_flower.models import MODEL_CACHE, backbone_fingerprint, build_model, initial_trainable
 from fedfm_flower.models.groups import TrainableTensors
+from fedfm_flower.records import from_array_record, record_names
 from fedfm_flower.registry import METHODS, tuner_of
 from server_apps.inprocess import ServerCrash, crash_in_round, run_in_process
 
@@ -60,7 +62,7 @@ def test_each_baseline_runs_two_rounds(method: str, small_run_config: dict) -> N
     assert "backbone" not in shared
     for message in grid.sent:
         arrays = message.content.array_records.get(P.ARRAYS)
-        keys = set(arrays.keys()) if arrays is not None else set()
+        keys = set(record_names(arrays)) if arrays is not None else set()
         assert _groups(keys, config) <= shared and not _groups(keys, config) & kept
         if message.metadata.message_type == "train":
             assert _groups(keys, config) == shared
@@ -103,17 +105,13 @@ def test_personal_heads_stay_on_their_clients(small_run_config: dict, tmp_path: 
     assert all(not torch.equal(values[0], other) for other in values[1:])
     for message in grid.sent:  # no head ever left or reached a client
         arrays = message.content.array_records.get(P.ARRAYS)
-        assert arrays is None or not any(k.startswith("head.") for k in arrays.keys())
+        assert arrays is None or not any(k.startswith("head.") for k in record_names(arrays))
 
 
 def test_a_failing_client_does_not_stop_the_round(small_run_config: dict) -> None:
     def break_client_2(client_id, reply):
         if client_id == 2 and reply.metadata.message_type == "train":
-            arrays = reply.content.array_records[P.ARRAYS]
-            name = next(iter(arrays.keys()))
-            from flwr.app import Array
-
-            arrays[name] = Array(torch.full(tuple(arrays[name].shape), float("nan")).numpy())
+            inject_fault(reply.content, "nan")
         return reply
 
     summary, _ = run_in_process({**small_run_config, "method": "fedavg"}, 4, break_client_2)
@@ -221,7 +219,7 @@ def test_pfedseq_sends_each_client_its_own_personalized_adapter(small_run_config
     assert len(round3) == 4
     for message in round3:
         client = int(message.content[P.CONFIG][P.CLIENT_ID])
-        sent = {k: torch.from_numpy(v.numpy()) for k, v in message.content[P.ARRAYS].items()}
+        sent = from_array_record(message.content[P.ARRAYS])
         assert _groups(sent, config) == {"adapter"}
         layout = ParameterLayout(sent)
         torch.testing.assert_close(layout.flatten(sent), personal[client], rtol=0, atol=0)
@@ -270,7 +268,7 @@ def test_pfedpg_sends_each_client_its_own_generated_prompts(small_run_config: di
     sent = {}
     for message in round3:
         client = int(message.content[P.CONFIG][P.CLIENT_ID])
-        arrays = {k: torch.from_numpy(v.numpy()) for k, v in message.content[P.ARRAYS].items()}
+        arrays = from_array_record(message.content[P.ARRAYS])
         assert _groups(arrays, config) == {"prompt"}
         sent[client] = arrays["prompts.embeddings"]
         torch.testing.assert_close(

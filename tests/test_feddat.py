@@ -17,6 +17,7 @@ from torch import nn
 from fedfm_flower import protocol as P
 from fedfm_flower.models.groups import GroupPattern, TunedModel
 from fedfm_flower.models.multimodal import LoRALinear
+from fedfm_flower.records import numpy_arrays
 
 
 def _layer(seed: int = 0, dropout: float = 0.0) -> LoRALinear:
@@ -265,7 +266,7 @@ def test_feddat_post_train_runs_mkd_on_a_copy_before_evaluating_and_keeps_nothin
         def keep(client_id, reply):  # noqa: ANN001, ANN202
             arrays = reply.content.array_records.get(P.ARRAYS)
             if reply.metadata.message_type == "train" and arrays is not None:
-                sent[method][client_id] = {k: a.numpy() for k, a in arrays.items()}
+                sent[method][client_id] = numpy_arrays(arrays)
             return reply
 
         return keep

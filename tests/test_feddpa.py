@@ -15,6 +15,7 @@ from torch import nn
 
 from fedfm_flower import protocol as P
 from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.records import record_names
 from fedfm_flower.settings import ConfigError
 
 # The tiny-LLaMA run config of the language task's tests, with fewer generated tokens.
@@ -280,7 +281,7 @@ def test_feddpa_t_local_adapter_never_travels_and_survives_a_restart(feddpa_conf
     for messages in travelled:
         for message in messages:
             arrays = message.content.array_records.get(P.ARRAYS)
-            names = set(arrays.keys()) if arrays is not None else set()
+            names = set(record_names(arrays)) if arrays is not None else set()
             assert not any(".local." in n for n in names)
             if message.metadata.message_type == "train":
                 assert names and all(".lora_" in n and ".global." in n for n in names)

@@ -17,6 +17,7 @@ from fedfm_flower.models.groups import TrainableTensors, select_names, split_nam
 from fedfm_flower.models.tuners.mlp_adapter import BottleneckAdapter
 from fedfm_flower.models.tuners.prefix import LinearPrefix, PrefixAdapter, PrefixedAttention
 from fedfm_flower.models.vit_parts import VIT_PARTS
+from fedfm_flower.records import record_names
 from fedfm_flower.registry import tuner_of
 from fedfm_flower.settings import ConfigError
 
@@ -159,7 +160,7 @@ def test_shared_parts_are_the_independent_weighted_average_and_personal_parts_st
     nodes = [{"client-id": i} for i in range(3)]
     grid = InProcessGrid(identity_app(), config.to_run_config(), nodes)
     messages = list(strategy.configure_train(1, None, {}, grid))
-    assert all(set(m.content[P.ARRAYS].keys()) == {"vit.w"} for m in messages)
+    assert all(set(record_names(m.content[P.ARRAYS])) == {"vit.w"} for m in messages)
     sent = {c: torch.randn(3, generator=torch.Generator().manual_seed(c)) for c in range(3)}
     counts = {0: 10, 1: 30, 2: 60}
     replies = []
@@ -209,14 +210,14 @@ def test_personal_prefixes_never_travel_and_are_restored_after_a_restart(
     full, grid = run_in_process({**base, "run-name": "whole"}, 4, keep)
     for message in grid.sent:
         arrays = message.content.array_records.get(P.ARRAYS)
-        names = set(arrays.keys()) if arrays is not None else set()
+        names = set(record_names(arrays)) if arrays is not None else set()
         assert not any(".attn.prefix." in n or n.startswith("head.") for n in names)
         if message.metadata.message_type == "train":
             assert "backbone.blocks.0.attn.qkv.weight" in names
     assert replies
     for reply in replies:
         arrays = reply.content.array_records.get(P.ARRAYS)
-        names = set(arrays.keys()) if arrays is not None else set()
+        names = set(record_names(arrays)) if arrays is not None else set()
         assert not any(".attn.prefix." in n or n.startswith("head.") for n in names)
     # Each client's prefixes are its own (they differ), on disk in its state directory.
     state = Path(base["client-state-dir"]) / "whole"
@@ -284,7 +285,7 @@ def test_table6_designs_and_baselines_run_end_to_end(variant: str, fedperfix_con
     personal = overlay.get("fedperfix-personal", "prefix,head").split(",")
     for message in grid.sent:
         arrays = message.content.array_records.get(P.ARRAYS)
-        names = set(arrays.keys()) if arrays is not None else set()
+        names = set(record_names(arrays)) if arrays is not None else set()
         run = ExperimentConfig.from_run_config({**ExperimentConfig().to_run_config(), **config})
         groups = initial_trainable(run, tuner_of(run), 10, train_backbone=True).groups
         assert not set(select_names(personal, groups)) & names

@@ -12,6 +12,7 @@ from client_apps.fedprox import FedProxClient
 from fedfm_flower import protocol as P
 from fedfm_flower.config import ExperimentConfig
 from fedfm_flower.methods.fedprox import FedProxSettings
+from fedfm_flower.records import numpy_arrays
 from fedfm_flower.results import RunDirectory
 from fedfm_flower.settings import ConfigError
 from server_apps.inprocess import run_in_process
@@ -67,7 +68,7 @@ def test_mu_zero_trains_exactly_as_fedavg(small_run_config: dict, tmp_path: Path
         }
         summary, grid = run_in_process(config, num_nodes=4)
         sent = [
-            {n: a.numpy() for n, a in m.content.array_records[P.ARRAYS].items()}
+            numpy_arrays(m.content.array_records[P.ARRAYS])
             for m in grid.sent
             if m.metadata.message_type == "train"
         ]

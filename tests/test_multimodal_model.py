@@ -237,6 +237,7 @@ def test_only_owned_components_travel_on_the_multitask_federation(
     from fedfm_flower import protocol as P
     from fedfm_flower.data.multitask import client_tasks
     from fedfm_flower.models import build_model
+    from fedfm_flower.records import record_names
     from server_apps.inprocess import run_in_process
 
     config = {**multitask_run_config, "method": "fedavg", "num-server-rounds": 1}
@@ -255,10 +256,10 @@ def test_only_owned_components_travel_on_the_multitask_federation(
             continue
         client = int(message.content["config"][P.CLIENT_ID])
         owned = set(model.names_for(client_tasks(client, 4)))
-        assert set(message.content.array_records[P.ARRAYS].keys()) == owned
+        assert set(record_names(message.content.array_records[P.ARRAYS])) == owned
     trained = [(c, r.content.array_records.get(P.ARRAYS)) for c, r in replies]
     trained = [(c, arrays) for c, arrays in trained if arrays is not None]  # not evaluations
     assert len(trained) == 4
     for client, arrays in trained:
-        assert set(arrays.keys()) == set(model.names_for(client_tasks(client, 4)))
+        assert set(record_names(arrays)) == set(model.names_for(client_tasks(client, 4)))
     assert set(model.names_for(client_tasks(0, 4))) != set(model.names_for(client_tasks(2, 4)))

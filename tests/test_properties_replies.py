@@ -10,8 +10,10 @@ drawn way: a Flower error, a ClientApp error, no metrics, a wrong or odd client 
 example count, a NaN, infinite, list-valued or out-of-range metric, no arrays, missing or
 extra names, another shape or dtype (float16, bfloat16, ints, bool, complex, made-up names),
 an oversized, truncated or undecodable payload, a payload whose bytes hold another shape than
-it declares, NaN or Inf values; plus replies from unknown nodes, from identified clients that
-were not sent a message, a client's second reply, and the SuperLink's "unanswered" errors.
+it declares, a torn pack, NaN or Inf values; the valid replies and those wrong outside their
+arrays' encoding come as one ``Array`` per name or packed, as drawn; plus replies from unknown
+nodes, from identified clients that were not sent a message, a client's second reply, and the
+SuperLink's "unanswered" errors.
 Valid replies carry drawn values, example counts (0 to 2**63 - 1) and extra metrics.
 
 The properties, for every strategy:
@@ -49,7 +51,8 @@ from fedfm_flower import protocol as P
 from fedfm_flower.config import ExperimentConfig
 from fedfm_flower.halves import strategy_class
 from fedfm_flower.models import TrainableTensors
-from fedfm_flower.records import encode_array
+from fedfm_flower.packed_arrays import pack
+from fedfm_flower.records import decode_array, encode_array
 from fedfm_flower.registry import METHODS
 from server_apps.inprocess import InProcessGrid, identity_app
 from strategies.parts.context import RunContext
@@ -268,7 +271,16 @@ def from_node(reply: Message, node_id: int) -> Message:
 
 
 # Faults that need names in the reply spec, and those that need a float tensor.
-ARRAY_FAULTS = ("missing", "shape", "dtype", "oversized", "truncated", "stype", "lying")
+ARRAY_FAULTS = (
+    "missing",
+    "shape",
+    "dtype",
+    "oversized",
+    "truncated",
+    "stype",
+    "lying",
+    "torn-pack",
+)
 VALUE_FAULTS = ("values",)
 ANY_FAULTS = (
     "error",
@@ -283,6 +295,15 @@ ANY_FAULTS = (
     "no-arrays",
     "extra",
 )
+
+
+# Kinds whose reply may carry its arrays packed: the fault survives packing.
+PACKABLE = ("valid", *ANY_FAULTS)
+
+
+def packed(arrays: dict[str, Array]) -> dict[str, Array]:
+    """``arrays`` in one pack, as ``records.to_message_record`` lays a reply out."""
+    return {"fedfm.packed.0": pack({name: decode_array(a) for name, a in arrays.items()})}
 
 
 def faults_for(spec: dict[str, tuple[tuple[int, ...], str]], required: set[str]) -> list[str]:
@@ -306,6 +327,8 @@ def faulty(
     """A reply to ``reply_to`` from ``client_id`` with the fault ``kind`` ("valid": none)."""
     key = str(client_id)
     arrays, metrics = content(draw, client_id, spec)
+    if kind in PACKABLE and draw(st.booleans()):  # as our clients send them, in one pack
+        arrays = packed(arrays)
 
     def rejected(reply: Message, reason: str) -> Planned:
         return Planned(reply, key, "rejected", reason.lower())
@@ -367,7 +390,7 @@ def faulty(
     if kind == "no-arrays":
         return rejected(message(reply_to, None, metrics), "no arrays record")
     if kind == "extra":
-        name = draw(st.text(min_size=1, max_size=30).filter(lambda n: n not in spec))
+        name = draw(st.text(min_size=1, max_size=30).filter(lambda n: n not in {*spec, *arrays}))
         arrays[name] = encode_array(np.zeros(draw(SHAPES), dtype="float32"))
         return rejected(message(reply_to, arrays, metrics), "unexpected keys")
     if kind == "missing":
@@ -416,6 +439,11 @@ def faulty(
         data = encode_array(values(seed, 1.0, other_shape, other_dtype)).data
         arrays[name] = Array(dtype=dtype, shape=tuple(shape), stype="numpy.ndarray", data=data)
         return rejected(message(reply_to, arrays, metrics), "declares")
+    if kind == "torn-pack":
+        whole = pack({n: decode_array(a) for n, a in arrays.items()})
+        cut = draw(st.integers(0, len(whole.data) - 1))
+        arrays = {"torn": Array(whole.dtype, whole.shape, whole.stype, whole.data[:cut])}
+        return rejected(message(reply_to, arrays, metrics), "pack 'torn'")
     assert kind == "values"
     name = draw(st.sampled_from(sorted(n for n, (_, d) in spec.items() if np.dtype(d).kind == "f")))
     shape, dtype = spec[name]
@@ -688,6 +716,37 @@ def test_damaged_array_bytes_decode_to_the_declared_arrays_or_are_rejected(
     record = ArrayRecord()
     for key, array in arrays.items():
         record[key] = array
+    try:
+        tensors = decode_checked(record, RECORD_SPEC)
+    except InvalidRecord as err:
+        assert str(err).strip()
+        return
+    for key, (shape, dtype) in RECORD_SPEC.items():
+        assert tuple(tensors[key].shape) == shape and str(tensors[key].numpy().dtype) == dtype
+        assert bool(torch.isfinite(tensors[key]).all())
+
+
+@settings(max_examples=examples(600))
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    flips=st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 7)), min_size=1, max_size=3),
+    cut=st.one_of(st.none(), st.integers(0, 10**6)),
+)
+def test_damaged_pack_bytes_decode_to_the_declared_arrays_or_are_rejected(
+    seed: int, flips: list[tuple[int, int]], cut: int | None
+) -> None:
+    """``records.decode_checked`` on a pack with bits flipped anywhere (its header included)
+    and maybe cut: ``InvalidRecord``, or tensors of exactly the declared names, shapes and
+    dtypes, all finite."""
+    from fedfm_flower.records import InvalidRecord, decode_checked
+
+    whole = pack({n: values(seed, 1.0, shape, d) for n, (shape, d) in RECORD_SPEC.items()})
+    data = bytearray(whole.data)
+    for offset, bit in flips:
+        data[offset % len(data)] ^= 1 << bit
+    damaged = bytes(data if cut is None else data[: cut % len(data)])
+    record = ArrayRecord()
+    record["fedfm.packed.0"] = Array(whole.dtype, whole.shape, whole.stype, damaged)
     try:
         tensors = decode_checked(record, RECORD_SPEC)
     except InvalidRecord as err:

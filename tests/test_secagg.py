@@ -10,7 +10,15 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from flwr.app import ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import (
+    ArrayRecord,
+    ConfigRecord,
+    Context,
+    Message,
+    MessageType,
+    MetricRecord,
+    RecordDict,
+)
 from run_configs import method_base
 from tiny_strategy import TINY_SPLITS, tiny_strategy
 
@@ -24,7 +32,7 @@ from fedfm_flower.privacy.secagg import (
     secagg_refusal,
     secure_exchange,
 )
-from fedfm_flower.records import from_array_record, to_array_record
+from fedfm_flower.records import from_array_record, numpy_arrays, to_array_record
 from fedfm_flower.registry import METHODS
 from fedfm_flower.settings import ConfigError
 from server_apps.inprocess import InProcessGrid
@@ -139,7 +147,10 @@ def test_secure_mean_equals_the_plain_weighted_mean_and_no_update_travels(weight
     outcome = secure_exchange(grid, training_messages(5), SETTINGS, None, weighting)
     assert outcome.bytes_up > 5 * 30 * 8 and outcome.bytes_down > 0
     # every message the server sent in the clear holds only the payload: the sum is all it saw
-    assert all(len(m.content.array_records.get(P.ARRAYS, {})) in (0, 2) for m in grid.sent)
+    assert all(
+        len(numpy_arrays(m.content.array_records.get(P.ARRAYS, ArrayRecord()))) in (0, 2)
+        for m in grid.sent
+    )
 
 
 def test_a_client_that_drops_mid_training_is_unmasked_out_of_the_sum() -> None:

@@ -25,7 +25,7 @@ from fedfm_flower.aggregation import weighted_average
 from fedfm_flower.config import ConfigError, ExperimentConfig
 from fedfm_flower.halves import strategy_class
 from fedfm_flower.models import TrainableTensors
-from fedfm_flower.records import to_array_record
+from fedfm_flower.records import from_array_record, record_names, to_array_record
 from server_apps.inprocess import InProcessGrid, identity_app
 from strategies.fedavg import FedAvgStrategy
 from strategies.parts.context import RunContext
@@ -91,7 +91,7 @@ def test_node_mapping_is_learned_by_query_and_messages_are_per_node() -> None:
         assert strategy.nodes.client_of(message.metadata.dst_node_id) == int(
             message.content[P.CONFIG][P.CLIENT_ID]
         )
-        keys = set(message.content[P.ARRAYS].keys())
+        keys = set(record_names(message.content[P.ARRAYS]))
         # FedRep sends the adapter only: no head, no frozen backbone tensor.
         assert keys == {k for k in INITIAL.tensors if "lora_" in k}
 
@@ -99,7 +99,7 @@ def test_node_mapping_is_learned_by_query_and_messages_are_per_node() -> None:
 def test_local_sends_nothing() -> None:
     strategy, grid = make_strategy("local")
     for message in strategy.configure_train(1, ArrayRecord(), ConfigRecord(), grid):
-        assert len(message.content[P.ARRAYS]) == 0
+        assert not record_names(message.content[P.ARRAYS])
 
 
 def test_duplicate_client_ids_are_reported_and_ignored(caplog: pytest.LogCaptureFixture) -> None:
@@ -279,10 +279,7 @@ def test_state_dict_round_trip_is_exact() -> None:
         [
             reply_to(
                 m,
-                {
-                    k: torch.randn_like(v)
-                    for k, v in m.content[P.ARRAYS].to_torch_state_dict().items()
-                },
+                {k: torch.randn_like(v) for k, v in from_array_record(m.content[P.ARRAYS]).items()},
                 5,
             )
             for m in messages
@@ -352,7 +349,7 @@ def test_a_fused_round_returns_both_phases_outcomes() -> None:
     assert alone[0].content[P.CONFIG][P.SERVER_ROUND] == 1
     replies = []
     for message in training:
-        sent = message.content[P.ARRAYS].to_torch_state_dict()
+        sent = from_array_record(message.content[P.ARRAYS])
         reply = reply_to(message, {k: torch.ones_like(v) for k, v in sent.items()}, 10)
         cid = int(message.content[P.CONFIG][P.CLIENT_ID])
         reply.content[P.EVALUATE_METRICS] = MetricRecord(

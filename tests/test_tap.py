@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from fedfm_flower import protocol as P
+from fedfm_flower.records import record_names
 
 
 def test_eq3_replaces_where_the_federated_loss_beats_the_personal_by_the_margin() -> None:
@@ -187,7 +188,7 @@ def test_tap_end_to_end_x_stays_home_and_survives_a_restart(tap_config: dict) ->
     sent = {}  # the last non-empty training reply of each client: round 2's W~
     for client, reply in replies:
         arrays = reply.content.array_records.get(P.ARRAYS)
-        if arrays is not None and len(arrays.keys()):
+        if arrays is not None and record_names(arrays):
             sent[client] = from_array_record(arrays)
     assert set(sent) == {0, 1, 2, 3}
     for client, w in sent.items():

@@ -238,11 +238,12 @@ def _layout(training: Sequence[Message]) -> tuple[list[str], list[tuple[int, ...
     """Names (sorted, the order the clients use) and shapes of the shared tensors; every
     training message must carry the same ones."""
     from fedfm_flower import protocol as P
+    from fedfm_flower.records import numpy_arrays
 
     layouts = {
         tuple(
             (name, tuple(array.shape))
-            for name, array in sorted(m.content.array_records[P.ARRAYS].items())
+            for name, array in sorted(numpy_arrays(m.content.array_records[P.ARRAYS]).items())
         )
         for m in training
     }
