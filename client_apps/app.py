@@ -145,13 +145,21 @@ def _train_content(
     started: float,
 ) -> RecordDict:
     """The training (or post-training) reply's records, faults injected where configured."""
-    from client_apps.faults import FAULT_KINDS, inject_fault, parse_faults, stall_state_write
+    from client_apps.faults import (
+        FAULT_KINDS,
+        hold_until_released,
+        inject_fault,
+        parse_faults,
+        stall_state_write,
+    )
     from fedfm_flower.records import to_message_record
 
     server_round = int(config_record.get(P.SERVER_ROUND, 0))
     faults = parse_faults(context.node_config)  # before training: a bad value fails fast
     if faults.get(server_round) == "stall-save":
         stall_state_write(runtime.store)
+    if faults.get(server_round) == "hold":
+        hold_until_released(runtime.store.directory)
     if config_record.get(P.PHASE, "train") == "post-training":
         sent, stats = logic.post_train(runtime, received, server_round)
     else:

@@ -33,6 +33,12 @@ One kind breaks the client's state instead of its reply (``STATE_FAULT_KINDS``):
   holding half the bytes, and waits ``STALL_S`` to be killed (the chaos harness,
   ``fedfm_flower.deploy.chaos``, SIGKILLs the node then: a kill mid-write); if nobody does, the
   write fails and the training with it, so no torn state is ever committed.
+
+One kind only delays (``HOLD_KINDS``), so a test can order a round after an event:
+
+* ``hold``: the training waits until a file ``release`` exists in the client's state directory
+  (``<client-state-dir>/<run-name>/client_<id>/``; the test creates it), at most ``HOLD_S``,
+  then runs as usual.
 """
 
 from __future__ import annotations
@@ -72,6 +78,9 @@ FAULT_KINDS = (
 )
 STATE_FAULT_KINDS = ("stall-save",)
 STALL_S = 600.0  # how long a stalled state write waits to be killed
+HOLD_KINDS = ("hold",)
+HOLD_S = 300.0  # how long a held training waits for its release at most
+RELEASE_FILE = "release"
 
 
 class InjectedCrash(RuntimeError):
@@ -93,7 +102,7 @@ def parse_faults(
     faults: dict[int, str] = {}
     for item in str(raw).split(","):
         round_text, _, kind = item.strip().partition(":")
-        kinds = FAULT_KINDS + STATE_FAULT_KINDS
+        kinds = FAULT_KINDS + STATE_FAULT_KINDS + HOLD_KINDS
         if not round_text.strip().isdigit() or kind.strip() not in kinds:
             raise ConfigError(
                 key,
@@ -180,3 +189,14 @@ def stall_state_write(store: Any, seconds: float = STALL_S) -> None:
             raise InjectedCrash(f"fault injection: the write of {path.name} was not killed")
 
     store.write_file = stalled
+
+
+def hold_until_released(directory: Path | None, seconds: float = HOLD_S) -> None:
+    """Wait until ``directory``/``release`` exists (the ``hold`` kind), at most ``seconds``."""
+    if directory is None:
+        raise ConfigError("inject-fault 'hold' needs a client-state-dir to watch for its release")
+    release = directory / RELEASE_FILE
+    log.warning("inject-fault: training held until %s exists", release)
+    deadline = time.monotonic() + seconds
+    while not release.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)

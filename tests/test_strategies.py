@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import time
 
 import numpy as np
 import pytest
@@ -169,6 +170,21 @@ def test_fault_injection_config_is_parsed_and_checked() -> None:
         parse_faults({"inject-fault": "2:melt"})
     with pytest.raises(InjectedCrash):
         inject_fault(RecordDict(), "crash")
+
+
+def test_a_held_training_waits_for_its_release_file(tmp_path) -> None:
+    import threading
+
+    from client_apps.faults import RELEASE_FILE, hold_until_released
+
+    assert parse_faults({"inject-fault": "2:hold"}) == {2: "hold"}
+    timer = threading.Timer(0.3, (tmp_path / RELEASE_FILE).touch)
+    timer.start()
+    started = time.monotonic()
+    hold_until_released(tmp_path, seconds=30)
+    assert 0.25 <= time.monotonic() - started < 10
+    with pytest.raises(ConfigError, match="needs a client-state-dir"):
+        hold_until_released(None)
 
 
 def test_fedavg_aggregates_with_example_weights() -> None:
