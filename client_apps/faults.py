@@ -194,7 +194,11 @@ def stall_state_write(store: Any, seconds: float = STALL_S) -> None:
 def hold_until_released(directory: Path | None, seconds: float = HOLD_S) -> None:
     """Wait until ``directory``/``release`` exists (the ``hold`` kind), at most ``seconds``."""
     if directory is None:
-        raise ConfigError("inject-fault 'hold' needs a client-state-dir to watch for its release")
+        raise ConfigError(
+            NODE_CONFIG_KEY,
+            "hold",
+            "a client-state-dir, where the held training waits for its release",
+        )
     release = directory / RELEASE_FILE
     log.warning("inject-fault: training held until %s exists", release)
     deadline = time.monotonic() + seconds
