@@ -197,7 +197,8 @@ def hold_until_released(directory: Path | None, seconds: float = HOLD_S) -> None
         raise ConfigError(
             NODE_CONFIG_KEY,
             "hold",
-            "a client-state-dir, where the held training waits for its release",
+            "needs a client-state-dir to watch for its release",
+            source="node config",
         )
     release = directory / RELEASE_FILE
     log.warning("inject-fault: training held until %s exists", release)
