@@ -8,8 +8,10 @@ rounds of FedAvg on the offline default with N clients. While it runs, every pro
 deployment is sampled every 0.5 s: its PSS (shared pages divided among the sharers, so torch's
 libraries mapped by N processes are not counted N times) and its CPU seconds. Reported per N:
 the peak of the summed PSS, the largest PSS of each role (SuperLink, SuperNode, SuperExec with
-its ClientApp, ServerApp, ...), the CPU seconds of each role, the start-up time, the steady
-round time and whether every client reported in every round.
+its ClientApp, ServerApp, ...), the CPU seconds of each role (``role-cpu-s``: over the whole
+deployment; ``role-cpu-s-run``: from when every SuperNode was online, so without the processes'
+imports), the start-up time, the steady round time and whether every client reported in every
+round.
 
 Before each N the next run's memory is predicted from the last one (its peak plus the
 per-SuperNode PSS times the added nodes); when the prediction passes ``--memory-fraction`` of
@@ -123,6 +125,7 @@ def run_load(
         with DeploymentSampler(deployment) as sampler:
             deployment.start()
             online = time.monotonic() - started
+            at_start = sampler.cpu.by_role()
             result = deployment.run(run_config)
     finally:
         deployment.stop()
@@ -142,6 +145,9 @@ def run_load(
         "peak-processes": sampler.peak_processes,
         "role-peak-pss-mb": {k: v / MB for k, v in sorted(sampler.role_peak.items())},
         "role-cpu-s": {k: round(v, 1) for k, v in sorted(sampler.cpu.by_role().items())},
+        "role-cpu-s-run": {
+            k: round(v - at_start.get(k, 0.0), 1) for k, v in sorted(sampler.cpu.by_role().items())
+        },
     }
     if result.ok:
         records = RunDirectory(output / name).rounds()
