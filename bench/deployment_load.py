@@ -100,9 +100,12 @@ def run_load(
     workdir: Path,
     config: dict[str, Any],
     deploy: Mapping[str, Any] | None = None,
+    idle_s: float = 0.0,
 ) -> dict[str, Any]:
     """One deployment of ``num_nodes`` SuperNodes running ``rounds`` FedAvg rounds (``deploy``:
-    ``DeployOptions`` fields, e.g. ``superlink_database``, ``shared_imports``); its row."""
+    ``DeployOptions`` fields, e.g. ``superlink_database``, ``shared_imports``); its row. With
+    ``idle_s`` the federation first idles that long, every node online and no run, and the row
+    has each role's CPU seconds over that window (``role-cpu-s-idle``): what waiting costs."""
     name = f"load-{num_nodes}"
     output = workdir / "runs"
     fields: dict[str, Any] = {
@@ -126,11 +129,17 @@ def run_load(
             deployment.start()
             online = time.monotonic() - started
             at_start = sampler.cpu.by_role()
+            if idle_s > 0:
+                time.sleep(idle_s + sampler.interval)  # the window's last sample included
+                idle = sampler.cpu.by_role()
+                idle_cpu = {k: round(v - at_start.get(k, 0.0), 2) for k, v in idle.items()}
+                at_start = idle
             result = deployment.run(run_config)
     finally:
         deployment.stop()
     row: dict[str, Any] = {
         "supernodes": num_nodes,
+        **({"idle-s": idle_s, "role-cpu-s-idle": idle_cpu} if idle_s > 0 else {}),
         "superlink-database": options.superlink_database or "sqlite file",
         "superlink-lock-wait-s": options.superlink_lock_wait,
         "pull-patience-s": options.pull_patience,
@@ -172,6 +181,7 @@ def sweep(
     config: dict[str, Any],
     memory_fraction: float,
     deploy: Mapping[str, Any] | None = None,
+    idle_s: float = 0.0,
 ) -> list[dict[str, Any]]:
     """``run_load`` for each N until memory would run out or a run fails."""
     rows: list[dict[str, Any]] = []
@@ -189,7 +199,7 @@ def sweep(
                 )
                 print(json.dumps(rows[-1]), flush=True)
                 break
-        rows.append(run_load(num_nodes, rounds, workdir, config, deploy))
+        rows.append(run_load(num_nodes, rounds, workdir, config, deploy, idle_s))
         print(json.dumps(rows[-1]), flush=True)
         if rows[-1]["status"] != "finished:completed":
             break
@@ -284,10 +294,18 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="seconds for each run (default 600 + 60 per SuperNode)",
     )
+    parser.add_argument(
+        "--idle-seconds",
+        type=float,
+        default=0.0,
+        help="idle the federation this long before the run and report each role's CPU then",
+    )
     args = parser.parse_args(argv)
     exit_on_sigterm()  # a killed bench stops its deployment (finally) instead of leaving it
     if any(n < 1 for n in args.supernodes) or args.rounds < 1:
         parser.error("--supernodes and --rounds must be >= 1")
+    if not 0 <= args.idle_seconds <= 3600:
+        parser.error(f"--idle-seconds must lie in [0, 3600], not {args.idle_seconds}")
     if not 0 < args.memory_fraction <= 1:
         parser.error(f"--memory-fraction must lie in (0, 1], not {args.memory_fraction}")
     try:
@@ -301,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         config,
         args.memory_fraction,
         deploy_overrides(args),
+        args.idle_seconds,
     )
     print(table(rows))
     if args.out is not None:

@@ -315,9 +315,9 @@ def test_the_load_sweep_stops_where_memory_would_run_out(monkeypatch, tmp_path) 
     ran: list[int] = []
     passed: set[tuple] = set()
 
-    def fake_run(num_nodes: int, rounds: int, workdir, config, deploy) -> dict:
+    def fake_run(num_nodes: int, rounds: int, workdir, config, deploy, idle_s) -> dict:
         ran.append(num_nodes)
-        passed.add(tuple(sorted(deploy.items())))
+        passed.add((*sorted(deploy.items()), idle_s))
         return {
             "supernodes": num_nodes,
             "status": "finished:completed",
@@ -330,10 +330,10 @@ def test_the_load_sweep_stops_where_memory_would_run_out(monkeypatch, tmp_path) 
     monkeypatch.setattr(deployment_load, "run_load", fake_run)
     monkeypatch.setattr(deployment_load, "available_bytes", lambda: 10_000 * deployment_load.MB)
     deploy = {"superlink_database": ":flwr-in-memory:", "pull_patience": 300.0}
-    rows = deployment_load.sweep([2, 4, 8, 16, 30], 3, tmp_path, {}, 0.8, deploy)
+    rows = deployment_load.sweep([2, 4, 8, 16, 30], 3, tmp_path, {}, 0.8, deploy, 30.0)
     # 8 nodes: 5,400 MB predicted (fits 8,000); 16 nodes: 10,200 MB > 0.8 * 10,000
     assert ran == [2, 4, 8]
-    assert passed == {tuple(sorted(deploy.items()))}  # every run gets the same options
+    assert passed == {(*sorted(deploy.items()), 30.0)}  # every run gets the same options
     assert rows[-1]["status"] == "not-started: memory" and rows[-1]["supernodes"] == 16
     assert rows[-1]["predicted-pss-mb"] == pytest.approx(600.0 * 17)
     assert "not-started: memory" in deployment_load.table(rows)
