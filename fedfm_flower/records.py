@@ -26,7 +26,14 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, RecordDict
 
-from fedfm_flower.packed_arrays import MalformedPack, header_of, is_packed, pack, unpack
+from fedfm_flower.packed_arrays import (
+    MalformedPack,
+    PackedEntry,
+    header_of,
+    is_packed,
+    pack,
+    unpack,
+)
 
 _NUMPY_STYPE = "numpy.ndarray"  # Flower's SType.NUMPY: np.save bytes
 PACK_KEY = "fedfm.packed."  # a message record's packs: fedfm.packed.0, .1, ...
@@ -126,19 +133,28 @@ def numpy_arrays(record: ArrayRecord) -> dict[str, np.ndarray]:
     """The named arrays an ArrayRecord holds, plain or packed (writable copies); InvalidRecord
     when a pack is malformed or a name appears twice."""
     out: dict[str, np.ndarray] = {}
-    for key, array in record.items():
-        if is_packed(array):
-            try:
-                arrays = unpack(array)
-            except MalformedPack as err:
-                raise InvalidRecord(f"pack '{key}': {err}") from None
-        else:
-            arrays = {key: decode_array(array)}
+    for key, array, entries in _parts(record):
+        arrays = {key: decode_array(array)} if entries is None else unpack(array, entries)
         for name, values in arrays.items():
             if name in out:
                 raise InvalidRecord(f"'{name}' appears twice")
             out[name] = values
     return out
+
+
+def _parts(record: ArrayRecord) -> list[tuple[str, Array, list[PackedEntry] | None]]:
+    """Each (key, Array, the pack's checked entries or None for a plain Array) of a record;
+    InvalidRecord naming the pack whose header breaks its bytes."""
+    parts = []
+    for key, array in record.items():
+        entries = None
+        if is_packed(array):
+            try:
+                entries = header_of(array)
+            except MalformedPack as err:
+                raise InvalidRecord(f"pack '{key}': {err}") from None
+        parts.append((key, array, entries))
+    return parts
 
 
 def record_names(record: ArrayRecord) -> list[str]:
@@ -167,12 +183,8 @@ def _declared(record: ArrayRecord) -> dict[str, tuple[tuple[int, ...], str, int]
     """Name -> (shape, dtype, payload bytes) as the record's metadata and pack headers declare
     them, nothing decoded; InvalidRecord when a pack is malformed or a name appears twice."""
     declared: dict[str, tuple[tuple[int, ...], str, int]] = {}
-    for key, array in record.items():
-        if is_packed(array):
-            try:
-                entries = header_of(array)
-            except MalformedPack as err:
-                raise InvalidRecord(f"pack '{key}': {err}") from None
+    for key, array, entries in _parts(record):
+        if entries is not None:
             items = [(e.name, (e.shape, str(e.dtype), e.nbytes)) for e in entries]
         else:
             items = [(key, (tuple(array.shape), str(array.dtype), len(array.data)))]

@@ -691,6 +691,21 @@ RECORD_SPEC = {
 }
 
 
+def declared_or_rejected(record: ArrayRecord) -> None:
+    """``records.decode_checked`` on ``record`` raises ``InvalidRecord`` with a reason, or gives
+    tensors of exactly ``RECORD_SPEC``'s names, shapes and dtypes, all finite."""
+    from fedfm_flower.records import InvalidRecord, decode_checked
+
+    try:
+        tensors = decode_checked(record, RECORD_SPEC)
+    except InvalidRecord as err:
+        assert str(err).strip()
+        return
+    for key, (shape, dtype) in RECORD_SPEC.items():
+        assert tuple(tensors[key].shape) == shape and str(tensors[key].numpy().dtype) == dtype
+        assert bool(torch.isfinite(tensors[key]).all())
+
+
 @settings(max_examples=examples(600))
 @given(
     seed=st.integers(0, 2**32 - 1),
@@ -705,8 +720,6 @@ def test_damaged_array_bytes_decode_to_the_declared_arrays_or_are_rejected(
     (its ``.npy`` header included) and is maybe cut: ``InvalidRecord``, or tensors of exactly
     the declared names, shapes and dtypes, all finite (values may differ: a reply's values are
     the client's)."""
-    from fedfm_flower.records import InvalidRecord, decode_checked
-
     arrays = {n: encode_array(values(seed, 1.0, shape, d)) for n, (shape, d) in RECORD_SPEC.items()}
     data = bytearray(arrays[name].data)
     for offset, bit in flips:
@@ -716,14 +729,7 @@ def test_damaged_array_bytes_decode_to_the_declared_arrays_or_are_rejected(
     record = ArrayRecord()
     for key, array in arrays.items():
         record[key] = array
-    try:
-        tensors = decode_checked(record, RECORD_SPEC)
-    except InvalidRecord as err:
-        assert str(err).strip()
-        return
-    for key, (shape, dtype) in RECORD_SPEC.items():
-        assert tuple(tensors[key].shape) == shape and str(tensors[key].numpy().dtype) == dtype
-        assert bool(torch.isfinite(tensors[key]).all())
+    declared_or_rejected(record)
 
 
 @settings(max_examples=examples(600))
@@ -738,8 +744,6 @@ def test_damaged_pack_bytes_decode_to_the_declared_arrays_or_are_rejected(
     """``records.decode_checked`` on a pack with bits flipped anywhere (its header included)
     and maybe cut: ``InvalidRecord``, or tensors of exactly the declared names, shapes and
     dtypes, all finite."""
-    from fedfm_flower.records import InvalidRecord, decode_checked
-
     whole = pack({n: values(seed, 1.0, shape, d) for n, (shape, d) in RECORD_SPEC.items()})
     data = bytearray(whole.data)
     for offset, bit in flips:
@@ -747,11 +751,4 @@ def test_damaged_pack_bytes_decode_to_the_declared_arrays_or_are_rejected(
     damaged = bytes(data if cut is None else data[: cut % len(data)])
     record = ArrayRecord()
     record["fedfm.packed.0"] = Array(whole.dtype, whole.shape, whole.stype, damaged)
-    try:
-        tensors = decode_checked(record, RECORD_SPEC)
-    except InvalidRecord as err:
-        assert str(err).strip()
-        return
-    for key, (shape, dtype) in RECORD_SPEC.items():
-        assert tuple(tensors[key].shape) == shape and str(tensors[key].numpy().dtype) == dtype
-        assert bool(torch.isfinite(tensors[key]).all())
+    declared_or_rejected(record)
