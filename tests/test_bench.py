@@ -433,8 +433,9 @@ def test_the_load_bench_reads_set_values_quoted_or_bare(monkeypatch, tmp_path, c
 
     seen = {}
 
-    def fake_sweep(supernodes, rounds, workdir, config, fraction, deploy):  # noqa: ANN001, ANN202
+    def fake_sweep(supernodes, rounds, workdir, config, fraction, deploy, idle_s):  # noqa: ANN001, ANN202
         seen.update(config)
+        seen["idle"] = idle_s
         return []
 
     monkeypatch.setattr(deployment_load, "sweep", fake_sweep)
@@ -442,7 +443,11 @@ def test_the_load_bench_reads_set_values_quoted_or_bare(monkeypatch, tmp_path, c
     sets = ["partitioner=iid", "dataset='digits'", "num-server-rounds=3", "lr=0.01"]
     argv = ["--supernodes", "2", "--workdir", str(tmp_path)]
     assert deployment_load.main([*argv, *(a for s in sets for a in ("--set", s))]) == 0
-    assert seen == {"partitioner": "iid", "dataset": "digits", "num-server-rounds": 3, "lr": 0.01}
+    expected = {"partitioner": "iid", "dataset": "digits", "num-server-rounds": 3, "lr": 0.01}
+    assert seen == {**expected, "idle": 0.0}
     with pytest.raises(SystemExit) as exit_:
         deployment_load.main([*argv, "--set", "no-value"])
     assert exit_.value.code == 2 and "'no-value'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        deployment_load.main([*argv, "--idle-seconds", "-1"])
+    assert exit_.value.code == 2 and "must lie in [0, 3600]" in capsys.readouterr().err
