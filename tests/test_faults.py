@@ -257,7 +257,7 @@ def test_tap_runs_with_its_post_fl_round_and_a_killed_serverapp_resumes_to_the_s
 # exactly the round-1 state.
 FAULTS = {
     0: ["nan", "shape", "missing-key", "client-id", "metric-type", "crash"],
-    1: ["inf", "dtype", "extra-key", "oversize", "no-metrics", "crash"],
+    1: ["inf", "dtype", "extra-key", "oversize", "no-metrics", "torn-pack"],
 }
 REASONS = {
     "nan": r"contains NaN or Inf",
@@ -268,6 +268,7 @@ REASONS = {
     "extra-key": r"unexpected keys \[.*\.extra'\]",
     "client-id": r"reply claims client-id 1 but node belongs to client 0",
     "oversize": r"payload is \d+ bytes, expected",
+    "torn-pack": r"pack 'torn': .*lies outside the \d+ bytes",
     "metric-type": r"bad num-examples 12\.5",
     "no-metrics": r"no metrics record",
     "crash": r"client error: .*crashes on purpose",

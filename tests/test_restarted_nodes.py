@@ -14,7 +14,8 @@ from flwr.app import ConfigRecord, Message, RecordDict
 
 from fedfm_flower.deploy import restarted_nodes
 
-HEARTBEAT_S = 0.05  # the node is offline 2 x this after its last heartbeat (Flower's patience)
+HEARTBEAT_S = 30.0  # Flower's default: a node is offline 2 x this after its last heartbeat
+LAST_HEARTBEAT_S = 0.01  # the crashed node's last heartbeat, so its silence lapses at once
 
 
 class Federation:
@@ -54,9 +55,12 @@ class Federation:
         return self.state.get_message_ins(node_id=self.node, limit=None)
 
     def node_restarts(self) -> None:
-        """The node's process dies, its heartbeats lapse, and a new process starts."""
+        """The node's process dies, its heartbeats lapse, and a new process starts. The last
+        heartbeat announces a tiny interval, so the lapse takes milliseconds of the clock,
+        not a race with it."""
         assert not self.state.activate_node(self.node, HEARTBEAT_S)  # Flower: still online
-        time.sleep(2.5 * HEARTBEAT_S)
+        assert self.state.acknowledge_node_heartbeat(self.node, LAST_HEARTBEAT_S)
+        time.sleep(5 * LAST_HEARTBEAT_S)
         assert self.state.activate_node(self.node, HEARTBEAT_S)
 
     def replies(self, message_id: str) -> list[Message]:
@@ -126,8 +130,11 @@ def test_a_node_back_after_lapsed_heartbeats_keeps_its_messages(answering) -> No
     federation = answering
     held = federation.send("held")
     assert len(federation.node_pulls()) == 1
-    time.sleep(2.5 * HEARTBEAT_S)  # the same process's heartbeats lapse, then one arrives
-    assert federation.state.acknowledge_node_heartbeat(federation.node, 10.0)
+    # The same process's heartbeats lapse (its last one announced a tiny interval), then one
+    # arrives.
+    assert federation.state.acknowledge_node_heartbeat(federation.node, LAST_HEARTBEAT_S)
+    time.sleep(5 * LAST_HEARTBEAT_S)
+    assert federation.state.acknowledge_node_heartbeat(federation.node, HEARTBEAT_S)
     assert federation.replies(held) == []  # still the process's to answer
     assert restarted_nodes.activated_at(federation.state).keys() == {federation.node}
 
