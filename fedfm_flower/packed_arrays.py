@@ -22,6 +22,7 @@ trailing; a pack that breaks any of these raises ``MalformedPack`` naming what.
 from __future__ import annotations
 
 import json
+import math
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -53,7 +54,7 @@ class PackedEntry:
     @property
     def nbytes(self) -> int:
         """Bytes of the array's values."""
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize  # exact: a lying shape cannot wrap
 
 
 def _aligned(n: int) -> int:

@@ -60,6 +60,7 @@ def _forged(entries: list, body: bytes = b"", magic: bytes = MAGIC) -> Array:
         (_forged([], magic=b"NOTAPACK"), "magic"),
         (Array(dtype="uint8", shape=(3,), stype="fedfm.packed.v1", data=b"FED"), "magic"),
         (_forged([["x", "<f4", [2], 10**6]], b"\0" * 8), "outside"),
+        (_forged([["x", "<f4", [2**39, 2**39], 64]], b"\0" * 64), "outside"),  # 2**80 bytes
         (_forged([["x", "<f4", [2], 0]], b"\0" * 8), "overlaps"),
         (_forged([["x", "object", [1], 64]], b"\0" * 64), "not a plain number"),
         (_forged([["x", "float", [-1], 64]], b"\0" * 64), "not a list of sizes"),
