@@ -132,8 +132,13 @@ def _numpy(tensor: torch.Tensor) -> np.ndarray:
 def numpy_arrays(record: ArrayRecord) -> dict[str, np.ndarray]:
     """The named arrays an ArrayRecord holds, plain or packed (writable copies); InvalidRecord
     when a pack is malformed or a name appears twice."""
+    return _decoded(_parts(record))
+
+
+def _decoded(parts: list[tuple[str, Array, list[PackedEntry] | None]]) -> dict[str, np.ndarray]:
+    """The named arrays of a record's checked parts; InvalidRecord when a name appears twice."""
     out: dict[str, np.ndarray] = {}
-    for key, array, entries in _parts(record):
+    for key, array, entries in parts:
         arrays = {key: decode_array(array)} if entries is None else unpack(array, entries)
         for name, values in arrays.items():
             if name in out:
@@ -159,7 +164,7 @@ def _parts(record: ArrayRecord) -> list[tuple[str, Array, list[PackedEntry] | No
 
 def record_names(record: ArrayRecord) -> list[str]:
     """The tensor names an ArrayRecord holds, plain or packed, nothing decoded."""
-    return list(_declared(record))
+    return list(_declared(_parts(record)))
 
 
 def from_array_record(record: ArrayRecord) -> dict[str, torch.Tensor]:
@@ -179,11 +184,13 @@ def tensor_spec(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[tuple[in
     }
 
 
-def _declared(record: ArrayRecord) -> dict[str, tuple[tuple[int, ...], str, int]]:
-    """Name -> (shape, dtype, payload bytes) as the record's metadata and pack headers declare
-    them, nothing decoded; InvalidRecord when a pack is malformed or a name appears twice."""
+def _declared(
+    parts: list[tuple[str, Array, list[PackedEntry] | None]],
+) -> dict[str, tuple[tuple[int, ...], str, int]]:
+    """Name -> (shape, dtype, payload bytes) as a record's metadata and pack headers declare
+    them, nothing decoded; InvalidRecord when a name appears twice."""
     declared: dict[str, tuple[tuple[int, ...], str, int]] = {}
-    for key, array, entries in _parts(record):
+    for key, array, entries in parts:
         if entries is not None:
             items = [(e.name, (e.shape, str(e.dtype), e.nbytes)) for e in entries]
         else:
@@ -209,7 +216,8 @@ def decode_checked(
     """
     if record is None:
         raise InvalidRecord("no arrays record")
-    declared = _declared(record)
+    parts = _parts(record)  # each pack's header read and checked once
+    declared = _declared(parts)
     missing = sorted((set(spec) if required is None else set(required)) - set(declared))
     extra = sorted(set(declared) - set(spec))
     if missing:
@@ -228,7 +236,7 @@ def decode_checked(
         if payload > expected_bytes + 1024:
             raise InvalidRecord(f"'{name}' payload is {payload} bytes, expected ~{expected_bytes}")
     try:
-        tensors = from_array_record(record)
+        tensors = {name: torch.from_numpy(v) for name, v in _decoded(parts).items()}
     except Exception as err:  # noqa: BLE001 - any decoding failure rejects the reply
         raise InvalidRecord(f"cannot be decoded: {err}") from err
     for name, tensor in tensors.items():
