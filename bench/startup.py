@@ -60,6 +60,7 @@ ROLES = (
     ("flower-superlink", "superlink"),
     ("flower-superexec", "superexec"),
     ("flwr-simulation", "simulation (serverapp)"),
+    ("fedfm_flower.deploy.forkserver", "fork server and workers"),  # workers keep its cmdline
     ("ray::DashboardAgent", "ray"),
     ("ray::RuntimeEnvAgent", "ray"),
     ("ray::", "ray workers"),

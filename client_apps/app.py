@@ -31,7 +31,7 @@ from flwr.clientapp import ClientApp
 
 from client_apps.secagg import secagg_mod
 from client_apps.warm import warm_worker_mod
-from fedfm_flower import actor_preload, prompt_engine
+from fedfm_flower import actor_preload, fork_engine, prompt_engine
 from fedfm_flower import protocol as P
 
 if TYPE_CHECKING:
@@ -45,9 +45,11 @@ log = logging.getLogger(__name__)
 app = ClientApp(mods=[secagg_mod, warm_worker_mod])
 
 # The simulation engine loads this module before it starts its threads and builds its actors:
-# give it prompt hand-offs, and actors that import torch, timm and peft while the run starts.
+# give it prompt hand-offs, and workers that import torch, timm and peft once, while the run
+# starts (forked from one process on the CPU; Ray's actors, preloading, otherwise).
 prompt_engine.install()
 actor_preload.install()
+fork_engine.install()
 
 
 def _runtime_and_logic(message: Message, context: Context):  # noqa: ANN202

@@ -1,4 +1,5 @@
-"""`flwr run` in local simulation (Ray), through the project's launcher, cleaned up afterwards."""
+"""`flwr run` in local simulation (forked workers on the CPU, or Ray), through the project's
+launcher, cleaned up afterwards."""
 
 from __future__ import annotations
 
@@ -19,16 +20,23 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def simulate(
-    cache_dir: Path, tmp_path: Path, name: str, prompt_engine: bool, extra: str = ""
+    cache_dir: Path,
+    tmp_path: Path,
+    name: str,
+    prompt_engine: bool,
+    extra: str = "",
+    backend: str = "fork",
 ) -> list[dict]:
     """``flwr run`` of 2 FedAvg rounds on 3 SuperNodes through the launcher (``extra``: more
-    run-config overrides); its rounds without their wall-clock values."""
+    run-config overrides; ``backend``: ``fork`` or ``ray``); its rounds without their
+    wall-clock values."""
     flwr_home = tmp_path / f"flwr-home-{name}"
     env = {
         **os.environ,
         "FLWR_HOME": str(flwr_home),
         "HF_HUB_OFFLINE": "1",
         "FEDFM_PROMPT_ENGINE": "1" if prompt_engine else "0",
+        "FEDFM_SIMULATION_ENGINE": backend,
     }
     out = tmp_path / "runs"
     overrides = (
@@ -56,6 +64,7 @@ def simulate(
     assert result.returncode == 0, output[-3000:]
     assert "[round   2/2] acc" in output  # the per-round progress line reaches the user
     assert "keeps Flower's 0.1 s hand-offs" not in output  # the installed Flower is known
+    assert ("in workers forked from one process" in output) == (backend == "fork")
     rounds = RunDirectory(out / name).rounds_without_times()
     assert [r["round"] for r in rounds] == [1, 2]
     assert all(r["clients-reported"] == 3 for r in rounds)
@@ -70,20 +79,24 @@ def simulate(
 def test_flwr_run_simulation_writes_a_run_and_leaves_nothing_running(
     cache_dir: Path, tmp_path: Path
 ) -> None:
-    """A simulated run, with the engine's prompt hand-offs (the default) and with Flower's own
-    0.1 s ones: the same results, every value of every round (times aside)."""
-    prompt = simulate(cache_dir, tmp_path, "prompt", prompt_engine=True)
-    flower = simulate(cache_dir, tmp_path, "flower", prompt_engine=False)
-    assert prompt == flower
+    """A simulated run as by default (forked workers, prompt hand-offs) and as Flower runs it
+    (Ray's actors, 0.1 s hand-offs): the same results, every value of every round (times
+    aside)."""
+    ours = simulate(cache_dir, tmp_path, "ours", prompt_engine=True)
+    flower = simulate(cache_dir, tmp_path, "flower", prompt_engine=False, backend="ray")
+    assert ours == flower
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_flwr_run_simulation_with_secagg(cache_dir: Path, tmp_path: Path) -> None:
-    """SecAgg+ in Flower's simulation engine (Ray): the 4 stages complete every round with all
-    3 clients in the sum, and the training replies carry no arrays (only the protocol's
-    records); that its mean equals the plain one is checked in tests/test_secagg.py."""
-    rounds = simulate(cache_dir, tmp_path, "secagg", prompt_engine=True, extra="secagg=true")
+    """SecAgg+ in Flower's simulation engine (on Ray, with the prompt hand-offs): the 4 stages
+    complete every round with all 3 clients in the sum, and the training replies carry no
+    arrays (only the protocol's records); that its mean equals the plain one is checked in
+    tests/test_secagg.py."""
+    rounds = simulate(
+        cache_dir, tmp_path, "secagg", prompt_engine=True, extra="secagg=true", backend="ray"
+    )
     assert [r["server"]["secagg-clients"] for r in rounds] == [3.0, 3.0]
     assert all(r["bytes-up-train"] == 0 and r["bytes-up-secagg"] > 0 for r in rounds)
 
@@ -162,17 +175,21 @@ def test_launcher_stopped_with_sigterm_leaves_no_superlink(cache_dir: Path, tmp_
         stderr=subprocess.DEVNULL,
     )
     tag = {"FLWR_HOME": str(flwr_home)}
+
+    def forked() -> set[int]:  # the fork server and the workers it forked (its command line)
+        return pids_with_environment(tag, command="fedfm_flower.deploy.forkserver")
+
     deadline = time.monotonic() + 180
-    while not pids_with_environment(tag, command="raylet") and time.monotonic() < deadline:
+    while len(forked()) < 2 and time.monotonic() < deadline:
         assert process.poll() is None, "the launcher ended before the simulation started"
         time.sleep(0.5)
-    assert pids_with_environment(tag, command="raylet"), "Ray did not start within 180 s"
+    assert len(forked()) >= 2, "no worker was forked within 180 s"
     assert local_superlink_pids(flwr_home)
-    process.send_signal(signal.SIGTERM)  # mid-run: SuperLink, ServerApp and Ray are all up
+    process.send_signal(signal.SIGTERM)  # mid-run: SuperLink, ServerApp and workers are all up
     assert process.wait(timeout=60) == 143
     assert local_superlink_pids(flwr_home) == []
-    # nor anything it started: every process of the run carries this FLWR_HOME. Ray's workers
-    # take their time to exit on a loaded 2-core machine (20 s was once too short).
+    # nor anything it started: every process of the run carries this FLWR_HOME (60 s: Ray's
+    # workers, with FEDFM_SIMULATION_ENGINE=ray, took over 20 s to exit on a loaded machine).
     deadline = time.monotonic() + 60
     while pids_with_environment(tag) and time.monotonic() < deadline:
         time.sleep(0.5)

@@ -155,6 +155,8 @@ def test_the_startup_bench_counts_cpu_by_role_when_round_1_ends(tmp_path: Path) 
     assert startup_role("ray::ClientAppActor.__init__") == "ray workers"
     assert startup_role("/v/python /v/ray/_private/workers/default_worker.py --x") == "ray workers"
     assert startup_role("ray::DashboardAgent") == "ray"
+    forked = "/v/python -m fedfm_flower.deploy.forkserver --socket /tmp/f/fork.sock --target x"
+    assert startup_role(forked) == "fork server and workers"
     assert startup_role("/v/site-packages/ray/core/src/ray/raylet/raylet --x") == "ray"
     server = tmp_path / "flwr-simulation"  # its command line names the simulation's role
     server.write_text(

@@ -191,9 +191,12 @@ def request_fork(
 class ForkServer:
     """Accepts fork requests on a Unix socket; forks, reports and reaps the SuperExecs."""
 
-    def __init__(self, socket_path: Path, target: str = TARGET) -> None:
+    def __init__(
+        self, socket_path: Path, target: str = TARGET, stop_with_parent: bool = False
+    ) -> None:
         self.socket_path = socket_path
         self.target = target
+        self.parent = os.getppid() if stop_with_parent else None
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.selector = selectors.DefaultSelector()
         self.children: dict[int, socket.socket] = {}  # pid -> its requester's connection
@@ -220,6 +223,8 @@ class ForkServer:
                     else:
                         self._requester_gone(key.data)
                 self._reap()
+                if self.parent is not None and os.getppid() != self.parent:
+                    self.stopping = True  # the process that started this server is gone
         finally:
             self._stop_children()
             self.socket_path.unlink(missing_ok=True)
@@ -409,9 +414,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--target", default=TARGET, help=f"the module whose main(argv) a child runs ({TARGET})"
     )
+    parser.add_argument(
+        "--stop-with-parent",
+        action="store_true",
+        help="stop (and stop the children) when the process that started this server ends",
+    )
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     imported = preload(args.preload)
-    server = ForkServer(args.socket.resolve(), args.target)
+    server = ForkServer(args.socket.resolve(), args.target, args.stop_with_parent)
     server.listen()
     print(
         f"fedfm_flower.deploy.forkserver: serving on {server.socket_path} "

@@ -1,0 +1,389 @@
+"""A simulation backend whose workers are forked from one process that imported the ClientApp's
+libraries once: Flower's engine without Ray, for simulations on the CPU.
+
+Flower's simulation engine runs each message's ClientApp through a ``Backend``; the only one it
+builds is Ray's (``RayBackend``: a Ray cluster started for the run, one actor process per
+client slot). Each actor is a fresh Python process that imports torch, timm, peft and the client
+code (about 6.5 CPU s each on the 2-core machine), and Ray's own processes add about 3 CPU s,
+all before round 1 can end (``docs/benchmarks.md``, start-up). ``ForkBackend`` instead starts
+``fedfm_flower.deploy.forkserver`` when the engine builds its backend: it imports those
+libraries once, while the ServerApp starts, and forks one ``fedfm_flower.fork_worker`` per slot
+on its first message; the imported pages stay shared copy-on-write among the workers.
+
+What stays as with Ray:
+
+- *Slots*: ``int(CPUs / client_resources.num_cpus)``, the CPUs being ``init_args.num_cpus`` when
+  given, else those this process may use (its affinity, capped by a cgroup quota), as
+  ``pool_size_from_resources`` counts a local Ray's; none fitting is an error naming both.
+- *A worker's environment*: the simulation process's, with ``OMP_NUM_THREADS`` set to the
+  client's CPUs unless set (as Ray sets it for an actor) and no visible CUDA device (as Ray
+  hides them from an actor that asked for none), and ``sys.path`` from the simulation process.
+- *Failures*: a ClientApp that raises fails its message with ``ClientAppException`` and one that
+  cannot be loaded with ``LoadClientAppError`` (the engine turns either into an error reply, as
+  for Ray); a worker that dies fails the message it ran (``ClientAppException`` naming its exit
+  status) and is forked again for the next one.
+
+Used only where it can stand in for Ray (``eligible``): clients that ask for no GPU (CUDA does
+not survive a fork; GPU shares stay Ray's), no ``RAY_ADDRESS`` naming a cluster, a platform with
+``fork`` and descriptor passing, and ``FEDFM_SIMULATION_ENGINE`` not ``ray``. ``install`` (called
+when the simulation process loads the ClientApp's module, which Flower 1.42's ``start_vce`` does
+before it builds the backend) puts a factory in place of ``RayBackend`` in Flower's backend
+module, guarded like ``fedfm_flower.prompt_engine``: only over the ``start_vce`` this module was
+written against (``FLOWER_SOURCES``). The factory is a ``RayBackend`` subclass, so the module's
+name still names Flower's class for everyone else; it returns Flower's own backend wherever
+``eligible`` says no. What a ClientApp computes does not change: the same messages with the
+same contexts reach the same app (``tests/test_simulation.py`` compares every round with Ray's).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from fedfm_flower.fork_worker import ChannelClosed, receive_frame, send_frame
+
+log = logging.getLogger("fedfm_flower")
+
+ENGINE_MODULE = "flwr.server.superlink.fleet.vce.vce_api"  # loaded only in the simulation process
+BACKEND_MODULE = "flwr.server.superlink.fleet.vce.backend.raybackend"
+ENV_SWITCH = "FEDFM_SIMULATION_ENGINE"  # "fork" (the default where eligible) or "ray"
+WORKER_MODULE = "fedfm_flower.fork_worker"
+# sha256 (first 16 hex digits) of inspect.getsource of what this module relies on: start_vce
+# builds its backend with ``from .backend.raybackend import RayBackend`` when it starts the run.
+FLOWER_SOURCES = {"start_vce": {"2d5e267f893950a7"}}
+# What the fork server imports before it forks: the ClientApp's heavy libraries (as the Ray
+# actors' preload, ``fedfm_flower.actor_preload.PRELOADED``) and Flower's ClientApp.
+PRELOAD = (
+    "torch",
+    "timm.models.vision_transformer",
+    "peft",
+    "flwr.clientapp",
+    "client_apps.base",
+    "fedfm_flower.halves",
+    WORKER_MODULE,
+)
+READY_TIMEOUT_S = 300.0  # the fork server's imports on a loaded machine
+STOP_GRACE_S = 5.0
+
+
+class ForkEngineError(RuntimeError):
+    """The fork backend cannot run a message (its fork server is gone, a worker cannot start)."""
+
+
+def available_cpus() -> int:
+    """CPUs this process may use: its affinity, capped by a cgroup v2 CPU quota."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    with contextlib.suppress(OSError, ValueError):
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            cpus = min(cpus or 1, max(1, int(int(quota) / int(period))))
+    return max(1, cpus or 1)
+
+
+def client_resources(backend_config: Mapping[str, Any]) -> dict[str, float]:
+    """The clients' ``num_cpus`` and ``num_gpus`` as Flower's RayBackend reads them (its
+    defaults: 2 CPUs, no GPU); ValueError naming a value that is not a number."""
+    given = dict(backend_config.get("client_resources") or {"num_cpus": 2, "num_gpus": 0.0})
+    resources = {"num_cpus": given.get("num_cpus", 1), "num_gpus": given.get("num_gpus", 0.0)}
+    for key, value in resources.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"client resources: {key} must be a number, not {value!r}")
+    if resources["num_cpus"] <= 0:
+        raise ValueError(f"client resources: num_cpus must be > 0, not {resources['num_cpus']}")
+    return {key: float(value) for key, value in resources.items()}
+
+
+def slots(backend_config: Mapping[str, Any]) -> int:
+    """How many ClientApps run at once: the CPUs over each client's, as Ray's actor pool."""
+    init_args = backend_config.get("init_args") or {}
+    cpus = init_args.get("num_cpus") or available_cpus()
+    num_cpus = client_resources(backend_config)["num_cpus"]
+    count = int(cpus / num_cpus)
+    if count < 1:
+        raise ValueError(
+            f"no ClientApp fits: {cpus} CPUs, and each client asks for num_cpus={num_cpus:g}"
+        )
+    return count
+
+
+def eligible(backend_config: Mapping[str, Any], env: Mapping[str, str] | None = None) -> bool:
+    """Whether ``ForkBackend`` stands in for Ray for this backend config (module docstring)."""
+    env = os.environ if env is None else env
+    if env.get(ENV_SWITCH, "fork") == "ray":
+        return False
+    if env.get("RAY_ADDRESS", "local") not in ("", "local"):
+        return False
+    if not (hasattr(os, "fork") and hasattr(socket, "send_fds")):
+        return False
+    try:
+        return client_resources(backend_config)["num_gpus"] == 0
+    except ValueError:
+        return False  # Ray's own validation reports it
+
+
+def app_reference(app: Any) -> tuple[str, str]:
+    """``(module, attribute)`` under which a loaded module holds ``app``; ForkEngineError when
+    none does (the worker imports the app by name rather than unpickling it)."""
+    for name, module in list(sys.modules.items()):
+        for attribute, value in list(getattr(module, "__dict__", {}).items()):
+            if value is app and not attribute.startswith("_"):
+                return name, attribute
+    raise ForkEngineError(f"no loaded module holds the ClientApp {app!r} by name")
+
+
+def worker_environment(num_cpus: float, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """A worker's environment: ``base``'s, with the client's threads and no CUDA device."""
+    env = dict(os.environ if base is None else base)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, int(num_cpus))))
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    env["PYTHONPATH"] = os.pathsep.join([*sys.path, *filter(None, [env.get("PYTHONPATH", "")])])
+    return env
+
+
+class ForkServerProcess:
+    """The fork server this backend started: its process, its socket, and whether it is ready."""
+
+    def __init__(self, env: Mapping[str, str], preload: tuple[str, ...] = PRELOAD) -> None:
+        self.directory = Path(tempfile.mkdtemp(prefix="fedfm-fork-"))  # mode 0700
+        self.socket_path = self.directory / "fork.sock"
+        self.ready = threading.Event()
+        self.process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "fedfm_flower.deploy.forkserver",
+                "--socket",
+                str(self.socket_path),
+                "--target",
+                WORKER_MODULE,
+                "--stop-with-parent",
+                "--preload",
+                *preload,
+            ],
+            env=dict(env),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        threading.Thread(target=self._watch, name="fedfm-forkserver-out", daemon=True).start()
+
+    def _watch(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            if "serving on" in line:
+                self.ready.set()
+            else:
+                sys.stdout.write(line)
+        self.ready.set()  # ended: ``wait_ready`` finds it gone
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
+        """Return once the server accepts requests; ForkEngineError if it ended or took long."""
+        if not self.ready.wait(timeout):
+            raise ForkEngineError(f"the fork server was not ready after {timeout:g} s")
+        if self.process.poll() is not None:
+            raise ForkEngineError(
+                f"the fork server ended (exit status {self.process.returncode}) before it forked"
+            )
+
+    def stop(self) -> None:
+        """SIGTERM the server (it stops its workers), SIGKILL it after a grace."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        with contextlib.suppress(OSError):
+            self.socket_path.unlink(missing_ok=True)
+            self.directory.rmdir()
+
+
+class Worker:
+    """One forked worker: its channel and its process (``ForkedProcess`` or ``Popen``)."""
+
+    def __init__(self, channel: socket.socket, process: Any) -> None:
+        self.channel = channel
+        self.process = process
+
+    def exit_status(self) -> int | None:
+        """The worker's exit status once it ended (waiting briefly for it), else None."""
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            status = self.process.poll()
+            if status is not None:
+                return status
+            time.sleep(0.02)
+        return None
+
+    def close(self) -> None:
+        """Close the channel: the worker ends when it reads the end."""
+        with contextlib.suppress(OSError):
+            self.channel.close()
+
+
+class ForkBackend:
+    """Flower's ``Backend`` interface over workers forked from one fork server."""
+
+    def __init__(
+        self, backend_config: Mapping[str, Any], preload: tuple[str, ...] = PRELOAD
+    ) -> None:
+        self.backend_config = dict(backend_config)
+        self.resources = client_resources(self.backend_config)
+        self.size = slots(self.backend_config)
+        self.env = worker_environment(self.resources["num_cpus"])
+        self.server = ForkServerProcess(self.env, preload)
+        self.idle: queue.Queue[Worker | None] = queue.Queue()
+        self.app: tuple[str, str] | None = None
+        self.lock = threading.Lock()
+        self.workers: set[Worker] = set()
+
+    @property
+    def num_workers(self) -> int:
+        """How many messages run at once."""
+        return self.size
+
+    def build(self, app_fn: Callable[[], Any]) -> None:
+        """Resolve the ClientApp's name; the workers are forked on their first message."""
+        self.app = app_reference(app_fn())
+        for _ in range(self.size):
+            self.idle.put(None)  # a slot without a worker yet
+        log.debug("fork engine: %d slots for %s:%s", self.size, *self.app)
+
+    def is_worker_idle(self) -> bool:
+        """Whether a slot is free."""
+        return not self.idle.empty()
+
+    def _start_worker(self) -> Worker:
+        from flwr.clientapp.client_app import LoadClientAppError
+
+        from fedfm_flower.deploy.forkserver import request_fork
+
+        self.server.wait_ready()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            try:
+                process: Any = request_fork(
+                    self.server.socket_path, [], env=self.env, stdio=(theirs.fileno(), 1, 2)
+                )
+            except OSError as err:
+                raise ForkEngineError(f"the fork server did not fork a worker: {err}") from err
+        finally:
+            theirs.close()
+        worker = Worker(ours, process)
+        assert self.app is not None
+        try:
+            send_frame(ours, ("app", *self.app, list(sys.path)))
+            answer = receive_frame(ours)
+        except (ChannelClosed, OSError) as err:
+            worker.close()
+            raise ForkEngineError(
+                f"a new worker ended before it loaded the ClientApp ({err}; exit status "
+                f"{worker.exit_status()})"
+            ) from err
+        if answer[0] != "ready":
+            worker.close()
+            raise LoadClientAppError(answer[1])
+        with self.lock:
+            self.workers.add(worker)
+        return worker
+
+    def process_message(self, message: Any, context: Any) -> tuple[Any, Any]:
+        """Run the ClientApp on ``message`` in a free worker; its reply and updated context."""
+        from flwr.clientapp.client_app import ClientAppException
+
+        worker = self.idle.get()
+        try:
+            if worker is None:
+                worker = self._start_worker()
+            try:
+                send_frame(worker.channel, ("run", message, context))
+                answer = receive_frame(worker.channel)
+            except (ChannelClosed, OSError) as err:
+                status = worker.exit_status()
+                self._forget(worker)
+                worker = None  # the slot forks a new worker for its next message
+                raise ClientAppException(
+                    f"the worker running this ClientApp ended (exit status {status}): {err}"
+                ) from err
+        except BaseException:
+            self.idle.put(worker)
+            raise
+        self.idle.put(worker)
+        if answer[0] == "ok":
+            return answer[1], answer[2]
+        raise ClientAppException(answer[1])
+
+    def _forget(self, worker: Worker) -> None:
+        worker.close()
+        with self.lock:
+            self.workers.discard(worker)
+
+    def terminate(self) -> None:
+        """Close every worker's channel and stop the fork server (and with it the workers)."""
+        with self.lock:
+            workers, self.workers = list(self.workers), set()
+        for worker in workers:
+            worker.close()
+        self.server.stop()
+
+
+def backend_factory(ray_backend: type) -> type:
+    """A ``RayBackend`` subclass whose construction gives a ``ForkBackend`` where ``eligible``,
+    else Flower's own backend."""
+
+    class RayBackendOrFork(ray_backend):  # type: ignore[misc, valid-type]
+        def __new__(cls, backend_config: Any, *args: Any, **kwargs: Any) -> Any:
+            if eligible(backend_config):
+                backend = ForkBackend(backend_config)
+                print(
+                    f"fedfm_flower.fork_engine: {backend.size} ClientApps at once, in workers "
+                    "forked from one process (FEDFM_SIMULATION_ENGINE=ray runs Ray's actors)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                return backend
+            return ray_backend(backend_config, *args, **kwargs)
+
+    RayBackendOrFork.__name__ = RayBackendOrFork.__qualname__ = "RayBackend"
+    RayBackendOrFork._FLOWER_RAY_BACKEND = ray_backend  # type: ignore[attr-defined]
+    return RayBackendOrFork
+
+
+def install() -> bool:
+    """Let the simulation engine build a ``ForkBackend`` where eligible (in the simulation
+    process, on the ``start_vce`` this module knows); True when in place (now or before)."""
+    engine = sys.modules.get(ENGINE_MODULE)
+    if engine is None or os.environ.get(ENV_SWITCH, "fork") == "ray":
+        return False
+    from fedfm_flower.prompt_engine import source_digest
+
+    try:
+        known = source_digest(engine.start_vce) in FLOWER_SOURCES["start_vce"]
+    except (OSError, TypeError):  # no source to read: not the code this module knows
+        known = False
+    if not known:
+        print(
+            "fedfm_flower.fork_engine: Flower's start_vce is not the code this project knows; "
+            "the simulation runs on Ray",
+            file=sys.stderr,
+        )
+        return False
+    backends = importlib.import_module(BACKEND_MODULE)
+    if getattr(backends.RayBackend, "_FLOWER_RAY_BACKEND", None) is not None:
+        return True
+    backends.RayBackend = backend_factory(backends.RayBackend)
+    return True

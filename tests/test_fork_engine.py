@@ -1,0 +1,260 @@
+"""The fork engine: Flower's simulation backend over workers forked from one process
+(``fedfm_flower.fork_engine``), against a real fork server with the ClientApps of
+``tests/fork_apps.py``; its choice between itself and Ray; its guard over Flower's code."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import fork_apps
+import pytest
+from flwr.app import ConfigRecord, Context, Message, Metadata, RecordDict
+from flwr.clientapp.client_app import ClientAppException, LoadClientAppError
+
+from fedfm_flower import fork_engine
+from fedfm_flower.fork_engine import (
+    ForkBackend,
+    ForkEngineError,
+    app_reference,
+    backend_factory,
+    client_resources,
+    eligible,
+    slots,
+)
+from fedfm_flower.processes import pid_alive
+
+ROOT = Path(__file__).resolve().parent.parent
+CPU_ONLY = {"client_resources": {"num_cpus": 1, "num_gpus": 0.0}}
+
+
+def message(do: str = "echo", value: float = 1.0, node: int = 5, **config: str) -> Message:
+    metadata = Metadata(
+        run_id=1,
+        message_id=f"m-{time.monotonic_ns()}",
+        src_node_id=0,
+        dst_node_id=node,
+        reply_to_message_id="",
+        group_id="",
+        created_at=time.time(),
+        ttl=600.0,
+        message_type="train",
+    )
+    content = RecordDict({"config": ConfigRecord({"do": do, "value": value, **config})})
+    return Message(metadata=metadata, content=content)
+
+
+def context(node: int = 5) -> Context:
+    return Context(
+        run_id=1, node_id=node, node_config={"partition-id": 0}, state=RecordDict(), run_config={}
+    )
+
+
+@pytest.fixture
+def backend():
+    built = ForkBackend({**CPU_ONLY, "init_args": {"num_cpus": 2}}, preload=("json",))
+    built.build(lambda: fork_apps.app)
+    yield built
+    built.terminate()
+
+
+def out(reply: Message) -> dict:
+    return dict(reply.content["out"])
+
+
+def test_slots_are_cpus_over_each_clients_as_in_rays_pool() -> None:
+    assert slots({"client_resources": {"num_cpus": 1}, "init_args": {"num_cpus": 6}}) == 6
+    assert slots({"client_resources": {"num_cpus": 4}, "init_args": {"num_cpus": 6}}) == 1
+    assert slots({"init_args": {"num_cpus": 8}}) == 4  # Flower's default: 2 CPUs a client
+    with pytest.raises(ValueError, match="no ClientApp fits: 2 CPUs.*num_cpus=3"):
+        slots({"client_resources": {"num_cpus": 3}, "init_args": {"num_cpus": 2}})
+    with pytest.raises(ValueError, match="num_cpus must be a number, not 'one'"):
+        client_resources({"client_resources": {"num_cpus": "one"}})
+
+
+def test_the_fork_engine_stands_in_for_ray_only_on_the_cpu_and_a_local_cluster() -> None:
+    assert eligible(CPU_ONLY, env={})
+    assert eligible({}, env={"RAY_ADDRESS": "local"})  # Flower's default resources: no GPU
+    assert not eligible({"client_resources": {"num_cpus": 1, "num_gpus": 0.25}}, env={})
+    assert not eligible(CPU_ONLY, env={"FEDFM_SIMULATION_ENGINE": "ray"})
+    assert not eligible(CPU_ONLY, env={"RAY_ADDRESS": "10.0.0.2:6379"})
+
+
+def test_the_factory_builds_a_fork_backend_where_eligible_and_flowers_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    class FlowersBackend:
+        def __init__(self, backend_config: dict) -> None:
+            self.config = backend_config
+
+    class Recorded:
+        size = 1
+
+        def __init__(self, backend_config: dict) -> None:
+            self.config = backend_config
+
+    monkeypatch.setattr(fork_engine, "ForkBackend", Recorded)
+    factory = backend_factory(FlowersBackend)
+    assert factory.__name__ == "RayBackend" and issubclass(factory, FlowersBackend)
+    monkeypatch.delenv("FEDFM_SIMULATION_ENGINE", raising=False)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert type(factory(CPU_ONLY)) is Recorded
+    gpu = {"client_resources": {"num_cpus": 1, "num_gpus": 0.5}}
+    assert type(factory(gpu)) is FlowersBackend and factory(gpu).config == gpu
+    monkeypatch.setenv("FEDFM_SIMULATION_ENGINE", "ray")
+    assert type(factory(CPU_ONLY)) is FlowersBackend
+
+
+def test_the_app_travels_by_name() -> None:
+    assert app_reference(fork_apps.app) == ("fork_apps", "app")
+    with pytest.raises(ForkEngineError, match="no loaded module holds the ClientApp"):
+        app_reference(object())
+
+
+def test_a_worker_runs_the_clientapp_with_the_clients_threads_and_no_gpu(backend) -> None:
+    assert backend.num_workers == 2 and backend.is_worker_idle()
+    first_context = context()
+    reply, updated = backend.process_message(message(value=1.5), first_context)
+    assert reply.metadata.reply_to_message_id != "" and out(reply)["value"] == 3.0
+    assert out(reply)["omp"] == "1" and out(reply)["cuda"] == ""
+    assert out(reply)["pid"] != os.getpid()
+    assert updated.state["seen"]["n"] == 1  # the context comes back with the app's changes
+    again, _ = backend.process_message(message(), updated)
+    assert out(again)["calls"] == 2
+
+
+def test_two_slots_run_two_messages_at_once(backend, tmp_path: Path) -> None:
+    markers = [str(tmp_path / "a"), str(tmp_path / "b")]
+    replies: list[Message] = []
+    threads = [
+        threading.Thread(
+            target=lambda m=m: replies.append(
+                backend.process_message(message("wait", marker=m), context())[0]
+            )
+        )
+        for m in markers
+    ]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 60
+    while not all(os.path.exists(m + ".started") for m in markers):
+        assert time.monotonic() < deadline, "both messages did not run at once"
+        time.sleep(0.02)
+    assert not backend.is_worker_idle()  # both slots busy
+    for m in markers:
+        Path(m + ".go").touch()
+    for thread in threads:
+        thread.join(60)
+    assert len({out(r)["pid"] for r in replies}) == 2
+    assert backend.is_worker_idle()
+
+
+def test_a_raising_clientapp_fails_its_message_and_the_worker_serves_on(backend) -> None:
+    reply, _ = backend.process_message(message(), context())
+    with pytest.raises(ClientAppException, match="ValueError: asked to fail"):
+        backend.process_message(message("raise"), context())
+    after, _ = backend.process_message(message(), context())
+    assert out(after)["pid"] in {out(reply)["pid"], *(w.process.pid for w in backend.workers)}
+
+
+def test_a_worker_that_dies_fails_its_message_and_is_forked_again(backend) -> None:
+    for _ in range(2):  # both slots hold a worker
+        backend.process_message(message(), context())
+    before = {w.process.pid for w in backend.workers}
+    with pytest.raises(ClientAppException, match="ended \\(exit status 7\\)"):
+        backend.process_message(message("die"), context())
+    pids = set()
+    for _ in range(2):
+        reply, _ = backend.process_message(message(), context())
+        pids.add(out(reply)["pid"])
+    assert len(backend.workers) == 2 and len(before & {w.process.pid for w in backend.workers}) == 1
+
+
+def test_an_app_that_cannot_be_loaded_fails_each_message_as_a_load_error() -> None:
+    broken = ForkBackend({**CPU_ONLY, "init_args": {"num_cpus": 1}}, preload=("json",))
+    try:
+        broken.build(lambda: fork_apps.app)
+        broken.app = ("fork_apps", "no_such_app")
+        for _ in range(2):
+            with pytest.raises(LoadClientAppError, match="no_such_app"):
+                broken.process_message(message(), context())
+        assert broken.is_worker_idle()
+    finally:
+        broken.terminate()
+
+
+def test_terminate_leaves_no_process(tmp_path: Path) -> None:
+    built = ForkBackend({**CPU_ONLY, "init_args": {"num_cpus": 2}}, preload=("json",))
+    built.build(lambda: fork_apps.app)
+    pids = {out(built.process_message(message(), context())[0])["pid"]}
+    server = built.server.process.pid
+    built.terminate()
+    deadline = time.monotonic() + 10
+    while any(pid_alive(p) for p in (*pids, server)):
+        assert time.monotonic() < deadline, "a worker or the fork server outlived terminate"
+        time.sleep(0.05)
+    assert not built.server.directory.exists()
+
+
+def test_the_fork_server_stops_with_the_process_that_started_it(tmp_path: Path) -> None:
+    script = (
+        "import sys; from fedfm_flower.fork_engine import ForkServerProcess\n"
+        "s = ForkServerProcess(dict(__import__('os').environ), preload=('json',))\n"
+        "s.wait_ready(); print(s.process.pid, flush=True)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    server = int(result.stdout.split()[-1])
+    deadline = time.monotonic() + 10
+    while pid_alive(server):
+        assert time.monotonic() < deadline, "the fork server outlived its parent"
+        time.sleep(0.05)
+
+
+def test_install_replaces_flowers_backend_only_over_the_known_start_vce() -> None:
+    script = (
+        "import flwr.server.superlink.fleet.vce.vce_api as engine\n"
+        "import flwr.server.superlink.fleet.vce.backend.raybackend as backends\n"
+        "flowers = backends.RayBackend\n"
+        "import client_apps.app\n"
+        "ours = backends.RayBackend\n"
+        "print(ours is not flowers, getattr(ours, '_FLOWER_RAY_BACKEND', None) is flowers)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "FEDFM_SIMULATION_ENGINE"}
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["True", "True"]
+    ray = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        env={**env, "FEDFM_SIMULATION_ENGINE": "ray"},
+        capture_output=True,
+        text=True,
+    )
+    assert ray.stdout.split() == ["False", "False"]
+
+
+def test_install_leaves_ray_over_another_start_vce(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def start_vce() -> None:  # not Flower's
+        return None
+
+    engine = type(sys)("engine")
+    engine.start_vce = start_vce
+    monkeypatch.setitem(sys.modules, fork_engine.ENGINE_MODULE, engine)
+    monkeypatch.delenv("FEDFM_SIMULATION_ENGINE", raising=False)
+    assert fork_engine.install() is False
+    assert "start_vce is not the code this project knows; the simulation runs on Ray" in (
+        capsys.readouterr().err
+    )
+    engine.start_vce = lambda: None  # no source at all
+    assert fork_engine.install() is False
