@@ -5,10 +5,13 @@ Flower's simulation engine runs each message's ClientApp through a ``Backend``; 
 builds is Ray's (``RayBackend``: a Ray cluster started for the run, one actor process per
 client slot). Each actor is a fresh Python process that imports torch, timm, peft and the client
 code (about 6.5 CPU s each on the 2-core machine), and Ray's own processes add about 3 CPU s,
-all before round 1 can end (``docs/benchmarks.md``, start-up). ``ForkBackend`` instead starts
-``fedfm_flower.deploy.forkserver`` when the engine builds its backend: it imports those
-libraries once, while the ServerApp starts, and forks one ``fedfm_flower.fork_worker`` per slot
-on its first message; the imported pages stay shared copy-on-write among the workers.
+all before round 1 can end (``docs/benchmarks.md``, start-up). ``ForkBackend`` instead uses
+one ``fedfm_flower.deploy.forkserver``, which imports those libraries once and forks one
+``fedfm_flower.fork_worker`` per slot on its first message; the imported pages stay shared
+copy-on-write among the workers. The server is the one the launcher (``fedfm_flower.simulation``)
+started before ``flwr run`` (``SERVER_VAR``; it preloads only the libraries, so its imports
+overlap Flower's start-up and the workers import the project's code from the run's app), else
+one the backend starts when the engine builds it.
 
 What stays as with Ray:
 
@@ -75,6 +78,11 @@ PRELOAD = (
     "fedfm_flower.halves",
     WORKER_MODULE,
 )
+# A fork server the launcher started before ``flwr run`` (``"<pid>:<socket>"``), so that its
+# imports overlap Flower's start-up; it preloads only libraries, none of the project's code,
+# which the workers import from the run's own app (the FAB Flower installed).
+SERVER_VAR = "FEDFM_SIMULATION_FORKSERVER"
+LIBRARIES = ("torch", "timm.models.vision_transformer", "peft", "flwr.clientapp")
 READY_TIMEOUT_S = 300.0  # the fork server's imports on a loaded machine
 STOP_GRACE_S = 5.0
 
@@ -154,7 +162,8 @@ def worker_environment(num_cpus: float, base: Mapping[str, str] | None = None) -
 
 
 class ForkServerProcess:
-    """The fork server this backend started: its process, its socket, and whether it is ready."""
+    """A fork server this process started (the backend, or the launcher): its process, its
+    socket, and whether it is ready."""
 
     def __init__(self, env: Mapping[str, str], preload: tuple[str, ...] = PRELOAD) -> None:
         self.directory = Path(tempfile.mkdtemp(prefix="fedfm-fork-"))  # mode 0700
@@ -189,6 +198,10 @@ class ForkServerProcess:
                 sys.stdout.write(line)
         self.ready.set()  # ended: ``wait_ready`` finds it gone
 
+    def variable(self) -> str:
+        """``SERVER_VAR``'s value naming this server to the simulation process."""
+        return f"{self.process.pid}:{self.socket_path}"
+
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
         """Return once the server accepts requests; ForkEngineError if it ended or took long."""
         if not self.ready.wait(timeout):
@@ -210,6 +223,52 @@ class ForkServerProcess:
         with contextlib.suppress(OSError):
             self.socket_path.unlink(missing_ok=True)
             self.directory.rmdir()
+
+
+class SharedForkServer:
+    """A fork server this backend did not start (``SERVER_VAR``): used, never stopped."""
+
+    def __init__(self, pid: int, socket_path: Path) -> None:
+        self.pid = pid
+        self.socket_path = socket_path
+
+    @classmethod
+    def from_environment(cls, env: Mapping[str, str]) -> SharedForkServer | None:
+        """The server ``SERVER_VAR`` names, if it is running; else None."""
+        from fedfm_flower.processes import pid_alive
+
+        pid, _, path = env.get(SERVER_VAR, "").partition(":")
+        if not pid.isdigit() or not path or not pid_alive(int(pid)):
+            return None
+        return cls(int(pid), Path(path))
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
+        """Return once the socket exists; ForkEngineError if the server ended first."""
+        from fedfm_flower.processes import pid_alive
+
+        deadline = time.monotonic() + timeout
+        while not self.socket_path.exists():
+            if not pid_alive(self.pid):
+                raise ForkEngineError(f"the launcher's fork server (pid {self.pid}) ended")
+            if time.monotonic() > deadline:
+                raise ForkEngineError(
+                    f"the launcher's fork server was not ready after {timeout:g} s"
+                )
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        """Nothing: the launcher stops its server."""
+
+
+def launch_server(
+    env: Mapping[str, str], num_cpus: float, gpu_fraction: float
+) -> ForkServerProcess | None:
+    """A fork server for a launch whose simulation will run on forked workers (``eligible``),
+    started now with the libraries only; None where the run will use Ray."""
+    config = {"client_resources": {"num_cpus": num_cpus, "num_gpus": gpu_fraction}}
+    if not eligible(config, env):
+        return None
+    return ForkServerProcess(env, (*LIBRARIES, WORKER_MODULE))
 
 
 class Worker:
@@ -245,7 +304,14 @@ class ForkBackend:
         self.resources = client_resources(self.backend_config)
         self.size = slots(self.backend_config)
         self.env = worker_environment(self.resources["num_cpus"])
-        self.server = ForkServerProcess(self.env, preload)
+        self.server: ForkServerProcess | SharedForkServer = SharedForkServer.from_environment(
+            self.env
+        ) or ForkServerProcess(self.env, preload)
+        self.origin = (
+            "started by the launcher"
+            if isinstance(self.server, SharedForkServer)
+            else "started by the simulation"
+        )
         self.idle: queue.Queue[Worker | None] = queue.Queue()
         self.app: tuple[str, str] | None = None
         self.lock = threading.Lock()
@@ -351,7 +417,8 @@ def backend_factory(ray_backend: type) -> type:
                 backend = ForkBackend(backend_config)
                 print(
                     f"fedfm_flower.fork_engine: {backend.size} ClientApps at once, in workers "
-                    "forked from one process (FEDFM_SIMULATION_ENGINE=ray runs Ray's actors)",
+                    f"forked from one process ({backend.origin}; FEDFM_SIMULATION_ENGINE=ray "
+                    "runs Ray's actors)",
                     file=sys.stderr,
                     flush=True,
                 )

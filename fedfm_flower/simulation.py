@@ -6,7 +6,9 @@
 (see ``scripts/env.sh``), then stops the detached local SuperLink that ``flwr run`` started
 (by process id; Flower leaves it running otherwise), also when the launcher itself is stopped
 with SIGTERM or Ctrl-C. With CUDA, each ClientApp gets a fraction of
-the GPU (``--gpu-fraction``) so several clients share it.
+the GPU (``--gpu-fraction``) so several clients share it; without, the ClientApps run in
+workers forked from a fork server started here before ``flwr run``
+(``fedfm_flower.fork_engine``).
 
 Before anything starts, the run config (the app's defaults plus the ``-c``/``--run-config``
 overrides) is validated and checked (``fedfm_flower.preflight``); a problem is one line on
@@ -32,6 +34,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
 from fedfm_flower.app_stage import stage_app
+from fedfm_flower.fork_engine import SERVER_VAR, launch_server
 from fedfm_flower.launch import (
     ExitCode,
     exit_code_for_status,
@@ -201,6 +204,10 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print(f"error: the app's FAB cannot be built: {err}", file=sys.stderr, flush=True)
         return ExitCode.BAD_INPUT
+    # The workers' libraries import while Flower starts (fedfm_flower.fork_engine).
+    fork_server = launch_server(env, args.client_cpus, gpu_fraction)
+    if fork_server is not None:
+        env[SERVER_VAR] = fork_server.variable()
     command = [
         flwr,
         "run",
@@ -265,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
                     process.kill()
                     process.wait()
             stop_processes(local_superlink_pids(flwr_home))
+            if fork_server is not None:
+                fork_server.stop()
             # Stopped mid-run, Ray's agents outlive their raylet: stop whatever is left of ours.
             stop_tagged(launch, grace_s=5.0)
             reader.join(timeout=5)

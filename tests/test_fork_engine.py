@@ -93,6 +93,7 @@ def test_the_factory_builds_a_fork_backend_where_eligible_and_flowers_otherwise(
 
     class Recorded:
         size = 1
+        origin = "started by the simulation"
 
         def __init__(self, backend_config: dict) -> None:
             self.config = backend_config
@@ -258,3 +259,58 @@ def test_install_leaves_ray_over_another_start_vce(
     )
     engine.start_vce = lambda: None  # no source at all
     assert fork_engine.install() is False
+
+
+def test_a_launchers_fork_server_is_used_while_it_runs_and_left_running(tmp_path: Path) -> None:
+    server = fork_engine.ForkServerProcess(dict(os.environ), preload=("json",))
+    try:
+        server.wait_ready()
+        env = {fork_engine.SERVER_VAR: server.variable()}
+        shared = fork_engine.SharedForkServer.from_environment(env)
+        assert shared is not None and shared.socket_path == server.socket_path
+        os.environ[fork_engine.SERVER_VAR] = server.variable()
+        try:
+            built = ForkBackend({**CPU_ONLY, "init_args": {"num_cpus": 1}}, preload=("json",))
+        finally:
+            del os.environ[fork_engine.SERVER_VAR]
+        assert built.origin == "started by the launcher"
+        built.build(lambda: fork_apps.app)
+        worker_pid = out(built.process_message(message(), context())[0])["pid"]
+        assert Path(f"/proc/{worker_pid}/stat").read_text().split()[3] == str(server.process.pid)
+        built.terminate()
+        assert server.process.poll() is None  # the launcher's to stop
+    finally:
+        server.stop()
+    assert fork_engine.SharedForkServer.from_environment(env) is None  # gone: not used
+    for malformed in ("", "12", "x:/tmp/s", ":/tmp/s"):
+        assert (
+            fork_engine.SharedForkServer.from_environment(
+                {"X": "1"} | {fork_engine.SERVER_VAR: malformed}
+            )
+            is None
+        )
+
+
+def test_waiting_for_a_launchers_server_that_died_fails_naming_it(tmp_path: Path) -> None:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    shared = fork_engine.SharedForkServer(dead.pid, tmp_path / "never.sock")
+    with pytest.raises(ForkEngineError, match=f"fork server \\(pid {dead.pid}\\) ended"):
+        shared.wait_ready(timeout=5)
+
+
+def test_the_launcher_starts_a_server_only_for_a_run_on_forked_workers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    started: list[tuple] = []
+    monkeypatch.setattr(
+        fork_engine, "ForkServerProcess", lambda env, preload: started.append(preload)
+    )
+    assert fork_engine.launch_server({}, 1, 0.25) is None  # GPU shares: Ray
+    assert fork_engine.launch_server({"FEDFM_SIMULATION_ENGINE": "ray"}, 1, 0.0) is None
+    assert started == []
+    fork_engine.launch_server({}, 1, 0.0)
+    assert started == [(*fork_engine.LIBRARIES, fork_engine.WORKER_MODULE)]
+    assert not any(
+        name.startswith(("client_apps", "fedfm_flower.")) for name in fork_engine.LIBRARIES
+    )

@@ -64,7 +64,9 @@ def simulate(
     assert result.returncode == 0, output[-3000:]
     assert "[round   2/2] acc" in output  # the per-round progress line reaches the user
     assert "keeps Flower's 0.1 s hand-offs" not in output  # the installed Flower is known
-    assert ("in workers forked from one process" in output) == (backend == "fork")
+    assert ("in workers forked from one process (started by the launcher" in output) == (
+        backend == "fork"
+    )
     rounds = RunDirectory(out / name).rounds_without_times()
     assert [r["round"] for r in rounds] == [1, 2]
     assert all(r["clients-reported"] == 3 for r in rounds)
