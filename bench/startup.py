@@ -17,10 +17,11 @@ and, from the run's ``metrics.jsonl``: ``launch-s`` (when round 1 started: its `
 stamp less its seconds), ``first-round-extra-s`` (round 1 less the median of rounds 2..R-1)
 and their sum, the figure issue 52 targets; ``cpu-s``: CPU seconds per role (``ROLES``: the
 launcher, Flower's CLI, SuperLink, SuperExec, the simulation process that runs the ServerApp,
-Ray's own processes, Ray's workers: the actors and idle workers) when round 1 ended and at the
-exit, and ``processes``, how many each role had, from ``/proc`` every 0.2 s over the processes
-carrying the run's tag variable. ``--env`` sets
-variables for the launcher (``FEDFM_ACTOR_PRELOAD=0`` compares without the actors' preload).
+Ray's own processes, Ray's workers: the actors and idle workers; or the fork server and its
+workers) when round 1 ended and at the exit, and ``processes``, how many each role had, from
+``/proc`` every 0.2 s over the processes carrying the run's tag variable;
+``pss-mib-at-round-1``: each role's memory (PSS) then. ``--env`` sets variables for the
+launcher (``FEDFM_SIMULATION_ENGINE=ray`` compares Ray's actors with the forked workers).
 Measure on an idle machine: on 2 cores anything else running shows in every figure.
 """
 
@@ -40,6 +41,7 @@ import uuid
 from pathlib import Path
 
 from bench.process_cpu import CpuByRole
+from bench.process_memory import pss_bytes
 from fedfm_flower.processes import pids_with_environment, proc_cmdline
 from fedfm_flower.results import RunDirectory
 
@@ -84,6 +86,7 @@ class RoleCpu(threading.Thread):
         self.cpu = CpuByRole()
         self.stopped = threading.Event()
         self.at_round_1: dict[str, float] = {}
+        self.pss_mib_at_round_1: dict[str, float] = {}
 
     def run(self) -> None:
         """Sample until ``stop``."""
@@ -108,9 +111,16 @@ class RoleCpu(threading.Thread):
         return self.cpu.processes()
 
     def mark_round_1(self) -> None:
-        """Keep the CPU seconds per role as they are now, when round 1 has ended."""
+        """Keep the CPU seconds per role as they are now, when round 1 has ended, and each
+        role's memory (PSS, MiB: shared pages divided among the processes sharing them)."""
         self.sample()
         self.at_round_1 = self.by_role()
+        memory: dict[str, float] = {}
+        for pid in pids_with_environment({TAG: self.tag}):
+            role = self.cpu.role(pid) or "other"
+            memory[role] = memory.get(role, 0.0) + pss_bytes(pid) / 2**20
+        memory["total"] = sum(memory.values())
+        self.pss_mib_at_round_1 = {role: round(v, 1) for role, v in sorted(memory.items())}
 
     def stop(self) -> None:
         """Stop sampling after one last sample."""
@@ -174,6 +184,7 @@ def one_run(rounds: int, extra_env: dict[str, str], workdir: Path, name: str) ->
     seconds = [r["round-seconds"] for r in records]
     result: dict = {"exit-status": code, "marks": marks, "exit": exit_s, "round-s": seconds}
     result["cpu-s-at-round-1"] = cpu.at_round_1
+    result["pss-mib-at-round-1"] = cpu.pss_mib_at_round_1
     result["cpu-s-at-exit"] = cpu.by_role()
     result["processes"] = cpu.processes()
     if code == 0 and len(seconds) >= 3 and "round-1-done" in marks:
