@@ -7,7 +7,7 @@ worker process of the same node (``client_apps.warm_worker``) that keeps all of 
 
 Choices (each with its reason):
 
-* **Where.** Only in a ``flwr-clientapp`` process (deployment). Simulation's Ray actors and the
+* **Where.** Only in a ``flwr-clientapp`` process (deployment). Simulation's workers and the
   in-process test grid are warm already and never forward. Query messages are answered in the
   ClientApp (they import no torch), and then, unless the query was refused, start the worker
   when none is running, so round 1's training message usually finds it ready.
