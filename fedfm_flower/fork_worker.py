@@ -42,18 +42,18 @@ def send_frame(channel: socket.socket, value: Any) -> None:
     channel.sendall(FRAME_HEADER.pack(len(payload)) + payload)
 
 
-def _receive_exactly(channel: socket.socket, size: int) -> bytes:
-    chunks, left = [], size
-    while left:
+def _receive_exactly(channel: socket.socket, size: int) -> bytearray:
+    data = bytearray(size)  # filled in place: a large message is held once, not in pieces too
+    view, done = memoryview(data), 0
+    while done < size:
         try:
-            chunk = channel.recv(min(left, 1 << 20))
+            count = channel.recv_into(view[done:], min(size - done, 1 << 24))
         except OSError as err:
             raise ChannelClosed(str(err)) from None
-        if not chunk:
-            raise ChannelClosed(f"the channel closed with {left} of {size} bytes to come")
-        chunks.append(chunk)
-        left -= len(chunk)
-    return b"".join(chunks)
+        if not count:
+            raise ChannelClosed(f"the channel closed with {size - done} of {size} bytes to come")
+        done += count
+    return data
 
 
 def receive_frame(channel: socket.socket) -> Any:

@@ -314,3 +314,24 @@ def test_the_launcher_starts_a_server_only_for_a_run_on_forked_workers(
     assert not any(
         name.startswith(("client_apps", "fedfm_flower.")) for name in fork_engine.LIBRARIES
     )
+
+
+def test_frames_carry_large_values_whole_and_a_cut_frame_is_a_closed_channel() -> None:
+    import socket
+
+    import numpy as np
+
+    from fedfm_flower.fork_worker import ChannelClosed, receive_frame, send_frame
+
+    ours, theirs = socket.socketpair()
+    big = np.arange(6_000_000, dtype=np.float64)  # 48 MB, more than a socket buffer holds
+    sender = threading.Thread(target=send_frame, args=(ours, ("run", big)))
+    sender.start()
+    kind, received = receive_frame(theirs)
+    sender.join()
+    assert kind == "run" and np.array_equal(received, big)
+    ours.sendall((1000).to_bytes(8, "big") + b"only part")
+    ours.close()
+    with pytest.raises(ChannelClosed, match="991 of 1000 bytes to come"):
+        receive_frame(theirs)
+    theirs.close()
