@@ -382,8 +382,10 @@ class ForkBackend:
                 status = worker.exit_status()
                 self._forget(worker)
                 worker = None  # the slot forks a new worker for its next message
+                how = f"exit status {status}" if status is not None else f"its channel: {err}"
                 raise ClientAppException(
-                    f"the worker running this ClientApp ended (exit status {status}): {err}"
+                    f"the worker running this ClientApp ended ({how}); the next message forks "
+                    "a new one"
                 ) from err
         except BaseException:
             self.idle.put(worker)
