@@ -197,3 +197,58 @@ def test_against_pairs_each_method_with_its_own_other_runs(runs_dir: Path, tmp_p
     assert "## Against before" in (out / "report.md").read_text()
     # nothing to compare with: exit 2 naming the path
     assert report_main([str(runs_dir), "--out", str(out), "--against", str(tmp_path / "no")]) == 2
+
+
+def _relabel(path: Path, label: str) -> None:
+    config = json.loads((path / "config.json").read_text())
+    config["run-config"].update(method=label, label=label)
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def _verdict(label_numbers: str) -> str:
+    """The verdict against local over the 12 (seed, client) units, by scipy."""
+    a = [100 * v for s in (0, 1, 2) for v in FINAL[label_numbers][s]]
+    b = [100 * v for s in (0, 1, 2) for v in FINAL["local"][s]]
+    result = stats.ttest_rel(a, b)
+    if result.pvalue >= 0.05:
+        return "n.s."
+    return "higher" if np.mean(np.subtract(a, b)) > 0 else "lower"
+
+
+def test_an_earlier_tables_conclusions_are_checked_against_this_ones(
+    runs_dir: Path, tmp_path: Path, capsys
+) -> None:
+    """``--conclusions-of``: each method's verdict against the reference in an earlier report
+    (here its fedrep ran with fedavg's numbers, and it had a fedprox) against this table's."""
+    earlier_runs = tmp_path / "earlier-runs"
+    for seed in (0, 1, 2):
+        write_run(earlier_runs, "local", seed)
+        _relabel(write_run(earlier_runs / "a", "fedavg", seed), "fedrep")
+        _relabel(write_run(earlier_runs / "b", "fedavg", seed), "fedprox")
+    earlier = tmp_path / "earlier"
+    assert report_main([str(earlier_runs), "--out", str(earlier)]) == 0
+    out = tmp_path / "report"
+    argv = [str(runs_dir), "--out", str(out), "--conclusions-of", str(earlier / "report.json")]
+    assert report_main([*argv, "--conclusions-name", "4 trials"]) == 0
+    rows = {
+        r["method"]: r for r in json.loads((out / "report.json").read_text())["conclusions"]["rows"]
+    }
+    assert set(rows) == {"fedrep", "fedavg", "fedprox"}  # the reference is no conclusion
+    assert rows["fedrep"]["here"]["verdict"] == _verdict("fedrep")
+    assert rows["fedrep"]["earlier"]["verdict"] == _verdict("fedavg")
+    assert rows["fedrep"]["holds"] == (_verdict("fedrep") == _verdict("fedavg"))
+    a = [100 * v for s in (0, 1, 2) for v in FINAL["fedavg"][s]]
+    b = [100 * v for s in (0, 1, 2) for v in FINAL["local"][s]]
+    assert rows["fedrep"]["earlier"]["p-value"] == pytest.approx(stats.ttest_rel(a, b).pvalue)
+    assert rows["fedavg"]["earlier"] is None and rows["fedavg"]["holds"] is None
+    assert rows["fedprox"]["here"] is None and rows["fedprox"]["holds"] is None
+    text = (out / "report.md").read_text()
+    assert "## Conclusions of 4 trials: do they hold here?" in text
+    compared_holding = int(rows["fedrep"]["holds"])
+    assert f"{compared_holding} of 1 conclusions hold" in text
+    # another reference, or no report at all: exit 2 naming it
+    capsys.readouterr()
+    assert report_main([*argv, "--reference", "fedavg"]) == 2
+    assert "earlier report's reference is 'local', not 'fedavg'" in capsys.readouterr().err
+    assert report_main([*argv[:-1], str(tmp_path / "none.json")]) == 2
+    assert "no earlier report at" in capsys.readouterr().err

@@ -9,7 +9,8 @@ Welch's t-test), for a setup with TAP's replacement flags ``replacements-<setup>
 (``replacements``: TAP's Fig. 3-4), and ``report.json`` (every number in the tables and
 figures, per-seed headline values and the runs read). With ``--against DIR`` the report adds
 each method against its own runs in DIR (``against``: tuned against untuned, after against
-before).
+before); with ``--conclusions-of REPORT`` whether an earlier table's verdicts against the
+reference hold here (``conclusions``: a 4-trial tuned table against its 16-trial redo).
 Unfinished runs are listed, not used; runs evaluated on validation data (tuning trials) are
 never read; a setup without a finished run of the reference method gets its table cells and
 figures but no paired tests. Exit status 2 when no finished run is
@@ -28,6 +29,7 @@ from typing import Any
 from fedfm_flower.durable import atomic_write_text
 from fedfm_flower.report import (
     against,
+    conclusions,
     figures,
     pair_table,
     replacements,
@@ -49,6 +51,7 @@ def write_report(
     unfinished: list[Path] | None = None,
     tuning_documents: list[dict[str, Any]] | None = None,
     others: tuple[str, list[RunResult]] | None = None,
+    earlier: tuple[str, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Render every table and figure of ``runs`` into ``out``; returns the report's numbers."""
     setups = list(dict.fromkeys(run.setup for run in runs))
@@ -143,6 +146,11 @@ def write_report(
         rows = against.build_against(runs, other_runs)
         sections += [against.markdown_against(rows, name), ""]
         numbers["against"] = against.against_numbers(rows, name)
+    if earlier is not None:
+        name, document = earlier
+        rows = conclusions.build_conclusions(cells, document, reference)
+        sections += [conclusions.markdown_conclusions(rows, name, reference), ""]
+        numbers["conclusions"] = conclusions.conclusions_numbers(rows, name)
     for document in tuning_documents or []:
         sections += [tuning.markdown_tuning(document, reference), ""]
     if tuning_documents:
@@ -180,6 +188,15 @@ def main(argv: list[str] | None = None) -> int:
         help="other runs: each method against its own runs there (e.g. untuned)",
     )
     parser.add_argument("--against-name", default="other", help="what to call those runs")
+    parser.add_argument(
+        "--conclusions-of",
+        type=Path,
+        default=None,
+        help="an earlier report (its report.json or directory): do its verdicts hold here?",
+    )
+    parser.add_argument(
+        "--conclusions-name", default="the earlier table", help="what to call that report"
+    )
     args = parser.parse_args(argv)
     try:
         runs, unfinished = load_runs(args.runs, args.metric)
@@ -191,6 +208,10 @@ def main(argv: list[str] | None = None) -> int:
             if not other_runs:
                 raise ValueError(f"no finished run under {', '.join(map(str, args.against))}")
             others = (args.against_name, other_runs)
+        earlier = None
+        if args.conclusions_of is not None:
+            document = conclusions.load_earlier(args.conclusions_of, args.reference, runs[0].metric)
+            earlier = (args.conclusions_name, document)
         write_report(
             runs,
             args.out,
@@ -198,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
             unfinished,
             tuning.find_tuning(args.runs),
             others,
+            earlier,
         )
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -1,0 +1,186 @@
+"""Whether an earlier table's conclusions hold in this one (a 4-trial tuned table against its
+16-trial redo): per setup and method, the sign and significance of the method's paired
+difference to the reference in each table.
+
+The earlier table is read from its ``report.json`` (``versus-reference``: the mean paired
+difference, its interval, the p-value and the verdict), so its runs need not be kept. A
+conclusion is the verdict against the reference: ``higher`` or ``lower`` (p < ``ALPHA``) or
+``n.s.``; it holds when both tables give the same verdict. A method in only one table is listed
+as such; both tables must have the same reference and metric.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fedfm_flower.report.tables import Cell
+
+
+@dataclass(frozen=True)
+class Difference:
+    """A method's paired difference to the reference in one table (metric units x 100)."""
+
+    mean: float
+    ci: float  # 95% half-width
+    p_value: float
+    verdict: str  # "higher", "lower" or "n.s."
+
+    def text(self) -> str:
+        """``+1.24 [+0.09, +2.39], p = 0.036``."""
+        low, high = self.mean - self.ci, self.mean + self.ci
+        return f"{self.mean:+.2f} [{low:+.2f}, {high:+.2f}], p = {self.p_value:.2g}"
+
+
+@dataclass(frozen=True)
+class Conclusion:
+    """One (setup, method): its difference to the reference in this table and the earlier."""
+
+    setup: str
+    label: str
+    this: Difference | None  # None: not in this table
+    earlier: Difference | None  # None: not in the earlier table
+
+    @property
+    def holds(self) -> bool | None:
+        """Same verdict in both tables; None when one table lacks the method."""
+        if self.this is None or self.earlier is None:
+            return None
+        return self.this.verdict == self.earlier.verdict
+
+
+VERDICTS = {"↑": "higher", "↓": "lower", "": "n.s."}
+# report.json records a verdict as the table's mark (↑, ↓) or "n.s."
+RECORDED = {"↑": "higher", "↓": "lower", "n.s.": "n.s."}
+
+
+def from_cell(cell: Cell) -> Difference | None:
+    """This table's difference for a cell (None for the reference or without a test)."""
+    if cell.versus is None:
+        return None
+    test = cell.versus
+    return Difference(test.mean_difference, test.ci_half_width, test.p_value, VERDICTS[cell.mark])
+
+
+def from_recorded(entry: Mapping[str, Any]) -> Difference | None:
+    """A difference as ``report.json`` records it (``versus-reference``), or None."""
+    versus = entry.get("versus-reference")
+    if not versus:
+        return None
+    verdict = RECORDED.get(str(versus.get("verdict")))
+    if verdict is None:
+        raise ValueError(f"unknown verdict {versus.get('verdict')!r} in the earlier report")
+    return Difference(
+        float(versus["mean-difference"]), float(versus["ci95"]), float(versus["p-value"]), verdict
+    )
+
+
+def load_earlier(path: Path, reference: str, metric: str) -> dict[str, Any]:
+    """The earlier ``report.json`` (a file, or a report directory holding one); ValueError when
+    its reference or metric differs from this table's."""
+    file = path / "report.json" if path.is_dir() else path
+    try:
+        document = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"no earlier report at {file}") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"the earlier report {file} is not JSON: {err}") from None
+    if not isinstance(document, dict) or not isinstance(document.get("setups"), dict):
+        raise ValueError(f"the earlier report {file} has no 'setups'")
+    if document.get("reference") != reference:
+        raise ValueError(
+            f"the earlier report's reference is {document.get('reference')!r}, not {reference!r}"
+        )
+    if document.get("metric") != metric:
+        raise ValueError(
+            f"the earlier report's metric is {document.get('metric')!r}, not {metric!r}"
+        )
+    return document
+
+
+def build_conclusions(
+    cells: Mapping[tuple[str, str], Cell], earlier: Mapping[str, Any], reference: str
+) -> list[Conclusion]:
+    """Every (setup, method) but the reference in either table: this table's order first,
+    then the earlier table's methods this one lacks."""
+    rows = []
+    setups = list(dict.fromkeys(setup for setup, _ in cells))
+    for setup in setups:
+        recorded = earlier["setups"].get(setup, {})
+        labels = [label for s, label in cells if s == setup]
+        labels += [label for label in recorded if label not in labels]
+        for label in labels:
+            if label == reference:
+                continue
+            cell = cells.get((setup, label))
+            rows.append(
+                Conclusion(
+                    setup,
+                    label,
+                    None if cell is None else from_cell(cell),
+                    from_recorded(recorded[label]) if label in recorded else None,
+                )
+            )
+    return rows
+
+
+def markdown_conclusions(rows: Sequence[Conclusion], name: str, reference: str) -> str:
+    """The report's section: each method's difference to the reference in both tables."""
+    lines = [
+        f"## Conclusions of {name}: do they hold here?",
+        "",
+        f"Each method's paired difference to **{reference}** (Δ [95% CI], p) in {name} and "
+        "here; a conclusion is the verdict (higher/lower: p < 0.05, else n.s.), and it holds "
+        "when both verdicts agree.",
+        "",
+        f"| setup | method | {name} | verdict | here | verdict | holds? |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        earlier = "—" if row.earlier is None else row.earlier.text()
+        this = "—" if row.this is None else row.this.text()
+        holds = {True: "yes", False: "**no**", None: "(not in both)"}[row.holds]
+        lines.append(
+            f"| {row.setup} | {row.label} | {earlier} | "
+            f"{'—' if row.earlier is None else row.earlier.verdict} | {this} | "
+            f"{'—' if row.this is None else row.this.verdict} | {holds} |"
+        )
+    compared = [row for row in rows if row.holds is not None]
+    changed = [row.label for row in compared if not row.holds]
+    lines += [
+        "",
+        f"{len(compared) - len(changed)} of {len(compared)} conclusions hold"
+        + (f"; changed: {', '.join(changed)}." if changed else "."),
+    ]
+    return "\n".join(lines)
+
+
+def conclusions_numbers(rows: Sequence[Conclusion], name: str) -> dict[str, Any]:
+    """The section's numbers for report.json."""
+
+    def numbers(difference: Difference | None) -> dict[str, Any] | None:
+        if difference is None:
+            return None
+        return {
+            "mean-difference": difference.mean,
+            "ci95": difference.ci,
+            "p-value": difference.p_value,
+            "verdict": difference.verdict,
+        }
+
+    return {
+        "name": name,
+        "rows": [
+            {
+                "setup": row.setup,
+                "method": row.label,
+                "here": numbers(row.this),
+                "earlier": numbers(row.earlier),
+                "holds": row.holds,
+            }
+            for row in rows
+        ],
+    }
