@@ -6,10 +6,11 @@ For each client count N both sides run in fresh processes, one after the other, 
 run config, seed and threads per client:
 
 * (a) ``bench.bare_loop``: one process, no Flower, clients trained and evaluated in sequence;
-* (b) ``python -m fedfm_flower.simulation`` (``flwr run`` with the Ray backend, N SuperNodes) with
-  ``client-resources-num-cpus`` = all usable CPUs, so Ray also runs one client at a time with
-  the same number of torch threads; the framework adds messages, records, the ClientApp's
-  per-message set-up, the strategy, checkpoints and results.
+* (b) ``python -m fedfm_flower.simulation`` (``flwr run``, N SuperNodes; on the CPU the
+  ClientApps run in forked workers, ``fedfm_flower.fork_engine``, else in Ray's actors) with
+  ``client-resources-num-cpus`` = all usable CPUs, so the simulation also runs one client at a
+  time with the same number of torch threads; the framework adds messages, records, the
+  ClientApp's per-message set-up, the strategy, checkpoints and results.
 
 Reported per N: steady-state round time (median of rounds 2..R-1) of (b) over (a), the first
 round's extra time and the launch time of (b) (``flwr run`` until round 1 starts), peak memory
@@ -22,9 +23,11 @@ comparison with the bare loop (one client at a time); smaller shares show what c
 The accuracies then agree only to within the GPU's non-deterministic kernels (reported as the
 difference of the final mean accuracies).
 
-``--engines prompt flower`` runs (b) twice per N, with the simulation engine's prompt hand-offs
-(``fedfm_flower.prompt_engine``, the default) and with Flower's own 0.1 s ones
-(``FEDFM_PROMPT_ENGINE=0``), one after the other against the same bare loop.
+``--engines prompt ray flower`` runs (b) once per engine per N, one after the other against the
+same bare loop: ``prompt``, the defaults (forked workers on the CPU, the prompt hand-offs of
+``fedfm_flower.prompt_engine``); ``ray``, Ray's actors with the prompt hand-offs
+(``FEDFM_SIMULATION_ENGINE=ray``); ``flower``, Flower's engine as it is (Ray's actors, its 0.1 s
+hand-offs: ``FEDFM_PROMPT_ENGINE=0`` too).
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from fedfm_flower.processes import exit_on_sigterm, stop_tagged
 from fedfm_flower.results import RunDirectory
 
 ROOT = Path(__file__).resolve().parent.parent
-ENGINES = ("prompt", "flower")
+ENGINES = ("prompt", "ray", "flower")
 # A timing benchmark, not an experiment: 100 clients of the digits hold a handful of examples
 # each, below the run config's default minimum partition size.
 TIMING_MINIMUMS = {"min-train-examples": 1, "min-test-examples": 1}
@@ -185,7 +188,8 @@ def run_flower_simulation(
     engine: str = "prompt",
 ) -> dict:
     """`flwr run` simulation in fresh processes; timings from the run's metrics.jsonl.
-    ``engine``: the simulation engine's hand-offs, ``prompt`` (ours) or ``flower`` (0.1 s)."""
+    ``engine``: ``prompt`` (the defaults), ``ray`` (Ray's actors) or ``flower`` (Ray's actors
+    and Flower's 0.1 s hand-offs)."""
     run_config = simulation_run_config(num_clients, config, workdir, name)
     command = [
         sys.executable,
@@ -204,7 +208,8 @@ def run_flower_simulation(
     env = {
         **os.environ,
         "FLWR_HOME": str(workdir / "flwr-home"),
-        "FEDFM_PROMPT_ENGINE": "1" if engine == "prompt" else "0",
+        "FEDFM_PROMPT_ENGINE": "0" if engine == "flower" else "1",
+        "FEDFM_SIMULATION_ENGINE": "fork" if engine == "prompt" else "ray",
     }
     run_dir = Path(run_config["output-dir"]) / name
     shutil.rmtree(run_dir, ignore_errors=True)  # results of an earlier invocation
@@ -285,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         choices=ENGINES,
         default=["prompt"],
-        help="the simulation engine's hand-offs: prompt (ours), flower (its 0.1 s tick)",
+        help="prompt: the defaults (forked workers on the CPU); ray: Ray's actors; flower: Ray's "
+        "actors and Flower's 0.1 s hand-offs",
     )
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args(argv)
