@@ -127,10 +127,19 @@ def slots(backend_config: Mapping[str, Any]) -> int:
     return count
 
 
+def chosen_engine(env: Mapping[str, str]) -> str:
+    """``ENV_SWITCH``'s value, ``fork`` when unset; ValueError naming any other value."""
+    value = env.get(ENV_SWITCH, "fork") or "fork"
+    if value not in ("fork", "ray"):
+        raise ValueError(f"{ENV_SWITCH}={value!r} is invalid: use 'fork' or 'ray'")
+    return value
+
+
 def eligible(backend_config: Mapping[str, Any], env: Mapping[str, str] | None = None) -> bool:
-    """Whether ``ForkBackend`` stands in for Ray for this backend config (module docstring)."""
+    """Whether ``ForkBackend`` stands in for Ray for this backend config (module docstring);
+    ValueError for an invalid ``ENV_SWITCH``."""
     env = os.environ if env is None else env
-    if env.get(ENV_SWITCH, "fork") == "ray":
+    if chosen_engine(env) == "ray":
         return False
     if env.get("RAY_ADDRESS", "local") not in ("", "local"):
         return False
@@ -436,7 +445,7 @@ def install() -> bool:
     """Let the simulation engine build a ``ForkBackend`` where eligible (in the simulation
     process, on the ``start_vce`` this module knows); True when in place (now or before)."""
     engine = sys.modules.get(ENGINE_MODULE)
-    if engine is None or os.environ.get(ENV_SWITCH, "fork") == "ray":
+    if engine is None or os.environ.get(ENV_SWITCH) == "ray":
         return False
     from fedfm_flower.prompt_engine import source_digest
 

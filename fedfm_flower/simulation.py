@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
 from fedfm_flower.app_stage import stage_app
-from fedfm_flower.fork_engine import SERVER_VAR, launch_server
+from fedfm_flower.fork_engine import SERVER_VAR, chosen_engine, launch_server
 from fedfm_flower.launch import (
     ExitCode,
     exit_code_for_status,
@@ -162,6 +162,11 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"{flag} must be > 0, got {value}")
     if args.timeout is not None and args.timeout <= 0:
         parser.error(f"--timeout must be > 0, got {args.timeout}")
+    try:
+        chosen_engine(os.environ)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return ExitCode.BAD_INPUT
     app = Path(args.app).resolve()
     try:
         flwr = flower_command("flwr")

@@ -82,6 +82,8 @@ def test_the_fork_engine_stands_in_for_ray_only_on_the_cpu_and_a_local_cluster()
     assert not eligible({"client_resources": {"num_cpus": 1, "num_gpus": 0.25}}, env={})
     assert not eligible(CPU_ONLY, env={"FEDFM_SIMULATION_ENGINE": "ray"})
     assert not eligible(CPU_ONLY, env={"RAY_ADDRESS": "10.0.0.2:6379"})
+    with pytest.raises(ValueError, match="FEDFM_SIMULATION_ENGINE='rey' is invalid"):
+        eligible(CPU_ONLY, env={"FEDFM_SIMULATION_ENGINE": "rey"})
 
 
 def test_the_factory_builds_a_fork_backend_where_eligible_and_flowers_otherwise(

@@ -479,3 +479,12 @@ def test_launcher_refuses_while_a_local_superlink_of_another_flwr_home_runs(
         for process in (stale, foreign):
             process.kill()
             process.wait()
+
+
+def test_launcher_refuses_an_unknown_simulation_engine_in_one_line(tmp_path: Path) -> None:
+    result = _launch(["--num-supernodes", "2"], tmp_path, {"FEDFM_SIMULATION_ENGINE": "rey"})
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "error: FEDFM_SIMULATION_ENGINE='rey' is invalid: use 'fork' or 'ray'"
+    ]
+    assert not (tmp_path / "flwr-home").exists()  # flwr run never ran
