@@ -26,22 +26,24 @@ What stays as with Ray:
   for Ray); a worker that dies fails the message it ran (``ClientAppException`` naming its exit
   status) and is forked again for the next one.
 
-Used only where it can stand in for Ray (``eligible``): clients that ask for no GPU (CUDA does
-not survive a fork; GPU shares stay Ray's), no ``RAY_ADDRESS`` naming a cluster, a platform with
-``fork`` and descriptor passing, and ``FEDFM_SIMULATION_ENGINE`` not ``ray``. ``install`` (called
-when the simulation process loads the ClientApp's module, which Flower 1.42's ``start_vce`` does
-before it builds the backend) puts a factory in place of ``RayBackend`` in Flower's backend
-module, guarded like ``fedfm_flower.prompt_engine``: only over the ``start_vce`` this module was
-written against (``FLOWER_SOURCES``). The factory is a ``RayBackend`` subclass, so the module's
-name still names Flower's class for everyone else; it returns Flower's own backend wherever
-``eligible`` says no. What a ClientApp computes does not change: the same messages with the
-same contexts reach the same app (``tests/test_simulation.py`` compares every round with Ray's).
+Used only where it can stand in for Ray (``eligible``): clients that ask for no GPU (GPU shares
+stay Ray's, which schedules the fractions; not built here), no ``RAY_ADDRESS`` naming a cluster,
+a platform with ``fork`` and descriptor passing, and ``FEDFM_SIMULATION_ENGINE`` not ``ray``.
+``install`` (called when the simulation process loads the ClientApp's module, which Flower
+1.42's ``start_vce`` does before it runs the engine) wraps the engine module's ``run_api``: where
+``eligible`` says yes for the config that ``start_vce``'s ``backend_fn`` closes over, the engine
+gets a ``ForkBackend`` instead of that function's ``RayBackend``. Flower's ``RayBackend`` itself
+is left as it is, for anything else that builds one. Guarded like
+``fedfm_flower.prompt_engine``: only over the ``start_vce`` and ``run_api`` this module was
+written against (``FLOWER_SOURCES``). What a ClientApp computes does not change: the same
+messages with the same contexts reach the same app (``tests/test_simulation.py`` compares every
+round with Ray's).
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
+import inspect
 import logging
 import os
 import queue
@@ -61,12 +63,12 @@ from fedfm_flower.fork_worker import ChannelClosed, receive_frame, send_frame
 log = logging.getLogger("fedfm_flower")
 
 ENGINE_MODULE = "flwr.server.superlink.fleet.vce.vce_api"  # loaded only in the simulation process
-BACKEND_MODULE = "flwr.server.superlink.fleet.vce.backend.raybackend"
 ENV_SWITCH = "FEDFM_SIMULATION_ENGINE"  # "fork" (the default where eligible) or "ray"
 WORKER_MODULE = "fedfm_flower.fork_worker"
 # sha256 (first 16 hex digits) of inspect.getsource of what this module relies on: start_vce
-# builds its backend with ``from .backend.raybackend import RayBackend`` when it starts the run.
-FLOWER_SOURCES = {"start_vce": {"2d5e267f893950a7"}}
+# passes run_api a backend_fn that closes over the parsed backend config (``backend_config``)
+# and builds the RayBackend; run_api builds the backend with it and runs the engine's threads.
+FLOWER_SOURCES = {"start_vce": {"2d5e267f893950a7"}, "run_api": {"f85c0cd6e902752f"}}
 # What the fork server imports before it forks: the ClientApp's heavy libraries (as the Ray
 # actors' preload, ``fedfm_flower.actor_preload.PRELOADED``) and Flower's ClientApp.
 PRELOAD = (
@@ -418,50 +420,64 @@ class ForkBackend:
         self.server.stop()
 
 
-def backend_factory(ray_backend: type) -> type:
-    """A ``RayBackend`` subclass whose construction gives a ``ForkBackend`` where ``eligible``,
-    else Flower's own backend."""
+def backend_config_of(backend_fn: Callable[[], Any]) -> dict[str, Any] | None:
+    """The backend config ``start_vce``'s ``backend_fn`` closes over, or None."""
+    config = inspect.getclosurevars(backend_fn).nonlocals.get("backend_config")
+    return config if isinstance(config, dict) else None
 
-    class RayBackendOrFork(ray_backend):  # type: ignore[misc, valid-type]
-        def __new__(cls, backend_config: Any, *args: Any, **kwargs: Any) -> Any:
-            if eligible(backend_config):
-                backend = ForkBackend(backend_config)
-                print(
-                    f"fedfm_flower.fork_engine: {backend.size} ClientApps at once, in workers "
-                    f"forked from one process ({backend.origin}; FEDFM_SIMULATION_ENGINE=ray "
-                    "runs Ray's actors)",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                return backend
-            return ray_backend(backend_config, *args, **kwargs)
 
-    RayBackendOrFork.__name__ = RayBackendOrFork.__qualname__ = "RayBackend"
-    RayBackendOrFork._FLOWER_RAY_BACKEND = ray_backend  # type: ignore[attr-defined]
-    return RayBackendOrFork
+def with_fork_backend(run_api: Callable[..., Any]) -> Callable[..., Any]:
+    """Flower's ``run_api`` given a ``ForkBackend`` instead of its ``backend_fn``'s
+    ``RayBackend`` where ``eligible``; Flower's ``RayBackend`` itself is left as it is."""
+
+    def run_api_forked(
+        app_fn: Callable[[], Any], backend_fn: Callable[[], Any], *args: Any, **kwargs: Any
+    ) -> Any:
+        config = backend_config_of(backend_fn)
+        if config is None or not eligible(config):
+            return run_api(app_fn, backend_fn, *args, **kwargs)
+
+        def fork_backend_fn() -> ForkBackend:
+            backend = ForkBackend(config)
+            print(
+                f"fedfm_flower.fork_engine: {backend.size} ClientApps at once, in workers "
+                f"forked from one process ({backend.origin}; FEDFM_SIMULATION_ENGINE=ray "
+                "runs Ray's actors)",
+                file=sys.stderr,
+                flush=True,
+            )
+            return backend
+
+        return run_api(app_fn, fork_backend_fn, *args, **kwargs)
+
+    run_api_forked.__wrapped__ = run_api  # type: ignore[attr-defined]
+    return run_api_forked
 
 
 def install() -> bool:
-    """Let the simulation engine build a ``ForkBackend`` where eligible (in the simulation
-    process, on the ``start_vce`` this module knows); True when in place (now or before)."""
+    """Let the simulation engine's run use a ``ForkBackend`` where eligible (in the simulation
+    process, over the ``start_vce`` and ``run_api`` this module knows); True when in place
+    (now or before)."""
     engine = sys.modules.get(ENGINE_MODULE)
     if engine is None or os.environ.get(ENV_SWITCH) == "ray":
         return False
+    if getattr(engine.run_api, "__wrapped__", None) is not None:
+        return True
     from fedfm_flower.prompt_engine import source_digest
 
-    try:
-        known = source_digest(engine.start_vce) in FLOWER_SOURCES["start_vce"]
-    except (OSError, TypeError):  # no source to read: not the code this module knows
-        known = False
-    if not known:
+    unknown = []
+    for name in FLOWER_SOURCES:
+        try:
+            if source_digest(getattr(engine, name)) not in FLOWER_SOURCES[name]:
+                unknown.append(name)
+        except (OSError, TypeError, AttributeError):  # no source: not the code this module knows
+            unknown.append(name)
+    if unknown:
         print(
-            "fedfm_flower.fork_engine: Flower's start_vce is not the code this project knows; "
-            "the simulation runs on Ray",
+            f"fedfm_flower.fork_engine: Flower's {', '.join(unknown)} is not the code this "
+            "project knows; the simulation runs on Ray",
             file=sys.stderr,
         )
         return False
-    backends = importlib.import_module(BACKEND_MODULE)
-    if getattr(backends.RayBackend, "_FLOWER_RAY_BACKEND", None) is not None:
-        return True
-    backends.RayBackend = backend_factory(backends.RayBackend)
+    engine.run_api = with_fork_backend(engine.run_api)
     return True

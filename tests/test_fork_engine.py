@@ -21,7 +21,6 @@ from fedfm_flower.fork_engine import (
     ForkBackend,
     ForkEngineError,
     app_reference,
-    backend_factory,
     client_resources,
     eligible,
     slots,
@@ -86,12 +85,16 @@ def test_the_fork_engine_stands_in_for_ray_only_on_the_cpu_and_a_local_cluster()
         eligible(CPU_ONLY, env={"FEDFM_SIMULATION_ENGINE": "rey"})
 
 
-def test_the_factory_builds_a_fork_backend_where_eligible_and_flowers_otherwise(
+def test_the_engine_runs_on_a_fork_backend_where_eligible_and_on_flowers_otherwise(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    class FlowersBackend:
-        def __init__(self, backend_config: dict) -> None:
-            self.config = backend_config
+    """``run_api`` as ``start_vce`` calls it: a ``backend_fn`` closing over the parsed config."""
+
+    def flowers_backend_fn_for(backend_config: dict):  # the shape of start_vce's closure
+        def backend_fn() -> str:
+            return f"ray for {backend_config}"
+
+        return backend_fn
 
     class Recorded:
         size = 1
@@ -100,16 +103,22 @@ def test_the_factory_builds_a_fork_backend_where_eligible_and_flowers_otherwise(
         def __init__(self, backend_config: dict) -> None:
             self.config = backend_config
 
+    built: list = []
+    run_api = fork_engine.with_fork_backend(
+        lambda app_fn, backend_fn, *rest: built.append((backend_fn(), rest))
+    )
     monkeypatch.setattr(fork_engine, "ForkBackend", Recorded)
-    factory = backend_factory(FlowersBackend)
-    assert factory.__name__ == "RayBackend" and issubclass(factory, FlowersBackend)
     monkeypatch.delenv("FEDFM_SIMULATION_ENGINE", raising=False)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    assert type(factory(CPU_ONLY)) is Recorded
+    run_api(None, flowers_backend_fn_for(CPU_ONLY), "mapping", "state")
+    backend, rest = built.pop()
+    assert type(backend) is Recorded and backend.config == CPU_ONLY and rest == ("mapping", "state")
     gpu = {"client_resources": {"num_cpus": 1, "num_gpus": 0.5}}
-    assert type(factory(gpu)) is FlowersBackend and factory(gpu).config == gpu
+    run_api(None, flowers_backend_fn_for(gpu), "mapping", "state")
+    assert built.pop()[0] == f"ray for {gpu}"
     monkeypatch.setenv("FEDFM_SIMULATION_ENGINE", "ray")
-    assert type(factory(CPU_ONLY)) is FlowersBackend
+    run_api(None, flowers_backend_fn_for(CPU_ONLY), "mapping", "state")
+    assert built.pop()[0] == f"ray for {CPU_ONLY}"
 
 
 def test_the_app_travels_by_name() -> None:
@@ -220,21 +229,21 @@ def test_the_fork_server_stops_with_the_process_that_started_it(tmp_path: Path) 
         time.sleep(0.05)
 
 
-def test_install_replaces_flowers_backend_only_over_the_known_start_vce() -> None:
+def test_install_wraps_the_engines_run_only_and_leaves_flowers_ray_backend() -> None:
     script = (
         "import flwr.server.superlink.fleet.vce.vce_api as engine\n"
         "import flwr.server.superlink.fleet.vce.backend.raybackend as backends\n"
-        "flowers = backends.RayBackend\n"
+        "flowers, run_api = backends.RayBackend, engine.run_api\n"
         "import client_apps.app\n"
-        "ours = backends.RayBackend\n"
-        "print(ours is not flowers, getattr(ours, '_FLOWER_RAY_BACKEND', None) is flowers)\n"
+        "print(backends.RayBackend is flowers, engine.run_api is not run_api,\n"
+        "      getattr(engine.run_api, '__wrapped__', None) is run_api)\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "FEDFM_SIMULATION_ENGINE"}
     result = subprocess.run(
         [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.split() == ["True", "True"]
+    assert result.stdout.split() == ["True", "True", "True"]
     ray = subprocess.run(
         [sys.executable, "-c", script],
         cwd=ROOT,
@@ -242,25 +251,30 @@ def test_install_replaces_flowers_backend_only_over_the_known_start_vce() -> Non
         capture_output=True,
         text=True,
     )
-    assert ray.stdout.split() == ["False", "False"]
+    assert ray.stdout.split() == ["True", "False", "False"]
 
 
-def test_install_leaves_ray_over_another_start_vce(
+def test_install_leaves_ray_over_another_start_vce_or_run_api(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    import flwr.server.superlink.fleet.vce.vce_api as flowers
+
     def start_vce() -> None:  # not Flower's
         return None
 
+    run_api = getattr(flowers.run_api, "__wrapped__", flowers.run_api)
     engine = type(sys)("engine")
-    engine.start_vce = start_vce
+    engine.start_vce, engine.run_api = start_vce, run_api
     monkeypatch.setitem(sys.modules, fork_engine.ENGINE_MODULE, engine)
     monkeypatch.delenv("FEDFM_SIMULATION_ENGINE", raising=False)
-    assert fork_engine.install() is False
+    assert fork_engine.install() is False and engine.run_api is run_api
     assert "start_vce is not the code this project knows; the simulation runs on Ray" in (
         capsys.readouterr().err
     )
     engine.start_vce = lambda: None  # no source at all
     assert fork_engine.install() is False
+    engine.start_vce = flowers.start_vce
+    assert fork_engine.install() is True and engine.run_api.__wrapped__ is run_api
 
 
 def test_a_launchers_fork_server_is_used_while_it_runs_and_left_running(tmp_path: Path) -> None:
