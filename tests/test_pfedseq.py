@@ -482,8 +482,11 @@ def test_chunked_and_unchunked_learners_agree() -> None:
     for server in (whole, chunked):
         run_rounds(server, range(5))
     torch.testing.assert_close(chunked.personal, whole.personal, rtol=1e-5, atol=1e-8)
+    # Chunks sum the learners' gradients in another order; after 5 rounds of Adam that leaves
+    # float32 differences up to 1.3x rtol 1e-5 on some CPUs (2.9e-5 relative on one element of
+    # 32, 2026-11-29): the same result, rounded differently, not a different one.
     for a, b in zip(chunked.learners.parameters(), whole.learners.parameters(), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-8)
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-9)
     assert whole.chunk_rows(5) == 10_000
 
