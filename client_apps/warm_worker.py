@@ -193,6 +193,21 @@ def write_private(path: Path, data: bytes) -> None:
     os.replace(temporary, path)
 
 
+def _close_after_reading(conn: socket.socket, limit: int = 2 * SMALL_FRAME) -> None:
+    """Let the peer read what was sent before this end closes: a socket closed with unread
+    bytes (the refused request's operation frame) resets the connection, and the reset can
+    discard the answer before the peer reads it. Reads what the peer sent, up to ``limit``
+    bytes and the handshake's timeout, after shutting down this end's writes."""
+    with contextlib.suppress(OSError):
+        conn.shutdown(socket.SHUT_WR)
+        read = 0
+        while read < limit:
+            chunk = conn.recv(4096)
+            if not chunk:
+                return
+            read += len(chunk)
+
+
 class Worker:
     """The serving loop of one endpoint (see the module docstring)."""
 
@@ -257,6 +272,7 @@ class Worker:
             if not hmac.compare_digest(token, self.token):
                 log.warning("refused a request with a wrong token")
                 send_frames(conn, REFUSED)
+                _close_after_reading(conn)
                 return
             operation = recv_frame(conn, SMALL_FRAME)
             if operation == PING:

@@ -182,6 +182,19 @@ def test_private_files_and_a_wrong_token_is_refused(
     assert warm.ping(endpoint) == warm.OK
     assert warm.ping(endpoint, token=b"0" * 64) == warm.REFUSED
     assert warm.ping(endpoint, token=b"") == warm.REFUSED
+    # A requester still sending when the worker refuses gets the refusal: the worker reads the
+    # rest of the request before it closes (it closed at once, so the requester's next send
+    # broke the pipe and the refusal was lost; seen under load).
+    send = warm.send_frames
+
+    def slow_send(sock, *payloads):  # noqa: ANN001, ANN002, ANN202 - warm.send_frames' own
+        for payload in payloads:
+            send(sock, payload)
+            time.sleep(0.3)
+
+    monkeypatch.setattr(warm, "send_frames", slow_send)
+    assert warm.ping(endpoint, token=b"1" * 64) == warm.REFUSED
+    monkeypatch.setattr(warm, "send_frames", send)
     # A message forwarded with a wrong token is refused and handled in-process instead.
     exchange = find(recorded, "evaluate")[0]
     monkeypatch.setattr(warm.Endpoint, "token", lambda self: b"f" * 64)
