@@ -523,3 +523,53 @@ def test_an_object_the_superlink_did_not_store_is_pushed_again_a_bounded_number_
     with pytest.raises(ObjectPushError):  # refused four times: given up, as Flower does
         pushes([False] * 4)("abc", b"x")
     assert slept == [0.5, 1.0, 2.0]
+
+
+def test_a_reply_ready_after_the_last_push_is_pushed_without_waiting_for_a_message(
+    loop, monkeypatch
+):
+    """Two messages in flight: the loop pushed the first reply; the second, stored a moment
+    later, is pushed on the next empty pull instead of waiting for the next message."""
+    from flwr.app import ConfigRecord, Message, Metadata, RecordDict
+    from flwr.supercore.object_store.object_store_factory import ObjectStoreFactory
+    from flwr.supernode.nodestate.in_memory_nodestate import InMemoryNodeState
+
+    def message(run_id: int, name: str) -> Message:
+        metadata = Metadata(
+            run_id=run_id,
+            message_id="",
+            src_node_id=0,
+            dst_node_id=9,
+            reply_to_message_id="",
+            group_id="",
+            created_at=time.time(),
+            ttl=600.0,
+            message_type="query",
+        )
+        return Message(metadata=metadata, content=RecordDict({name: ConfigRecord({"x": 1})}))
+
+    state = InMemoryNodeState(ObjectStoreFactory().store())
+    first, second = message(5, "a"), message(6, "b")
+    for incoming in (first, second):
+        incoming.metadata.__dict__["_message_id"] = incoming.object_id
+        state.store_message(incoming)
+    state.get_messages_legacy(is_reply=False)  # both taken by the node's tasks
+    replies = []
+    for incoming in (first, second):
+        reply = Message(RecordDict({"r": ConfigRecord({"y": 2})}), reply_to=incoming)
+        reply.metadata.__dict__["_message_id"] = reply.object_id
+        replies.append(reply)
+    state.store_message(replies[0])
+    assert [m.metadata.run_id for m in state.get_messages_legacy(is_reply=True)] == [5]  # pushed
+    state.store_message(replies[1])  # ready a moment after that push
+    monkeypatch.setattr(loop, launcher.PULL_AND_STORE, lambda **kwargs: None)  # no new message
+    assert launcher.push_stranded_replies() is True
+    assert launcher.push_stranded_replies() is True  # once
+    pull = getattr(loop, launcher.PULL_AND_STORE)
+    assert pull(state=state) == 6  # the loop pushes now: the reply's run
+    assert [m.metadata.run_id for m in state.get_messages_legacy(is_reply=True)] == [6]
+    assert pull(state=state) is None  # nothing left unsent
+    assert launcher.stranded_reply_run(object()) is None  # another NodeState: no guess
+    # What it relies on: the loop pushes only after a pull returned a run.
+    source = inspect.getsource(loop.start_client_internal)
+    assert "if run_id is None:" in source and "_push_messages(" in source

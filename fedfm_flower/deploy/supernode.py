@@ -44,6 +44,15 @@ the next message, the next run's included. Here that pull raises ``RunStoppedErr
 ends failed, the message and its objects are deleted, and the SuperExec's pull fails at once. On
 the Flower versions above only.
 
+Flower's loop pushes replies only after it pulled a message, and then only those ready at that
+moment; it assumes one message in flight. When two are (a stopped run's task still finishing
+beside the next run's first message), the second reply, ready a moment after the push, waits for
+the node's next message: at 50 SuperNodes a restarted ServerApp's identity query to one node was
+answered 2.5 minutes late and that client missed two rounds. Here a pull that finds no message
+but a reply the node holds unsent returns that reply's run, so the loop pushes it at once
+(``push_stranded_replies``; it reads Flower's in-memory NodeState without marking anything). On
+the Flower versions above only.
+
 A SuperLink that fails a request answers ``500`` (Flower hides the cause; under load it is its
 SQLite state's ``database is locked``: 16 SuperNodes on 2 cores met it, docs/benchmarks.md).
 Flower's SuperNode retries only 502-504 and connection errors, so a 500 to a message pull or a
@@ -372,6 +381,53 @@ def wake_on_stored_messages(send_wake: Callable[[], object]) -> bool:
     return True
 
 
+def stranded_reply_run(state: Any) -> int | None:
+    """The run of a reply the node holds and has not sent (not yet retrieved from its state),
+    or None; read without marking it, on Flower's in-memory NodeState (None on another)."""
+    store, lock = getattr(state, "msg_store", None), getattr(state, "lock_msg_store", None)
+    if not isinstance(store, dict) or lock is None:
+        return None
+    with lock:
+        for entry in store.values():
+            message = getattr(entry, "message", None)
+            if (
+                message is not None
+                and not getattr(entry, "is_retrieved", True)
+                and message.metadata.reply_to_message_id != ""
+            ):
+                return int(message.metadata.run_id)
+    return None
+
+
+def push_stranded_replies() -> bool:
+    """Let the node's loop push a reply that became ready after its last push (module doc);
+    False, changing nothing, on a Flower whose loop this was not written against."""
+    version = flower_version()
+    loop = importlib.import_module(LOOP_MODULE)
+    pull = getattr(loop, PULL_AND_STORE, None)
+    if getattr(pull, "pushes_stranded_replies", False):
+        return True
+    if not is_known(version) or not callable(pull):
+        print(
+            f"fedfm_flower.deploy.supernode: Flower {version}'s SuperNode loop is not one this "
+            f"knows ({known_versions()}); a reply ready after the node's last push waits for "
+            "its next message",
+            file=sys.stderr,
+        )
+        return False
+
+    @functools.wraps(pull)
+    def pull_or_push_stranded(*args: Any, **kwargs: Any) -> int | None:
+        run_id = pull(*args, **kwargs)
+        if run_id is None:
+            run_id = stranded_reply_run(kwargs.get("state"))
+        return run_id
+
+    pull_or_push_stranded.pushes_stranded_replies = True  # type: ignore[attr-defined]
+    setattr(loop, PULL_AND_STORE, pull_or_push_stranded)
+    return True
+
+
 def warm_executor_refusal(arguments: Sequence[str]) -> str | None:
     """Why the node must keep Flower's subprocess isolation, or None when it can run the warm
     SuperExec."""
@@ -540,6 +596,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         shorten_heartbeat(args.heartbeat_interval)
     if args.warm_executor:
         rest = with_warm_executor(rest)
+    push_stranded_replies()  # over the wake-ups' wrapper of the same pull
     atexit.register(stop_children)
     from flwr.supernode.cli import flower_supernode
 
