@@ -84,14 +84,14 @@ def install() -> bool:
     sources); True when in place (now or before)."""
     if ENGINE_MODULE not in sys.modules or os.environ.get(ENV_SWITCH, "1") == "0":
         return False
-    from fedfm_flower.prompt_engine import source_digest
+    from fedfm_flower.prompt_engine import unknown_sources
 
     backend = importlib.import_module(BACKEND_MODULE).RayBackend
     if getattr(backend.build, "__wrapped__", None) is not None:
         return True
     actor = importlib.import_module(ACTOR_MODULE).ClientAppActor
     sources = {"RayBackend.build": backend.build, "ClientAppActor.__init__": actor.__init__}
-    unknown = [name for name, f in sources.items() if source_digest(f) not in FLOWER_SOURCES[name]]
+    unknown = unknown_sources(sources, FLOWER_SOURCES)
     if unknown:
         print(
             f"fedfm_flower.actor_preload: Flower's {', '.join(unknown)} is not the code this "

@@ -300,9 +300,14 @@ class Worker:
         return None
 
     def close(self) -> None:
-        """Close the channel: the worker ends when it reads the end."""
+        """Close the channel (the worker ends when it reads the end) and the fork server's
+        connection for it (the server then SIGKILLs it if it is still there)."""
         with contextlib.suppress(OSError):
             self.channel.close()
+        connection = getattr(self.process, "connection", None)
+        if connection is not None:
+            with contextlib.suppress(OSError):
+                connection.close()
 
 
 class ForkBackend:
@@ -366,10 +371,10 @@ class ForkBackend:
             send_frame(ours, ("app", *self.app, list(sys.path)))
             answer = receive_frame(ours)
         except (ChannelClosed, OSError) as err:
+            status = worker.exit_status()  # before close: it reads the server's connection
             worker.close()
             raise ForkEngineError(
-                f"a new worker ended before it loaded the ClientApp ({err}; exit status "
-                f"{worker.exit_status()})"
+                f"a new worker ended before it loaded the ClientApp ({err}; exit status {status})"
             ) from err
         if answer[0] != "ready":
             worker.close()
@@ -463,15 +468,10 @@ def install() -> bool:
         return False
     if getattr(engine.run_api, "__wrapped__", None) is not None:
         return True
-    from fedfm_flower.prompt_engine import source_digest
+    from fedfm_flower.prompt_engine import unknown_sources
 
-    unknown = []
-    for name in FLOWER_SOURCES:
-        try:
-            if source_digest(getattr(engine, name)) not in FLOWER_SOURCES[name]:
-                unknown.append(name)
-        except (OSError, TypeError, AttributeError):  # no source: not the code this module knows
-            unknown.append(name)
+    functions = {name: getattr(engine, name, None) for name in FLOWER_SOURCES}
+    unknown = unknown_sources(functions, FLOWER_SOURCES)
     if unknown:
         print(
             f"fedfm_flower.fork_engine: Flower's {', '.join(unknown)} is not the code this "

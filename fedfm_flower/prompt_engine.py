@@ -63,6 +63,19 @@ def source_digest(function: Any) -> str:
     return hashlib.sha256(inspect.getsource(function).encode()).hexdigest()[:16]
 
 
+def unknown_sources(functions: dict[str, Any], known: dict[str, set[str]]) -> list[str]:
+    """The names among ``functions`` whose source digest is not one of ``known[name]`` (a
+    function without source, or None, is unknown too)."""
+    unknown = []
+    for name, function in functions.items():
+        try:
+            if function is None or source_digest(function) not in known[name]:
+                unknown.append(name)
+        except (OSError, TypeError):  # no source to read
+            unknown.append(name)
+    return unknown
+
+
 def undelivered_nodes(state: Any) -> Counter[int] | None:
     """Undelivered messages per destination node in an in-memory LinkState, or None when
     ``state`` does not keep them where Flower 1.42's ``InMemoryLinkState`` does."""

@@ -351,3 +351,15 @@ def test_frames_carry_large_values_whole_and_a_cut_frame_is_a_closed_channel() -
     with pytest.raises(ChannelClosed, match="991 of 1000 bytes to come"):
         receive_frame(theirs)
     theirs.close()
+
+
+def test_a_worker_that_dies_loading_the_app_fails_the_message_naming_its_exit_status() -> None:
+    broken = ForkBackend({**CPU_ONLY, "init_args": {"num_cpus": 1}}, preload=("json",))
+    try:
+        broken.build(lambda: fork_apps.app)
+        broken.app = ("fork_apps_exiting", "app")
+        with pytest.raises(ForkEngineError, match="ended before it loaded the ClientApp.*status 3"):
+            broken.process_message(message(), context())
+        assert broken.is_worker_idle() and not broken.workers
+    finally:
+        broken.terminate()
