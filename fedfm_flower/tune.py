@@ -80,7 +80,7 @@ from fedfm_flower.search import (
     tried_ranges,
 )
 from fedfm_flower.settings import require_package
-from fedfm_flower.study_state import StudyState
+from fedfm_flower.study_state import StudyState, read_tuning
 from fedfm_flower.sweep import (
     CONFIG_ROOT,
     INTERRUPTED,
@@ -588,16 +588,13 @@ def _study_key(record: dict[str, Any]) -> str:
 
 
 def _earlier_document(out: Path) -> dict[str, Any]:
-    """``<out>/tuning.json`` as an earlier command wrote it; empty if missing or unreadable."""
-    try:
-        document = json.loads((out / "tuning.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    return document if isinstance(document, dict) else {}
+    """``<out>/tuning.json`` as an earlier command wrote it; empty if missing, ``StateError``
+    if it does not parse (``main`` refuses that before any trial)."""
+    return read_tuning(out / "tuning.json")
 
 
 def _earlier_studies(out: Path) -> dict[str, dict[str, Any]]:
-    """The study records ``<out>/tuning.json`` holds (by study name); none if unreadable."""
+    """The study records ``<out>/tuning.json`` holds (by study name); none if it has none."""
     try:
         return {_study_key(record): record for record in _earlier_document(out)["studies"]}
     except (KeyError, TypeError):
@@ -705,13 +702,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.trials < 1:
             raise ValueError(f"--trials must be >= 1, got {args.trials}")
         overrides = parse_overrides(args.set)
+        state.check()
         state.restore()
+        wall_before = earlier_wall_seconds(args.out)
         studies = open_studies(args.methods, args.setups, args, overrides)
         pool = pool_from_arguments(args)
     except (ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    wall_before = earlier_wall_seconds(args.out)
 
     def save_tuning() -> None:
         write_tuning(studies, args.out, args, wall_before + time.monotonic() - started)

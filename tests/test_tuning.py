@@ -872,3 +872,96 @@ def test_a_study_copied_to_a_fresh_directory_resumes_without_repeating_a_trial(
     assert [x["state"] for x in study["trials"]] == ["complete", "pruned", "pruned"]
     assert study["spent"]["client-rounds"] == (2 + 1 + 1) * 2 == document["spent"]["client-rounds"]
     assert study["chosen"]["trial"] == 0
+
+
+def _copied_study_argv(out: Path, state: Path, trials: int) -> list[str]:
+    return [
+        "--methods", "fedavg", "--setups", "digits-label-skew", "--sampler", "random",
+        "--trials", str(trials), "--seeds", "0", "--out", str(out), "--state", str(state),
+        "--set", "num-clients=2", "num-server-rounds=2",
+    ]  # fmt: skip
+
+
+def _journal_records(journal: Path) -> list[dict]:
+    return [json.loads(line) for line in journal.read_text().splitlines()]
+
+
+def test_a_journal_record_cut_short_is_dropped_and_the_study_resumes_twice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("optuna")
+    from fedfm_flower import tune
+
+    pools: list[_RunPool] = []
+
+    def pool(args) -> _RunPool:  # noqa: ANN001
+        pools.append(_RunPool(lambda trial, r: 0.9 if trial in (0, -1) else 0.3))
+        return pools[-1]
+
+    monkeypatch.setattr(tune, "pool_from_arguments", pool)
+    state = tmp_path / "state"
+    assert tune.main(_copied_study_argv(tmp_path / "out", state, 2)) == 0
+    journal = state / "tuning" / "journal.log"
+    whole = journal.read_bytes()
+    records = _journal_records(journal)
+    cut = whole + b'{"op_code": 4, "worker_id": "a-killed-wri'  # a write that never finished
+    journal.write_bytes(cut)
+
+    # Optuna alone skips the cut record, then appends the next one to its bytes: one broken
+    # line, and the command after fails. Dropped first, every later command reads the journal.
+    assert tune.main(_copied_study_argv(tmp_path / "out2", state, 3)) == 0
+    assert journal.read_bytes().startswith(whole)
+    grown = _journal_records(journal)  # every line parses
+    assert grown[: len(records)] == records and len(grown) > len(records)
+    assert tune.main(_copied_study_argv(tmp_path / "out3", state, 4)) == 0
+    assert [p.ran for p in pools[1:]] == [
+        ["fedavg-digits-label-skew-t002-s0"],
+        ["fedavg-digits-label-skew-t003-s0"],
+    ]
+    (study,) = json.loads((state / "tuning.json").read_text())["studies"]
+    assert [t["number"] for t in study["trials"]] == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    ("damaged", "content", "line"),
+    [
+        ("tuning/journal.log", "<<<<<<< HEAD\n", 3),  # a merge conflict inside the journal
+        ("tuning.json", "{\n<<<<<<< HEAD\n", 2),
+        ("tuning/runs/fedavg-digits-label-skew-t001-s0/summary.json", '{"rounds": ', 1),
+        ("runs/fedavg-digits-label-skew-s0/metrics.jsonl", "{}\n{cut", 2),
+    ],
+)
+def test_a_damaged_state_file_is_refused_by_name_before_anything_runs(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    damaged: str,
+    content: str,
+    line: int,
+) -> None:
+    pytest.importorskip("optuna")
+    from fedfm_flower import tune
+
+    pools: list[_RunPool] = []
+
+    def pool(args) -> _RunPool:  # noqa: ANN001
+        pools.append(_RunPool(lambda trial, r: 0.5))
+        return pools[-1]
+
+    monkeypatch.setattr(tune, "pool_from_arguments", pool)
+    state = tmp_path / "state"
+    assert tune.main(_copied_study_argv(tmp_path / "out", state, 2)) == 0
+    path = state / damaged
+    if damaged.endswith("journal.log"):
+        kept = path.read_text().splitlines(keepends=True)
+        content = "".join(kept[:2]) + content + "".join(kept[2:])
+    path.write_text(content)
+    before = {p: p.read_bytes() for p in state.rglob("*") if p.is_file()}
+    capsys.readouterr()
+
+    assert tune.main(_copied_study_argv(tmp_path / "fresh", state, 3)) == 2
+    error = capsys.readouterr().err
+    assert f"error: {path}, line {line}: not valid JSON" in error
+    assert "nothing was run or written" in error
+    assert len(pools) == 1 and not (tmp_path / "fresh" / "tuning.json").exists()
+    assert {p: p.read_bytes() for p in state.rglob("*") if p.is_file()} == before
