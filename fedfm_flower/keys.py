@@ -91,7 +91,7 @@ class FederationKeys:
         non_negative=True,
         doc=(
             "number of clients/partitions; `0` takes it from the node config's `num-partitions` "
-            "(simulation sets it). The ServerApp waits for this many nodes before round 1. "
+            "(simulation sets it; in a deployment, the value most nodes report). The ServerApp waits for this many nodes before round 1. "
             "`pfedseq` sizes its learners by it (one channel per client, ids 0..N-1), `pfedpg` "
             "its descriptors (one per client, ids 0..N-1)"
         ),

@@ -250,6 +250,23 @@ def test_pfedseq_sizes_its_learner_from_the_nodes_and_leaves_out_foreign_ids(
     assert "client-id 7 outside 0..2" in caplog.text
 
 
+def test_one_nodes_huge_num_partitions_does_not_size_pfedseqs_server(
+    small_run_config: dict, caplog: pytest.LogCaptureFixture
+) -> None:
+    from safetensors.torch import load_file
+
+    nodes = [{"client-id": i, "partition-id": i, "num-partitions": 3} for i in range(3)]
+    nodes.append({"client-id": 3, "partition-id": 2, "num-partitions": 10**9})
+    config = {**small_run_config, "method": "pfedseq", "num-clients": 0, "num-server-rounds": 1}
+    summary, grid = run_in_process(config, 4, node_configs=nodes)
+    run_dir = Path(config["output-dir"]) / summary["run-name"]
+    state = load_file(str(run_dir / "checkpoints" / "round_00001.safetensors"))
+    assert state["personal"].shape[0] == 3  # what most nodes report, not the largest claim
+    assert set(summary["final-per-client-accuracy"]) == {"0", "1", "2"}
+    assert "reported num-partitions 1000000000; most nodes report 3" in caplog.text
+    assert "client-id 3 outside 0..2" in caplog.text
+
+
 def test_pfedpg_sends_each_client_its_own_generated_prompts(small_run_config: dict) -> None:
     from safetensors.torch import load_file
 

@@ -8,13 +8,17 @@ strategy refuses (``refuse_client``).
 
 The identity query also returns what a client holds (its node config's ``capabilities``, e.g.
 ``image,text,vqa``), kept in ``capabilities`` by client id, so a strategy can give a component
-only to the clients that have its modality or task, and the largest ``num-partitions`` a node
-reported (``num_partitions``: the number of clients, when the run does not set it).
+only to the clients that have its modality or task, and the ``num-partitions`` the nodes report
+(``num_partitions``: the number of clients, when the run does not set it). That number is the
+one most nodes report (ties: the smallest), not the largest: a server sized from it holds a
+slot per client, and one node's huge claim (a typo, or a client out to exhaust the server's
+memory) must not size it. A node whose claim differs is named in a warning.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable, Mapping
 
 from flwr.app import ConfigRecord, Message, MessageType, MetricRecord, RecordDict
@@ -35,19 +39,21 @@ class NodeDirectory:
         self.client_holdings = client_holdings  # client id -> what the task's data gives it
         self.node_to_client: dict[int, int] = {}
         self.capabilities: dict[int, frozenset[str]] = {}  # client id -> what it declares
-        self.num_partitions = 0  # largest num-partitions a node reported (0: none yet)
+        self.partition_claims: dict[int, int] = {}  # node id -> the num-partitions it reported
         self.refused_nodes: set[int] = set()  # answered with a client id that is refused
 
     def learn(self, grid: Grid, server_round: int, refuse: Callable[[int], str | None]) -> None:
         """Query nodes not seen before for their client id; forget nodes that left.
 
         ``refuse(client_id)`` says why a client cannot be served (None: it can); it is asked
-        after the node's ``num-partitions`` is counted.
+        after the ``num-partitions`` of every node that answered this query is counted.
         """
         present = set(grid.get_node_ids())
         left = [n for n in self.node_to_client if n not in present]
         for node_id in left:
             log.info("node %s (client %s) left", node_id, self.node_to_client.pop(node_id))
+        for node_id in [n for n in self.partition_claims if n not in present]:
+            del self.partition_claims[node_id]
         # A node refused as a duplicate may be the rightful holder once the other one left.
         self.refused_nodes = set() if left else self.refused_nodes & present
         unknown = sorted(present - set(self.node_to_client) - self.refused_nodes)
@@ -62,13 +68,47 @@ class NodeDirectory:
             )
             for node_id in unknown
         ]
-        for reply in grid.send_and_receive(messages, timeout=QUERY_TIMEOUT_S):
+        replies = list(grid.send_and_receive(messages, timeout=QUERY_TIMEOUT_S))
+        for reply in replies:
+            self._count_partitions(reply)
+        consensus = self.num_partitions
+        answered = {reply.metadata.src_node_id for reply in replies}
+        for node_id, claim in sorted(self.partition_claims.items()):
+            if claim != consensus and node_id in answered:
+                log.warning(
+                    "node %s reported num-partitions %d; most nodes report %d, which is used",
+                    node_id,
+                    claim,
+                    consensus,
+                )
+        for reply in replies:
             self._identify(reply, refuse)
         missing = [
             n for n in unknown if n not in self.node_to_client and n not in self.refused_nodes
         ]
         if missing:
             log.warning("nodes without a known client id this round: %s", missing)
+
+    @property
+    def num_partitions(self) -> int:
+        """The num-partitions most present nodes reported (ties: the smallest); 0: none."""
+        counts = Counter(self.partition_claims.values())
+        return max(counts, key=lambda n: (counts[n], -n)) if counts else 0
+
+    def _count_partitions(self, reply: Message) -> None:
+        """Keep the positive integer num-partitions an identity ``reply`` reports, if any."""
+        if reply.has_error():
+            return
+        metrics = reply.content.metric_records.get(P.METRICS, MetricRecord())
+        partitions = metrics.get(P.NUM_PARTITIONS)
+        if isinstance(partitions, int) and partitions > 0:
+            self.partition_claims[reply.metadata.src_node_id] = partitions
+        elif partitions is not None:
+            log.warning(
+                "node %s reported num-partitions %r, not a count",
+                reply.metadata.src_node_id,
+                partitions,
+            )
 
     def _identify(self, reply: Message, refuse: Callable[[int], str | None]) -> None:
         """Map the node of an identity ``reply`` to its client, or say why it is left out."""
@@ -90,11 +130,6 @@ class NodeDirectory:
         facts = reply.content.config_records.get(P.CONFIG, ConfigRecord())
         declared = str(facts.get(P.CAPABILITIES, ""))
         self.capabilities[client_id] = frozenset(c for c in declared.split(",") if c)
-        partitions = metrics.get(P.NUM_PARTITIONS, 0)
-        if isinstance(partitions, int):
-            self.num_partitions = max(self.num_partitions, partitions)
-        else:
-            log.warning("node %s reported num-partitions %r, not a count", node_id, partitions)
         refusal = refuse(client_id)
         if refusal is not None:
             log.warning("node %s is left out: %s", node_id, refusal)
