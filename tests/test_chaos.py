@@ -338,6 +338,7 @@ def test_a_short_chaos_run_loses_nothing_and_spared_clients_match_the_uninterrup
     [
         (["--rounds", "5"], "no room for 8 events in 5 rounds of 4 nodes"),
         (["--set", "lr=-1"], "run config 'lr' = -1.0 is invalid"),
+        (["--set", "partitioner=nonsense"], "'partitioner' = 'nonsense' is invalid: allowed: iid"),
         (["--heartbeat-interval", "2"], "--heartbeat-interval: heartbeat interval must be"),
     ],
 )

@@ -539,10 +539,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--heartbeat-interval", type=float, default=10.0, help="the SuperNodes', seconds"
     )
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds for the whole run")
-    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="run config")
+    parser.add_argument(
+        "--set",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="run config (TOML values; a bare word is a string)",
+    )
     parser.add_argument("--out", type=Path, required=True, help="directory for runs and report")
     args = parser.parse_args(argv)
-    from fedfm_flower.deploy.runs import parse_run_config, resolve_run_config
+    from fedfm_flower.deploy.runs import resolve_run_config
+    from fedfm_flower.overrides import parse_overrides
 
     out = args.out.resolve()
     try:  # everything that can be refused before a process starts
@@ -572,7 +579,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "round-timeout": args.round_timeout,
                 "output-dir": str(out / "runs"),
                 "run-name": "chaos",
-                **parse_run_config(args.set),
+                **parse_overrides(args.set),  # partitioner=iid and partitioner='iid' alike
             },
             args.rounds,
         )
