@@ -259,9 +259,21 @@ class ExperimentConfig(
     def _check_secagg(self) -> None:
         from fedfm_flower.privacy.secagg import secagg_refusal
 
-        if self.secagg_num_shares > 1 and self.secagg_num_shares < 3:
+        if self.secagg_num_shares > 1 and (
+            self.secagg_num_shares < 3 or not float(self.secagg_num_shares).is_integer()
+        ):
             raise ConfigError(
-                "secagg-num-shares", self.secagg_num_shares, "as a count must be >= 3"
+                "secagg-num-shares",
+                self.secagg_num_shares,
+                "as a count must be a whole number >= 3",
+            )
+        # A count of 1 would let the server unmask a round with one survivor: that client's
+        # update itself. Flower refuses threshold 1 as an int; 1.5 must not become it either.
+        if self.secagg_threshold > 1 and (
+            self.secagg_threshold < 2 or not float(self.secagg_threshold).is_integer()
+        ):
+            raise ConfigError(
+                "secagg-threshold", self.secagg_threshold, "as a count must be a whole number >= 2"
             )
         if self.secagg_num_shares > 1 and self.secagg_threshold >= self.secagg_num_shares:
             raise ConfigError(

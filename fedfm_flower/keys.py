@@ -91,9 +91,10 @@ class FederationKeys:
         non_negative=True,
         doc=(
             "number of clients/partitions; `0` takes it from the node config's `num-partitions` "
-            "(simulation sets it; in a deployment, the value most nodes report). The ServerApp waits for this many nodes before round 1. "
-            "`pfedseq` sizes its learners by it (one channel per client, ids 0..N-1), `pfedpg` "
-            "its descriptors (one per client, ids 0..N-1)"
+            "(simulation sets it; in a deployment, the value most nodes report). The ServerApp "
+            "waits for this many nodes before round 1. `pfedseq` sizes its learners by it (one "
+            "channel per client, ids 0..N-1), `pfedpg` its descriptors (one per client, ids "
+            "0..N-1)"
         ),
     )
     fraction_train: float = setting(
@@ -678,7 +679,7 @@ class SecAggKeys:
         positive=True,
         doc=(
             "shares each client splits its secrets into: <= 1 a fraction of the round's sampled "
-            "clients (made odd, as Flower does), > 1 a count (>= 3)"
+            "clients (made odd, as Flower does), > 1 a count (a whole number >= 3)"
         ),
     )
     secagg_threshold: float = setting(
@@ -686,8 +687,8 @@ class SecAggKeys:
         positive=True,
         doc=(
             "shares that rebuild a secret: <= 1 a fraction of the shares (at least 2), > 1 a "
-            "count (below `secagg-num-shares`); more tolerates fewer dropouts, fewer protects "
-            "less against colluding clients"
+            "count (a whole number >= 2, below `secagg-num-shares`); more tolerates fewer "
+            "dropouts, fewer protects less against colluding clients"
         ),
     )
     secagg_clipping_range: float = setting(

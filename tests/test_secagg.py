@@ -181,6 +181,21 @@ def test_too_few_survivors_give_no_aggregate() -> None:
     assert secure is None
 
 
+@pytest.mark.parametrize(
+    ("num_shares", "threshold"), [(1.0, 0.01), (1.0, 0.5), (0.3, 1.0), (3.0, 2.0), (5.0, 4.0)]
+)
+def test_a_secret_never_rebuilds_from_one_share(num_shares: float, threshold: float) -> None:
+    """Every accepted setting asks at least 2 shares per secret, as Flower's workflow (its
+    fraction floor), and fewer shares than nodes where there is room (its neighbourhoods)."""
+    config = ExperimentConfig.from_run_config(
+        {"method": "fedavg", "secagg": True, "secagg-num-shares": num_shares,
+         "secagg-threshold": threshold}
+    )  # fmt: skip
+    for sampled in range(2, 40):
+        shares, needed = SecAggSettings.of(config).shares_and_threshold(sampled)
+        assert 2 <= needed <= shares <= sampled, (sampled, shares, needed)
+
+
 def test_values_beyond_the_clipping_range_are_counted_and_a_weight_beyond_max_refused() -> None:
     inner = FixedUpdates()
     small = SecAggSettings(1.0, 0.5, 0.1, 2**22, 100.0)
@@ -246,7 +261,10 @@ def test_secagg_is_refused_with_central_dp_and_on_multitask() -> None:
     ("key", "value"),
     [
         ("secagg-num-shares", 2.0),
+        ("secagg-num-shares", 4.5),
         ("secagg-threshold", 0.0),
+        ("secagg-threshold", 1.5),  # as a count, 1: one survivor's update would be unmasked
+        ("secagg-threshold", 2.5),
         ("secagg-clipping-range", -1.0),
         ("secagg-quantization-range", 2**23),
         ("secagg-max-weight", 0.0),

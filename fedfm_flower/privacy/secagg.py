@@ -109,7 +109,7 @@ class SecAggSettings:
             threshold = max(round(self.threshold * shares), 2)
         else:
             threshold = int(self.threshold)
-        return shares, min(threshold, shares)
+        return shares, max(min(threshold, shares), 2)  # 1 would unmask a lone survivor
 
 
 @dataclass(frozen=True)
