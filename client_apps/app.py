@@ -81,7 +81,9 @@ def train(message: Message, context: Context) -> Message:
     """Local training with this client's method; replies with what the method sends up.
 
     The reply also states which saved personal state training started from (``state-round``,
-    ``state-digest``), so a restart's effect can be checked from the server's results. A fused
+    ``state-digest``), so a restart's effect can be checked from the server's results. Under a
+    privacy mode (``dp`` or ``secagg``) the digest stays on the client: a fingerprint of the
+    personal state would let whoever can retrain on candidate data tell which one it was. A fused
     message (``evaluate-round`` = t in its config) first evaluates round t on the received
     tensors, exactly as round t's evaluate message would have, then trains; see
     ``fused_reply``.
@@ -176,9 +178,10 @@ def _train_content(
             **{P.train_metric(k): v for k, v in stats.metrics.items()},
             P.TRAIN_SECONDS: time.perf_counter() - started,
             P.STATE_ROUND: runtime.store.loaded_round,
-            P.STATE_DIGEST: runtime.store.loaded_digest,
         }
     )
+    if runtime.config.dp == "none" and not runtime.config.secagg:
+        metrics[P.STATE_DIGEST] = runtime.store.loaded_digest
     content = RecordDict({P.ARRAYS: to_message_record(sent), P.METRICS: metrics})
     if faults.get(server_round) in FAULT_KINDS:
         log.warning("inject-fault: corrupting this reply (%s)", faults[server_round])

@@ -61,7 +61,8 @@ def _reply_as_fitres(
     reply: Message, received: dict[str, np.ndarray], sent: Message, state: ConfigRecord
 ) -> Message:
     """``reply`` plus the legacy ``fitres.*`` records Flower's mod reads: the update and weight;
-    the count of update values beyond the clipping range in the reply's metrics."""
+    the count of weighted update values beyond the clipping range (what the mod clips) in the
+    reply's metrics."""
     from flwr.common import Code, FitRes, Status, ndarrays_to_parameters
     from flwr.compat.common.recorddict_compat import fitres_to_recorddict
 
@@ -92,8 +93,12 @@ def _reply_as_fitres(
             f"this client's weight {weight} (num-examples) exceeds secagg-max-weight = "
             f"{state['max_weight']}; raise secagg-max-weight"
         )
+    # Flower's mod clips the *weighted* update (w / max-weight, quantized as it does) to the
+    # range: count what it will clip, not the raw update's values beyond it.
+    target = int(state["target_range"])
+    ratio = round(weight / float(state["max_weight"]) * target) / target
     bound = float(state["clipping_range"])
-    clipped = sum(int(np.count_nonzero(np.abs(u) > bound)) for u in updates)
+    clipped = sum(int(np.count_nonzero(np.abs(u * ratio) > bound)) for u in updates)
     content.metric_records[P.METRICS] = MetricRecord({**dict(metrics), P.SECAGG_CLIPPED: clipped})
     legacy = fitres_to_recorddict(
         FitRes(Status(Code.OK, ""), ndarrays_to_parameters(updates), weight, {}), keep_input=False

@@ -207,12 +207,18 @@ class PersonalizedStrategy(Strategy):
         training, evaluation = flight.sort(exchanged.replies, client_of)
         valid = validate(training, flight.train, client_of, exchanged.reply_spec(self))
         server_metrics: dict[str, float] = {}
-        if valid:
+        if valid or (self.privacy.releases_without_replies and flight.train.sent):
+            if not valid:
+                log.warning(
+                    "round %s: no valid training reply; under central DP the noised mean of no "
+                    "update is released",
+                    server_round,
+                )
             inputs = exchanged.inputs(len(flight.train.sent))
             server_metrics = self.aggregate(server_round, valid, inputs)
-            server_metrics = {**server_metrics, **self.privacy.round_metrics()}
         else:
             log.warning("round %s: no valid training reply; state unchanged", server_round)
+        server_metrics = {**server_metrics, **self.privacy.round_metrics()}
         train = PhaseOutcome.of(flight.train)
         if evaluate_round is None or flight.evaluation is None:
             return RoundOutcome(train, None, server_metrics)

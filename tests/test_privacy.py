@@ -492,8 +492,8 @@ def test_a_local_dp_run_sends_noised_clipped_updates_and_reports_epsilon(
 ) -> None:
     """FedAvg, 4 clients, 2 rounds: each training reply minus what the client received, minus
     the noise that client drew, is within C, while the server, regenerating the noise from
-    the run config, is left far from it; every round records the epsilon of that many Gaussian
-    releases at sensitivity 2C."""
+    the run config, is left far from it, and the reply carries no digest of the personal state;
+    every round records the epsilon of that many Gaussian releases at sensitivity 2C."""
     clip, sigma, delta = 0.05, 2.0, 1e-5
     run_config, grid = fedavg_grid(small_run_config, "local", clip, sigma, delta)
     spy = NoiseSpy(monkeypatch)
@@ -509,6 +509,8 @@ def test_a_local_dp_run_sends_noised_clipped_updates_and_reports_epsilon(
             update = {n: sent[n].double() - drawn[n] for n in sent}
             assert delta_norm(update, received) <= clip * (1 + 1e-4)
             assert delta_norm(sent, received) > 10 * clip  # the noise is there
+            metrics = reply.content[P.METRICS]  # no fingerprint of the personal state
+            assert P.STATE_ROUND in metrics and P.STATE_DIGEST not in metrics
             shapes = {n: tuple(t.shape) for n, t in sent.items()}
             for guess in seeded_guesses(0, server_round, client_id):
                 regenerated = guess(shapes)
@@ -797,3 +799,55 @@ def test_local_dp_counts_one_release_per_dispatched_round_across_a_resume() -> N
     assert again == last and last["dp-releases"] == 3.0
     assert last["dp-epsilon"] == accountant.epsilon_of(config, 3)
     assert last["dp-noise-std"] == accountant.noise_multiplier(config) * 0.5
+
+
+def _rejected_round(strategy, grid, server_round: int) -> dict:  # noqa: ANN001
+    """A round whose every reply is rejected (NaN in what the client sent); its server
+    metrics."""
+    from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
+
+    replies = []
+    for m in strategy.configure_train(server_round, ArrayRecord(), ConfigRecord(), grid):
+        client = int(m.content[P.CONFIG][P.CLIENT_ID])
+        sent = {n: a + float("nan") for n, a in from_array_record(m.content[P.ARRAYS]).items()}
+        metrics = MetricRecord({P.CLIENT_ID: client, P.NUM_EXAMPLES: 5})
+        content = RecordDict({P.ARRAYS: to_array_record(sent), P.METRICS: metrics})
+        replies.append(Message(content, reply_to=m))
+    return strategy.aggregate_round(server_round, None, replies).server_metrics
+
+
+def test_central_dp_releases_the_noised_mean_of_no_update_when_every_reply_is_rejected(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """DP-FedAvg's fixed denominator: a round whose 3 replies are all rejected moves the global
+    tensors by the noise alone (std sigma C / 3) and counts the release, so an unchanged model
+    never tells that every reply failed."""
+    stds: list[float] = []
+
+    def known(shapes: dict, std: float) -> dict[str, torch.Tensor]:
+        stds.append(std)
+        return {n: torch.full(shapes[n], 0.01, dtype=torch.float64) for n in sorted(shapes)}
+
+    monkeypatch.setattr(noise, "fresh_gaussian", known)
+    config = ExperimentConfig(method="fedavg", num_clients=3, dp="central", dp_clipping_norm=0.5)
+    strategy, grid = tiny_strategy(config)
+    before = {n: t.clone() for n, t in strategy.global_tensors.items()}
+    metrics = _rejected_round(strategy, grid, 1)
+    assert stds == [pytest.approx(accountant.noise_multiplier(config) * 0.5 / 3)]
+    for name, tensor in strategy.global_tensors.items():
+        torch.testing.assert_close(tensor, before[name] + 0.01)
+    assert strategy.releases is not None and strategy.releases.rounds == [1]
+    assert metrics == accountant.release_metrics(config, 1, stds[0])
+
+
+def test_local_dp_reports_a_rounds_releases_when_every_reply_is_rejected() -> None:
+    """The clients released in round 2 although the server rejected every reply: its metrics
+    (and so the run's summary, read from the last round that has them) count 2 releases."""
+    config = ExperimentConfig(method="fedavg", num_clients=3, dp="local", dp_clipping_norm=0.5)
+    strategy, grid = tiny_strategy(config)
+    play(strategy, grid, [1])
+    kept = {n: t.clone() for n, t in strategy.global_tensors.items()}
+    metrics = _rejected_round(strategy, grid, 2)
+    assert metrics["dp-releases"] == 2.0
+    assert metrics["dp-epsilon"] == accountant.epsilon_of(config, 2)
+    assert all(torch.equal(t, kept[n]) for n, t in strategy.global_tensors.items())

@@ -22,7 +22,8 @@ The properties, for every strategy:
 2. every wrong reply is rejected, keyed by its client (or its node when the node is not
    identified), with a reason that names what was wrong;
 3. exactly the valid replies are accepted (an unanswered message leaves its client missing);
-4. when no reply is valid, ``state_dict()`` is bit for bit what it was.
+4. when no reply is valid, ``state_dict()`` is bit for bit what it was (under central DP the
+   noised mean of no update is released instead, and its release counted).
 
 pFedPG's and pFedSeq's rounds cost ~30x and ~4x the others' (pFedPG's prompt generator runs
 for every client and message, pFedSeq's sequential learner steps on every accepted round), so
@@ -552,8 +553,13 @@ def check_training_round(method: str, data: st.DataObject) -> None:
         outcome = strategy.aggregate_round(1, None, exchanged)
         check_report(outcome.train.report, planned)
         if not any(p.outcome == "accepted" for p in planned):
-            assert state_digest(strategy) == before
             assert outcome.train.metrics is None
+            if strategy.privacy.releases_without_replies:  # central DP: the noise alone
+                tensors, meta = strategy.state_dict()
+                assert meta["privacy"]["releases"] == [1]
+                assert outcome.server_metrics["dp-releases"] == 1.0
+            else:
+                assert state_digest(strategy) == before
     finally:
         strategy.load_state_dict(*c.snapshot)
 

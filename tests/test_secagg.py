@@ -198,15 +198,18 @@ def test_a_secret_never_rebuilds_from_one_share(num_shares: float, threshold: fl
 
 def test_values_beyond_the_clipping_range_are_counted_and_a_weight_beyond_max_refused() -> None:
     inner = FixedUpdates()
-    small = SecAggSettings(1.0, 0.5, 0.1, 2**22, 100.0)
+    small = SecAggSettings(1.0, 0.5, 0.02, 2**22, 100.0)
     grid = InProcessGrid(with_mod(inner), {}, [{"partition-id": c} for c in range(3)])
     replies = secure_exchange(grid, training_messages(3), small, None, "examples").replies
     received = received_tensors()
     for reply in replies:
         client_id = int(reply.content[P.METRICS][P.CLIENT_ID])
         update = inner.update(client_id, received)
-        beyond = sum(int((t.abs() > 0.1).sum()) for t in update.values())
-        assert beyond > 0 and reply.content[P.METRICS][P.SECAGG_CLIPPED] == beyond
+        # Flower's mod clips w / max-weight times the update (its ratio quantized to 2**-22)
+        weighted = {n: t.double() * 10 * (client_id + 1) / 100.0 for n, t in update.items()}
+        beyond = sum(int((t.abs() > 0.02).sum()) for t in weighted.values())
+        raw = sum(int((t.abs() > 0.02).sum()) for t in update.values())
+        assert 0 < beyond < raw and reply.content[P.METRICS][P.SECAGG_CLIPPED] == beyond
     light = SecAggSettings(1.0, 0.5, 1.0, 2**22, 15.0)  # client 1 has 20 examples
     grid = InProcessGrid(with_mod(FixedUpdates()), {}, [{"partition-id": c} for c in range(3)])
     replies, secure = unpack(secure_exchange(grid, training_messages(3), light, None, "examples"))

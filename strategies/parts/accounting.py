@@ -3,12 +3,16 @@
 ``ReleaseAccounting`` (``dp = none``) counts nothing. ``LocalReleases`` (``dp = local``) counts one
 release per federated round when the round's training messages are built (each sampled client
 answers with at most one noised update) and adds the round's release metrics (epsilon so far,
-the noise std sigma C of each client's release, the sensitivity 2C) to the server metrics of a
-round with a valid reply. ``CentralReleases`` (``dp = central``) counts the release that
-DP-FedAvg's noised average makes (``strategies.parts.averaging.DPFedAvg``, which returns its
-metrics). Both keep a ``ReleaseLedger`` (``fedfm_flower.privacy.ledger``), checkpointed under
-``privacy`` in the strategy state's metadata and restored from it; Opacus, which reports the
-epsilon, and a target epsilon's noise multiplier are checked when they are built.
+the noise std sigma C of each client's release, the sensitivity 2C) to the server metrics of
+every round, with a valid reply or not (the clients released all the same). ``CentralReleases``
+(``dp = central``) counts the release that DP-FedAvg's noised average makes
+(``strategies.parts.averaging.DPFedAvg``, which returns its metrics); that average is released
+even in a round whose every reply was rejected (``releases_without_replies``): the mean of no
+update plus the noise, DP-FedAvg's fixed denominator, so an unchanged model never tells that
+every reply failed. Both keep a ``ReleaseLedger`` (``fedfm_flower.privacy.ledger``),
+checkpointed under ``privacy`` in the strategy state's metadata and restored from it; Opacus,
+which reports the epsilon, and a target epsilon's noise multiplier are checked when they are
+built.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ class ReleaseAccounting:
     nothing counted or checkpointed."""
 
     ledger: ReleaseLedger | None = None
+    releases_without_replies: ClassVar[bool] = False  # a round with no valid reply still releases
 
     def __init__(self, config: ExperimentConfig) -> None:
         self.config = config
@@ -33,7 +38,7 @@ class ReleaseAccounting:
         """A round's training messages (of ``phase``) are built."""
 
     def round_metrics(self) -> dict[str, float]:
-        """Server metrics of a round with a valid training reply (none)."""
+        """Server metrics of a round's releases, added after its aggregation (none)."""
         return {}
 
     def state_meta(self) -> dict[str, Any]:
@@ -87,6 +92,7 @@ class CentralReleases(_Counted):
     """Central DP: a release per noised average (``DPFedAvg``)."""
 
     mode = "central"
+    releases_without_replies = True
 
     def release(self, server_round: int, std: float) -> dict[str, float]:
         """Count ``server_round``'s noised average (noise std ``std``); its release metrics."""
