@@ -851,3 +851,18 @@ def test_local_dp_reports_a_rounds_releases_when_every_reply_is_rejected() -> No
     assert metrics["dp-releases"] == 2.0
     assert metrics["dp-epsilon"] == accountant.epsilon_of(config, 2)
     assert all(torch.equal(t, kept[n]) for n, t in strategy.global_tensors.items())
+
+
+def test_the_servers_clipped_deltas_keep_the_bound_that_a_float32_round_trip_loses() -> None:
+    """10^6 float32 coordinates clipped to C = 0.04: received + clipped delta, cast back to
+    float32, can lie beyond C (the review measured 0.04000002876); the float64 deltas the
+    server sums stay within C up to float64 rounding."""
+    g = torch.Generator().manual_seed(5)
+    received = {"w": torch.randn(1_000_000, generator=g) * 3.0}
+    sent = {"w": received["w"] + torch.randn(1_000_000, generator=g)}
+    deltas = mechanism.clipped_deltas(sent, received, 0.04)
+    assert deltas["w"].dtype == torch.float64
+    norm = float(deltas["w"].pow(2).sum().sqrt())
+    assert norm <= 0.04 * (1 + 1e-12)
+    round_trip = mechanism.clip_update(sent, received, 0.04)
+    assert torch.equal(round_trip["w"], (received["w"].double() + deltas["w"]).float())

@@ -29,6 +29,20 @@ def clip_update(
     The norm is over all of ``sent``'s tensors together (one client's whole shared update);
     every tensor of ``sent`` must have been received.
     """
+    deltas = clipped_deltas(sent, received, clipping_norm)
+    return {
+        name: (received[name].detach().to(torch.float64) + delta).to(sent[name].dtype)
+        for name, delta in deltas.items()
+    }
+
+
+def clipped_deltas(
+    sent: Mapping[str, torch.Tensor], received: Mapping[str, torch.Tensor], clipping_norm: float
+) -> dict[str, torch.Tensor]:
+    """(sent - received) * min(1, C / ||sent - received||) in float64, the norm over all of
+    ``sent``'s tensors together: what the server sums, so the bound C is not lost to a round
+    trip through ``sent``'s dtype (float32 rounding can put received + delta a few 1e-8
+    relative beyond it)."""
     if clipping_norm <= 0:
         raise ValueError(f"clipping norm must be > 0, got {clipping_norm}")
     missing = sorted(set(sent) - set(received))
@@ -36,12 +50,11 @@ def clip_update(
         raise KeyError(f"cannot clip an update of tensors that were not received: {missing[:3]}")
     norm = update_norm(sent, received)
     scale = min(1.0, clipping_norm / norm) if norm > 0 else 1.0
-    out = {}
-    for name, tensor in sent.items():
-        base = received[name].detach().to(torch.float64)
-        delta = tensor.detach().to(torch.float64) - base
-        out[name] = (base + delta * scale).to(tensor.dtype)
-    return out
+    return {
+        name: (tensor.detach().to(torch.float64) - received[name].detach().to(torch.float64))
+        * scale
+        for name, tensor in sent.items()
+    }
 
 
 def noise_std(noise_multiplier: float, clipping_norm: float, num_sampled: int) -> float:

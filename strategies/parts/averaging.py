@@ -91,9 +91,9 @@ class DPFedAvg:
         sampled = max(inputs.sampled, len(replies))
         totals = {n: torch.zeros(t.shape, dtype=torch.float64) for n, t in tensors.items()}
         for reply in replies:  # validated: only global tensors' names (reply_spec)
-            clipped = mechanism.clip_update(reply.arrays, tensors, config.dp_clipping_norm)
-            for name, tensor in clipped.items():
-                totals[name] += tensor.double() - tensors[name].double()
+            deltas = mechanism.clipped_deltas(reply.arrays, tensors, config.dp_clipping_norm)
+            for name, delta in deltas.items():
+                totals[name] += delta
         sigma = accountant.noise_multiplier(config)
         std = mechanism.noise_std(sigma, config.dp_clipping_norm, sampled)
         noised = mechanism.add_gaussian_noise(
