@@ -837,21 +837,8 @@ def test_a_study_copied_to_a_fresh_directory_resumes_without_repeating_a_trial(
 
     from fedfm_flower import tune
 
-    pools: list[_RunPool] = []
-
-    def pool(args) -> _RunPool:  # noqa: ANN001
-        pools.append(_RunPool(lambda trial, r: 0.9 if trial in (0, -1) else 0.3))
-        return pools[-1]
-
-    monkeypatch.setattr(tune, "pool_from_arguments", pool)
-
-    def argv(out: Path, state: Path, trials: int) -> list[str]:
-        return [
-            "--methods", "fedavg", "--setups", "digits-label-skew", "--sampler", "random",
-            "--trials", str(trials), "--seeds", "0", "--out", str(out), "--state", str(state),
-            "--set", "num-clients=2", "num-server-rounds=2",
-        ]  # fmt: skip
-
+    pools = _pooled(monkeypatch, lambda trial, r: 0.9 if trial in (0, -1) else 0.3)
+    argv = _copied_study_argv
     assert tune.main(argv(tmp_path / "out", tmp_path / "state", 2)) == 0
     t = "fedavg-digits-label-skew-t{:03d}-s0"
     assert pools[0].ran == [t.format(0), t.format(1), "fedavg-digits-label-skew-s0"]
@@ -874,6 +861,20 @@ def test_a_study_copied_to_a_fresh_directory_resumes_without_repeating_a_trial(
     assert study["chosen"]["trial"] == 0
 
 
+def _pooled(monkeypatch: pytest.MonkeyPatch, curve) -> list[_RunPool]:  # noqa: ANN001
+    """The pools ``tune.main`` makes from now on, one ``_RunPool(curve)`` per command."""
+    from fedfm_flower import tune
+
+    pools: list[_RunPool] = []
+
+    def pool(args) -> _RunPool:  # noqa: ANN001
+        pools.append(_RunPool(curve))
+        return pools[-1]
+
+    monkeypatch.setattr(tune, "pool_from_arguments", pool)
+    return pools
+
+
 def _copied_study_argv(out: Path, state: Path, trials: int) -> list[str]:
     return [
         "--methods", "fedavg", "--setups", "digits-label-skew", "--sampler", "random",
@@ -892,13 +893,7 @@ def test_a_journal_record_cut_short_is_dropped_and_the_study_resumes_twice(
     pytest.importorskip("optuna")
     from fedfm_flower import tune
 
-    pools: list[_RunPool] = []
-
-    def pool(args) -> _RunPool:  # noqa: ANN001
-        pools.append(_RunPool(lambda trial, r: 0.9 if trial in (0, -1) else 0.3))
-        return pools[-1]
-
-    monkeypatch.setattr(tune, "pool_from_arguments", pool)
+    pools = _pooled(monkeypatch, lambda trial, r: 0.9 if trial in (0, -1) else 0.3)
     state = tmp_path / "state"
     assert tune.main(_copied_study_argv(tmp_path / "out", state, 2)) == 0
     journal = state / "tuning" / "journal.log"
@@ -942,13 +937,7 @@ def test_a_damaged_state_file_is_refused_by_name_before_anything_runs(
     pytest.importorskip("optuna")
     from fedfm_flower import tune
 
-    pools: list[_RunPool] = []
-
-    def pool(args) -> _RunPool:  # noqa: ANN001
-        pools.append(_RunPool(lambda trial, r: 0.5))
-        return pools[-1]
-
-    monkeypatch.setattr(tune, "pool_from_arguments", pool)
+    pools = _pooled(monkeypatch, lambda trial, r: 0.5)
     state = tmp_path / "state"
     assert tune.main(_copied_study_argv(tmp_path / "out", state, 2)) == 0
     path = state / damaged
