@@ -366,6 +366,11 @@ class ExperimentConfig(
             )
 
     @property
+    def effective_data_seed(self) -> int:
+        """The seed of the data: ``data-seed``, or ``seed`` when that is -1."""
+        return self.seed if self.data_seed < 0 else self.data_seed
+
+    @property
     def target_modules(self) -> list[str]:
         """LoRA target module names from the comma-separated config value."""
         return [m.strip() for m in self.lora_target_modules.split(",") if m.strip()]

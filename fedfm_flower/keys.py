@@ -184,6 +184,16 @@ class FederationKeys:
             "except for its noise)"
         ),
     )
+    data_seed: int = setting(
+        -1,
+        within=(-1, 2**31 - 1),
+        doc=(
+            "seeds the data alone (the public hold-out, the partition, each client's test and "
+            "validation split, a synthetic corpus); `-1`: `seed`. The tuning command's final "
+            "runs set it to the tuning seed, so every seed tests on data the trials never "
+            "validated on"
+        ),
+    )
 
 
 @dataclass(frozen=True)

@@ -464,3 +464,25 @@ def test_warm_partition_cache_spares_a_fresh_process_the_datasets_imports(tmp_pa
     assert cold_modules  # the first process partitions with flwr-datasets
     assert warm_modules == []
     assert warm_labels == cold_labels
+
+
+def test_data_seed_fixes_the_data_while_the_seed_varies_the_training() -> None:
+    """data-seed = 0 at seed 1 gives every client seed 0's train, test and validation ids; the
+    default (-1) follows the seed; with the data drawn per seed, seed 0's validation examples
+    land in seed 1's test splits (what the tuning command's final runs must avoid)."""
+    trials = digits_config(seed=0, val_fraction=0.05)
+    fixed = trials.replace(seed=1, data_seed=0)
+    per_seed = trials.replace(seed=1)
+    assert fixed.effective_data_seed == 0 and per_seed.effective_data_seed == 1
+    leaked = 0
+    for p in range(K):
+        tuned, final, drawn = (client_sample_ids(c, p, K) for c in (trials, fixed, per_seed))
+        for split in ("train", "test", "val"):
+            assert np.array_equal(getattr(tuned, split), getattr(final, split)), (p, split)
+        leaked += len(np.intersect1d(tuned.val, np.concatenate([
+            client_sample_ids(per_seed, q, K).test for q in range(K)
+        ])))  # fmt: skip
+        assert not np.array_equal(tuned.test, drawn.test)
+    assert leaked > 0
+    with pytest.raises(ConfigError, match="data-seed"):
+        digits_config(data_seed=-2)

@@ -954,3 +954,32 @@ def test_a_damaged_state_file_is_refused_by_name_before_anything_runs(
     assert "nothing was run or written" in error
     assert len(pools) == 1 and not (tmp_path / "fresh" / "tuning.json").exists()
     assert {p: p.read_bytes() for p in state.rglob("*") if p.is_file()} == before
+
+
+def test_final_runs_test_at_every_seed_on_the_trials_data(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The final runs carry data-seed = the tuning seed (the seed varies training alone); a
+    final run made before (its data drawn from its own seed) is refused at seed 1 and reused
+    at seed 0, where its data were the trials'."""
+    pytest.importorskip("optuna")
+    from fedfm_flower import tune
+
+    pools = _pooled(monkeypatch, lambda trial, r: 0.5)
+    argv = [*_copied_study_argv(tmp_path / "out", tmp_path / "out", 1), "--seeds", "0", "1"]
+    assert tune.main(argv) == 0
+    runs = tmp_path / "out" / "runs"
+    for seed in (0, 1):
+        made = json.loads((runs / f"fedavg-digits-label-skew-s{seed}" / "config.json").read_text())
+        assert (made["run-config"]["seed"], made["run-config"]["data-seed"]) == (seed, 0)
+    for seed in (0, 1):  # as the command wrote them before data-seed existed
+        path = runs / f"fedavg-digits-label-skew-s{seed}" / "config.json"
+        made = json.loads(path.read_text())
+        del made["run-config"]["data-seed"]
+        path.write_text(json.dumps(made))
+    capsys.readouterr()
+    assert tune.main(argv) == 1
+    error = capsys.readouterr().err
+    assert "fedavg-digits-label-skew-s1 was made with other values (data-seed = 1, now 0)" in error
+    assert "-s0 was made" not in error
+    assert pools[1].ran == []

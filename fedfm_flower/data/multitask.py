@@ -205,7 +205,7 @@ class MultitaskSettings:
         """The settings of a run config (default sizes)."""
         return cls(
             cache_dir=str(config.cache_path),
-            seed=config.seed,
+            seed=config.effective_data_seed,
             public_fraction=config.public_fraction,
             test_fraction=config.test_fraction,
             val_fraction=config.val_fraction,

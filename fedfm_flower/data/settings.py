@@ -45,5 +45,5 @@ class DataSettings:
             val_fraction=config.val_fraction,
             public_fraction=config.public_fraction,
             image_size=config.image_size,
-            seed=config.seed,
+            seed=config.effective_data_seed,
         )

@@ -63,6 +63,8 @@ def foundation_key(config: ExperimentConfig) -> str:
         "epochs": config.pretrain_epochs,
         "seed": config.seed,
     }
+    if config.effective_data_seed != config.seed:  # the public split's seed (keys of -1 kept)
+        fields["data_seed"] = config.effective_data_seed
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 

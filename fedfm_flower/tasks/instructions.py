@@ -98,7 +98,8 @@ class InstructionFollowing(Task):
             return train, test, ()
         size = max(1, math.floor(config.val_fraction * (len(train) + len(test))))
         order = list(range(len(train)))
-        random.Random(f"fedfm-instructions-val:{config.seed}:{partition_id}").shuffle(order)
+        seed = config.effective_data_seed
+        random.Random(f"fedfm-instructions-val:{seed}:{partition_id}").shuffle(order)
         val = set(order[:size])
         kept = tuple(e for i, e in enumerate(train) if i not in val)
         return kept, test, tuple(train[i] for i in sorted(val))
@@ -113,12 +114,12 @@ class InstructionFollowing(Task):
         from fedfm_flower.data.instructions import client_split
 
         return client_split(
-            _corpus(config.seed),
+            _corpus(config.effective_data_seed),
             partition_id,
             num_partitions,
             config.public_fraction,
             config.test_fraction,
-            config.seed,
+            config.effective_data_seed,
         )
 
     def client_data(
