@@ -14,6 +14,8 @@ def mean_ci(values: Sequence[float], confidence: float = 0.95) -> tuple[float, f
     """Mean and the half-width of its Student-t confidence interval (0 for one value)."""
     if not values:
         raise ValueError("mean_ci needs at least one value")
+    if not all(math.isfinite(v) for v in values):
+        raise ValueError(f"mean_ci needs finite values, got {list(values)[:5]}")
     mean = statistics.fmean(values)
     if len(values) < 2:
         return mean, 0.0
@@ -23,7 +25,7 @@ def mean_ci(values: Sequence[float], confidence: float = 0.95) -> tuple[float, f
 
 @dataclass(frozen=True)
 class PairedTest:
-    """A paired comparison a - b over matched units (here: (seed, client) pairs)."""
+    """A paired comparison a - b over matched units (seeds, or (seed, client) pairs)."""
 
     n: int
     mean_difference: float
@@ -41,6 +43,8 @@ def paired_test(a: Sequence[float], b: Sequence[float], confidence: float = 0.95
         raise ValueError(
             f"paired_test needs two equal-length samples of >= 2, got {len(a)}, {len(b)}"
         )
+    if not all(math.isfinite(v) for v in (*a, *b)):
+        raise ValueError("paired_test needs finite values")
     differences = [x - y for x, y in zip(a, b, strict=True)]
     mean, half = mean_ci(differences, confidence)
     if all(d == differences[0] for d in differences):

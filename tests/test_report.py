@@ -90,16 +90,24 @@ def test_cells_match_an_independent_computation(runs_dir: Path) -> None:
         if label == "local":
             assert cell.versus is None and cell.mark == ""
             continue
-        a = [100 * v for s in (0, 1, 2) for v in by_seed[s]]
-        b = [100 * v for s in (0, 1, 2) for v in FINAL["local"][s]]
-        expected = stats.ttest_rel(a, b)
-        assert cell.versus.n == 12
-        assert cell.versus.p_value == pytest.approx(expected.pvalue)
-        assert cell.versus.mean_difference == pytest.approx(np.mean(np.subtract(a, b)))
-        d = np.subtract(a, b)
-        half = stats.t.ppf(0.975, 11) * stats.sem(d)
-        assert cell.versus.ci_half_width == pytest.approx(half)
-    assert cells[("toy", "fedrep")].mark == "↑"  # better on all 12 units
+        # the verdict: a paired t-test over the 3 seeds' client means (2 degrees of freedom)
+        a = [100 * np.mean(by_seed[s]) for s in (0, 1, 2)]
+        b = [100 * np.mean(FINAL["local"][s]) for s in (0, 1, 2)]
+        test = cell.versus.test
+        assert cell.versus.seeds == (0, 1, 2) and test.n == 3
+        assert test.p_value == pytest.approx(stats.ttest_rel(a, b).pvalue)
+        assert test.mean_difference == pytest.approx(np.mean(np.subtract(a, b)))
+        half = stats.t.ppf(0.975, 2) * stats.sem(np.subtract(a, b))
+        assert test.ci_half_width == pytest.approx(half)
+        # beside it, not a verdict: the 12 (seed, client) units pooled (11 degrees of freedom)
+        units_a = [100 * v for s in (0, 1, 2) for v in by_seed[s]]
+        units_b = [100 * v for s in (0, 1, 2) for v in FINAL["local"][s]]
+        pooled = cell.versus.pooled
+        assert pooled.n == 12
+        assert pooled.p_value == pytest.approx(stats.ttest_rel(units_a, units_b).pvalue)
+        d = np.subtract(units_a, units_b)
+        assert pooled.ci_half_width == pytest.approx(stats.t.ppf(0.975, 11) * stats.sem(d))
+    assert cells[("toy", "fedrep")].mark == "↑"  # +5.5, +5.0, +5.5 over the seeds
     assert cells[("toy", "fedavg")].mark == ""  # mixed: no significant difference
 
 
@@ -185,10 +193,10 @@ def test_against_pairs_each_method_with_its_own_other_runs(runs_dir: Path, tmp_p
     assert report_main(argv) == 0
     (row,) = json.loads((out / "report.json").read_text())["against"]["rows"]
     assert row["method"] == "fedrep" and row["seeds"] == [0, 1]
-    a = [100 * v for s in (0, 1) for v in FINAL["fedrep"][s]]
-    b = [100 * v for s in (0, 1) for v in FINAL["fedavg"][s]]
+    a = [100 * np.mean(FINAL["fedrep"][s]) for s in (0, 1)]  # over the 2 seeds
+    b = [100 * np.mean(FINAL["fedavg"][s]) for s in (0, 1)]
     expected = stats.ttest_rel(a, b)
-    assert row["units"] == 8
+    assert row["test"] == "seeds" and row["pooled-units"]["n"] == 8
     assert row["mean-difference"] == pytest.approx(np.mean(np.subtract(a, b)))
     assert row["p-value"] == pytest.approx(expected.pvalue)
     per_seed = [100 * np.mean(FINAL["fedrep"][s]) for s in (0, 1)]
@@ -206,9 +214,9 @@ def _relabel(path: Path, label: str) -> None:
 
 
 def _verdict(label_numbers: str) -> str:
-    """The verdict against local over the 12 (seed, client) units, by scipy."""
-    a = [100 * v for s in (0, 1, 2) for v in FINAL[label_numbers][s]]
-    b = [100 * v for s in (0, 1, 2) for v in FINAL["local"][s]]
+    """The verdict against local over the 3 seeds' client means, by scipy."""
+    a = [100 * np.mean(FINAL[label_numbers][s]) for s in (0, 1, 2)]
+    b = [100 * np.mean(FINAL["local"][s]) for s in (0, 1, 2)]
     result = stats.ttest_rel(a, b)
     if result.pvalue >= 0.05:
         return "n.s."
@@ -237,9 +245,10 @@ def test_an_earlier_tables_conclusions_are_checked_against_this_ones(
     assert rows["fedrep"]["here"]["verdict"] == _verdict("fedrep")
     assert rows["fedrep"]["earlier"]["verdict"] == _verdict("fedavg")
     assert rows["fedrep"]["holds"] == (_verdict("fedrep") == _verdict("fedavg"))
-    a = [100 * v for s in (0, 1, 2) for v in FINAL["fedavg"][s]]
-    b = [100 * v for s in (0, 1, 2) for v in FINAL["local"][s]]
+    a = [100 * np.mean(FINAL["fedavg"][s]) for s in (0, 1, 2)]
+    b = [100 * np.mean(FINAL["local"][s]) for s in (0, 1, 2)]
     assert rows["fedrep"]["earlier"]["p-value"] == pytest.approx(stats.ttest_rel(a, b).pvalue)
+    assert rows["fedrep"]["earlier"]["recomputed-over-seeds"] is False
     assert rows["fedavg"]["earlier"] is None and rows["fedavg"]["holds"] is None
     assert rows["fedprox"]["here"] is None and rows["fedprox"]["holds"] is None
     text = (out / "report.md").read_text()
@@ -252,3 +261,84 @@ def test_an_earlier_tables_conclusions_are_checked_against_this_ones(
     assert "earlier report's reference is 'local', not 'fedavg'" in capsys.readouterr().err
     assert report_main([*argv[:-1], str(tmp_path / "none.json")]) == 2
     assert "no earlier report at" in capsys.readouterr().err
+
+
+def test_an_older_reports_pooled_verdict_is_recomputed_over_seeds(
+    runs_dir: Path, tmp_path: Path
+) -> None:
+    """An earlier report.json written when verdicts pooled the (seed, client) units: its
+    conclusion is the test over seeds of its per-seed means against the reference's, marked
+    recomputed, not the pooled verdict it recorded."""
+    earlier = tmp_path / "earlier"
+    assert report_main([str(runs_dir), "--out", str(earlier)]) == 0
+    document = json.loads((earlier / "report.json").read_text())
+    for entry in document["setups"]["toy"].values():
+        if entry["versus-reference"]:  # as the older reports recorded it
+            pooled = entry["versus-reference"]["pooled-units"]
+            entry["versus-reference"] = {**pooled, "units": pooled["n"], "verdict": "↓"}
+    (earlier / "report.json").write_text(json.dumps(document))
+    out = tmp_path / "report"
+    argv = [str(runs_dir), "--out", str(out), "--conclusions-of", str(earlier)]
+    assert report_main(argv) == 0
+    rows = {
+        r["method"]: r for r in json.loads((out / "report.json").read_text())["conclusions"]["rows"]
+    }
+    for label in ("fedrep", "fedavg"):
+        earlier_row = rows[label]["earlier"]
+        assert earlier_row["recomputed-over-seeds"] is True
+        assert earlier_row["verdict"] == _verdict(label) == rows[label]["here"]["verdict"]
+        assert earlier_row["p-value"] == pytest.approx(rows[label]["here"]["p-value"])
+        assert rows[label]["holds"] is True
+    assert "`*`: recomputed over seeds" in (out / "report.md").read_text()
+
+
+def test_two_runs_of_one_seed_are_refused_naming_both(
+    runs_dir: Path, tmp_path: Path, capsys
+) -> None:
+    write_run(runs_dir / "again", "local", 0)
+    assert report_main([str(runs_dir), "--out", str(tmp_path / "r")]) == 2
+    error = capsys.readouterr().err
+    assert "two runs of local on toy at seed 0" in error and "again" in error
+
+
+def test_a_run_with_a_final_value_not_finite_is_listed_not_reported(
+    runs_dir: Path, tmp_path: Path
+) -> None:
+    path = write_run(runs_dir / "diverged", "fedavg", 0)
+    _relabel(path, "fedprox")
+    lines = (
+        (path / "metrics.jsonl")
+        .read_text()
+        .replace('"test-accuracy": 0.61', '"test-accuracy": NaN')
+    )
+    (path / "metrics.jsonl").write_text(lines)
+    runs, unfinished = load_runs([runs_dir])
+    assert path.resolve() in unfinished and all(r.label != "fedprox" for r in runs)
+    assert report_main([str(runs_dir), "--out", str(tmp_path / "r")]) == 0
+
+
+def test_a_committed_reports_verdicts_are_rechecked_over_seeds(
+    runs_dir: Path, tmp_path: Path
+) -> None:
+    """``report.recheck`` on a report.json that recorded pooled verdicts: each verdict over
+    seeds is the scipy test of the per-seed means, and a recorded verdict it contradicts is
+    listed as changed."""
+    from fedfm_flower.report.recheck import main as recheck_main
+
+    assert report_main([str(runs_dir), "--out", str(tmp_path / "r")]) == 0
+    path = tmp_path / "r" / "report.json"
+    document = json.loads(path.read_text())
+    fedavg = document["setups"]["toy"]["fedavg"]["versus-reference"]
+    document["setups"]["toy"]["fedavg"]["versus-reference"] = {**fedavg, "verdict": "↑"}
+    del document["setups"]["toy"]["fedrep"]["versus-reference"]["test"]
+    path.write_text(json.dumps(document))
+    out = tmp_path / "verdicts.md"
+    assert recheck_main([str(tmp_path / "r"), "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "2 comparisons with 2 or more seeds; **1 change**" in text
+    a = [100 * np.mean(FINAL["fedavg"][s]) for s in (0, 1, 2)]
+    b = [100 * np.mean(FINAL["local"][s]) for s in (0, 1, 2)]
+    p = stats.ttest_rel(a, b).pvalue
+    assert p >= 0.05 and f"p = {p:.3g} | n.s. |" in text
+    assert "| toy | fedavg | local | higher |" in text
+    assert recheck_main([str(tmp_path / "none")]) == 2

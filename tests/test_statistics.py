@@ -44,3 +44,10 @@ def test_paired_test_sees_no_difference_in_noise_and_refuses_bad_input() -> None
     assert paired_test([1.0, 2.0], [1.0, 2.0]).p_value == 1.0
     with pytest.raises(ValueError, match="equal-length"):
         paired_test([1.0, 2.0], [1.0])
+
+
+def test_values_that_are_not_finite_are_refused_not_averaged() -> None:
+    with pytest.raises(ValueError, match="finite"):
+        mean_ci([1.0, math.nan, 2.0])
+    with pytest.raises(ValueError, match="finite"):
+        paired_test([1.0, 2.0, math.inf], [1.0, 2.0, 3.0])

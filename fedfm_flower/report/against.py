@@ -1,9 +1,10 @@
 """Each method against itself in another set of runs (tuned against untuned, a change against
-the code before it): per (setup, method), the paired difference over matched (seed, client).
+the code before it): per (setup, method), the paired difference over the seeds both ran.
 
 The two sets are matched by setup name, method label, seed and client id; a (setup, method)
-found in only one set is left out. The test is the table's (``tables``): a two-sided paired
-t-test over the units both sets evaluated, in the metric's units x ``scale``.
+found in only one set is left out. The test is the table's (``tables.compare``): a two-sided
+paired t-test over the seeds both sets ran, each seed's mean over the clients both evaluated,
+in the metric's units x ``scale``; the (seed, client) units pooled are shown beside it.
 """
 
 from __future__ import annotations
@@ -14,27 +15,37 @@ from dataclasses import dataclass
 from typing import Any
 
 from fedfm_flower.report.runs import RunResult
-from fedfm_flower.report.tables import ALPHA, by_cell, paired_units
-from fedfm_flower.statistics import PairedTest, paired_test
+from fedfm_flower.report.tables import (
+    ALPHA,
+    Comparison,
+    by_cell,
+    compare,
+    interval_text,
+    pooled_text,
+)
+from fedfm_flower.statistics import PairedTest
 
 
 @dataclass(frozen=True)
 class Against:
-    """One (setup, method) of both sets: their means over seeds and the paired test."""
+    """One (setup, method) of both sets: their means over seeds and the paired comparison."""
 
     setup: str
     label: str
     seeds: tuple[int, ...]  # seeds both sets ran
     mean: float  # this set, over ``seeds``
     other_mean: float
-    test: PairedTest | None  # this - other; None below two units
+    comparison: Comparison  # this - other
+
+    @property
+    def test(self) -> PairedTest | None:
+        """The verdict's test, over seeds (None below two seeds)."""
+        return self.comparison.test
 
     @property
     def verdict(self) -> str:
-        """'higher', 'lower' (p < ALPHA) or 'n.s.'."""
-        if self.test is None or not self.test.significant(ALPHA):
-            return "n.s."
-        return "higher" if self.test.mean_difference > 0 else "lower"
+        """'higher', 'lower' (p < ALPHA over seeds) or 'n.s.'."""
+        return self.comparison.verdict
 
 
 def build_against(
@@ -49,16 +60,9 @@ def build_against(
         seeds = tuple(sorted(set(by_seed) & set(theirs[key])))
         if not seeds:
             continue
-        a: list[float] = []
-        b: list[float] = []
-        for seed in seeds:
-            x, y = paired_units(by_seed[seed], theirs[key][seed])
-            a += [scale * v for v in x]
-            b += [scale * v for v in y]
         mean = statistics.fmean(scale * by_seed[s].final_mean for s in seeds)
         other = statistics.fmean(scale * theirs[key][s].final_mean for s in seeds)
-        test = paired_test(a, b) if len(a) >= 2 else None
-        rows.append(Against(key[0], key[1], seeds, mean, other, test))
+        rows.append(Against(key[0], key[1], seeds, mean, other, compare(by_seed, theirs[key])))
     return rows
 
 
@@ -67,27 +71,25 @@ def markdown_against(rows: Sequence[Against], name: str) -> str:
     lines = [
         f"## Against {name}",
         "",
-        f"Each method against its own runs in **{name}**, paired over (seed, client); Δ = "
-        f"this - {name}; higher/lower: p < {ALPHA}.",
+        f"Each method against its own runs in **{name}**, paired over the seeds both ran (each "
+        f"seed's mean over the clients both evaluated); Δ = this - {name}; higher/lower: "
+        f"p < {ALPHA}. The (seed, client) units pooled describe the difference and decide "
+        "nothing.",
         "",
-        f"| setup | method | seeds | this | {name} | Δ | 95% CI of Δ | units | p | verdict |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---|",
+        f"| setup | method | seeds | this | {name} | Δ | 95% CI of Δ (seeds) | p | verdict | "
+        "units pooled: 95% CI, p |",
+        "|---|---|---|---:|---:|---:|---:|---:|---|---|",
     ]
     for row in rows:
-        if row.test is None:
-            delta = interval = units = p = "-"
-        else:
+        delta = interval = p = "-"
+        if row.test is not None:
             t = row.test
-            delta = f"{t.mean_difference:+.2f}"
-            interval = (
-                f"[{t.mean_difference - t.ci_half_width:+.2f}, "
-                f"{t.mean_difference + t.ci_half_width:+.2f}]"
-            )
-            units, p = str(t.n), f"{t.p_value:.3g}"
+            delta, interval, p = f"{t.mean_difference:+.2f}", interval_text(t), f"{t.p_value:.3g}"
+        units = pooled_text(row.comparison.pooled)
         seeds = ", ".join(map(str, row.seeds))
         lines.append(
             f"| {row.setup} | {row.label} | {seeds} | {row.mean:.2f} | {row.other_mean:.2f} | "
-            f"{delta} | {interval} | {units} | {p} | {row.verdict} |"
+            f"{delta} | {interval} | {p} | {row.verdict} | {units} |"
         )
     return "\n".join(lines)
 
@@ -105,7 +107,14 @@ def against_numbers(rows: Sequence[Against], name: str) -> dict[str, Any]:
                 "other-mean": row.other_mean,
                 "mean-difference": None if row.test is None else row.test.mean_difference,
                 "ci95": None if row.test is None else row.test.ci_half_width,
-                "units": None if row.test is None else row.test.n,
+                "test": "seeds",
+                "pooled-units": None
+                if row.comparison.pooled is None
+                else {
+                    "n": row.comparison.pooled.n,
+                    "ci95": row.comparison.pooled.ci_half_width,
+                    "p-value": row.comparison.pooled.p_value,
+                },
                 "p-value": None if row.test is None else row.test.p_value,
                 "verdict": row.verdict,
             }

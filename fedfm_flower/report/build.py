@@ -74,9 +74,11 @@ def write_report(
         "# Report",
         "",
         f"{len(runs)} finished runs; {caption} Cells: mean over seeds ± 95% CI half-width "
-        f"(Student t over seeds). ↑/↓: a paired t-test over (seed, client) against "
-        f"**{reference}** finds the method better/worse at p < {tables.ALPHA}; no mark: no "
-        "significant difference.",
+        f"(Student t over seeds; — with one seed). ↑/↓: a paired t-test over the seeds both "
+        f"ran (each seed's mean over the clients both evaluated) against **{reference}** finds "
+        f"the method higher/lower at p < {tables.ALPHA}; no mark: no significant difference. "
+        "The differences also show the (seed, client) units pooled, which describe the "
+        "difference across clients and decide nothing.",
         "",
         tables.markdown_table(cells, reference),
         "",
@@ -126,18 +128,10 @@ def write_report(
                     if r.setup == setup and r.label == label
                 ],
                 "mean": cell.mean,
-                "ci95": cell.ci,
+                "ci95": cell.ci if len(cell.seeds) > 1 else None,
                 "bytes-down-per-client-round": traffic[label][0],
                 "bytes-up-per-client-round": traffic[label][1],
-                "versus-reference": None
-                if cell.versus is None
-                else {
-                    "mean-difference": cell.versus.mean_difference,
-                    "ci95": cell.versus.ci_half_width,
-                    "units": cell.versus.n,
-                    "p-value": cell.versus.p_value,
-                    "verdict": cell.mark or "n.s.",
-                },
+                "versus-reference": tables.comparison_numbers(cell),
             }
             for (_, label), cell in setup_cells.items()
         }
@@ -159,7 +153,8 @@ def write_report(
             tuning.coverage_flags(document["studies"], reference) for document in tuning_documents
         ]
     if unfinished:
-        sections += ["## Not reported (unfinished)", ""] + [f"- `{p}`" for p in unfinished] + [""]
+        sections += ["## Not reported (unfinished, or a final value not finite)", ""]
+        sections += [f"- `{p}`" for p in unfinished] + [""]
     numbers["runs"] = [str(r.path) for r in runs]
     numbers["unfinished"] = [str(p) for p in unfinished or []]
     atomic_write_text(out / "report.md", "\n".join(sections))

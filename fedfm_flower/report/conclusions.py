@@ -2,11 +2,16 @@
 16-trial redo): per setup and method, the sign and significance of the method's paired
 difference to the reference in each table.
 
-The earlier table is read from its ``report.json`` (``versus-reference``: the mean paired
-difference, its interval, the p-value and the verdict), so its runs need not be kept. A
-conclusion is the verdict against the reference: ``higher`` or ``lower`` (p < ``ALPHA``) or
-``n.s.``; it holds when both tables give the same verdict. A method in only one table is listed
-as such; both tables must have the same reference and metric.
+The earlier table is read from its ``report.json``, so its runs need not be kept. A conclusion
+is the verdict against the reference over the seeds both ran (``tables.compare``): ``higher``
+or ``lower`` (p < ``ALPHA``) or ``n.s.``; it holds when both tables give the same verdict. A
+report written since the verdicts are tested over seeds records that test
+(``versus-reference`` with ``test`` = ``"seeds"``); an older one recorded a test over the
+(seed, client) units pooled, whose verdict is not comparable, so its test over seeds is
+recomputed from the per-seed means it records of the method and of the reference (the mean over
+each run's clients: the clients both evaluated wherever every client was evaluated) and marked
+so. A method in only one table is listed as such; both tables must have the same reference and
+metric.
 """
 
 from __future__ import annotations
@@ -17,22 +22,32 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedfm_flower.report.tables import Cell
+from fedfm_flower.report.tables import ALPHA, Cell
+from fedfm_flower.statistics import PairedTest, paired_test
 
 
 @dataclass(frozen=True)
 class Difference:
-    """A method's paired difference to the reference in one table (metric units x 100)."""
+    """A method's paired difference to the reference over seeds in one table (metric units x
+    100)."""
 
     mean: float
     ci: float  # 95% half-width
     p_value: float
     verdict: str  # "higher", "lower" or "n.s."
+    recomputed: bool = False  # from an older report's per-seed means
 
     def text(self) -> str:
-        """``+1.24 [+0.09, +2.39], p = 0.036``."""
+        """``+1.24 [+0.09, +2.39], p = 0.0362`` (``*``: recomputed over seeds)."""
         low, high = self.mean - self.ci, self.mean + self.ci
-        return f"{self.mean:+.2f} [{low:+.2f}, {high:+.2f}], p = {self.p_value:.2g}"
+        star = "*" if self.recomputed else ""
+        return f"{self.mean:+.2f} [{low:+.2f}, {high:+.2f}], p = {self.p_value:.3g}{star}"
+
+
+def _verdict(test: PairedTest) -> str:
+    if not test.significant(ALPHA):
+        return "n.s."
+    return "higher" if test.mean_difference > 0 else "lower"
 
 
 @dataclass(frozen=True)
@@ -58,23 +73,50 @@ RECORDED = {"↑": "higher", "↓": "lower", "n.s.": "n.s."}
 
 
 def from_cell(cell: Cell) -> Difference | None:
-    """This table's difference for a cell (None for the reference or without a test)."""
-    if cell.versus is None:
+    """This table's difference for a cell (None for the reference or without a test over
+    seeds)."""
+    if cell.versus is None or cell.versus.test is None:
         return None
-    test = cell.versus
+    test = cell.versus.test
     return Difference(test.mean_difference, test.ci_half_width, test.p_value, VERDICTS[cell.mark])
 
 
-def from_recorded(entry: Mapping[str, Any]) -> Difference | None:
-    """A difference as ``report.json`` records it (``versus-reference``), or None."""
+def from_recorded(
+    entry: Mapping[str, Any], reference: Mapping[str, Any] | None = None
+) -> Difference | None:
+    """A difference as ``report.json`` records it (``versus-reference``), or None; an older
+    report's pooled test is replaced by the test over seeds of its per-seed means against
+    ``reference``'s (the reference's entry in the same setup)."""
     versus = entry.get("versus-reference")
     if not versus:
         return None
+    if versus.get("test") != "seeds":
+        return _recomputed_over_seeds(entry, reference)
+    if versus.get("mean-difference") is None:
+        return None  # fewer than two seeds: no test
     verdict = RECORDED.get(str(versus.get("verdict")))
     if verdict is None:
         raise ValueError(f"unknown verdict {versus.get('verdict')!r} in the earlier report")
     return Difference(
         float(versus["mean-difference"]), float(versus["ci95"]), float(versus["p-value"]), verdict
+    )
+
+
+def _recomputed_over_seeds(
+    entry: Mapping[str, Any], reference: Mapping[str, Any] | None
+) -> Difference | None:
+    """The test over seeds of an older report's entry: its per-seed means paired by seed with
+    the reference's; None below two shared seeds or without the reference."""
+    if reference is None:
+        return None
+    mine = dict(zip(entry.get("seeds", []), entry.get("per-seed", []), strict=False))
+    theirs = dict(zip(reference.get("seeds", []), reference.get("per-seed", []), strict=False))
+    shared = sorted(set(mine) & set(theirs))
+    if len(shared) < 2:
+        return None
+    test = paired_test([float(mine[s]) for s in shared], [float(theirs[s]) for s in shared])
+    return Difference(
+        test.mean_difference, test.ci_half_width, test.p_value, _verdict(test), recomputed=True
     )
 
 
@@ -121,7 +163,9 @@ def build_conclusions(
                     setup,
                     label,
                     None if cell is None else from_cell(cell),
-                    from_recorded(recorded[label]) if label in recorded else None,
+                    from_recorded(recorded[label], recorded.get(reference))
+                    if label in recorded
+                    else None,
                 )
             )
     return rows
@@ -132,9 +176,10 @@ def markdown_conclusions(rows: Sequence[Conclusion], name: str, reference: str) 
     lines = [
         f"## Conclusions of {name}: do they hold here?",
         "",
-        f"Each method's paired difference to **{reference}** (Δ [95% CI], p) in {name} and "
-        "here; a conclusion is the verdict (higher/lower: p < 0.05, else n.s.), and it holds "
-        "when both verdicts agree.",
+        f"Each method's paired difference to **{reference}** over seeds (Δ [95% CI], p) in "
+        f"{name} and here; a conclusion is the verdict (higher/lower: p < {ALPHA}, else n.s.), "
+        "and it holds when both verdicts agree. `*`: recomputed over seeds from the per-seed "
+        "means of a report that tested the (seed, client) units pooled.",
         "",
         f"| setup | method | {name} | verdict | here | verdict | holds? |",
         "|---|---|---|---|---|---|---|",
@@ -169,6 +214,7 @@ def conclusions_numbers(rows: Sequence[Conclusion], name: str) -> dict[str, Any]
             "ci95": difference.ci,
             "p-value": difference.p_value,
             "verdict": difference.verdict,
+            "recomputed-over-seeds": difference.recomputed,
         }
 
     return {

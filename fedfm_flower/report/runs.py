@@ -111,12 +111,15 @@ def is_validation_run(path: Path) -> bool:
 
 
 def load_runs(paths: Iterable[Path], metric: str = "") -> tuple[list[RunResult], list[Path]]:
-    """(finished runs, unfinished run directories) at or below ``paths``, reported on ``metric``
-    (default: each run's primary metric); validation runs (``is_validation_run``) are left out."""
+    """(finished runs, run directories not reported) at or below ``paths``, reported on
+    ``metric`` (default: each run's primary metric): a run not finished, or whose final
+    per-client values are not all finite (it diverged), is not reported; validation runs
+    (``is_validation_run``) are left out."""
     finished, unfinished = [], []
     for path in find_runs(paths):
         if is_validation_run(path):
             continue
         run = read_run(path, metric)
-        (finished if run is not None else unfinished).append(run or path)
+        finite = run is not None and all(math.isfinite(v) for v in run.final.values())
+        (finished if finite else unfinished).append(run if finite else path)
     return finished, unfinished
