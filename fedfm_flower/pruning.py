@@ -106,9 +106,13 @@ class TrialLink:
         trial = optuna.trial.Trial(study, trial_id)
 
         def stop(server_round: int, value: float) -> bool:
-            reported = storage.get_trial(trial_id).intermediate_values
-            if server_round not in reported:  # a resumed run reports its rounds again
+            frozen = storage.get_trial(trial_id)
+            if server_round not in frozen.intermediate_values:  # a resumed run reports again
                 trial.report(value, server_round)
-            return trial.should_prune()
+            prune = trial.should_prune()  # also records the rung the others are judged by
+            # The enqueued setup values (trial 0) always run to the end, so the choice is
+            # never worse on validation than the untuned run: with trials in parallel, a
+            # faster drawn trial can reach a rung first and would prune it.
+            return prune and "fixed_params" not in frozen.system_attrs
 
         return stop

@@ -983,3 +983,23 @@ def test_final_runs_test_at_every_seed_on_the_trials_data(
     assert "fedavg-digits-label-skew-s1 was made with other values (data-seed = 1, now 0)" in error
     assert "-s0 was made" not in error
     assert pools[1].ran == []
+
+
+def test_the_setups_own_values_are_never_pruned_even_when_a_drawn_trial_reports_first(
+    tmp_path: Path,
+) -> None:
+    """Trials in parallel: drawn trial 1 reaches the first rung (round 5) first with 0.60;
+    trial 0, the enqueued setup values, then reports 0.55 there. A drawn trial would be
+    pruned; trial 0 goes on, so the choice is never worse than the untuned run."""
+    pytest.importorskip("optuna")
+    from fedfm_flower import tune
+
+    args = _tune_args(tmp_path, 4, pruner="halving", prune_min_rounds=5, prune_reduction=3)
+    overrides = {"num-clients": 2, "num-server-rounds": 20}
+    (study,) = tune.open_studies(["fedavg"], ["digits-label-skew"], args, overrides)
+    asked = [study.optuna_study.ask() for _ in range(3)]  # 0: enqueued, 1 and 2: drawn
+    assert "fixed_params" in study.optuna_study.get_trials()[0].system_attrs
+    links = [study.trial_cell(t.number, dict(t.params)).trial for t in asked]
+    assert not links[1].early_stop()(5, 0.60)
+    assert not links[0].early_stop()(5, 0.55)  # the setup's values: never pruned
+    assert links[2].early_stop()(5, 0.55)  # the same value from a drawn trial: pruned
