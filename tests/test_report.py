@@ -342,3 +342,16 @@ def test_a_committed_reports_verdicts_are_rechecked_over_seeds(
     assert p >= 0.05 and f"p = {p:.3g} | n.s. |" in text
     assert "| toy | fedavg | local | higher |" in text
     assert recheck_main([str(tmp_path / "none")]) == 2
+
+
+def test_a_setup_only_the_earlier_table_has_is_listed_not_dropped(runs_dir: Path) -> None:
+    from fedfm_flower.report.conclusions import build_conclusions
+
+    runs, _ = load_runs([runs_dir])
+    cells = tables.build_cells(runs, reference="local")
+    versus = {"test": "seeds", "mean-difference": 1.0, "ci95": 0.5, "p-value": 0.01}
+    earlier = {"setups": {"gone": {"fedrep": {"versus-reference": {**versus, "verdict": "↑"}}}}}
+    rows = build_conclusions(cells, earlier, "local")
+    (gone,) = [row for row in rows if row.setup == "gone"]
+    assert gone.label == "fedrep" and gone.this is None and gone.earlier.verdict == "higher"
+    assert gone.holds is None

@@ -64,3 +64,22 @@ def test_runs_of_one_group_that_spent_different_epsilons_are_refused(tmp_path: P
     runs, _ = load_runs([tmp_path])
     with pytest.raises(ValueError, match="different epsilons"):
         privacy_points(runs)
+
+
+def test_runs_of_two_setups_or_two_runs_of_one_seed_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for seed in (0, 1):
+        write_run(tmp_path / "a", "fedavg", seed, [0.5], None)
+    write_run(tmp_path / "b", "fedavg", 0, [0.6], None)  # seed 0 again
+    with pytest.raises(SystemExit) as exited:
+        main([str(tmp_path), "--out", str(tmp_path / "r")])
+    assert exited.value.code == 2
+    assert "fedavg (none, sigma inf): two runs of one seed in [0, 0, 1]" in capsys.readouterr().err
+    config = tmp_path / "b" / "fedavg-s0-none" / "config.json"
+    made = json.loads(config.read_text())
+    made["run-config"]["setup"] = "other"
+    config.write_text(json.dumps(made))
+    with pytest.raises(SystemExit):
+        main([str(tmp_path), "--out", str(tmp_path / "r")])
+    assert "runs of 2 setups (digits, other)" in capsys.readouterr().err

@@ -146,10 +146,10 @@ def load_earlier(path: Path, reference: str, metric: str) -> dict[str, Any]:
 def build_conclusions(
     cells: Mapping[tuple[str, str], Cell], earlier: Mapping[str, Any], reference: str
 ) -> list[Conclusion]:
-    """Every (setup, method) but the reference in either table: this table's order first,
-    then the earlier table's methods this one lacks."""
+    """Every (setup, method) but the reference in either table: this table's setups and
+    methods first, then the earlier table's that this one lacks."""
     rows = []
-    setups = list(dict.fromkeys(setup for setup, _ in cells))
+    setups = list(dict.fromkeys([*(setup for setup, _ in cells), *earlier["setups"]]))
     for setup in setups:
         recorded = earlier["setups"].get(setup, {})
         labels = [label for s, label in cells if s == setup]

@@ -56,7 +56,14 @@ def privacy_of(run: RunResult) -> tuple[str, float, float]:
 
 
 def privacy_points(runs: Sequence[RunResult]) -> list[PrivacyPoint]:
-    """The runs grouped by (label, mode, sigma), sorted by label then epsilon (no DP last)."""
+    """The runs grouped by (label, mode, sigma), sorted by label then epsilon (no DP last);
+    ValueError for runs of several setups, or two runs of one group and seed."""
+    setups = sorted({run.setup for run in runs})
+    if len(setups) > 1:
+        raise ValueError(
+            f"runs of {len(setups)} setups ({', '.join(setups)}): the privacy report is of one "
+            "setup; report each setup's runs on their own"
+        )
     groups: dict[tuple[str, str, float], list[tuple[int, float, float]]] = defaultdict(list)
     for run in runs:
         mode, sigma, epsilon = privacy_of(run)
@@ -64,6 +71,9 @@ def privacy_points(runs: Sequence[RunResult]) -> list[PrivacyPoint]:
     points = []
     for (label, mode, sigma), members in groups.items():
         members.sort()
+        seeds = [seed for seed, _, _ in members]
+        if len(set(seeds)) < len(seeds):
+            raise ValueError(f"{label} ({mode}, sigma {sigma}): two runs of one seed in {seeds}")
         epsilons = {round(e, 9) for _, e, _ in members}
         if len(epsilons) > 1:
             raise ValueError(
@@ -142,7 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     if len(metrics) > 1:
         parser.error(f"the runs report different metrics {sorted(metrics)}; give one setup")
     metric = metrics.pop()
-    points = privacy_points(runs)
+    try:
+        points = privacy_points(runs)
+    except ValueError as err:
+        parser.error(str(err))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "privacy.md").write_text(table(points, metric))
     payload = [
