@@ -269,6 +269,7 @@ def open_studies(
             check_configs([base, *variant_bases])
             bases[label] = (base, variants)
         pruner = setup_pruner(args, [base for base, _ in bases.values()])
+        check_table_pruner(storage, f"@{setup}{args.tag}", pruner)
         for label, (base, variants) in bases.items():
             space = resolve_space(method_space(base), base)
             name = study_name(label, setup, args.tag)
@@ -320,6 +321,26 @@ def setup_pruner(args: argparse.Namespace, bases: list[dict[str, Any]]) -> Prune
     if min_rounds is None:
         min_rounds = max(int(base.get("eval-every", default)) for base in bases)
     return PrunerSettings(args.pruner, min_rounds, args.prune_reduction)
+
+
+def check_table_pruner(storage: Any, suffix: str, pruner: PrunerSettings) -> None:
+    """A ``ValueError`` when a study of the table (the studies named ``*<suffix>``: one setup
+    and tag) ran its trials with other pruner settings: a study added to a table later is
+    pruned as its other methods were."""
+    for other in storage.get_all_studies():
+        if not other.study_name.endswith(suffix):
+            continue
+        study_id = storage.get_study_id_from_name(other.study_name)
+        if not storage.get_all_trials(study_id, deepcopy=False):
+            continue
+        recorded = other.user_attrs.get("pruner", {"name": "none"})
+        if recorded != pruner.as_dict():
+            raise ValueError(
+                f"study {other.study_name} of this table ran its trials with pruner {recorded}, "
+                f"and this command asks for {pruner.as_dict()}: every method of a table is "
+                "pruned alike; give the options it ran with (--pruner, --prune-min-rounds, "
+                "--prune-reduction), or tune into another --state"
+            )
 
 
 def keep_pruner(study: Any, name: str, pruner: PrunerSettings, has_trials: bool) -> None:

@@ -745,10 +745,16 @@ def test_a_trial_worst_at_its_first_report_is_pruned_and_its_rounds_count(
     }  # fmt: skip
     assert record["pruner"] == {"name": "halving", "min-rounds": 1, "reduction": 2}
     assert record["chosen"]["trial"] == 2 and record["best-score"] == pytest.approx(0.9)
-    # the study's trials ran with this pruner: a command asking for another one is refused
+    # the study's trials ran with this pruner: a command asking for another one is refused,
+    # and so is a new method of the same table (setup) asking for another one
     other = _tune_args(tmp_path, 3, pruner="halving", prune_min_rounds=1, prune_reduction=3)
     with pytest.raises(ValueError, match="ran its trials with pruner .*'reduction': 2"):
         tune.open_studies(["fedavg"], ["digits-label-skew"], other, overrides)
+    with pytest.raises(ValueError, match="study fedavg@digits-label-skew of this table ran"):
+        tune.open_studies(["local"], ["digits-label-skew"], other, overrides)
+    same = _tune_args(tmp_path, 3, pruner="halving", prune_min_rounds=1, prune_reduction=2)
+    assert len(tune.open_studies(["local"], ["digits-label-skew"], same, overrides)) == 1
+    assert tune.open_studies(["local"], ["digits-feature-skew"], other, overrides)  # another
 
 
 def test_pruner_settings_default_to_the_setups_eval_every_and_refuse_bad_values(
