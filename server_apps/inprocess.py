@@ -51,6 +51,8 @@ def identity_app() -> ClientApp:
     def query(message: Message, context: Context) -> Message:
         node = context.node_config
         metrics = {P.CLIENT_ID: int(node.get("client-id", node.get("partition-id", -1)))}
+        if "partition-id" in node:
+            metrics[P.PARTITION_ID] = int(node["partition-id"])
         if "num-partitions" in node:
             metrics[P.NUM_PARTITIONS] = int(node["num-partitions"])
         facts = ConfigRecord({P.CAPABILITIES: str(node.get(P.CAPABILITIES, ""))})

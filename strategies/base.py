@@ -89,7 +89,7 @@ class PersonalizedStrategy(Strategy):
         self.context = context
         self.method = resolved_method(config, context)
         self.nodes = NodeDirectory(context.run_name, context.client_holdings)
-        self.sampler = ClientSampler(config, context.client_tasks)
+        self.sampler = ClientSampler(config, context.client_tasks, self.nodes.data_key)
         self.current_round = 0  # the round configure_train was last called for
         self._training = FusedRound(RoundReport())  # the training phase in flight
         self._evaluation = RoundReport()  # the evaluation phase in flight

@@ -323,3 +323,14 @@ def test_load_pretrained_causal_lm_names_a_missing_path(tmp_path):
         foundation.load_pretrained_causal_lm(str(missing))
     with pytest.raises(FileNotFoundError, match="offline-only/not-a-model"):
         foundation.load_pretrained_causal_lm("offline-only/not-a-model")
+
+
+def test_the_language_foundation_is_pretrained_on_the_data_seeds_corpus() -> None:
+    """Its public split must come from the corpus the clients' data are cut from: at seed 1
+    with data-seed 0 (a tuned table's final run) the foundation is data seed 0's."""
+    from fedfm_flower.config import ExperimentConfig
+    from fedfm_flower.models.causal_lm import foundation_args
+
+    base = ExperimentConfig(dataset="instructions", backbone="tiny-llama", seed=1)
+    assert foundation_args(base)["seed"] == 1
+    assert foundation_args(base.replace(data_seed=0))["seed"] == 0

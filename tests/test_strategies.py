@@ -492,3 +492,25 @@ def test_an_identity_reply_with_an_odd_client_id_leaves_the_node_out(client_id, 
     nodes.learn(Grid(), 1, lambda c: None)
     assert nodes.node_to_client == {} and nodes.num_partitions == 0
     assert "without an integer client-id" in caplog.text
+
+
+def test_what_a_client_holds_and_its_task_are_looked_up_by_its_partition() -> None:
+    """A deployment whose client ids are not its partition ids: the task's per-client facts are
+    keyed by partition, so client 7 (partition 0) holds partition 0's pairs and is grouped
+    with partition 0's task when sampling per task."""
+    config = ExperimentConfig(method="fedavg", num_clients=2, sample_per_task=True)
+    context = RunContext(
+        run_name="ids",
+        client_tasks={0: "image", 1: "text"},
+        client_holdings={0: ("image-cls",), 1: ("text-gen",)},
+    )
+    initial = TrainableTensors({"w": torch.zeros(2)}, {"w": "adapter"})
+    strategy = FedAvgStrategy(config, initial, context)
+    nodes = [{"client-id": 7, "partition-id": 0}, {"client-id": 3, "partition-id": 1}]
+    grid = InProcessGrid(identity_app(), config.to_run_config(), nodes)
+    strategy.learn_node_mapping(grid, 1)
+    assert strategy.nodes.holdings_of(7) == ("image-cls",)
+    assert strategy.nodes.holdings_of(3) == ("text-gen",)
+    assert strategy.nodes.data_key(7) == 0 and strategy.nodes.data_key(99) == 99
+    # one client of each task, whatever the fraction: both tasks are drawn
+    assert strategy.sampler.sample([3, 7], 1, 0.1) == [3, 7]

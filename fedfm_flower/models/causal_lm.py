@@ -74,9 +74,11 @@ class AdaptedCausalLM(TunedModel):
 
 def foundation_args(config: ExperimentConfig) -> dict[str, Any]:
     """The arguments that identify the cached tiny-llama of ``config``."""
+    # The corpus the clients' data are cut from is the data seed's: pretraining at another
+    # seed would put clients' examples in the "public" split (a fixed data-seed at seeds 1-2).
     return {
         "cache_dir": config.cache_path,
-        "seed": config.seed,
+        "seed": config.effective_data_seed,
         "public_fraction": config.public_fraction,
         "pretrain_epochs": config.pretrain_epochs,
     }

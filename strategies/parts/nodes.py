@@ -39,6 +39,7 @@ class NodeDirectory:
         self.client_holdings = client_holdings  # client id -> what the task's data gives it
         self.node_to_client: dict[int, int] = {}
         self.capabilities: dict[int, frozenset[str]] = {}  # client id -> what it declares
+        self.partition_of: dict[int, int] = {}  # client id -> the partition its data are
         self.partition_claims: dict[int, int] = {}  # node id -> the num-partitions it reported
         self.refused_nodes: set[int] = set()  # answered with a client id that is refused
 
@@ -127,6 +128,9 @@ class NodeDirectory:
                 client_id,
             )
             return
+        partition = metrics.get(P.PARTITION_ID)
+        if isinstance(partition, int) and partition >= 0:
+            self.partition_of[client_id] = partition
         facts = reply.content.config_records.get(P.CONFIG, ConfigRecord())
         declared = str(facts.get(P.CAPABILITIES, ""))
         self.capabilities[client_id] = frozenset(c for c in declared.split(",") if c)
@@ -167,4 +171,9 @@ class NodeDirectory:
         declared = self.capabilities.get(client_id)
         if declared:
             return tuple(sorted(declared))
-        return self.client_holdings.get(client_id, ())
+        return self.client_holdings.get(self.data_key(client_id), ())
+
+    def data_key(self, client_id: int) -> int:
+        """The partition ``client_id``'s data are (what the task's per-client facts are keyed
+        by); the client id itself until its node said, as in simulation where they agree."""
+        return self.partition_of.get(client_id, client_id)

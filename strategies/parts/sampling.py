@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from fedfm_flower.config import ExperimentConfig
 from fedfm_flower.training import round_seed
@@ -19,9 +19,15 @@ from fedfm_flower.training import round_seed
 class ClientSampler:
     """Draws a round's clients from the connected ones, seeded by the run's seed."""
 
-    def __init__(self, config: ExperimentConfig, client_tasks: Mapping[int, str]) -> None:
+    def __init__(
+        self,
+        config: ExperimentConfig,
+        client_tasks: Mapping[int, str],
+        data_key: Callable[[int], int] = lambda client: client,
+    ) -> None:
         self.config = config
-        self.client_tasks = client_tasks  # client id -> its task, when the task names them
+        self.client_tasks = client_tasks  # partition -> its task, when the task names them
+        self.data_key = data_key  # client id -> its partition (NodeDirectory.data_key)
 
     def sample(
         self, clients: list[int], server_round: int, fraction: float, salt: int = 0
@@ -33,7 +39,8 @@ class ClientSampler:
         if self.config.sample_per_task and self.client_tasks:
             groups: dict[str, list[int]] = {}
             for client in clients:
-                groups.setdefault(self.client_tasks.get(client, ""), []).append(client)
+                task = self.client_tasks.get(self.data_key(client), "")
+                groups.setdefault(task, []).append(client)
             chosen = []
             for task in sorted(groups):
                 members = groups[task]
