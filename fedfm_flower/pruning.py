@@ -81,6 +81,9 @@ def journal_storage(path: Path) -> Any:
     return JournalStorage(JournalFileBackend(str(path)))
 
 
+PRUNED_AT = "fedfm-pruned-at"  # a trial user attr: the round its pruner said stop (the run stops)
+
+
 @dataclass(frozen=True)
 class TrialLink:
     """What a trial's run needs to report to its Optuna trial from wherever it runs."""
@@ -109,10 +112,15 @@ class TrialLink:
             frozen = storage.get_trial(trial_id)
             if server_round not in frozen.intermediate_values:  # a resumed run reports again
                 trial.report(value, server_round)
+            if PRUNED_AT in frozen.user_attrs:  # decided before a crash: the resumed run stops
+                return True
             prune = trial.should_prune()  # also records the rung the others are judged by
             # The enqueued setup values (trial 0) always run to the end, so the choice is
             # never worse on validation than the untuned run: with trials in parallel, a
             # faster drawn trial can reach a rung first and would prune it.
-            return prune and "fixed_params" not in frozen.system_attrs
+            prune = prune and "fixed_params" not in frozen.system_attrs
+            if prune:  # at once: the rung is recorded, a resumed run would pass it by
+                storage.set_trial_user_attr(trial_id, PRUNED_AT, server_round)
+            return prune
 
         return stop

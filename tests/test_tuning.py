@@ -1009,3 +1009,26 @@ def test_the_setups_own_values_are_never_pruned_even_when_a_drawn_trial_reports_
     assert not links[1].early_stop()(5, 0.60)
     assert not links[0].early_stop()(5, 0.55)  # the setup's values: never pruned
     assert links[2].early_stop()(5, 0.55)  # the same value from a drawn trial: pruned
+
+
+def test_a_pruning_decided_before_a_crash_stops_the_resumed_run() -> None:
+    """The pruner records the rung it judged as it decides; a run killed before it stopped
+    would, resumed, pass that rung by and run to the next. The decision is kept with the trial,
+    so the resumed run stops at its first report."""
+    pytest.importorskip("optuna")
+    import tempfile
+
+    from fedfm_flower import tune
+    from fedfm_flower.pruning import PRUNED_AT
+
+    with tempfile.TemporaryDirectory() as tmp:
+        args = _tune_args(Path(tmp), 3, pruner="halving", prune_min_rounds=5, prune_reduction=3)
+        overrides = {"num-clients": 2, "num-server-rounds": 20}
+        (study,) = tune.open_studies(["fedavg"], ["digits-label-skew"], args, overrides)
+        asked = [study.optuna_study.ask() for _ in range(2)]
+        links = [study.trial_cell(t.number, dict(t.params)).trial for t in asked]
+        assert not links[0].early_stop()(5, 0.8)
+        assert links[1].early_stop()(5, 0.5)  # pruned; the process dies before it stops
+        assert study.optuna_study.get_trials()[1].user_attrs[PRUNED_AT] == 5
+        resumed = links[1].early_stop()  # the resumed run's next report, rung 0 passed by
+        assert resumed(10, 0.9)
