@@ -580,7 +580,7 @@ def final_cells(
         # tests on an example the trials validated on (the data-seed of the trials' seed).
         chosen = {
             "val-fraction": study.base["val-fraction"],
-            "data-seed": int(study.base["seed"]),
+            "data-seed": _data_seed_of(study.base),
             **best.params,
         }
         for label in (study.label, *study.ablations):
@@ -596,11 +596,11 @@ def final_cells(
     return cells
 
 
-def _data_seed_of(run_config: dict[str, Any]) -> int | None:
+def _data_seed_of(run_config: dict[str, Any]) -> int:
     """The seed a run's data came from (``data-seed``, else ``seed``: runs made before the key
     existed too)."""
     data_seed = int(run_config.get("data-seed", -1))
-    return data_seed if data_seed >= 0 else run_config.get("seed")
+    return data_seed if data_seed >= 0 else int(run_config.get("seed", 0))
 
 
 def _refuse_stale_run(cell: Cell, values: dict[str, Any]) -> None:

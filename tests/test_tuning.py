@@ -989,6 +989,13 @@ def test_final_runs_test_at_every_seed_on_the_trials_data(
     assert "fedavg-digits-label-skew-s1 was made with other values (data-seed = 1, now 0)" in error
     assert "-s0 was made" not in error
     assert pools[1].ran == []
+    # data-seed set for the whole command: the trials' data, so the final runs' too
+    out = tmp_path / "o2"
+    argv = [*_copied_study_argv(out, out, 1), "data-seed=4", "--seeds", "0", "1"]
+    assert tune.main(argv) == 0
+    for run in ("tuning/runs/fedavg-digits-label-skew-t000-s0", "runs/fedavg-digits-label-skew-s1"):
+        made = json.loads((out / run / "config.json").read_text())
+        assert made["run-config"]["data-seed"] == 4, run
 
 
 def test_the_setups_own_values_are_never_pruned_even_when_a_drawn_trial_reports_first(
