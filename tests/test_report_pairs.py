@@ -220,7 +220,22 @@ def test_welch_marks_agree_with_scipy(runs_dir: Path, reference: str) -> None:
     assert marks[("bertscore", "vqa")] == "" and marks[("accuracy", "text-cls")] == ""
     text = pair_table.markdown_pair_table(table)
     p, _ = expected_test(other, reference, ("mse", "image-gen"))
-    assert f"| mse image-gen | {p:.3g} (4 vs 4){win} |" in text
+    over_seeds = table.cells[("mse", "image-gen")][other].over_seeds
+    seeds_p, seeds_mark = expected_over_seeds(other, reference, ("mse", "image-gen"))
+    assert over_seeds.p_value == pytest.approx(seeds_p)
+    assert f"| mse image-gen | {p:.3g} (4 vs 4){win}; seeds: {seeds_p:.3g}{seeds_mark} |" in text
+
+
+def expected_over_seeds(label: str, reference: str, row: tuple[str, str]) -> tuple[float, str]:
+    """scipy's paired t-test over the seeds' means, and the mark it gives."""
+    seeds = sorted(FINAL[label][row])
+    a = [np.mean(list(FINAL[label][row][s].values())) for s in seeds]
+    b = [np.mean(list(FINAL[reference][row][s].values())) for s in seeds]
+    p = float(stats.ttest_rel(a, b).pvalue)
+    if not p < 0.05:
+        return p, ""
+    better = np.mean(a) < np.mean(b) if row[0] == "mse" else np.mean(a) > np.mean(b)
+    return p, "↑" if better else "↓"
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")

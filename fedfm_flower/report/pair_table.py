@@ -17,8 +17,11 @@ of the two methods, as the paper's Appendix C.5 does: ``↑`` when p < ``ALPHA``
 mean is better (higher; lower for MSE), ``↓`` when p < ``ALPHA`` and it is worse, no mark
 otherwise. The test needs two values on each side; two constant samples give scipy's p = 0
 when they differ (t infinite) and p = NaN, no mark, when they are equal. Welch's test does not
-pair clients: units of one seed share a federation, so they are not fully independent, as in
-the main table.
+pair clients, and it counts the clients of one seed as independent, which they are not (they
+share a federation and a training run). So beside it each cell has the main table's test
+(``tables``): a paired t-test over the seeds both ran of the seeds' values
+(``PairCell.over_seeds``); the marks are the paper's protocol, and a difference that test does
+not find is not one 3 seeds settle.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from scipy import stats
 from fedfm_flower import protocol as P
 from fedfm_flower.data.multitask import MULTITASK_TASKS
 from fedfm_flower.report.runs import RunResult
-from fedfm_flower.statistics import mean_ci
+from fedfm_flower.statistics import PairedTest, mean_ci, paired_test
 
 ALPHA = 0.05
 PAIR_METRICS: tuple[str, ...] = ("accuracy", "mse", "bertscore", "meteor")
@@ -64,6 +67,7 @@ class PairCell:
     units: tuple[float, ...]  # per-(seed, client) values, scaled
     versus: WelchTest | None  # None for the reference, or too few units on either side
     mark: str  # "↑", "↓" or ""
+    over_seeds: PairedTest | None = None  # paired over the seeds both ran; None below 2
 
 
 @dataclass(frozen=True)
@@ -165,7 +169,15 @@ def build_pair_table(runs: Sequence[RunResult], setup: str, reference: str) -> P
             mean, ci = mean_ci(per_seed)
             flat = tuple(v for s in seeds for v in by_seed_units[s])
             versus = None if label == reference or not base else welch_test(flat, base)
-            row[label] = PairCell(seeds, per_seed, mean, ci, flat, versus, mark_of(versus, metric))
+            over_seeds = None
+            if label != reference:
+                mine = dict(zip(seeds, per_seed, strict=True))
+                theirs = {s: statistics.fmean(v) for s, v in units.get(reference, {}).items()}
+                shared = sorted(set(mine) & set(theirs))
+                if len(shared) >= 2:
+                    over_seeds = paired_test([mine[s] for s in shared], [theirs[s] for s in shared])
+            mark = mark_of(versus, metric)
+            row[label] = PairCell(seeds, per_seed, mean, ci, flat, versus, mark, over_seeds)
         cells[(metric, pair)] = row
     return PairTable(setup, reference, rows, tuple(grouped), cells)
 
@@ -213,7 +225,9 @@ def markdown_pair_table(table: PairTable) -> str:
         lines += [
             "",
             f"Welch's t-test against **{table.reference}**: p-value, (the method's vs the "
-            f"reference's number of (seed, client) values), ↑/↓ at p < {ALPHA}.",
+            f"reference's number of (seed, client) values), ↑/↓ at p < {ALPHA}; then the "
+            "paired t-test over the seeds both ran (`seeds:` p, and its mark), the test of the "
+            "main table, which does not count one seed's clients as independent.",
             "",
             "| metric pair | " + " | ".join(others) + " |",
             "|---|" + "---:|" * len(others),
@@ -223,13 +237,23 @@ def markdown_pair_table(table: PairTable) -> str:
             values = []
             for label in others:
                 test = None if (cell := row.get(label)) is None else cell.versus
-                values.append(
-                    "—"
-                    if test is None
-                    else f"{_p_text(test.p_value)} ({test.n} vs {test.n_reference}){cell.mark}"
-                )
+                text = "—"
+                if test is not None:
+                    text = f"{_p_text(test.p_value)} ({test.n} vs {test.n_reference}){cell.mark}"
+                if cell is not None and cell.over_seeds is not None:
+                    seeds_mark = seed_mark(cell.over_seeds, metric)
+                    text += f"; seeds: {_p_text(cell.over_seeds.p_value)}{seeds_mark}"
+                values.append(text)
             lines.append(f"| {row_name(metric, pair)} | " + " | ".join(values) + " |")
     return "\n".join(lines)
+
+
+def seed_mark(test: PairedTest, metric: str, alpha: float = ALPHA) -> str:
+    """'↑' / '↓' where the test over seeds finds the method better / worse, '' neither."""
+    if not test.p_value < alpha:
+        return ""
+    lower = metric in LOWER_IS_BETTER
+    return "↑" if (test.mean_difference < 0) == lower else "↓"
 
 
 def _p_text(p: float) -> str:
@@ -263,6 +287,17 @@ def pair_table_numbers(table: PairTable) -> dict[str, Any]:
                     "units": test.n,
                     "reference-units": test.n_reference,
                     "verdict": {"↑": "better", "↓": "worse", "": "n.s."}[cell.mark],
+                },
+                "over-seeds": None
+                if cell.over_seeds is None
+                else {
+                    "mean-difference": cell.over_seeds.mean_difference,
+                    "ci95": cell.over_seeds.ci_half_width,
+                    "n": cell.over_seeds.n,
+                    "p-value": cell.over_seeds.p_value,
+                    "verdict": {"↑": "better", "↓": "worse", "": "n.s."}[
+                        seed_mark(cell.over_seeds, metric)
+                    ],
                 },
             }
         rows[row_name(metric, pair)] = {
