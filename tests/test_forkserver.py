@@ -180,6 +180,13 @@ def test_the_deployment_starts_the_server_and_names_it_to_its_nodes(tmp_path):
     deep = tmp_path / ("d" * 120)
     long = LocalDeployment(DeployOptions(workdir=deep, shared_imports=True))
     assert len(os.fsencode(long.forkserver_socket)) < 100  # a Unix socket's path limit
+    # there, in a directory of this user's alone: no other local user can bind it first
+    private = long.forkserver_socket.parent
+    assert long.forkserver_socket == long.forkserver_socket  # one directory per deployment
+    assert private.stat().st_uid == os.getuid() and private.stat().st_mode & 0o777 == 0o700
+    assert long.tag[:16] not in str(long.forkserver_socket)  # mkdtemp names it, not the tag
+    long.stop(grace=0.1)
+    assert not private.exists()
     from fedfm_flower.deploy.cli import build_parser
 
     assert build_parser("deploy").parse_args(["--shared-imports"]).shared_imports is True
@@ -222,3 +229,22 @@ def test_a_requester_that_gave_up_loses_its_child_not_the_server(monkeypatch, tm
     server._accept()  # no exception: the server serves on
     assert stand_in.wait(timeout=10) == -signal.SIGKILL
     server.listener.close()
+
+
+def test_a_server_of_another_user_gets_no_request(server, tmp_path, monkeypatch):
+    """The requester checks the listening process's uid (SO_PEERCRED) before it sends its
+    environment and descriptors: here the server runs as this user, and this process claims
+    another uid, so it is refused and the server forks nothing."""
+    import socket as socket_module
+
+    if not hasattr(socket_module, "SO_PEERCRED"):
+        pytest.skip("SO_PEERCRED is Linux's")
+    process, socket_path = server
+    real_uid = os.getuid()
+    monkeypatch.setattr(os, "getuid", lambda: real_uid + 1)
+    with pytest.raises(OSError, match=f"runs as uid {real_uid}, not this user"):
+        fork(socket_path, ["run", "3"], tmp_path, "refused")
+    assert (tmp_path / "refused").read_text() == "" and process.poll() is None
+    monkeypatch.setattr(os, "getuid", lambda: real_uid)
+    child, _ = fork(socket_path, ["run", "0"], tmp_path, "served")
+    assert child.wait() == 0

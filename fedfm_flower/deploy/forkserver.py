@@ -177,6 +177,7 @@ def request_fork(
     try:
         connection.settimeout(timeout)
         connection.connect(os.fspath(socket_path))
+        _require_same_user(connection, socket_path)  # before the environment and fds go
         socket.send_fds(connection, [request.encode()], list(stdio))
         line = _read_line(connection)
         if line is None or not line.lstrip("-").isdigit() or int(line) <= 0:
@@ -186,6 +187,22 @@ def request_fork(
         connection.close()
         raise
     return ForkedProcess(connection, int(line))
+
+
+def _require_same_user(connection: socket.socket, socket_path: str | os.PathLike[str]) -> None:
+    """OSError unless the process listening on ``connection``'s other end runs as this user
+    (Linux's SO_PEERCRED): a request carries this process's environment and descriptors."""
+    if not hasattr(socket, "SO_PEERCRED"):
+        return
+    credentials = connection.getsockopt(
+        socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")
+    )
+    _, uid, _ = struct.unpack("3i", credentials)
+    if uid != os.getuid():
+        raise OSError(
+            f"the fork server at {socket_path} runs as uid {uid}, not this user's {os.getuid()}: "
+            "refusing to send it this process's environment"
+        )
 
 
 class ForkServer:

@@ -100,6 +100,7 @@ class LocalDeployment:
         self.flwr_home = workdir / "flwr-home"
         self.logs = workdir / "logs"
         self._stopped = False
+        self._private_dir: Path | None = None  # a 0700 directory for a socket /tmp must hold
         self._shown = StreamFilter(lambda text: print(text, flush=True), options.debug)
 
     # -- context manager ----------------------------------------------------------------------
@@ -327,12 +328,16 @@ class LocalDeployment:
     @property
     def forkserver_socket(self) -> Path:
         """Where the warm executors' fork server listens (with ``options.shared_imports``): in
-        the work directory, or the temporary directory where that path is too long for a Unix
-        socket (108 bytes)."""
+        the work directory, or, where that path is too long for a Unix socket (108 bytes), in a
+        directory of this user's alone under the temporary directory (a predictable name
+        there could be bound first by another local user, who would then receive every
+        SuperNode's environment and file descriptors)."""
         path = self.options.workdir / "forkserver.sock"
         if len(os.fsencode(path)) < 100:
             return path
-        return Path(tempfile.gettempdir()) / f"fedfm-forkserver-{self.tag[:16]}.sock"
+        if self._private_dir is None:
+            self._private_dir = Path(tempfile.mkdtemp(prefix="fedfm-forkserver-"))  # 0700
+        return self._private_dir / "forkserver.sock"
 
     def start_forkserver(self) -> ManagedProcess:
         """The process that imports the warm executors' libraries once and forks one per
@@ -343,7 +348,7 @@ class LocalDeployment:
         command = [sys.executable, "-m", "fedfm_flower.deploy.forkserver", "--socket"]
         server = self._start("forkserver", [*command, str(socket_path)])
         deadline = started + self.options.startup_timeout
-        while not socket_path.exists():
+        while not socket_path.is_socket() or socket_path.stat().st_uid != os.getuid():
             if not server.alive():
                 server.join_output()
                 raise DeploymentError(
@@ -764,6 +769,8 @@ class LocalDeployment:
         remaining = self.live_pids()
         if remaining:
             self.say(f"WARNING: processes still alive: {sorted(remaining)}")
+        if self._private_dir is not None:
+            shutil.rmtree(self._private_dir, ignore_errors=True)
 
 
 def node_config_string(config: Mapping[str, Any]) -> str:
