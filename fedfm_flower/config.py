@@ -81,6 +81,11 @@ SettingsT = TypeVar("SettingsT", bound=MethodSettings)
 
 
 @dataclass(frozen=True)
+def data_seed_of(seed: int, data_seed: int) -> int:
+    """The seed a run's data come from: ``data_seed``, or ``seed`` when that is -1."""
+    return seed if data_seed < 0 else data_seed
+
+
 class ExperimentConfig(
     SecAggKeys,
     PrivacyKeys,
@@ -368,7 +373,7 @@ class ExperimentConfig(
     @property
     def effective_data_seed(self) -> int:
         """The seed of the data: ``data-seed``, or ``seed`` when that is -1."""
-        return self.seed if self.data_seed < 0 else self.data_seed
+        return data_seed_of(self.seed, self.data_seed)
 
     @property
     def target_modules(self) -> list[str]:

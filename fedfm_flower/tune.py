@@ -599,8 +599,9 @@ def final_cells(
 def _data_seed_of(run_config: dict[str, Any]) -> int:
     """The seed a run's data came from (``data-seed``, else ``seed``: runs made before the key
     existed too)."""
-    data_seed = int(run_config.get("data-seed", -1))
-    return data_seed if data_seed >= 0 else int(run_config.get("seed", 0))
+    from fedfm_flower.config import data_seed_of
+
+    return data_seed_of(int(run_config.get("seed", 0)), int(run_config.get("data-seed", -1)))
 
 
 def _refuse_stale_run(cell: Cell, values: dict[str, Any]) -> None:

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedfm_flower.report.tables import ALPHA, Cell
-from fedfm_flower.statistics import PairedTest, paired_test
+from fedfm_flower.report.tables import ALPHA, Cell, verdict_of
+from fedfm_flower.statistics import paired_test
 
 
 @dataclass(frozen=True)
@@ -42,12 +42,6 @@ class Difference:
         low, high = self.mean - self.ci, self.mean + self.ci
         star = "*" if self.recomputed else ""
         return f"{self.mean:+.2f} [{low:+.2f}, {high:+.2f}], p = {self.p_value:.3g}{star}"
-
-
-def _verdict(test: PairedTest) -> str:
-    if not test.significant(ALPHA):
-        return "n.s."
-    return "higher" if test.mean_difference > 0 else "lower"
 
 
 @dataclass(frozen=True)
@@ -116,7 +110,7 @@ def _recomputed_over_seeds(
         return None
     test = paired_test([float(mine[s]) for s in shared], [float(theirs[s]) for s in shared])
     return Difference(
-        test.mean_difference, test.ci_half_width, test.p_value, _verdict(test), recomputed=True
+        test.mean_difference, test.ci_half_width, test.p_value, verdict_of(test), recomputed=True
     )
 
 

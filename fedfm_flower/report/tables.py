@@ -42,9 +42,14 @@ class Comparison:
     @property
     def verdict(self) -> str:
         """'higher' or 'lower' (the test over seeds, p < ALPHA), else 'n.s.'."""
-        if self.test is None or not self.test.significant(ALPHA):
-            return "n.s."
-        return "higher" if self.test.mean_difference > 0 else "lower"
+        return verdict_of(self.test)
+
+
+def verdict_of(test: PairedTest | None) -> str:
+    """'higher' or 'lower' where ``test`` rejects "no difference" at ALPHA, else 'n.s.'."""
+    if test is None or not test.significant(ALPHA):
+        return "n.s."
+    return "higher" if test.mean_difference > 0 else "lower"
 
 
 @dataclass(frozen=True)
