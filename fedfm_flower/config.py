@@ -80,12 +80,12 @@ GROUPS: tuple[type, ...] = (
 SettingsT = TypeVar("SettingsT", bound=MethodSettings)
 
 
-@dataclass(frozen=True)
 def data_seed_of(seed: int, data_seed: int) -> int:
     """The seed a run's data come from: ``data_seed``, or ``seed`` when that is -1."""
     return seed if data_seed < 0 else data_seed
 
 
+@dataclass(frozen=True)
 class ExperimentConfig(
     SecAggKeys,
     PrivacyKeys,
