@@ -41,6 +41,7 @@ _CHECKPOINT = re.compile(r"^round_(\d{5,})\.json$")
 RECORD_SEAL = "record-sha256"
 UNSEALED_RECORD_KEYS = frozenset({"round", "sha256", "strategy", "evaluation-pending"})
 FAILURE_FILE = "failure.json"
+CLIENT_PARTITIONS = "client-partitions"  # summary.json: {client id: its node's partition}
 
 log = logging.getLogger(__name__)
 

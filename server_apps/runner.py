@@ -61,7 +61,7 @@ from fedfm_flower.privacy.accountant import privacy_spent
 from fedfm_flower.privacy.ledger import LedgerFile
 from fedfm_flower.records import record_dict_nbytes
 from fedfm_flower.registry import resolve
-from fedfm_flower.results import RunDirectory, progress_line
+from fedfm_flower.results import CLIENT_PARTITIONS, RunDirectory, progress_line
 from fedfm_flower.tasks import task_of
 from fedfm_flower.waits import GrowingWait
 from strategies.base import PersonalizedStrategy
@@ -265,6 +265,9 @@ def _run(
     if stopped_at is not None:
         summary["stopped-at-round"] = stopped_at
     summary["client-examples"] = client_examples
+    partition_of = strategy.nodes.partition_of  # client id -> partition, as the nodes reported
+    if partition_of:
+        summary[CLIENT_PARTITIONS] = {str(c): p for c, p in sorted(partition_of.items())}
     run.write_summary(summary)
     trackers.log_summary(summary)
     split = "" if config.evaluation_split == "test" else "validation "

@@ -248,6 +248,8 @@ def test_pfedseq_sizes_its_learner_from_the_nodes_and_leaves_out_foreign_ids(
     ]
     assert sorted(set(addressed)) == [0, 1]
     assert "client-id 7 outside 0..2" in caplog.text
+    # what each node reported, for reports keyed by partition (the left-out node's too)
+    assert summary["client-partitions"] == {"0": 0, "1": 1, "7": 2}
 
 
 def test_one_nodes_huge_num_partitions_does_not_size_pfedseqs_server(

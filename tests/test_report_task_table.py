@@ -129,6 +129,38 @@ def test_clients_sharing_a_task_make_one_column(tmp_path: Path) -> None:
     assert (row["Average"].mean, row["Average"].ci) == pytest.approx(expected_cell(average))
 
 
+def test_tasks_follow_the_partition_each_clients_node_reported(tmp_path: Path) -> None:
+    """A deployment numbering client ids apart from partitions: the stored map is by partition,
+    so client 0 (partition 2) is in partition 2's column and client 2 (partition 0) in 0's."""
+    stored = {"client-tasks": {"0": "qa", "1": "dialogue", "2": "summaries"}}
+    for seed in (0, 1):
+        path = write_run(tmp_path, "fedlora", seed, extra=stored)
+        summary = json.loads((path / "summary.json").read_text())
+        summary["client-partitions"] = {"0": 2, "1": 1, "2": 0}
+        (path / "summary.json").write_text(json.dumps(summary))
+    runs, _ = load_runs([tmp_path])
+    assert task_table.client_tasks(runs[0].path, [0, 1, 2]) == {
+        0: "summaries",
+        1: "dialogue",
+        2: "qa",
+    }
+    table = task_table.build_task_table(runs, SETUP)
+    assert table.columns == ("summaries", "dialogue", "qa", "Average")
+    row = table.blocks["Personalization"]["fedlora"]
+    by_seed = ROUGE["fedlora"]
+    for client, task in ((0, "summaries"), (2, "qa")):
+        expected = expected_cell([100 * by_seed[s][client] for s in (0, 1)])
+        assert (row[task].mean, row[task].ci) == pytest.approx(expected)
+
+
+def test_instruction_tasks_of_a_run_without_a_stored_map_follow_partitions(tmp_path: Path) -> None:
+    path = write_run(tmp_path, "fedlora", 0)
+    (path / "summary.json").write_text(json.dumps({"client-partitions": {"0": 1, "1": 0}}))
+    tasks = task_table.client_tasks(path, [0, 1, 2])
+    assert tasks == {0: client_task(1), 1: client_task(0), 2: client_task(2)}
+    assert tasks[0] != tasks[1]
+
+
 def test_other_datasets_name_clients_and_runs_without_ttp_skip_that_block(
     tmp_path: Path,
 ) -> None:

@@ -9,9 +9,11 @@ task, ``fedfm_flower.tasks.instructions``), the table has one column per client 
   every task of the federation, its own included (only runs with ``test-time-evaluation``).
 
 A column is a client's task. Its task name comes from the run's ``config.json``: a
-``client-tasks`` map (client id -> task) when the runner stored one, else from the run config:
+``client-tasks`` map (partition -> task) when the runner stored one, else from the run config:
 ``fedfm_flower.data.instructions.client_task`` for dataset ``instructions``, ``client <id>``
-for any other. The client id is taken as the partition id (the default node config). When
+for any other. A client's partition is the one its node reported (``summary.json``'s
+``client-partitions``); a run without that map takes the client id as the partition (the
+default node config, as in simulation). When
 several clients share a task (FedDPA's 40-client setting), a seed's value of the column is the
 mean over that task's clients. ``Average`` is a seed's mean over the task columns (each task
 weighs the same, as in the paper's Average), only for seeds whose run has every task. A cell
@@ -32,6 +34,7 @@ from typing import Any
 from fedfm_flower import protocol as P
 from fedfm_flower.report.runs import RunResult
 from fedfm_flower.report.tables import Cell
+from fedfm_flower.results import CLIENT_PARTITIONS
 from fedfm_flower.statistics import mean_ci
 
 PERSONALIZATION = "rouge-1"
@@ -41,7 +44,7 @@ BLOCKS: tuple[tuple[str, str], ...] = (
     ("Test-time personalization", TEST_TIME),
 )
 AVERAGE = "Average"
-STORED_TASKS = "client-tasks"  # optional config.json key: {client id: task name}
+STORED_TASKS = "client-tasks"  # optional config.json key: {partition: task name}
 
 
 @dataclass(frozen=True)
@@ -59,19 +62,33 @@ def has_rouge(run: RunResult) -> bool:
     return bool(run.final_metrics) and all(key in m for m in run.final_metrics.values())
 
 
+def client_partitions(path: Path) -> dict[int, int]:
+    """{client id: partition} the run at ``path`` recorded in its summary ({}: none recorded)."""
+    summary = path / "summary.json"
+    if not summary.is_file():
+        return {}
+    recorded = json.loads(summary.read_text()).get(CLIENT_PARTITIONS) or {}
+    return {int(client): int(partition) for client, partition in recorded.items()}
+
+
 def client_tasks(path: Path, clients: Sequence[int]) -> dict[int, str]:
-    """{client id: task name} of the run at ``path`` (stored, else derived from its config)."""
+    """{client id: task name} of the run at ``path`` (stored, else derived from its config).
+
+    The stored map and the dataset's tasks are keyed by partition; a client id is looked up
+    through the partition its node reported (the id itself where none was recorded)."""
     payload = json.loads((path / "config.json").read_text())
     stored = {str(k): str(v) for k, v in (payload.get(STORED_TASKS) or {}).items()}
     dataset = payload["run-config"].get("dataset")
+    partition_of = client_partitions(path)
     tasks = {}
     for client in clients:
-        if str(client) in stored:
-            tasks[client] = stored[str(client)]
+        partition = partition_of.get(client, client)
+        if str(partition) in stored:
+            tasks[client] = stored[str(partition)]
         elif dataset == "instructions":
             from fedfm_flower.data.instructions import client_task
 
-            tasks[client] = client_task(client)
+            tasks[client] = client_task(partition)
         else:
             tasks[client] = f"client {client}"
     return tasks
