@@ -17,6 +17,14 @@ a write that never finished (a killed process, a commit or copy taken mid-write)
 Optuna skips such a last record when it reads, but appends the next record to its bytes, which
 makes one broken line in the middle of the journal and every later command fail; the cut record
 held nothing Optuna had read, so dropping it loses nothing.
+
+The state also keeps the *build* of each offline foundation model its runs used, under
+``foundations/`` at the cache's relative paths (``fedfm_flower.foundation_cards``: one recipe
+gives other weights on another machine, so a key alone does not pin the model). A command
+installs the kept builds into the cache before it runs anything (where the cache lacks them;
+a cache holding another build of one is refused, naming both), so a study resumed elsewhere
+runs on the models its earlier runs ran on; and it refuses a kept final run whose card names
+another build than the one kept, so no table pairs runs of one seed made on two models.
 """
 
 from __future__ import annotations
@@ -30,12 +38,21 @@ from pathlib import Path
 from typing import Any
 
 from fedfm_flower.durable import atomic_path
+from fedfm_flower.foundation_cards import (
+    CACHE_FILES,
+    WEIGHTS_SHA256,
+    describe,
+    file_sha256,
+    same_build,
+)
 
 log = logging.getLogger(__name__)
 
 JOURNAL = Path("tuning") / "journal.log"
 TUNING = Path("tuning.json")
 RUN_FILES: tuple[str, ...] = ("config.json", "summary.json", "metrics.jsonl")
+FOUNDATIONS = Path("foundations")  # the builds of the runs' foundation models, as in the cache
+FINAL_RUNS = Path("runs")  # the final runs' directories (the trials' are under tuning/runs)
 
 
 @dataclass(frozen=True)
@@ -61,10 +78,82 @@ class StudyState:
             _copy(path, self.root / path.resolve().relative_to(self.out.resolve()))
 
     def keep_run(self, run_dir: Path) -> None:
-        """Keep a finished run's small files (nothing of a run without a summary)."""
+        """Keep a finished run's small files (nothing of a run without a summary) and the build
+        of its foundation model, if the state has none of it yet."""
         if (run_dir / "summary.json").is_file():
             for name in RUN_FILES:
                 self.keep(run_dir / name)
+            self.keep_foundation(run_dir)
+
+    def keep_foundation(self, run_dir: Path) -> None:
+        """Copy the files of the foundation build the run at ``run_dir`` used from its cache
+        into ``foundations/`` (weights last), unless the state keeps that foundation already."""
+        card, cache = _run_foundation(run_dir)
+        files = card.get(CACHE_FILES) or []
+        if not files or (self.root / FOUNDATIONS / files[0]).is_file():
+            return
+        sources = [cache / f for f in files]
+        if not all(f.is_file() for f in sources):
+            log.warning("%s: the foundation's files are not in %s; not kept", run_dir, cache)
+            return
+        if file_sha256(sources[0]) != card.get(WEIGHTS_SHA256):
+            log.warning("%s: the cache holds another build than the run used; not kept", run_dir)
+            return
+        for source, name in [*zip(sources[1:], files[1:], strict=True), (sources[0], files[0])]:
+            _copy(source, self.root / FOUNDATIONS / name)  # the weights last: they say it is whole
+
+    def install_foundations(self, cache: Path) -> list[Path]:
+        """Copy every kept foundation build the cache ``cache`` lacks into it (the weights
+        last); ``StateError`` naming both when the cache holds another build of one. The
+        weights files installed."""
+        installed = []
+        for weights in sorted((self.root / FOUNDATIONS).rglob("*.safetensors")):
+            name = weights.relative_to(self.root / FOUNDATIONS)
+            target = cache / name
+            if target.is_file():
+                if file_sha256(target) != file_sha256(weights):
+                    raise StateError(
+                        f"the cache's {target} is another build of this foundation than the "
+                        f"study keeps ({weights}): one recipe gives other weights on another "
+                        "machine, and the study's runs ran on the kept one. Move the cache's "
+                        "file away (runs of other studies on this machine that used it then "
+                        "use the study's) or give the runs another cache-dir; nothing was run"
+                    )
+                continue
+            stem = weights.with_suffix("")
+            companions = [f for f in sorted(weights.parent.rglob("*")) if _belongs(f, stem)]
+            for kept in [*companions, weights]:
+                _copy(kept, cache / kept.relative_to(self.root / FOUNDATIONS))
+            installed.append(target)
+        if installed:
+            log.info("installed %d kept foundation build(s) into %s", len(installed), cache)
+        return installed
+
+    def check_foundations(self) -> None:
+        """Refuse (``StateError``) kept final runs whose foundation is another build than the
+        one the state keeps (its weights' digest, or for an older card its accuracies)."""
+        builds: dict[str, dict[str, Any]] = {}
+        for weights in sorted((self.root / FOUNDATIONS).rglob("*.safetensors")):
+            card_file = weights.with_suffix(".json")
+            card = json.loads(card_file.read_text()) if card_file.is_file() else {}
+            builds[weights.name] = {**card, WEIGHTS_SHA256: file_sha256(weights)}
+        if not builds:
+            return
+        other: dict[str, list[str]] = {}
+        for config in sorted((self.root / FINAL_RUNS).glob("*/config.json")):
+            card, _ = _run_foundation(config.parent)
+            kept = builds.get(_weights_name(card, config.parent))
+            if kept is not None and not same_build(card, kept):
+                other.setdefault(describe(kept), []).append(
+                    f"{config.parent.name} ({describe(card)})"
+                )
+        if other:
+            said = "; ".join(f"the kept {k}: {', '.join(v)}" for k, v in other.items())
+            raise StateError(
+                f"final runs of {self.root} ran on another build of their foundation model "
+                f"than the study keeps ({said}). Move those runs away (and their client state, "
+                "if there) so they are run again on the kept build; nothing was run"
+            )
 
     def restore(self) -> list[Path]:
         """Copy into ``out`` every kept file it lacks, and the kept ``tuning.json`` (the
@@ -74,7 +163,8 @@ class StudyState:
         copied = []
         for kept in sorted(self.root.rglob("*")):
             journal = kept.parent == self.journal.parent and kept.name.startswith(JOURNAL.name)
-            if not kept.is_file() or journal or kept.name.startswith("."):
+            build = kept.is_relative_to(self.root / FOUNDATIONS)  # installed into the cache
+            if not kept.is_file() or journal or build or kept.name.startswith("."):
                 continue
             target = self.out / kept.relative_to(self.root)
             if not target.exists() or target == self.out / TUNING:
@@ -161,6 +251,46 @@ def _parsed_lines(path: Path, whole: bool) -> list[Any]:
                 "nothing was run or written"
             ) from None
     return values
+
+
+def cache_dir_of(run_config: dict[str, Any]) -> Path:
+    """The cache directory of a run config's runs: its ``cache-dir``, else the default."""
+    from fedfm_flower.config import default_cache_path
+
+    cache_dir = str(run_config.get("cache-dir") or "")
+    return Path(cache_dir).expanduser() if cache_dir else default_cache_path()
+
+
+def _run_foundation(run_dir: Path) -> tuple[dict[str, Any], Path]:
+    """(the foundation card of the run at ``run_dir``, its cache directory); {} if none."""
+    try:
+        payload = json.loads((run_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}, cache_dir_of({})
+    return payload.get("foundation") or {}, cache_dir_of(payload.get("run-config") or {})
+
+
+def _weights_name(card: dict[str, Any], run_dir: Path) -> str:
+    """The file name of the weights the card names (an older card: the offline ViTs' name)."""
+    if card.get(CACHE_FILES):
+        return Path(card[CACHE_FILES][0]).name
+    if "key" not in card:
+        return ""
+    try:
+        backbone = json.loads((run_dir / "config.json").read_text())["run-config"]["backbone"]
+    except (OSError, ValueError, KeyError):
+        return ""
+    return f"{backbone}-{card['key']}.safetensors"
+
+
+def _belongs(path: Path, stem: Path) -> bool:
+    """Whether ``path`` is a companion of the weights ``stem``.safetensors (its card, its
+    tokenizer directory's files)."""
+    return (
+        path.is_file()
+        and path.suffix != ".safetensors"
+        and (path.with_suffix("") == stem or stem.with_suffix(".tokenizer") in path.parents)
+    )
 
 
 def _copy(source: Path, target: Path) -> None:

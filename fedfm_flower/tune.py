@@ -84,7 +84,7 @@ from fedfm_flower.search import (
     tried_ranges,
 )
 from fedfm_flower.settings import require_package
-from fedfm_flower.study_state import StudyState, read_tuning
+from fedfm_flower.study_state import StudyState, cache_dir_of, read_tuning
 from fedfm_flower.sweep import (
     CONFIG_ROOT,
     INTERRUPTED,
@@ -743,9 +743,12 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--trials must be >= 1, got {args.trials}")
         overrides = parse_overrides(args.set)
         state.check()
+        state.check_foundations()
         state.restore()
         wall_before = earlier_wall_seconds(args.out)
         studies = open_studies(args.methods, args.setups, args, overrides)
+        for cache in sorted({cache_dir_of(study.base) for study in studies}):
+            state.install_foundations(cache)
         pool = pool_from_arguments(args)
     except (ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)

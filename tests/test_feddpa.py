@@ -4,6 +4,7 @@ FedDPA-F's post-training round runs once, after the last round, and is checkpoin
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -321,6 +322,12 @@ def test_feddpa_f_fine_tunes_the_local_adapter_once_after_the_last_round(
     assert (run_dir / "checkpoints" / "round_00003.safetensors").is_file()
     saved = json.loads((run_dir / "config.json").read_text())
     assert saved["client-tasks"] == {"0": "paraphrase", "1": "entailment"}  # Table 1's columns
+    # the card names tiny-llama's build: its weights' digest and every file of it in the cache
+    card, cache = saved["foundation"], Path(saved["run-config"]["cache-dir"])
+    weights, *others = (cache / name for name in card["cache-files"])
+    assert card["weights-sha256"] == hashlib.sha256(weights.read_bytes()).hexdigest()
+    assert weights.suffix == ".safetensors" and weights.with_suffix(".json") in others
+    assert any(weights.with_suffix(".tokenizer") in f.parents for f in others)
     state = Path(base["client-state-dir"]) / "f"
     for client in sorted(state.iterdir()):
         assert [p.name for p in sorted(client.glob("round_*.safetensors"))] == [

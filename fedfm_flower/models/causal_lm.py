@@ -193,14 +193,19 @@ def tiny_llama_card(config: ExperimentConfig) -> dict[str, Any]:
 
 
 def prepare_tiny_llama(config: ExperimentConfig) -> dict[str, Any]:
-    """The causal-lm family's foundation hook: tiny-llama's card (built if missing), {} for
-    checkpoints loaded from model-name-or-path."""
+    """The causal-lm family's foundation hook: tiny-llama's card (built if missing) with its
+    build's identity (``foundation_cards``), {} for checkpoints loaded from model-name-or-path."""
     if config.backbone != "tiny-llama":
         return {}
+    from fedfm_flower.foundation_cards import identified
+    from fedfm_flower.models.language.foundation import language_foundation_path, tokenizer_dir
+
     card = tiny_llama_card(config)
     log.info(
         "foundation model %s: public hold-out ROUGE-1 %.3f",
         card.get("key", "tiny-llama"),
         card["public_holdout_rouge"]["rouge-1"],
     )
-    return card
+    weights = language_foundation_path(**foundation_args(config))
+    tokenizer = sorted(f for f in tokenizer_dir(weights).rglob("*") if f.is_file())
+    return identified(card, config.cache_path, [weights, weights.with_suffix(".json"), *tokenizer])

@@ -97,19 +97,20 @@ def foundation_card(config: ExperimentConfig) -> dict:
 
 
 def prepare_offline_vit(config: ExperimentConfig) -> dict:
-    """The vit family's foundation hook: the card of an offline ViT (built if missing), {} for
-    the timm hub backbones."""
+    """The vit family's foundation hook: the card of an offline ViT (built if missing) with its
+    build's identity (``foundation_cards``), {} for the timm hub backbones."""
     from fedfm_flower.models.families import OFFLINE_VIT_NAMES
 
     if config.backbone not in OFFLINE_VIT_NAMES:
         return {}
+    from fedfm_flower.foundation_cards import identified
+
     card = foundation_card(config)
+    path = foundation_path(config)
     log.info(
-        "foundation model %s: public test accuracy %.3f",
-        foundation_path(config).name,
-        card["public_test_accuracy"],
+        "foundation model %s: public test accuracy %.3f", path.name, card["public_test_accuracy"]
     )
-    return card
+    return identified(card, config.cache_path, [path, path.with_suffix(".json")])
 
 
 def ensure_foundation(config: ExperimentConfig) -> Path:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,7 @@ class RunResult:
     bytes_up: tuple[int, ...]
     clients_reported: tuple[int, ...]  # per round
     final_metrics: dict[int, dict[str, float]]  # client id -> every reply metric, last evaluation
+    foundation: dict[str, Any] = field(default_factory=dict)  # config.json's card ({}: none)
 
     @property
     def final_mean(self) -> float:
@@ -61,7 +62,8 @@ def read_run(path: Path, metric: str = "") -> RunResult | None:
     if not (path / "summary.json").is_file():
         return None
     try:
-        config = json.loads((path / "config.json").read_text())["run-config"]
+        payload = json.loads((path / "config.json").read_text())
+        config = payload["run-config"]
         summary = json.loads((path / "summary.json").read_text())
         records = [json.loads(line) for line in (path / "metrics.jsonl").open() if line.strip()]
     except (OSError, KeyError, ValueError) as err:
@@ -92,6 +94,7 @@ def read_run(path: Path, metric: str = "") -> RunResult | None:
         bytes_up=tuple(int(r["bytes-up"]) for r in records),
         clients_reported=tuple(int(r["clients-reported"]) for r in records),
         final_metrics=final_metrics,
+        foundation=dict(payload.get("foundation") or {}),
     )
 
 

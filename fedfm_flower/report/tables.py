@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from fedfm_flower.foundation_cards import describe, same_build
 from fedfm_flower.report.runs import RunResult
 from fedfm_flower.statistics import PairedTest, mean_ci, paired_test
 
@@ -112,7 +113,28 @@ def by_cell(runs: Sequence[RunResult]) -> dict[tuple[str, str], dict[int, RunRes
                 f"{by_seed[run.seed].path} and {run.path}; report one of them"
             )
         by_seed[run.seed] = run
+    refuse_mixed_foundations(runs)
     return grouped
+
+
+def refuse_mixed_foundations(runs: Sequence[RunResult]) -> None:
+    """ValueError naming the runs when runs of one setup and seed ran on different builds of
+    one foundation model (same key, other weights: ``foundation_cards``), whose pairing would
+    compare the models as much as the methods."""
+    first: dict[tuple[str, int, str], RunResult] = {}
+    for run in runs:
+        key = run.foundation.get("key")
+        if not key:
+            continue
+        seen = first.setdefault((run.setup, run.seed, str(key)), run)
+        if not same_build(seen.foundation, run.foundation):
+            raise ValueError(
+                f"runs of {run.setup} at seed {run.seed} ran on two builds of foundation {key}: "
+                f"{seen.path} ({describe(seen.foundation)}) and {run.path} "
+                f"({describe(run.foundation)}); one recipe gives other weights on another "
+                "machine: rerun one side on the other's build (a study keeps its builds, "
+                "docs/tuning.md)"
+            )
 
 
 def build_cells(
