@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -147,6 +148,33 @@ def test_small_vit_has_a_conv_stem_and_its_own_foundation_key(tmp_path: Path) ->
     assert foundation_path(config).name.startswith("small-vit-")
     with pytest.raises(ValueError, match="'vit_small_patch16_224' has no offline foundation"):
         foundation_key(config.replace(backbone="vit_small_patch16_224"))
+
+
+def test_the_offline_vit_is_pretrained_at_the_data_seed(tmp_path: Path) -> None:
+    """A tuned table's final run at seed 1 on data seed 0 runs on data seed 0's foundation (the
+    one its trials were tuned on), as tiny-llama does; seeds of their own data keep their own,
+    and the key of a run without data-seed is the one it always had."""
+    import hashlib
+
+    from fedfm_flower.models.backbones import OFFLINE_VITS
+    from fedfm_flower.models.foundation import FOUNDATION_VERSION, foundation_key
+
+    config = _config(tmp_path)
+    final = config.replace(seed=1, data_seed=0)
+    assert foundation_key(final) == foundation_key(config.replace(seed=0, data_seed=0))
+    assert foundation_key(final) == foundation_key(config.replace(seed=0))
+    assert foundation_key(config.replace(seed=1)) != foundation_key(config.replace(seed=0))
+    fields = {  # the recipe's fields, hashed as before data-seed existed
+        "version": FOUNDATION_VERSION,
+        "arch": dataclasses.asdict(OFFLINE_VITS[config.backbone]),
+        "image_size": config.image_size,
+        "dataset": config.dataset,
+        "public_fraction": config.public_fraction,
+        "epochs": config.pretrain_epochs,
+        "seed": 1,
+    }
+    digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+    assert foundation_key(config.replace(seed=1)) == digest
 
 
 def test_domain_dirichlet_draws_each_seed_independently(cache_dir: Path) -> None:

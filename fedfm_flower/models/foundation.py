@@ -6,6 +6,11 @@ stand-in for a model pretrained elsewhere. The weights are cached on disk under
 ``<cache-dir>/foundation/<key>.safetensors`` with a JSON card beside them (key, accuracy on the
 public hold-out, seconds); the key hashes everything that changes the weights (architecture,
 image size, dataset, public fraction, epochs, seed), so later runs and every client reuse it.
+It is pretrained at the *data* seed (``data-seed``, ``seed`` when that is -1), like tiny-llama
+(``models.language``): it stands for a checkpoint pretrained elsewhere, which every run of one
+federation shares, so runs that vary only ``seed`` (a tuned table's final runs) vary the
+training alone, on the foundation the trials were tuned on. With ``data-seed = -1`` the data
+seed is the seed, and the key and weights are those of before.
 Pretraining runs at one torch thread whatever the builder's count (``models.threads``), so the
 weights do not depend on which process built them. Concurrent builders (Ray actors, SuperNodes
 on one host) serialise on a file lock and the file is written atomically, so nobody ever reads a
@@ -61,10 +66,8 @@ def foundation_key(config: ExperimentConfig) -> str:
         "dataset": base_dataset,
         "public_fraction": config.public_fraction,
         "epochs": config.pretrain_epochs,
-        "seed": config.seed,
+        "seed": config.effective_data_seed,  # the data's seed: runs of one data seed share it
     }
-    if config.effective_data_seed != config.seed:  # the public split's seed (keys of -1 kept)
-        fields["data_seed"] = config.effective_data_seed
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -138,7 +141,7 @@ def pretrain_foundation(config: ExperimentConfig) -> tuple[dict[str, torch.Tenso
 
     started = time.perf_counter()
     train_set, test_set, num_classes = load_public_split(config)
-    torch.manual_seed(config.seed)
+    torch.manual_seed(config.effective_data_seed)
     backbone = offline_vit(config)
     model = nn.Sequential(backbone, nn.Linear(backbone.num_features, num_classes))
     device = pick_device(config.device)
@@ -160,7 +163,7 @@ def pretrain_foundation(config: ExperimentConfig) -> tuple[dict[str, torch.Tenso
         train_set,
         model.parameters(),
         recipe,
-        seed=config.seed,
+        seed=config.effective_data_seed,
         epochs=epochs,
         device=device,
         schedule=warmup_cosine(warmup, epochs * steps_per_epoch) if warmup else None,
