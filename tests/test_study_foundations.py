@@ -142,3 +142,8 @@ def test_a_report_refuses_runs_of_one_seed_on_two_builds(tmp_path: Path) -> None
     with pytest.raises(ValueError, match="two builds of foundation c0ffee") as refused:
         build_cells(runs, "local")
     assert "fedrep-glyphs-s0" in str(refused.value)
+    (tmp_path / "runs" / "fedrep-glyphs-s0" / "summary.json").unlink()  # not reported
+    write_run(tmp_path / "runs", "fedprox-glyphs-s0", {**mine, "key": "5eed1"}, tmp_path)
+    runs, _ = load_runs([tmp_path / "runs"])
+    with pytest.raises(ValueError, match=r"two foundation models \(c0ffee and 5eed1\)"):
+        build_cells(runs, "local")

@@ -118,23 +118,27 @@ def by_cell(runs: Sequence[RunResult]) -> dict[tuple[str, str], dict[int, RunRes
 
 
 def refuse_mixed_foundations(runs: Sequence[RunResult]) -> None:
-    """ValueError naming the runs when runs of one setup and seed ran on different builds of
-    one foundation model (same key, other weights: ``foundation_cards``), whose pairing would
+    """ValueError naming two runs of one setup and seed that ran on different foundation
+    models: other keys (another recipe, e.g. a run made before the foundation followed the data
+    seed) or other builds of one key (other weights: ``foundation_cards``). Pairing them would
     compare the models as much as the methods."""
-    first: dict[tuple[str, int, str], RunResult] = {}
+    first: dict[tuple[str, int], RunResult] = {}
     for run in runs:
-        key = run.foundation.get("key")
-        if not key:
+        if not run.foundation.get("key"):
             continue
-        seen = first.setdefault((run.setup, run.seed, str(key)), run)
-        if not same_build(seen.foundation, run.foundation):
-            raise ValueError(
-                f"runs of {run.setup} at seed {run.seed} ran on two builds of foundation {key}: "
-                f"{seen.path} ({describe(seen.foundation)}) and {run.path} "
-                f"({describe(run.foundation)}); one recipe gives other weights on another "
-                "machine: rerun one side on the other's build (a study keeps its builds, "
-                "docs/tuning.md)"
-            )
+        seen = first.setdefault((run.setup, run.seed), run)
+        a, b = seen.foundation, run.foundation
+        if a["key"] != b["key"]:
+            what = f"two foundation models ({a['key']} and {b['key']})"
+        elif not same_build(a, b):
+            what = f"two builds of foundation {a['key']} (one recipe, other weights)"
+        else:
+            continue
+        raise ValueError(
+            f"runs of {run.setup} at seed {run.seed} ran on {what}: {seen.path} "
+            f"({describe(a)}) and {run.path} ({describe(b)}); rerun one side on the other's "
+            "model (a tuning study keeps its builds: docs/tuning.md)"
+        )
 
 
 def build_cells(
