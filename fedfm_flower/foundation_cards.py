@@ -13,6 +13,9 @@ to the cache directory: what a study keeps to run on the same build elsewhere,
 ``fedfm_flower.study_state``). Cards written before these fields existed are compared by their
 stable fields (accuracies, sizes): equal builds have equal cards, so a difference there is a
 different build, while equal old cards are taken as one build.
+
+A model made of several foundations (TAP's ``mm-offline``: the small-vit and tiny-llama) has a
+card whose ``parts`` are the cards of its builds; its key and digest combine theirs.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Any
 
 WEIGHTS_SHA256 = "weights-sha256"
 CACHE_FILES = "cache-files"  # the build's files relative to the cache directory, weights first
+PARTS = "parts"  # a composite card: {part name: the card of one build}
 VOLATILE = frozenset({"seconds", WEIGHTS_SHA256, CACHE_FILES})  # not part of what was built
 
 
@@ -46,6 +50,23 @@ def identified(card: dict[str, Any], cache_dir: Path, files: Iterable[Path]) -> 
         WEIGHTS_SHA256: file_sha256(files[0]),
         CACHE_FILES: [str(Path(f).relative_to(cache_dir)) for f in files],
     }
+
+
+def composite(parts: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The card of a model made of the builds ``parts`` (cards from ``identified``): a key and
+    digest over theirs, and the parts themselves."""
+    names = sorted(parts)
+    combined = hashlib.sha256("".join(parts[n][WEIGHTS_SHA256] for n in names).encode())
+    return {
+        "key": "+".join(str(parts[n].get("key", "?")) for n in names),
+        WEIGHTS_SHA256: combined.hexdigest(),
+        PARTS: parts,
+    }
+
+
+def builds_of(card: dict[str, Any]) -> list[dict[str, Any]]:
+    """The cards of the single builds a card names: its parts, or itself."""
+    return list(card[PARTS].values()) if card.get(PARTS) else [card]
 
 
 def stable_fields(card: dict[str, Any]) -> str:

@@ -41,6 +41,7 @@ from fedfm_flower.durable import atomic_path
 from fedfm_flower.foundation_cards import (
     CACHE_FILES,
     WEIGHTS_SHA256,
+    builds_of,
     describe,
     file_sha256,
     same_build,
@@ -86,9 +87,13 @@ class StudyState:
             self.keep_foundation(run_dir)
 
     def keep_foundation(self, run_dir: Path) -> None:
-        """Copy the files of the foundation build the run at ``run_dir`` used from its cache
-        into ``foundations/`` (weights last), unless the state keeps that foundation already."""
+        """Copy the files of each foundation build the run at ``run_dir`` used from its cache
+        into ``foundations/`` (weights last), unless the state keeps that build already."""
         card, cache = _run_foundation(run_dir)
+        for build in builds_of(card):
+            self._keep_build(build, cache, run_dir)
+
+    def _keep_build(self, card: dict[str, Any], cache: Path, run_dir: Path) -> None:
         files = card.get(CACHE_FILES) or []
         if not files or (self.root / FOUNDATIONS / files[0]).is_file():
             return
@@ -141,12 +146,13 @@ class StudyState:
             return
         other: dict[str, list[str]] = {}
         for config in sorted((self.root / FINAL_RUNS).glob("*/config.json")):
-            card, _ = _run_foundation(config.parent)
-            kept = builds.get(_weights_name(card, config.parent))
-            if kept is not None and not same_build(card, kept):
-                other.setdefault(describe(kept), []).append(
-                    f"{config.parent.name} ({describe(card)})"
-                )
+            run_card, _ = _run_foundation(config.parent)
+            for card in builds_of(run_card):
+                kept = builds.get(_weights_name(card, config.parent))
+                if kept is not None and not same_build(card, kept):
+                    other.setdefault(describe(kept), []).append(
+                        f"{config.parent.name} ({describe(card)})"
+                    )
         if other:
             said = "; ".join(f"the kept {k}: {', '.join(v)}" for k, v in other.items())
             raise StateError(

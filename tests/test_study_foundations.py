@@ -147,3 +147,41 @@ def test_a_report_refuses_runs_of_one_seed_on_two_builds(tmp_path: Path) -> None
     runs, _ = load_runs([tmp_path / "runs"])
     with pytest.raises(ValueError, match=r"two foundation models \(c0ffee and 5eed1\)"):
         build_cells(runs, "local")
+
+
+def test_a_composite_models_builds_are_kept_and_checked_part_by_part(tmp_path: Path) -> None:
+    """TAP's mm-offline: a card whose parts are the small-vit's and tiny-llama's builds."""
+    cache = tmp_path / "cache"
+    image = build(cache, b"vit weights")
+    (cache / "foundation" / "tiny-llama-beef.tokenizer").mkdir(parents=True)
+    (cache / "foundation" / "tiny-llama-beef.tokenizer" / "vocab.json").write_text("{}")
+    text_files = [cache / "foundation" / f"tiny-llama-beef.{s}" for s in ("safetensors", "json")]
+    text_files[0].write_bytes(b"llama weights")
+    text_files[1].write_text(json.dumps({"key": "beef", "seconds": 1.0}))
+    text = cards.identified(
+        {"key": "beef"},
+        cache,
+        [*text_files, cache / "foundation/tiny-llama-beef.tokenizer/vocab.json"],
+    )
+    card = cards.composite({"image": image, "text": text})
+    assert card["key"] == "c0ffee+beef" and cards.builds_of(card) == [image, text]
+    assert not cards.same_build(card, cards.composite({"image": image, "text": image}))
+    state = StudyState(tmp_path / "state", tmp_path / "state")
+    state.keep_run(write_run(tmp_path / "state" / "runs", "tap-multitask-s0", card, cache))
+    kept = tmp_path / "state" / "foundations" / "foundation"
+    assert (kept / "tiny-llama-beef.safetensors").read_bytes() == b"llama weights"
+    assert (kept / "tiny-llama-beef.tokenizer" / "vocab.json").is_file()
+    assert (kept / f"{NAME}.safetensors").read_bytes() == b"vit weights"
+    elsewhere = tmp_path / "elsewhere"
+    assert len(state.install_foundations(elsewhere)) == 2
+    assert (elsewhere / "foundation" / "tiny-llama-beef.tokenizer" / "vocab.json").is_file()
+    state.check_foundations()
+    other = {**text, cards.WEIGHTS_SHA256: "0" * 64}
+    write_run(
+        tmp_path / "state" / "runs",
+        "local-multitask-s0",
+        cards.composite({"image": image, "text": other}),
+        cache,
+    )
+    with pytest.raises(StateError, match="local-multitask-s0"):
+        state.check_foundations()

@@ -4,6 +4,7 @@ survives a restart; the post-FL round runs once, after the last round)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from pathlib import Path
@@ -179,6 +180,14 @@ def test_tap_end_to_end_x_stays_home_and_survives_a_restart(tap_config: dict) ->
     ]
     assert records[2]["bytes-up-train"] == 0 and records[2]["clients-sampled"] == 4
     assert (run_dir / "checkpoints" / "round_00003.safetensors").is_file()
+    # The card names both builds mm-offline is made of, each by its weights' digest.
+    saved = json.loads((run_dir / "config.json").read_text())
+    card, cache = saved["foundation"], Path(saved["run-config"]["cache-dir"])
+    assert set(card["parts"]) == {"image", "text"}
+    for part in card["parts"].values():
+        weights = cache / part["cache-files"][0]
+        assert part["weights-sha256"] == hashlib.sha256(weights.read_bytes()).hexdigest()
+    assert card["key"] == f"{card['parts']['image']['key']}+{card['parts']['text']['key']}"
     # Round 1: X has no history, so every pair a client trained is replaced (eq. 3, +inf).
     for client, metrics in records[0]["train"].items():
         flags = {k: v for k, v in metrics.items() if k.startswith("train-replaced-")}

@@ -61,6 +61,7 @@ FAMILIES: dict[str, ModelFamily] = {
         "fedfm_flower.models.multimodal:build_multimodal",
         "TAP's multi-modal multi-task model: encoders, a MoME/MoTE backbone and task decoders; "
         "mm-offline is built from the offline small-vit and tiny-llama",
+        foundation="fedfm_flower.models.multimodal:prepare_mm_offline",
     ),
     "multimodal-hf": ModelFamily(
         "multimodal-hf",

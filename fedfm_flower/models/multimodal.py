@@ -572,6 +572,21 @@ def image_foundation_config(config: Any) -> Any:
     )
 
 
+def prepare_mm_offline(config: Any) -> dict[str, Any]:
+    """The multimodal family's foundation hook: the two offline foundations ``mm-offline`` is
+    built from (built if missing), as one composite card (``foundation_cards.composite``)."""
+    from fedfm_flower.foundation_cards import composite
+    from fedfm_flower.models.causal_lm import prepare_tiny_llama
+    from fedfm_flower.models.foundation import prepare_offline_vit
+
+    return composite(
+        {
+            "image": prepare_offline_vit(image_foundation_config(config)),
+            "text": prepare_tiny_llama(text_foundation_config(config)),
+        }
+    )
+
+
 def check_tuning(config: Any, tuner: str, train_backbone: bool) -> None:
     """A ValueError unless the run tunes TAP's model as it is built: its own LoRA, a frozen
     backbone."""
