@@ -1039,3 +1039,27 @@ def test_a_pruning_decided_before_a_crash_stops_the_resumed_run() -> None:
         assert study.optuna_study.get_trials()[1].user_attrs[PRUNED_AT] == 5
         resumed = links[1].early_stop()  # the resumed run's next report, rung 0 passed by
         assert resumed(10, 0.9)
+
+
+def test_a_copied_study_installs_its_foundation_builds_before_any_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """On a new machine the kept build goes into the runs' cache; a cache holding another build
+    of it stops the command (exit 2) before any run."""
+    pytest.importorskip("optuna")
+    from fedfm_flower import tune
+
+    pools = _pooled(monkeypatch, lambda trial, r: 0.9)
+    kept = tmp_path / "state" / "foundations" / "foundation"
+    kept.mkdir(parents=True)
+    (kept / "tiny-vit-abc.safetensors").write_bytes(b"the study's build")
+    (kept / "tiny-vit-abc.json").write_text('{"key": "abc"}')
+    cache = tmp_path / "new-machine-cache"
+    argv = [*_copied_study_argv(tmp_path / "out", tmp_path / "state", 1), f"cache-dir='{cache}'"]
+    assert tune.main(argv) == 0 and pools[0].ran
+    assert (cache / "foundation" / "tiny-vit-abc.safetensors").read_bytes() == b"the study's build"
+    assert (cache / "foundation" / "tiny-vit-abc.json").is_file()
+    (cache / "foundation" / "tiny-vit-abc.safetensors").write_bytes(b"this machine's build")
+    assert tune.main(argv) == 2
+    assert len(pools) == 1  # no pool was made: nothing ran
+    assert "another build of this foundation" in capsys.readouterr().err
