@@ -4,7 +4,7 @@
 # runs' small files) exists goes on from it, on this machine or another, without repeating a
 # finished trial. After each table its report, with the 4-trial table's conclusions checked.
 #
-#     bash scripts/tuned16.sh [TABLE ...]     # default: every table below, in order
+#     bash scripts/tuned16.sh [TABLE ...]     # default: the tables not yet done, in order
 #
 # Tables: label-skew many-clients tap fedperfix. Run it from a clone pinned at one commit for
 # the whole of a study (the trials of one study must come from one tree); commit the state
@@ -14,7 +14,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-.venv/bin/python}"
 TABLES=("$@")
-[ ${#TABLES[@]} -gt 0 ] || TABLES=(label-skew many-clients tap fedperfix)
+[ ${#TABLES[@]} -gt 0 ] || TABLES=(many-clients tap fedperfix)  # label-skew: done
 
 run() {  # run TABLE REFERENCE EARLIER-REPORT -- tune arguments
     local table="$1" reference="$2" earlier="$3"
