@@ -189,7 +189,9 @@ class FederationKeys:
         within=(-1, 2**31 - 1),
         doc=(
             "seeds the data alone (the public hold-out, the partition, each client's test and "
-            "validation split, a synthetic corpus); `-1`: `seed`. The tuning command's final "
+            "validation split, a synthetic corpus) and the offline foundation models pretrained "
+            "on it (`tiny-vit`, `small-vit`, `offline-vit-s`, `tiny-llama`: a checkpoint every "
+            "run of one federation shares); `-1`: `seed`. The tuning command's final "
             "runs set it to the tuning seed, so every seed tests on data the trials never "
             "validated on"
         ),

@@ -406,6 +406,7 @@ def test_cpu_by_role_sums_roles_and_keeps_what_an_exited_process_used() -> None:
     import os
     import subprocess
     import sys
+    import time
 
     from bench.process_cpu import CpuByRole
     from fedfm_flower.processes import cpu_seconds
@@ -414,8 +415,15 @@ def test_cpu_by_role_sums_roles_and_keeps_what_an_exited_process_used() -> None:
     child = subprocess.Popen([sys.executable, "-c", burn + "input()"], stdin=subprocess.PIPE)
     try:
         cpu = CpuByRole()
+        deadline = time.monotonic() + 60  # a child that dies or stalls fails, never hangs
         while cpu_seconds(child.pid) < 0.3:
             cpu.record(child.pid, "worker")
+            assert child.poll() is None, f"the burning child exited early ({child.returncode})"
+            assert time.monotonic() < deadline, (
+                f"the child used {cpu_seconds(child.pid):.2f} CPU s in 60 s "
+                f"(/proc/{child.pid}/stat: {open(f'/proc/{child.pid}/stat').read()!r})"
+            )
+            time.sleep(0.001)
         cpu.record(child.pid, "worker")
         used = cpu.by_role()["worker"]
     finally:
