@@ -411,7 +411,9 @@ def test_cpu_by_role_sums_roles_and_keeps_what_an_exited_process_used() -> None:
     from bench.process_cpu import CpuByRole
     from fedfm_flower.processes import cpu_seconds
 
-    burn = "import time\nend = time.process_time() + 0.3\nwhile time.process_time() < end: pass\n"
+    # The child burns past 0.4 s: /proc counts in clock ticks, so a child that stopped at its
+    # precise 0.3 s could read 0.29 there forever.
+    burn = "import time\nend = time.process_time() + 0.4\nwhile time.process_time() < end: pass\n"
     child = subprocess.Popen([sys.executable, "-c", burn + "input()"], stdin=subprocess.PIPE)
     try:
         cpu = CpuByRole()
