@@ -32,6 +32,11 @@ PARTS = "parts"  # a composite card: {part name: the card of one build}
 VOLATILE = frozenset({"seconds", WEIGHTS_SHA256, CACHE_FILES})  # not part of what was built
 
 
+def weights_file_name(backbone: str, key: str) -> str:
+    """The cache file name of the offline foundation ``backbone`` built from recipe ``key``."""
+    return f"{backbone}-{key}.safetensors"
+
+
 def file_sha256(path: Path) -> str:
     """The SHA-256 of the file at ``path``, in hex."""
     digest = hashlib.sha256()

@@ -45,6 +45,7 @@ from fedfm_flower.foundation_cards import (
     describe,
     file_sha256,
     same_build,
+    weights_file_name,
 )
 
 log = logging.getLogger(__name__)
@@ -89,7 +90,8 @@ class StudyState:
     def keep_foundation(self, run_dir: Path) -> None:
         """Copy the files of each foundation build the run at ``run_dir`` used from its cache
         into ``foundations/`` (weights last), unless the state keeps that build already."""
-        card, cache = _run_foundation(run_dir)
+        card, run_config = _run_foundation(run_dir)
+        cache = cache_dir_of(run_config)
         for build in builds_of(card):
             self._keep_build(build, cache, run_dir)
 
@@ -146,9 +148,9 @@ class StudyState:
             return
         other: dict[str, list[str]] = {}
         for config in sorted((self.root / FINAL_RUNS).glob("*/config.json")):
-            run_card, _ = _run_foundation(config.parent)
+            run_card, run_config = _run_foundation(config.parent)
             for card in builds_of(run_card):
-                kept = builds.get(_weights_name(card, config.parent))
+                kept = builds.get(_weights_name(card, run_config))
                 if kept is not None and not same_build(card, kept):
                     other.setdefault(describe(kept), []).append(
                         f"{config.parent.name} ({describe(card)})"
@@ -267,26 +269,22 @@ def cache_dir_of(run_config: dict[str, Any]) -> Path:
     return Path(cache_dir).expanduser() if cache_dir else default_cache_path()
 
 
-def _run_foundation(run_dir: Path) -> tuple[dict[str, Any], Path]:
-    """(the foundation card of the run at ``run_dir``, its cache directory); {} if none."""
+def _run_foundation(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the foundation card of the run at ``run_dir``, its run config); {} for what it lacks."""
     try:
         payload = json.loads((run_dir / "config.json").read_text())
     except (OSError, ValueError):
-        return {}, cache_dir_of({})
-    return payload.get("foundation") or {}, cache_dir_of(payload.get("run-config") or {})
+        return {}, {}
+    return payload.get("foundation") or {}, payload.get("run-config") or {}
 
 
-def _weights_name(card: dict[str, Any], run_dir: Path) -> str:
+def _weights_name(card: dict[str, Any], run_config: dict[str, Any]) -> str:
     """The file name of the weights the card names (an older card: the offline ViTs' name)."""
     if card.get(CACHE_FILES):
         return Path(card[CACHE_FILES][0]).name
-    if "key" not in card:
+    if "key" not in card or "backbone" not in run_config:
         return ""
-    try:
-        backbone = json.loads((run_dir / "config.json").read_text())["run-config"]["backbone"]
-    except (OSError, ValueError, KeyError):
-        return ""
-    return f"{backbone}-{card['key']}.safetensors"
+    return weights_file_name(str(run_config["backbone"]), str(card["key"]))
 
 
 def _belongs(path: Path, stem: Path) -> bool:

@@ -38,6 +38,7 @@ from fedfm_flower.durable import (
     load_tensors,
     save_tensors,
 )
+from fedfm_flower.foundation_cards import identified, weights_file_name
 from fedfm_flower.models.threads import PRETRAIN_THREADS, pinned_threads
 
 log = logging.getLogger(__name__)
@@ -73,7 +74,7 @@ def foundation_key(config: ExperimentConfig) -> str:
 
 def foundation_path(config: ExperimentConfig) -> Path:
     """Where the cached weights for ``config`` live."""
-    name = f"{config.backbone}-{foundation_key(config)}.safetensors"
+    name = weights_file_name(config.backbone, foundation_key(config))
     return config.cache_path / "foundation" / name
 
 
@@ -106,8 +107,6 @@ def prepare_offline_vit(config: ExperimentConfig) -> dict:
 
     if config.backbone not in OFFLINE_VIT_NAMES:
         return {}
-    from fedfm_flower.foundation_cards import identified
-
     card = foundation_card(config)
     path = foundation_path(config)
     log.info(
