@@ -14,7 +14,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-.venv/bin/python}"
 TABLES=("$@")
-[ ${#TABLES[@]} -gt 0 ] || TABLES=(many-clients tap fedperfix)  # label-skew: done
+[ ${#TABLES[@]} -gt 0 ] || TABLES=(tap fedperfix)  # label-skew, many-clients: done
 
 run() {  # run TABLE REFERENCE EARLIER-REPORT -- tune arguments
     local table="$1" reference="$2" earlier="$3"
