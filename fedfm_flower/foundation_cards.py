@@ -87,6 +87,18 @@ def same_build(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return stable_fields(a) == stable_fields(b)
 
 
+def model_difference(a: dict[str, Any], b: dict[str, Any]) -> str:
+    """How the foundation models of two cards differ, as a phrase ("two foundation models
+    (K1 and K2)", "two builds of foundation K (...)"); "" for one model or a card without a key."""
+    if not a.get("key") or not b.get("key"):
+        return ""
+    if a["key"] != b["key"]:
+        return f"two foundation models ({a['key']} and {b['key']})"
+    if not same_build(a, b):
+        return f"two builds of foundation {a['key']} (one recipe, other weights)"
+    return ""
+
+
 def describe(card: dict[str, Any]) -> str:
     """A short name of the build for messages: key, digest prefix and its accuracies."""
     facts = [str(card.get("key", "?"))]

@@ -536,7 +536,8 @@ class OutputKeys:
         False,
         doc=(
             "continue `run-name` from its newest intact checkpoint (a damaged one is skipped with "
-            "a warning naming the file)"
+            "a warning naming the file); refused when the foundation model to load is another "
+            "than the run recorded"
         ),
     )
     keep_checkpoints: int = setting(

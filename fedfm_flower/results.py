@@ -90,6 +90,13 @@ class RunDirectory:
         payload = {"run-config": config.to_run_config(), **extra}
         atomic_write_text(self.path / "config.json", json.dumps(payload, indent=2))
 
+    def recorded_foundation(self) -> dict[str, Any]:
+        """The foundation card ``config.json`` records ({} when there is none to read)."""
+        try:
+            return json.loads((self.path / "config.json").read_text()).get("foundation") or {}
+        except (OSError, ValueError, AttributeError):
+            return {}
+
     def append_round(self, record: dict[str, Any]) -> None:
         """Append one round's record to metrics.jsonl (flushed and fsynced)."""
         with open(self.metrics_path, "a") as handle:

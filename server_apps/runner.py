@@ -56,6 +56,7 @@ from flwr.serverapp import Grid
 from fedfm_flower import __version__
 from fedfm_flower import protocol as P
 from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.foundation_cards import describe, model_difference
 from fedfm_flower.models.build import prepare_foundation
 from fedfm_flower.privacy.accountant import privacy_spent
 from fedfm_flower.privacy.ledger import LedgerFile
@@ -157,6 +158,21 @@ def run_experiment(
         trackers.close(failed)
 
 
+def _refuse_another_foundation(run: RunDirectory, card: dict[str, Any]) -> None:
+    """A ``ValueError`` when the run to resume recorded another foundation model than the one
+    this command loads (a changed recipe, another build in the cache): its rounds so far trained
+    on the recorded one, and going on from them on another would mix two models in one run."""
+    recorded = run.recorded_foundation()
+    what = model_difference(recorded, card)
+    if what:
+        raise ValueError(
+            f"run {run.name} cannot resume: its rounds so far and this command would use {what}: "
+            f"recorded {describe(recorded)}, now {describe(card)}. Put the recorded build back "
+            "in the cache (a tuning study keeps its builds: docs/tuning.md) or start the run "
+            "over under another run-name; its checkpoints and rounds are as they were"
+        )
+
+
 def _run(
     grid: Grid,
     config: ExperimentConfig,
@@ -180,6 +196,7 @@ def _run(
     start_round = 1
     pending: dict[str, Any] | None = None  # the record whose evaluation rides on the next round
     if config.resume:
+        _refuse_another_foundation(run, card)
         run.clear_failure()
         newest = run.load_newest_checkpoint()
         if newest is None:

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fedfm_flower.foundation_cards import describe, same_build
+from fedfm_flower.foundation_cards import describe, model_difference
 from fedfm_flower.report.runs import RunResult
 from fedfm_flower.statistics import PairedTest, mean_ci, paired_test
 
@@ -128,11 +128,8 @@ def refuse_mixed_foundations(runs: Sequence[RunResult]) -> None:
             continue
         seen = first.setdefault((run.setup, run.seed), run)
         a, b = seen.foundation, run.foundation
-        if a["key"] != b["key"]:
-            what = f"two foundation models ({a['key']} and {b['key']})"
-        elif not same_build(a, b):
-            what = f"two builds of foundation {a['key']} (one recipe, other weights)"
-        else:
+        what = model_difference(a, b)
+        if not what:
             continue
         raise ValueError(
             f"runs of {run.setup} at seed {run.seed} ran on {what}: {seen.path} "
