@@ -99,6 +99,22 @@ def model_difference(a: dict[str, Any], b: dict[str, Any]) -> str:
     return ""
 
 
+def recorded_card(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the foundation card the run at ``run_dir`` recorded in ``config.json``, its run config);
+    {} for each that is missing or unreadable."""
+    try:
+        payload = json.loads((run_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}, {}
+    if not isinstance(payload, dict):
+        return {}, {}
+    card, run_config = payload.get("foundation"), payload.get("run-config")
+    return (
+        card if isinstance(card, dict) else {},
+        run_config if isinstance(run_config, dict) else {},
+    )
+
+
 def describe(card: dict[str, Any]) -> str:
     """A short name of the build for messages: key, digest prefix and its accuracies."""
     facts = [str(card.get("key", "?"))]

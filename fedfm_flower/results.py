@@ -32,6 +32,7 @@ from fedfm_flower.durable import (
     save_tensors,
     sealed_json,
 )
+from fedfm_flower.foundation_cards import recorded_card
 
 if TYPE_CHECKING:
     import torch
@@ -92,10 +93,7 @@ class RunDirectory:
 
     def recorded_foundation(self) -> dict[str, Any]:
         """The foundation card ``config.json`` records ({} when there is none to read)."""
-        try:
-            return json.loads((self.path / "config.json").read_text()).get("foundation") or {}
-        except (OSError, ValueError, AttributeError):
-            return {}
+        return recorded_card(self.path)[0]
 
     def append_round(self, record: dict[str, Any]) -> None:
         """Append one round's record to metrics.jsonl (flushed and fsynced)."""

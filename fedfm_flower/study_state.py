@@ -44,6 +44,7 @@ from fedfm_flower.foundation_cards import (
     builds_of,
     describe,
     file_sha256,
+    recorded_card,
     same_build,
     weights_file_name,
 )
@@ -90,7 +91,7 @@ class StudyState:
     def keep_foundation(self, run_dir: Path) -> None:
         """Copy the files of each foundation build the run at ``run_dir`` used from its cache
         into ``foundations/`` (weights last), unless the state keeps that build already."""
-        card, run_config = _run_foundation(run_dir)
+        card, run_config = recorded_card(run_dir)
         cache = cache_dir_of(run_config)
         for build in builds_of(card):
             self._keep_build(build, cache, run_dir)
@@ -148,7 +149,7 @@ class StudyState:
             return
         other: dict[str, list[str]] = {}
         for config in sorted((self.root / FINAL_RUNS).glob("*/config.json")):
-            run_card, run_config = _run_foundation(config.parent)
+            run_card, run_config = recorded_card(config.parent)
             for card in builds_of(run_card):
                 kept = builds.get(_weights_name(card, run_config))
                 if kept is not None and not same_build(card, kept):
@@ -267,15 +268,6 @@ def cache_dir_of(run_config: dict[str, Any]) -> Path:
 
     cache_dir = str(run_config.get("cache-dir") or "")
     return Path(cache_dir).expanduser() if cache_dir else default_cache_path()
-
-
-def _run_foundation(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(the foundation card of the run at ``run_dir``, its run config); {} for what it lacks."""
-    try:
-        payload = json.loads((run_dir / "config.json").read_text())
-    except (OSError, ValueError):
-        return {}, {}
-    return payload.get("foundation") or {}, payload.get("run-config") or {}
 
 
 def _weights_name(card: dict[str, Any], run_config: dict[str, Any]) -> str:

@@ -185,3 +185,17 @@ def test_a_composite_models_builds_are_kept_and_checked_part_by_part(tmp_path: P
     )
     with pytest.raises(StateError, match="local-multitask-s0"):
         state.check_foundations()
+
+
+def test_the_recorded_card_of_a_run_reads_what_config_json_holds_and_nothing_else(
+    tmp_path: Path,
+) -> None:
+    card = {"key": "k1", cards.WEIGHTS_SHA256: "ab" * 32}
+    (tmp_path / "config.json").write_text(
+        json.dumps({"run-config": {"backbone": "vit"}, "foundation": card})
+    )
+    assert cards.recorded_card(tmp_path) == (card, {"backbone": "vit"})
+    for damaged in ("{not json", "[1, 2]", json.dumps({"foundation": "k1", "run-config": 3})):
+        (tmp_path / "config.json").write_text(damaged)
+        assert cards.recorded_card(tmp_path) == ({}, {})
+    assert cards.recorded_card(tmp_path / "absent") == ({}, {})
