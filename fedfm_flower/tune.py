@@ -29,7 +29,9 @@ ranges of values tried, the chosen values and what the study spent (trials, prun
 rounds, client-rounds, seconds), and the commands' wall time; ``<out>/tuning/`` holds the
 trials' runs. The studies' Optuna journal, ``tuning.json`` and every finished run's small files
 live under ``--state`` (``fedfm_flower.study_state``; by default ``<out>``), so a copy of that
-directory alone resumes on another machine. Rerunning the command resumes: finished trials
+directory alone resumes on another machine; the runs of one setup, trials and final runs,
+must have run on one foundation model (``SetupFoundations``: a run on another stops the
+command). Rerunning the command resumes: finished trials
 and runs are kept, a trial that was running is rerun from its checkpoint, and only the missing
 trials are drawn. Trials and
 final runs are cells of a pool (``fedfm_flower.pools``): serial, or parallel Ray tasks; with TPE,
@@ -84,7 +86,14 @@ from fedfm_flower.search import (
     tried_ranges,
 )
 from fedfm_flower.settings import require_package
-from fedfm_flower.study_state import StudyState, cache_dir_of, read_tuning
+from fedfm_flower.study_state import (
+    SetupFoundations,
+    StateError,
+    StudyState,
+    cache_dir_of,
+    read_tuning,
+    run_data_seed,
+)
 from fedfm_flower.sweep import (
     CONFIG_ROOT,
     INTERRUPTED,
@@ -416,12 +425,14 @@ def run_trials(
     finals: FinalRuns | None = None,
     time_left: TimeLeft | None = None,
     state: StudyState | None = None,
+    foundations: SetupFoundations | None = None,
 ) -> None:
     """Draw and run every study's missing trials in ``pool``, as many at once as it holds;
     with ``finals``, a study's final runs follow as soon as its last trial has ended, in the
     slots no trial is left to take. A trial whose run the pruner stopped is told pruned. Each
-    finished run's small files go to ``state``; each trial's line ends with ``time_left``'s
-    estimate."""
+    finished run's small files go to ``state``, after ``foundations`` has checked that it ran
+    on its setup's model (``StateError`` if not: nothing of it is kept or told); each trial's
+    line ends with ``time_left``'s estimate."""
     import optuna
 
     time_left = time_left or TimeLeft(sum(s.left() for s in studies), cell_kinds(studies, []))
@@ -453,6 +464,8 @@ def run_trials(
         if not pool.pending():
             return
         cell, record = pool.next_done()
+        if foundations is not None:
+            foundations.add(cell.run_dir)
         if state is not None:
             state.keep_run(cell.run_dir)
         if finals is not None and finals.owns(cell):
@@ -580,7 +593,7 @@ def final_cells(
         # tests on an example the trials validated on (the data-seed of the trials' seed).
         chosen = {
             "val-fraction": study.base["val-fraction"],
-            "data-seed": _data_seed_of(study.base),
+            "data-seed": run_data_seed(study.base),
             **best.params,
         }
         for label in (study.label, *study.ablations):
@@ -596,14 +609,6 @@ def final_cells(
     return cells
 
 
-def _data_seed_of(run_config: dict[str, Any]) -> int:
-    """The seed a run's data came from (``data-seed``, else ``seed``: runs made before the key
-    existed too)."""
-    from fedfm_flower.config import data_seed_of
-
-    return data_seed_of(int(run_config.get("seed", 0)), int(run_config.get("data-seed", -1)))
-
-
 def _refuse_stale_run(cell: Cell, values: dict[str, Any]) -> None:
     """A ``ValueError`` when the cell's run directory holds a run made with other values (the
     choice changed since, e.g. with a larger ``--trials``): resuming or reusing it would report
@@ -612,7 +617,7 @@ def _refuse_stale_run(cell: Cell, values: dict[str, Any]) -> None:
         made = json.loads((cell.run_dir / "config.json").read_text())["run-config"]
     except (OSError, ValueError, KeyError):
         return
-    made = {**made, "data-seed": _data_seed_of(made)}
+    made = {**made, "data-seed": run_data_seed(made)}
     differ = {k: (made.get(k), v) for k, v in values.items() if made.get(k) != v}
     if differ:
         said = ", ".join(f"{k} = {old!r}, now {new!r}" for k, (old, new) in differ.items())
@@ -745,6 +750,7 @@ def main(argv: list[str] | None = None) -> int:
         state.check()
         state.check_foundations()
         state.restore()
+        foundations = SetupFoundations.of_finished_runs(args.out)
         wall_before = earlier_wall_seconds(args.out)
         studies = open_studies(args.methods, args.setups, args, overrides)
         for cache in sorted({cache_dir_of(study.base) for study in studies}):
@@ -771,8 +777,12 @@ def main(argv: list[str] | None = None) -> int:
         on_study_done=save_tuning,
     )
     try:
-        run_trials(studies, pool, finals, time_left, state)
+        run_trials(studies, pool, finals, time_left, state, foundations)
         save_tuning()
+    except StateError as err:  # a run on another foundation model: the study cannot go on
+        save_tuning()
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(INTERRUPTED, file=sys.stderr)
         return 130

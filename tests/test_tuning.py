@@ -669,10 +669,11 @@ class _RunPool:
     trial's pruner when the cell carries a link, as the runner does; each run writes the files
     a run writes, and its record is ``cell_record``'s. A finished run is not run again."""
 
-    def __init__(self, curve) -> None:  # noqa: ANN001
+    def __init__(self, curve, card=None) -> None:  # noqa: ANN001
         self.queue: list = []
         self.ran: list[str] = []  # run names, in the order they ran
         self._curve = curve
+        self._card = card  # () -> the foundation card a run records now (None: no card)
 
     def capacity(self) -> int:
         return 1
@@ -707,7 +708,10 @@ class _RunPool:
                 break
         cell.run_dir.mkdir(parents=True)
         (cell.run_dir / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
-        (cell.run_dir / "config.json").write_text(json.dumps({"run-config": cell.config}))
+        recorded = {"run-config": cell.config}
+        if self._card is not None:
+            recorded["foundation"] = self._card()
+        (cell.run_dir / "config.json").write_text(json.dumps(recorded))
         summary = {"primary-metric": "accuracy", "final-test-accuracy-mean": value, **stopped}
         (cell.run_dir / "summary.json").write_text(json.dumps(summary))
 
@@ -867,14 +871,14 @@ def test_a_study_copied_to_a_fresh_directory_resumes_without_repeating_a_trial(
     assert study["chosen"]["trial"] == 0
 
 
-def _pooled(monkeypatch: pytest.MonkeyPatch, curve) -> list[_RunPool]:  # noqa: ANN001
-    """The pools ``tune.main`` makes from now on, one ``_RunPool(curve)`` per command."""
+def _pooled(monkeypatch: pytest.MonkeyPatch, curve, card=None) -> list[_RunPool]:  # noqa: ANN001
+    """The pools ``tune.main`` makes from now on, one ``_RunPool(curve, card)`` per command."""
     from fedfm_flower import tune
 
     pools: list[_RunPool] = []
 
     def pool(args) -> _RunPool:  # noqa: ANN001
-        pools.append(_RunPool(curve))
+        pools.append(_RunPool(curve, card))
         return pools[-1]
 
     monkeypatch.setattr(tune, "pool_from_arguments", pool)
@@ -1063,3 +1067,46 @@ def test_a_copied_study_installs_its_foundation_builds_before_any_run(
     assert tune.main(argv) == 2
     assert len(pools) == 1  # no pool was made: nothing ran
     assert "another build of this foundation" in capsys.readouterr().err
+
+
+def test_a_study_stops_at_a_run_on_another_foundation_model_and_resumes_once_it_is_moved(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """A run on another build than its setup's earlier runs stops the command (exit 1) before
+    it is kept or told; the next command refuses before any run (exit 2) until the run of the
+    other build is moved away, then the study goes on on the first build."""
+    pytest.importorskip("optuna")
+    import shutil
+
+    from fedfm_flower import tune
+    from fedfm_flower.foundation_cards import WEIGHTS_SHA256
+
+    first = {"key": "abc", WEIGHTS_SHA256: "1" * 64, "public_test_accuracy": 0.95}
+    other = {"key": "abc", WEIGHTS_SHA256: "2" * 64, "public_test_accuracy": 0.94}
+    now = [first]
+    pools = _pooled(monkeypatch, lambda trial, r: 0.9, card=lambda: now[0])
+    out, state = tmp_path / "out", tmp_path / "state"
+    t = "fedavg-digits-label-skew-t{:03d}-s0"
+    assert tune.main(_copied_study_argv(out, state, 2)) == 0
+    now[0] = other  # the cache now holds another build of the recipe (another machine's)
+    assert tune.main(_copied_study_argv(out, state, 3)) == 1
+    assert pools[1].ran == [t.format(2)]
+    said = capsys.readouterr().err
+    assert "two builds of foundation abc" in said and t.format(2) in said
+    assert "sha256 111111111111" in said and "sha256 222222222222" in said
+    assert not (state / "tuning" / "runs" / t.format(2)).exists()  # not kept
+    trials = json.loads((out / "tuning.json").read_text())["studies"][0]["trials"]
+    assert len(trials) == 3 and trials[2]["state"] == "running"  # not told
+    values = trials[2]["values"]
+
+    assert tune.main(_copied_study_argv(out, state, 3)) == 2
+    assert len(pools) == 2  # refused before a pool was made: nothing ran
+    assert "two builds of foundation abc" in capsys.readouterr().err
+
+    shutil.rmtree(out / "tuning" / "runs" / t.format(2))
+    now[0] = first  # the study's build is back in the cache
+    assert tune.main(_copied_study_argv(out, state, 3)) == 0
+    assert pools[2].ran == [t.format(2)]  # the trial left running, again with its values
+    trials = json.loads((out / "tuning.json").read_text())["studies"][0]["trials"]
+    assert [x["state"] for x in trials] == ["complete"] * 3 and trials[2]["values"] == values
+    assert (state / "tuning" / "runs" / t.format(2) / "summary.json").is_file()
