@@ -9,38 +9,49 @@
 # Tables: label-skew many-clients tap fedperfix. Run it from a clone pinned at one commit for
 # the whole of a study (the trials of one study must come from one tree); commit the state
 # directories as they grow (git add -f bench/results/tuned16-*). Measure nothing else on the
-# machine meanwhile: the trials take both cores (--ray, 2 cells at once).
+# machine meanwhile: the trials take both cores (--ray, 2 cells at once). label-skew's kept
+# study ran seven methods' trials on another build than its final runs (docs/tuning.md): the
+# tune command refuses it as it is; a redo starts from its state with foundations/ alone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-.venv/bin/python}"
 TABLES=("$@")
 [ ${#TABLES[@]} -gt 0 ] || TABLES=(tap fedperfix)  # label-skew, many-clients: done
 
-run() {  # run TABLE REFERENCE EARLIER-REPORT -- tune arguments
-    local table="$1" reference="$2" earlier="$3"
-    shift 4
+run() {  # run TABLE REFERENCE EARLIER-REPORT "FIRST SECOND ..." -- tune arguments
+    local table="$1" reference="$2" earlier="$3" pairs=()
+    read -ra methods <<< "$4"
+    for ((i = 0; i + 1 < ${#methods[@]}; i += 2)); do
+        pairs+=(--pair "${methods[i]}" "${methods[i + 1]}")
+    done
+    shift 5
     "$PY" -m fedfm_flower.tune "$@" --trials 16 --seeds 0 1 2 \
         --out "runs/tuned16-$table" --state "bench/results/tuned16-$table" --ray
     "$PY" -m fedfm_flower.report "runs/tuned16-$table" --out "bench/results/tuned16-$table/report" \
-        --reference "$reference" --conclusions-of "$earlier" --conclusions-name "4 trials"
+        --reference "$reference" --conclusions-of "$earlier" --conclusions-name "4 trials" \
+        "${pairs[@]}"
 }
 
 for table in "${TABLES[@]}"; do
     case "$table" in
         label-skew)
-            run glyphs-label-skew local bench/results/tuned-glyphs/label-skew -- \
+            run glyphs-label-skew local bench/results/tuned-glyphs/label-skew \
+                "fedrep pfedseq pfedpg fedvpt pfedseq fedvpt fedavg-ft fedvpt fedavg-ft pfedseq" -- \
                 --methods local fedavg fedprox fedrep fedavg-ft fedvpt fedvpt-deep pfedseq pfedpg \
                 --setups glyphs-label-skew --val-fraction 0.15 ;;
         many-clients)
-            run glyphs-many-clients local bench/results/tuned-glyphs/many-clients -- \
+            run glyphs-many-clients local bench/results/tuned-glyphs/many-clients \
+                "fedavg-ft fedrep fedavg-ft fedvpt pfedpg fedvpt fedrep fedvpt pfedseq fedrep" -- \
                 --methods local fedavg fedprox fedrep fedavg-ft fedvpt fedvpt-deep pfedseq pfedpg \
                 --setups glyphs-many-clients --val-fraction 0.15 ;;
         tap)
-            run tap tap bench/results/tuned-tap -- \
+            run tap tap bench/results/tuned-tap \
+                "fedavg-ft fedavg feddat fedavg feddat-ft fedavg-ft feddat-ft feddat" -- \
                 --methods tap local fedavg fedavg-ft per-fedavg feddat feddat-ft \
                 --setups multitask-cpu ;;
         fedperfix)
-            run fedperfix local bench/results/tuned-fedperfix -- \
+            run fedperfix local bench/results/tuned-fedperfix \
+                "fedperfix fedavg fedperfix fedrep fedperfix apfl fedperfix fedbabu fedperfix per-fedavg" -- \
                 --methods fedperfix fedavg local fedrep apfl fedbabu per-fedavg \
                 --setups glyphs-whole-vit --val-fraction 0.15 ;;
         *)

@@ -263,6 +263,56 @@ def test_an_earlier_tables_conclusions_are_checked_against_this_ones(
     assert "no earlier report at" in capsys.readouterr().err
 
 
+def _seed_means(label: str) -> list[float]:
+    return [100 * np.mean(FINAL[label][s]) for s in (0, 1, 2)]
+
+
+def test_a_pair_of_methods_is_tested_over_seeds_here_and_in_the_earlier_table(
+    runs_dir: Path, tmp_path: Path, capsys
+) -> None:
+    """``--pair A B``: A's paired difference to B over the seeds' means, by scipy, in this
+    table and (``--conclusions-of``) in the earlier one, where its fedrep ran with fedavg's
+    numbers and it had no fedavg; a pair naming a method without runs, or one method twice,
+    exits 2 naming it."""
+    earlier_runs = tmp_path / "earlier-runs"
+    for seed in (0, 1, 2):
+        write_run(earlier_runs, "local", seed)
+        _relabel(write_run(earlier_runs / "a", "fedavg", seed), "fedrep")
+    earlier = tmp_path / "earlier"
+    assert report_main([str(earlier_runs), "--out", str(earlier)]) == 0
+    out = tmp_path / "report"
+    argv = [str(runs_dir), "--out", str(out), "--conclusions-of", str(earlier)]
+    pairs = ["--pair", "fedrep", "local", "--pair", "fedrep", "fedavg"]
+    assert report_main([*argv, "--conclusions-name", "4 trials", *pairs]) == 0
+    between = json.loads((out / "report.json").read_text())["between"]
+    assert between["name"] == "4 trials"
+    rows = {(r["first"], r["second"]): r for r in between["rows"]}
+    assert set(rows) == {("fedrep", "local"), ("fedrep", "fedavg")}
+    for (first, second), row in rows.items():
+        expected = stats.ttest_rel(_seed_means(first), _seed_means(second))
+        a, b = _seed_means(first), _seed_means(second)
+        assert row["here"]["mean-difference"] == pytest.approx(np.mean(np.subtract(a, b)))
+        assert row["here"]["p-value"] == pytest.approx(expected.pvalue)
+    earlier_test = stats.ttest_rel(_seed_means("fedavg"), _seed_means("local"))
+    assert rows[("fedrep", "local")]["earlier"]["p-value"] == pytest.approx(earlier_test.pvalue)
+    verdicts = [rows[("fedrep", "local")][side]["verdict"] for side in ("here", "earlier")]
+    assert rows[("fedrep", "local")]["holds"] == (verdicts[0] == verdicts[1])
+    assert rows[("fedrep", "fedavg")]["earlier"] is None  # no fedavg in the earlier table
+    assert rows[("fedrep", "fedavg")]["holds"] is None
+    text = (out / "report.md").read_text()
+    assert "## Between methods" in text and "| toy | fedrep − local |" in text
+    assert f"{int(rows[('fedrep', 'local')]['holds'])} of 1 conclusions between" in text
+    # without an earlier table: this table's tests alone
+    assert report_main([str(runs_dir), "--out", str(tmp_path / "alone"), *pairs[:3]]) == 0
+    (alone,) = json.loads((tmp_path / "alone" / "report.json").read_text())["between"]["rows"]
+    assert alone["earlier"] is None and alone["here"] == rows[("fedrep", "local")]["here"]
+    capsys.readouterr()
+    assert report_main([*argv, "--pair", "fedrep", "fedprox"]) == 2
+    assert "no finished run of 'fedprox'" in capsys.readouterr().err
+    assert report_main([*argv, "--pair", "local", "local"]) == 2
+    assert "not compared with itself" in capsys.readouterr().err
+
+
 def test_an_older_reports_pooled_verdict_is_recomputed_over_seeds(
     runs_dir: Path, tmp_path: Path
 ) -> None:

@@ -10,7 +10,9 @@ Welch's t-test), for a setup with TAP's replacement flags ``replacements-<setup>
 figures, per-seed headline values and the runs read). With ``--against DIR`` the report adds
 each method against its own runs in DIR (``against``: tuned against untuned, after against
 before); with ``--conclusions-of REPORT`` whether an earlier table's verdicts against the
-reference hold here (``conclusions``: a 4-trial tuned table against its 16-trial redo).
+reference hold here (``conclusions``: a 4-trial tuned table against its 16-trial redo); with
+``--pair A B`` (repeatable) A's paired difference to B over seeds, and with ``--conclusions-of``
+whether the earlier report's holds.
 Unfinished runs are listed, not used; runs evaluated on validation data (tuning trials) are
 never read; a setup without a finished run of the reference method gets its table cells and
 figures but no paired tests. Exit status 2 when no finished run is
@@ -23,6 +25,7 @@ import argparse
 import json
 import re
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +55,7 @@ def write_report(
     tuning_documents: list[dict[str, Any]] | None = None,
     others: tuple[str, list[RunResult]] | None = None,
     earlier: tuple[str, dict[str, Any]] | None = None,
+    pairs: Sequence[tuple[str, str]] = (),
 ) -> dict[str, Any]:
     """Render every table and figure of ``runs`` into ``out``; returns the report's numbers."""
     setups = list(dict.fromkeys(run.setup for run in runs))
@@ -145,6 +149,12 @@ def write_report(
         rows = conclusions.build_conclusions(cells, document, reference)
         sections += [conclusions.markdown_conclusions(rows, name, reference), ""]
         numbers["conclusions"] = conclusions.conclusions_numbers(rows, name)
+    if pairs:
+        conclusions.check_pairs(pairs, [r.label for r in runs])
+        name, document = earlier if earlier is not None else (None, None)
+        between = conclusions.build_between(numbers["setups"], pairs, document)
+        sections += [conclusions.markdown_between(between, name), ""]
+        numbers["between"] = conclusions.between_numbers(between, name)
     for document in tuning_documents or []:
         sections += [tuning.markdown_tuning(document, reference), ""]
     if tuning_documents:
@@ -192,6 +202,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--conclusions-name", default="the earlier table", help="what to call that report"
     )
+    parser.add_argument(
+        "--pair",
+        nargs=2,
+        action="append",
+        default=[],
+        metavar=("FIRST", "SECOND"),
+        help="also test FIRST against SECOND over seeds (repeatable; with --conclusions-of, "
+        "whether the earlier report's verdict holds too)",
+    )
     args = parser.parse_args(argv)
     try:
         runs, unfinished = load_runs(args.runs, args.metric)
@@ -215,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
             tuning.find_tuning(args.runs),
             others,
             earlier,
+            [tuple(pair) for pair in args.pair],
         )
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -12,6 +12,9 @@ recomputed from the per-seed means it records of the method and of the reference
 each run's clients: the clients both evaluated wherever every client was evaluated) and marked
 so. A method in only one table is listed as such; both tables must have the same reference and
 metric.
+
+Between two methods other than the reference (``--pair``), both tables' differences are the
+paired test over seeds of the per-seed means each report records (``Between``).
 """
 
 from __future__ import annotations
@@ -103,15 +106,143 @@ def _recomputed_over_seeds(
     the reference's; None below two shared seeds or without the reference."""
     if reference is None:
         return None
+    return _over_seeds(entry, reference, recomputed=True)
+
+
+def _over_seeds(
+    entry: Mapping[str, Any], other: Mapping[str, Any], recomputed: bool = False
+) -> Difference | None:
+    """The paired test over the seeds both ran of two report.json entries' per-seed means
+    (``entry`` − ``other``); None below two shared seeds."""
     mine = dict(zip(entry.get("seeds", []), entry.get("per-seed", []), strict=False))
-    theirs = dict(zip(reference.get("seeds", []), reference.get("per-seed", []), strict=False))
+    theirs = dict(zip(other.get("seeds", []), other.get("per-seed", []), strict=False))
     shared = sorted(set(mine) & set(theirs))
     if len(shared) < 2:
         return None
     test = paired_test([float(mine[s]) for s in shared], [float(theirs[s]) for s in shared])
     return Difference(
-        test.mean_difference, test.ci_half_width, test.p_value, verdict_of(test), recomputed=True
+        test.mean_difference, test.ci_half_width, test.p_value, verdict_of(test), recomputed
     )
+
+
+@dataclass(frozen=True)
+class Between:
+    """One (setup, pair of methods): the first's paired difference to the second over seeds,
+    in this table and in the earlier one."""
+
+    setup: str
+    first: str
+    second: str
+    this: Difference | None  # None: a method not in this table's setup, or below two seeds
+    earlier: Difference | None  # None: no earlier table, or a method not in it
+
+    @property
+    def holds(self) -> bool | None:
+        """Same verdict in both tables; None when one lacks the comparison."""
+        if self.this is None or self.earlier is None:
+            return None
+        return self.this.verdict == self.earlier.verdict
+
+
+def check_pairs(pairs: Sequence[tuple[str, str]], labels: Sequence[str]) -> None:
+    """ValueError naming a pair of one method twice, or a method no run of this table has."""
+    for first, second in pairs:
+        if first == second:
+            raise ValueError(f"--pair {first} {second}: a method is not compared with itself")
+        for label in (first, second):
+            if label not in labels:
+                raise ValueError(
+                    f"--pair {first} {second}: no finished run of '{label}' (methods: "
+                    f"{', '.join(sorted(set(labels)))})"
+                )
+
+
+def build_between(
+    setups: Mapping[str, Mapping[str, Any]],
+    pairs: Sequence[tuple[str, str]],
+    earlier: Mapping[str, Any] | None = None,
+) -> list[Between]:
+    """Each pair in each setup where this table has either method: the test over seeds of
+    the per-seed means ``setups`` (report.json's ``setups``) records, and the earlier
+    report's of the same setup."""
+    rows = []
+    for setup, entries in setups.items():
+        recorded = (earlier or {}).get("setups", {}).get(setup, {})
+        for first, second in pairs:
+            if first not in entries and second not in entries:
+                continue
+            rows.append(
+                Between(
+                    setup,
+                    first,
+                    second,
+                    _pair(entries, first, second),
+                    _pair(recorded, first, second),
+                )
+            )
+    return rows
+
+
+def _pair(entries: Mapping[str, Any], first: str, second: str) -> Difference | None:
+    if first not in entries or second not in entries:
+        return None
+    return _over_seeds(entries[first], entries[second])
+
+
+def markdown_between(rows: Sequence[Between], name: str | None) -> str:
+    """The report's section: each pair's difference over seeds here (and in ``name``)."""
+    lines = [
+        "## Between methods",
+        "",
+        "The first method's paired difference to the second over the seeds both ran (Δ [95% "
+        f"CI], p; a paired t-test of the seeds' mean values); higher/lower: p < {ALPHA}, else "
+        "n.s." + (f" A conclusion holds when {name} and this table agree." if name else ""),
+        "",
+    ]
+    if name:
+        lines += [
+            f"| setup | comparison | {name} | verdict | here | verdict | holds? |",
+            "|---|---|---|---|---|---|---|",
+        ]
+    else:
+        lines += ["| setup | comparison | here | verdict |", "|---|---|---|---|"]
+    for row in rows:
+        cells = [row.setup, f"{row.first} − {row.second}"]
+        if name:
+            cells += _text_and_verdict(row.earlier)
+        cells += _text_and_verdict(row.this)
+        if name:
+            cells.append({True: "yes", False: "**no**", None: "(not in both)"}[row.holds])
+        lines.append("| " + " | ".join(cells) + " |")
+    if name:
+        compared = [row for row in rows if row.holds is not None]
+        held = sum(bool(row.holds) for row in compared)
+        lines += ["", f"{held} of {len(compared)} conclusions between methods hold."]
+    return "\n".join(lines)
+
+
+def _text_and_verdict(difference: Difference | None) -> list[str]:
+    if difference is None:
+        return ["—", "—"]
+    return [difference.text(), difference.verdict]
+
+
+def between_numbers(rows: Sequence[Between], name: str | None) -> dict[str, Any]:
+    """The section's numbers for report.json."""
+    return {
+        "name": name,
+        "rows": [
+            {
+                "setup": row.setup,
+                "first": row.first,
+                "second": row.second,
+                "here": _difference_numbers(row.this),
+                "earlier": _difference_numbers(row.earlier),
+                "holds": row.holds,
+            }
+            for row in rows
+        ],
+    }
 
 
 def load_earlier(path: Path, reference: str, metric: str) -> dict[str, Any]:
@@ -197,28 +328,28 @@ def markdown_conclusions(rows: Sequence[Conclusion], name: str, reference: str) 
     return "\n".join(lines)
 
 
+def _difference_numbers(difference: Difference | None) -> dict[str, Any] | None:
+    if difference is None:
+        return None
+    return {
+        "mean-difference": difference.mean,
+        "ci95": difference.ci,
+        "p-value": difference.p_value,
+        "verdict": difference.verdict,
+        "recomputed-over-seeds": difference.recomputed,
+    }
+
+
 def conclusions_numbers(rows: Sequence[Conclusion], name: str) -> dict[str, Any]:
     """The section's numbers for report.json."""
-
-    def numbers(difference: Difference | None) -> dict[str, Any] | None:
-        if difference is None:
-            return None
-        return {
-            "mean-difference": difference.mean,
-            "ci95": difference.ci,
-            "p-value": difference.p_value,
-            "verdict": difference.verdict,
-            "recomputed-over-seeds": difference.recomputed,
-        }
-
     return {
         "name": name,
         "rows": [
             {
                 "setup": row.setup,
                 "method": row.label,
-                "here": numbers(row.this),
-                "earlier": numbers(row.earlier),
+                "here": _difference_numbers(row.this),
+                "earlier": _difference_numbers(row.earlier),
                 "holds": row.holds,
             }
             for row in rows
