@@ -23,6 +23,7 @@ Light: no torch, no flwr, no optuna (``suggest`` receives the trial object).
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -162,6 +163,24 @@ def describe(rng: Resolved) -> str:
     scale = "log-" if isinstance(rng, LogUniform) or getattr(rng, "log", False) else ""
     kind = "int" if isinstance(rng, IntRange) else "uniform"
     return f"{scale}{kind} [{rng.lo:g}, {rng.hi:g}]"
+
+
+_DESCRIBED = re.compile(r"^(log-)?(?:int|uniform) \[([^,\]]+), ([^\]]+)\]$")
+
+
+def space_position(value: Any, description: str) -> float | None:
+    """Where ``value`` lies in the range ``describe`` wrote as ``description``: 0 at its low
+    end, 1 at its high end, on the range's scale (log or linear); None for a choice, another
+    text or a value that is not a number."""
+    match = _DESCRIBED.match(description)
+    if match is None or isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    log, lo, hi = bool(match.group(1)), float(match.group(2)), float(match.group(3))
+    if log:
+        if value <= 0:
+            return None
+        value, lo, hi = math.log(value), math.log(lo), math.log(hi)
+    return (value - lo) / (hi - lo) if hi > lo else None
 
 
 # States of a tuning trial whose values were tried: it ran and gave a validation value.

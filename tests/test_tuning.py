@@ -833,10 +833,57 @@ def test_a_choice_outside_the_range_its_rival_tried_is_flagged() -> None:
     }  # fmt: skip
     table = markdown_tuning(document, "tap")
     assert "| outside tap's tried range |" in table
-    assert "| 3 (1, 1) | — | — | tap's `lr` = 0.00137 outside the tried 6e-05-0.00048 |" in table
+    assert (
+        "| 3 (1, 1) | — | — | tap's `lr` = 0.00137 outside the tried 6e-05-0.00048 | no |" in table
+    )
     assert "Tried: `lr` 6e-05-0.00048; `local-epochs` 1-1." in table  # pruned ones count
     document["studies"] = [tap, covered]
-    assert "| 2 (1, 0) | — | — | no |" in markdown_tuning(document, "tap")
+    assert "| 2 (1, 0) | — | — | no | no |" in markdown_tuning(document, "tap")
+
+
+def test_a_choice_at_an_end_of_its_space_is_flagged_on_the_spaces_scale() -> None:
+    """Within 5% of the span from an end, on a log scale for a log range: FedAvg's lr 0.0098 of
+    [1e-5, 0.01] and 3 epochs of [1, 3] are at the top, an lr of 1.3e-5 at the bottom; 1 epoch
+    (nothing below it), a mid-range lr and a choice are not flagged."""
+    import math
+
+    from fedfm_flower.report.tuning import EDGE_SHARE, edge_flags, markdown_tuning
+    from fedfm_flower.search import space_position
+
+    assert space_position(1e-4, "log-uniform [1e-05, 0.01]") == pytest.approx(1 / 3)
+    top = (math.log(0.0098) - math.log(1e-5)) / (math.log(0.01) - math.log(1e-5))
+    assert (
+        1 - EDGE_SHARE < top == pytest.approx(space_position(0.0098, "log-uniform [1e-05, 0.01]"))
+    )
+    assert space_position(0.3, "uniform [0.2, 0.7]") == pytest.approx(0.2)
+    assert space_position(2, "one of 1, 2") is None
+    high = _coverage_record("fedavg", 0.0098, {"complete": 0.0098})
+    high["chosen"]["values"]["local-epochs"] = 3
+    low = _coverage_record("fedprox", 1.3e-5, {"complete": 1.3e-5})
+    low["space"]["mu"], low["chosen"]["values"]["mu"] = "one of 0.01, 0.1", 0.1
+    middle = _coverage_record("tap", 0.00137, {"complete": 0.00137})
+    assert edge_flags([high, low, middle]) == {
+        "fedavg@multitask-cpu": [
+            "`lr` = 0.0098 at the top of log-uniform [1e-05, 0.01]",
+            "`local-epochs` = 3 at the top of int [1, 3]",
+        ],
+        "fedprox@multitask-cpu": ["`lr` = 1.3e-05 at the bottom of log-uniform [1e-05, 0.01]"],
+        "tap@multitask-cpu": [],
+    }
+    document = {
+        "trials-per-study": 1, "sampler": "random", "tuning-seed": 0, "final-seeds": [0],
+        "selection": "final mean", "studies": [high, middle],
+    }  # fmt: skip
+    table = markdown_tuning(document, "tap")
+    assert "| at an end of its space |" in table
+    assert (
+        table.count(
+            " | `lr` = 0.0098 at the top of log-uniform [1e-05, 0.01]; "
+            "`local-epochs` = 3 at the top of int [1, 3] |\n"
+        )
+        == 1
+    )  # the last column of fedavg's row
+    assert "| 1 (0, 0) | — | — | — | no |" in table  # the reference (no rival), mid-range
 
 
 def test_a_study_copied_to_a_fresh_directory_resumes_without_repeating_a_trial(

@@ -162,6 +162,9 @@ def write_report(
         numbers["tuning-coverage"] = [
             tuning.coverage_flags(document["studies"], reference) for document in tuning_documents
         ]
+        numbers["tuning-edges"] = [
+            tuning.edge_flags(document["studies"]) for document in tuning_documents
+        ]
     if unfinished:
         sections += ["## Not reported (unfinished, or a final value not finite)", ""]
         sections += [f"- `{p}`" for p in unfinished] + [""]

@@ -1,5 +1,7 @@
 """The tuning section of a report: what each study searched and tried, what it spent, its
-trials and the values chosen, and the comparisons whose choice lies outside a rival's trials.
+trials and the values chosen, the comparisons whose choice lies outside a rival's trials, and
+the choices at an end of their own space (within ``EDGE_SHARE`` of its span, on its scale:
+the best value may lie beyond what the space lets the study try).
 
 Reads ``tuning.json`` (``fedfm_flower.tune``) of a tuning directory given to the report.
 """
@@ -11,7 +13,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from fedfm_flower.search import describe_tried, outside_tried, tried_ranges
+from fedfm_flower.search import describe_tried, outside_tried, space_position, tried_ranges
+
+EDGE_SHARE = 0.05  # a chosen value this close to an end of its space (share of its span) is flagged
 
 
 def find_tuning(paths: Iterable[Path]) -> list[dict[str, Any]]:
@@ -65,6 +69,29 @@ def coverage_flags(studies: list[dict[str, Any]], reference: str) -> dict[str, l
     return flags
 
 
+def edge_flags(studies: list[dict[str, Any]]) -> dict[str, list[str]]:
+    """Per study (by name) with chosen values: each numeric key whose chosen value lies within
+    ``EDGE_SHARE`` of an end of the space the study searched (an int at 1 at the low end is
+    not: nothing lies below it)."""
+    flags: dict[str, list[str]] = {}
+    for study in studies:
+        chosen = study.get("chosen")
+        if chosen is None or study.get("values-of"):
+            continue
+        said = []
+        for key, value in chosen["values"].items():
+            space = str(study["space"].get(key, ""))
+            at = space_position(value, space)
+            if at is None or EDGE_SHARE < at < 1 - EDGE_SHARE:
+                continue
+            if at <= EDGE_SHARE and isinstance(value, int) and value <= 1:
+                continue  # a count at 1 (local epochs, steps) has nothing below to try
+            end = "bottom" if at <= EDGE_SHARE else "top"
+            said.append(f"`{key}` = {_value(value)} at the {end} of {space}")
+        flags[study["study"]] = said
+    return flags
+
+
 def markdown_tuning(document: dict[str, Any], reference: str = "") -> str:
     """Per study: its space, what it spent, the ranges it tried, the chosen values (flagged
     where they lie outside the range ``reference``'s study tried, or the reverse), and every
@@ -79,6 +106,7 @@ def markdown_tuning(document: dict[str, Any], reference: str = "") -> str:
         f"{_duration(document.get('wall-seconds', 0.0))} wall time."
     )
     flags = coverage_flags(document["studies"], reference) if reference else {}
+    edges = edge_flags(document["studies"])
     lines = [
         "## Tuning",
         "",
@@ -90,14 +118,14 @@ def markdown_tuning(document: dict[str, Any], reference: str = "") -> str:
         "the rounds it ran.",
         "",
         "| method | setup | chosen values | val score | trials (pruned, failed) | client-rounds "
-        f"| time | outside {reference or 'the reference'}'s tried range |",
-        "|---|---|---|---|---|---:|---:|---|",
+        f"| time | outside {reference or 'the reference'}'s tried range | at an end of its space |",
+        "|---|---|---|---|---|---:|---:|---|---|",
     ]
     for study in document["studies"]:
         if study.get("values-of"):  # an ablation run at its method's values: no trials
             lines.append(
                 f"| {study['label']} | {study['setup']} | none: the values of "
-                f"{study['values-of']} | — | — | — | — | — |"
+                f"{study['values-of']} | — | — | — | — | — | — |"
             )
             continue
         chosen = study["chosen"]
@@ -113,10 +141,12 @@ def markdown_tuning(document: dict[str, Any], reference: str = "") -> str:
         seconds = "—" if cost is None else _duration(cost["seconds"])
         flagged = flags.get(study["study"])
         coverage = "—" if flagged is None else "; ".join(flagged) or "no"
+        at_end = edges.get(study["study"])
+        edge = "—" if at_end is None else "; ".join(at_end) or "no"
         lines.append(
             f"| {study['label']} | {study['setup']} | {values} | {score} | "
             f"{len(states)} ({states.count('pruned')}, {states.count('fail')}) | "
-            f"{client_rounds} | {seconds} | {coverage} |"
+            f"{client_rounds} | {seconds} | {coverage} | {edge} |"
         )
     for study in document["studies"]:
         if study.get("values-of"):
