@@ -811,6 +811,14 @@ def _coverage_record(label: str, chosen: float, tried: dict[str, float]) -> dict
     }  # fmt: skip
 
 
+def _tuning_document(trials: int, studies: list[dict]) -> dict:
+    """A ``tuning.json`` document of random search over ``studies``."""
+    return {
+        "trials-per-study": trials, "sampler": "random", "tuning-seed": 0, "final-seeds": [0],
+        "selection": "final mean", "studies": studies,
+    }  # fmt: skip
+
+
 def test_a_choice_outside_the_range_its_rival_tried_is_flagged() -> None:
     from fedfm_flower.report.tuning import coverage_flags, markdown_tuning
 
@@ -827,10 +835,7 @@ def test_a_choice_outside_the_range_its_rival_tried_is_flagged() -> None:
     }
     covered = _coverage_record("fedavg", 4.8e-4, {"complete": 4.8e-4, "pruned": 0.002})
     assert coverage_flags([tap, covered], "tap") == {"fedavg@multitask-cpu": []}
-    document = {
-        "trials-per-study": 2, "sampler": "random", "tuning-seed": 0, "final-seeds": [0],
-        "selection": "final mean", "studies": [tap, fedavg],
-    }  # fmt: skip
+    document = _tuning_document(2, [tap, fedavg])
     table = markdown_tuning(document, "tap")
     assert "| outside tap's tried range |" in table
     assert (
@@ -870,11 +875,7 @@ def test_a_choice_at_an_end_of_its_space_is_flagged_on_the_spaces_scale() -> Non
         "fedprox@multitask-cpu": ["`lr` = 1.3e-05 at the bottom of log-uniform [1e-05, 0.01]"],
         "tap@multitask-cpu": [],
     }
-    document = {
-        "trials-per-study": 1, "sampler": "random", "tuning-seed": 0, "final-seeds": [0],
-        "selection": "final mean", "studies": [high, middle],
-    }  # fmt: skip
-    table = markdown_tuning(document, "tap")
+    table = markdown_tuning(_tuning_document(1, [high, middle]), "tap")
     assert "| at an end of its space |" in table
     assert (
         table.count(
