@@ -44,7 +44,6 @@ from fedfm_flower.foundation_cards import (
     builds_of,
     describe,
     file_sha256,
-    model_difference,
     recorded_card,
     same_build,
     weights_file_name,
@@ -56,8 +55,7 @@ JOURNAL = Path("tuning") / "journal.log"
 TUNING = Path("tuning.json")
 RUN_FILES: tuple[str, ...] = ("config.json", "summary.json", "metrics.jsonl")
 FOUNDATIONS = Path("foundations")  # the builds of the runs' foundation models, as in the cache
-FINAL_RUNS = Path("runs")  # the final runs' directories
-TRIAL_RUNS = Path("tuning") / "runs"  # the trials' directories
+FINAL_RUNS = Path("runs")  # the final runs' directories (the trials' are under tuning/runs)
 
 
 @dataclass(frozen=True)
@@ -202,55 +200,6 @@ class StudyState:
 class StateError(ValueError):
     """A study's state file that cannot be read as written; the message names it and says what
     to do."""
-
-
-class SetupFoundations:
-    """The foundation model each setup's runs in a tuning directory share: the card of the
-    first finished run of each (setup, data seed), and a ``StateError`` for a run that recorded
-    another model (another recipe, another build). The trials of a study are ranked against each
-    other and its final runs paired with other methods': runs on two models compare the models
-    as much as the values or methods. Runs that name no offline foundation are not checked."""
-
-    def __init__(self) -> None:
-        self._first: dict[tuple[str, int], tuple[Path, dict[str, Any]]] = {}
-
-    @classmethod
-    def of_finished_runs(cls, out: Path) -> SetupFoundations:
-        """The foundations of the finished trials and final runs under ``out``; ``StateError``
-        when two of one setup ran on different models."""
-        found = cls()
-        for summary in sorted(
-            [*(out / TRIAL_RUNS).glob("*/summary.json"), *(out / FINAL_RUNS).glob("*/summary.json")]
-        ):
-            found.add(summary.parent)
-        return found
-
-    def add(self, run_dir: Path) -> None:
-        """Take the finished run at ``run_dir``; ``StateError`` naming both runs and models
-        when its setup's earlier runs ran on another model."""
-        card, run_config = recorded_card(run_dir)
-        if not card.get("key") or "setup" not in run_config:
-            return
-        group = (str(run_config["setup"]), run_data_seed(run_config))
-        first, first_card = self._first.setdefault(group, (run_dir, card))
-        what = model_difference(first_card, card)
-        if what:
-            raise StateError(
-                f"runs of setup {group[0]} (data seed {group[1]}) in one tuning directory ran "
-                f"on {what}: {first} on {describe(first_card)}, {run_dir} on {describe(card)}. "
-                "A study ranks its trials and pairs its final runs on one model: put the build "
-                "the earlier runs used back in the cache (a study with --state keeps its "
-                "builds) or move the runs of one model away (from --out and --state) so they "
-                "run again; the finished runs are as they were"
-            )
-
-
-def run_data_seed(run_config: dict[str, Any]) -> int:
-    """The seed a run's data came from (``data-seed``, else ``seed``: runs made before the key
-    existed too)."""
-    from fedfm_flower.config import data_seed_of
-
-    return data_seed_of(int(run_config.get("seed", 0)), int(run_config.get("data-seed", -1)))
 
 
 def read_tuning(path: Path) -> dict[str, Any]:

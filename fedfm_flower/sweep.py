@@ -20,7 +20,9 @@ their newest checkpoint, and starts the rest. Every cell's config
 is validated before the first run (a bad one: exit status 2, nothing run); a run that fails is
 reported, the others still run, and the exit status is 1. ``<out>/sweep.json`` lists every cell
 run into ``<out>`` (this sweep's and earlier ones') with its state, time and error, as each
-finishes.
+finishes. The runs of one setup and data seed must share one foundation model
+(``fedfm_flower.grid_foundations``): a directory whose finished runs do not is refused (exit
+status 2, nothing run), and a run that ends on another model stops the sweep (exit status 1).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from fedfm_flower.cells import Cell
 from fedfm_flower.durable import atomic_write_text, exclusive_lock
+from fedfm_flower.grid_foundations import FoundationMismatch, SetupFoundations
 from fedfm_flower.overrides import parse_overrides
 from fedfm_flower.processes import exit_on_sigterm
 
@@ -99,12 +102,17 @@ def cell_config(
             "seed": seed,
             "label": label,
             "setup": setup + tag,
-            "output-dir": str(out / "runs"),
+            "output-dir": str(runs_of(out)),
             "run-name": run_name(label, setup, tag, seed),
             "client-state-dir": str(out / "client-state"),
         }
     )
     return config
+
+
+def runs_of(out: Path) -> Path:
+    """The folder of a grid directory's run directories."""
+    return out / "runs"
 
 
 def build_cells(
@@ -241,9 +249,15 @@ class SweepLog:
             atomic_write_text(self.out / "sweep.json", cells_json)
 
 
-def run_sweep(cells: list[Cell], out: Path, pool: CellPool | None = None) -> list[dict[str, Any]]:
+def run_sweep(
+    cells: list[Cell],
+    out: Path,
+    pool: CellPool | None = None,
+    foundations: SetupFoundations | None = None,
+) -> list[dict[str, Any]]:
     """Run every cell in ``pool`` (default: one after another here), recording each as it
-    finishes in ``<out>/sweep.json`` (kept with the records of earlier sweeps into ``out``);
+    finishes in ``<out>/sweep.json`` (kept with the records of earlier sweeps into ``out``)
+    after ``foundations`` has checked its model (``FoundationMismatch`` stops the sweep);
     returns this sweep's records in the cells' order."""
     from fedfm_flower.pools import SerialPool
 
@@ -254,6 +268,8 @@ def run_sweep(cells: list[Cell], out: Path, pool: CellPool | None = None) -> lis
     done: dict[Path, dict[str, Any]] = {}
     while pool.pending():
         cell, record = pool.next_done()
+        if foundations is not None:
+            foundations.add(cell.run_dir)
         done[cell.run_dir] = record
         log.add(cell, record)
     return [done[cell.run_dir] for cell in cells]
@@ -299,12 +315,16 @@ def main(argv: list[str] | None = None) -> int:
         cells = build_cells(
             args.methods, args.setups, args.seeds, args.out, overrides, args.tag, args.configs
         )
+        foundations = SetupFoundations.of_finished_runs([runs_of(args.out)])
         pool = pool_from_arguments(args)
     except (ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     try:
-        records = run_sweep(cells, args.out, pool)
+        records = run_sweep(cells, args.out, pool, foundations)
+    except FoundationMismatch as err:  # a run on another model than its setup's others
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(INTERRUPTED, file=sys.stderr)
         return 130

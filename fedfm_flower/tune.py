@@ -30,8 +30,8 @@ rounds, client-rounds, seconds), and the commands' wall time; ``<out>/tuning/`` 
 trials' runs. The studies' Optuna journal, ``tuning.json`` and every finished run's small files
 live under ``--state`` (``fedfm_flower.study_state``; by default ``<out>``), so a copy of that
 directory alone resumes on another machine; the runs of one setup, trials and final runs,
-must have run on one foundation model (``SetupFoundations``: a run on another stops the
-command). Rerunning the command resumes: finished trials
+must have run on one foundation model (``fedfm_flower.grid_foundations``: a run on another
+stops the command). Rerunning the command resumes: finished trials
 and runs are kept, a trial that was running is rerun from its checkpoint, and only the missing
 trials are drawn. Trials and
 final runs are cells of a pool (``fedfm_flower.pools``): serial, or parallel Ray tasks; with TPE,
@@ -65,6 +65,7 @@ from typing import Any
 
 from fedfm_flower.cells import Cell, cell_kind
 from fedfm_flower.durable import atomic_write_text
+from fedfm_flower.grid_foundations import FoundationMismatch, SetupFoundations, run_data_seed
 from fedfm_flower.overrides import parse_overrides
 from fedfm_flower.pools import CellPool
 from fedfm_flower.processes import exit_on_sigterm
@@ -86,14 +87,7 @@ from fedfm_flower.search import (
     tried_ranges,
 )
 from fedfm_flower.settings import require_package
-from fedfm_flower.study_state import (
-    SetupFoundations,
-    StateError,
-    StudyState,
-    cache_dir_of,
-    read_tuning,
-    run_data_seed,
-)
+from fedfm_flower.study_state import StudyState, cache_dir_of, read_tuning
 from fedfm_flower.sweep import (
     CONFIG_ROOT,
     INTERRUPTED,
@@ -104,6 +98,7 @@ from fedfm_flower.sweep import (
     check_configs,
     pool_from_arguments,
     run_name,
+    runs_of,
     variant_settings,
 )
 
@@ -431,8 +426,8 @@ def run_trials(
     with ``finals``, a study's final runs follow as soon as its last trial has ended, in the
     slots no trial is left to take. A trial whose run the pruner stopped is told pruned. Each
     finished run's small files go to ``state``, after ``foundations`` has checked that it ran
-    on its setup's model (``StateError`` if not: nothing of it is kept or told); each trial's
-    line ends with ``time_left``'s estimate."""
+    on its setup's model (``FoundationMismatch`` if not: nothing of it is kept or told); each
+    trial's line ends with ``time_left``'s estimate."""
     import optuna
 
     time_left = time_left or TimeLeft(sum(s.left() for s in studies), cell_kinds(studies, []))
@@ -750,7 +745,9 @@ def main(argv: list[str] | None = None) -> int:
         state.check()
         state.check_foundations()
         state.restore()
-        foundations = SetupFoundations.of_finished_runs(args.out)
+        foundations = SetupFoundations.of_finished_runs(
+            [runs_of(args.out / "tuning"), runs_of(args.out)]
+        )
         wall_before = earlier_wall_seconds(args.out)
         studies = open_studies(args.methods, args.setups, args, overrides)
         for cache in sorted({cache_dir_of(study.base) for study in studies}):
@@ -779,7 +776,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run_trials(studies, pool, finals, time_left, state, foundations)
         save_tuning()
-    except StateError as err:  # a run on another foundation model: the study cannot go on
+    except FoundationMismatch as err:  # a run on another model: the study cannot go on
         save_tuning()
         print(f"error: {err}", file=sys.stderr)
         return 1

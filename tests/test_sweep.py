@@ -190,3 +190,72 @@ def test_two_sweeps_into_one_directory_at_once_keep_each_others_records(tmp_path
     written = json.loads((tmp_path / "sweep.json").read_text())["cells"]
     assert {r["run"]: r["final"] for r in written} == {"o/fedrep": 0.7, "o/local": 0.6}
     assert len(written) == 2
+
+
+class _CardPool:
+    """A serial pool whose cells run no training: each writes a finished run recording the
+    foundation card ``card()`` gives at the time; finished runs are not run again."""
+
+    def __init__(self, card) -> None:  # noqa: ANN001
+        self.queue: list = []
+        self.ran: list[str] = []
+        self._card = card
+
+    def capacity(self) -> int:
+        return 1
+
+    def submit(self, cell) -> None:  # noqa: ANN001
+        self.queue.append(cell)
+
+    def pending(self) -> int:
+        return len(self.queue)
+
+    def next_done(self):  # noqa: ANN201
+        cell = self.queue.pop(0)
+        if not (cell.run_dir / "summary.json").is_file():
+            self.ran.append(cell.run_dir.name)
+            cell.run_dir.mkdir(parents=True)
+            config = {"run-config": cell.config, "foundation": self._card()}
+            (cell.run_dir / "config.json").write_text(json.dumps(config))
+            (cell.run_dir / "summary.json").write_text("{}")
+        record = {"state": "done", "metric": "accuracy", "final": 0.5, "seconds": 1.0}
+        return cell, {**record, "run": str(cell.run_dir), "state-before": "new"}
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_sweep_stops_at_a_run_on_another_foundation_model_and_refuses_to_go_on_with_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    """Runs of one setup and seed pair across methods, so they share one model: a run that
+    ends on another build stops the sweep (exit 1), the next sweep refuses before any run
+    (exit 2), and once that run is moved away it runs again on the first build."""
+    import shutil
+
+    from fedfm_flower.foundation_cards import WEIGHTS_SHA256
+
+    first = {"key": "abc", WEIGHTS_SHA256: "1" * 64}
+    now = [first]
+    pools: list[_CardPool] = []
+
+    def pool(args) -> _CardPool:  # noqa: ANN001
+        pools.append(_CardPool(lambda: now[0]))
+        return pools[-1]
+
+    monkeypatch.setattr(sweep, "pool_from_arguments", pool)
+    out, configs = tmp_path / "out", _configs(tmp_path / "configs")
+    argv = ["--methods", "fedrep", "local", "--setups", "toy", "--seeds", "0", "--out", str(out)]
+    argv += ["--configs", str(configs)]
+    assert sweep.main(argv) == 0 and pools[0].ran == ["fedrep-toy-s0", "local-toy-s0"]
+    shutil.rmtree(out / "runs" / "local-toy-s0")
+    now[0] = {"key": "abc", WEIGHTS_SHA256: "2" * 64}  # another machine's build in the cache
+    capsys.readouterr()
+    assert sweep.main(argv) == 1 and pools[1].ran == ["local-toy-s0"]
+    said = capsys.readouterr().err
+    assert "two builds of foundation abc" in said and "local-toy-s0" in said
+    assert sweep.main(argv) == 2 and len(pools) == 2  # refused before a pool was made
+    assert "fedrep-toy-s0" in capsys.readouterr().err
+    shutil.rmtree(out / "runs" / "local-toy-s0")
+    now[0] = first
+    assert sweep.main(argv) == 0 and pools[2].ran == ["local-toy-s0"]

@@ -1,0 +1,69 @@
+"""The runs of one setup and data seed in a grid directory share one foundation model.
+
+A sweep pairs its methods' runs of one (setup, seed); a tuning study ranks its trials against
+each other and pairs its final runs with other methods'. Runs made on two foundation models
+(two recipes, after a code change; two builds of one recipe, from two machines' caches:
+``fedfm_flower.foundation_cards``) compare the models as much as the methods or values, so
+``SetupFoundations`` holds the card of the first finished run of each (setup, data seed) and
+refuses (``FoundationMismatch``) a run that recorded another. The sweep and the tuning
+command check their directory's finished runs before they run anything, and each run as it
+ends. Runs whose card names no offline foundation (timm or Hub weights, random) are not
+checked. Light: no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from fedfm_flower.foundation_cards import describe, model_difference, recorded_card
+
+
+class FoundationMismatch(ValueError):
+    """Two runs of one setup and data seed ran on different foundation models; the message
+    names both runs and builds, and what to do."""
+
+
+class SetupFoundations:
+    """The foundation model each (setup, data seed) of a grid directory's runs share: the card
+    of the first finished run of each, and a ``FoundationMismatch`` for a run on another."""
+
+    def __init__(self) -> None:
+        self._first: dict[tuple[str, int], tuple[Path, dict[str, Any]]] = {}
+
+    @classmethod
+    def of_finished_runs(cls, parents: Iterable[Path]) -> SetupFoundations:
+        """The foundations of the finished runs (a ``summary.json``) in the directories
+        ``parents``; ``FoundationMismatch`` when two of one setup and data seed differ."""
+        found = cls()
+        for summary in sorted(s for parent in parents for s in parent.glob("*/summary.json")):
+            found.add(summary.parent)
+        return found
+
+    def add(self, run_dir: Path) -> None:
+        """Take the run at ``run_dir``; ``FoundationMismatch`` naming both runs and models when
+        the earlier runs of its setup and data seed ran on another model."""
+        card, run_config = recorded_card(run_dir)
+        if not card.get("key") or "setup" not in run_config:
+            return
+        group = (str(run_config["setup"]), run_data_seed(run_config))
+        first, first_card = self._first.setdefault(group, (run_dir, card))
+        what = model_difference(first_card, card)
+        if what:
+            raise FoundationMismatch(
+                f"runs of setup {group[0]} (data seed {group[1]}) in one directory ran on "
+                f"{what}: {first} on {describe(first_card)}, {run_dir} on {describe(card)}. "
+                "Their results are compared on one model: put the build the earlier runs used "
+                "back in the cache (a tuning study with --state keeps its builds) or move the "
+                "runs of one model away (a study's from --out and --state) so they run again; "
+                "the finished runs are as they were"
+            )
+
+
+def run_data_seed(run_config: dict[str, Any]) -> int:
+    """The seed a run's data came from (``data-seed``, else ``seed``: runs made before the key
+    existed too)."""
+    from fedfm_flower.config import data_seed_of
+
+    return data_seed_of(int(run_config.get("seed", 0)), int(run_config.get("data-seed", -1)))
