@@ -9,6 +9,7 @@ import pytest
 
 from fedfm_flower import sweep
 from fedfm_flower.report.build import main as report_main
+from tests.serial_pool import QueuePool
 
 
 def _configs(root: Path) -> Path:
@@ -192,26 +193,15 @@ def test_two_sweeps_into_one_directory_at_once_keep_each_others_records(tmp_path
     assert len(written) == 2
 
 
-class _CardPool:
+class _CardPool(QueuePool):
     """A serial pool whose cells run no training: each writes a finished run recording the
     foundation card ``card()`` gives at the time; finished runs are not run again."""
 
     def __init__(self, card) -> None:  # noqa: ANN001
-        self.queue: list = []
-        self.ran: list[str] = []
+        super().__init__()
         self._card = card
 
-    def capacity(self) -> int:
-        return 1
-
-    def submit(self, cell) -> None:  # noqa: ANN001
-        self.queue.append(cell)
-
-    def pending(self) -> int:
-        return len(self.queue)
-
-    def next_done(self):  # noqa: ANN201
-        cell = self.queue.pop(0)
+    def finish(self, cell) -> dict:  # noqa: ANN001
         if not (cell.run_dir / "summary.json").is_file():
             self.ran.append(cell.run_dir.name)
             cell.run_dir.mkdir(parents=True)
@@ -219,10 +209,7 @@ class _CardPool:
             (cell.run_dir / "config.json").write_text(json.dumps(config))
             (cell.run_dir / "summary.json").write_text("{}")
         record = {"state": "done", "metric": "accuracy", "final": 0.5, "seconds": 1.0}
-        return cell, {**record, "run": str(cell.run_dir), "state-before": "new"}
-
-    def close(self) -> None:
-        pass
+        return {**record, "run": str(cell.run_dir), "state-before": "new"}
 
 
 def test_a_sweep_stops_at_a_run_on_another_foundation_model_and_refuses_to_go_on_with_it(

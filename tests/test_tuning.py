@@ -26,6 +26,7 @@ from fedfm_flower.search import (
     resolve_space,
 )
 from fedfm_flower.sweep import CONFIG_ROOT, cell_config
+from tests.serial_pool import QueuePool
 
 BASE = {"method": "fedprox", "dataset": "digits", "lr": 0.02, "local-epochs": 1}
 
@@ -663,34 +664,23 @@ def test_a_variant_whose_method_is_not_named_is_refused_before_any_run(
 # --- pruning, budgets, per-method draws, coverage, a study's state on another machine ---------
 
 
-class _RunPool:
+class _RunPool(QueuePool):
     """A serial pool whose cells run no training: round r of a cell gives ``curve(trial, r)``
     (its trial number, -1 for a final run) as its mean validation accuracy, reported to the
     trial's pruner when the cell carries a link, as the runner does; each run writes the files
     a run writes, and its record is ``cell_record``'s. A finished run is not run again."""
 
     def __init__(self, curve, card=None) -> None:  # noqa: ANN001
-        self.queue: list = []
-        self.ran: list[str] = []  # run names, in the order they ran
+        super().__init__()
         self._curve = curve
         self._card = card  # () -> the foundation card a run records now (None: no card)
 
-    def capacity(self) -> int:
-        return 1
-
-    def submit(self, cell) -> None:  # noqa: ANN001
-        self.queue.append(cell)
-
-    def pending(self) -> int:
-        return len(self.queue)
-
-    def next_done(self):  # noqa: ANN201
+    def finish(self, cell) -> dict:  # noqa: ANN001
         from fedfm_flower.cells import cell_record, cell_state
 
-        cell = self.queue.pop(0)
         if cell_state(cell) != "done":
             self._run(cell)
-        return cell, cell_record(cell)
+        return cell_record(cell)
 
     def _run(self, cell) -> None:  # noqa: ANN001
         name = cell.config["run-name"]
@@ -714,9 +704,6 @@ class _RunPool:
         (cell.run_dir / "config.json").write_text(json.dumps(recorded))
         summary = {"primary-metric": "accuracy", "final-test-accuracy-mean": value, **stopped}
         (cell.run_dir / "summary.json").write_text(json.dumps(summary))
-
-    def close(self) -> None:
-        pass
 
 
 def test_a_trial_worst_at_its_first_report_is_pruned_and_its_rounds_count(
