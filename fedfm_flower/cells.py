@@ -17,6 +17,12 @@ if TYPE_CHECKING:
     from fedfm_flower.pruning import TrialLink
 
 
+def runs_of(out: Path) -> Path:
+    """The folder of a grid directory's run directories (a tuning directory's final runs; its
+    trials' are ``runs_of(out / "tuning")``)."""
+    return out / "runs"
+
+
 @dataclass(frozen=True)
 class Cell:
     """One run of a grid: a method label, a setup, a seed and its full run config."""

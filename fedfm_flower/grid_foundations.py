@@ -25,11 +25,20 @@ class FoundationMismatch(ValueError):
     names both runs and builds, and what to do."""
 
 
-class SetupFoundations:
-    """The foundation model each (setup, data seed) of a grid directory's runs share: the card
-    of the first finished run of each, and a ``FoundationMismatch`` for a run on another."""
+MOVE_OR_RESTORE = (
+    "Their results are compared on one model: put the build the earlier runs used back in the "
+    "cache (a tuning study with --state keeps its builds) or move the runs of one model away (a "
+    "study's from --out and --state) so they run again; the finished runs are as they were"
+)
 
-    def __init__(self) -> None:
+
+class SetupFoundations:
+    """The foundation model each (setup, data seed) of a set of runs share: the card of the
+    first run of each, and a ``FoundationMismatch`` for a run on another, its message ending in
+    ``remedy``."""
+
+    def __init__(self, remedy: str = MOVE_OR_RESTORE) -> None:
+        self.remedy = remedy
         self._first: dict[tuple[str, int], tuple[Path, dict[str, Any]]] = {}
 
     @classmethod
@@ -42,22 +51,24 @@ class SetupFoundations:
         return found
 
     def add(self, run_dir: Path) -> None:
-        """Take the run at ``run_dir``; ``FoundationMismatch`` naming both runs and models when
-        the earlier runs of its setup and data seed ran on another model."""
+        """Take the run at ``run_dir`` (its recorded card and run config: ``check``)."""
         card, run_config = recorded_card(run_dir)
-        if not card.get("key") or "setup" not in run_config:
+        if "setup" in run_config:
+            self.check(str(run_config["setup"]), run_data_seed(run_config), run_dir, card)
+
+    def check(self, setup: str, seed: int, run_dir: Path, card: dict[str, Any]) -> None:
+        """Take a run's card; ``FoundationMismatch`` naming both runs and models when the
+        earlier runs of its setup and seed (``add``: the data seed; a report: the seed it
+        pairs runs by) ran on another model. A card naming no offline foundation is not
+        checked."""
+        if not card.get("key"):
             return
-        group = (str(run_config["setup"]), run_data_seed(run_config))
-        first, first_card = self._first.setdefault(group, (run_dir, card))
+        first, first_card = self._first.setdefault((setup, seed), (run_dir, card))
         what = model_difference(first_card, card)
         if what:
             raise FoundationMismatch(
-                f"runs of setup {group[0]} (data seed {group[1]}) in one directory ran on "
-                f"{what}: {first} on {describe(first_card)}, {run_dir} on {describe(card)}. "
-                "Their results are compared on one model: put the build the earlier runs used "
-                "back in the cache (a tuning study with --state keeps its builds) or move the "
-                "runs of one model away (a study's from --out and --state) so they run again; "
-                "the finished runs are as they were"
+                f"runs of setup {setup} at seed {seed} ran on {what}: {first} on "
+                f"{describe(first_card)}, {run_dir} on {describe(card)}. {self.remedy}"
             )
 
 

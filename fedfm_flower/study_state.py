@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fedfm_flower.cells import runs_of
 from fedfm_flower.durable import atomic_path
 from fedfm_flower.foundation_cards import (
     CACHE_FILES,
@@ -55,7 +56,6 @@ JOURNAL = Path("tuning") / "journal.log"
 TUNING = Path("tuning.json")
 RUN_FILES: tuple[str, ...] = ("config.json", "summary.json", "metrics.jsonl")
 FOUNDATIONS = Path("foundations")  # the builds of the runs' foundation models, as in the cache
-FINAL_RUNS = Path("runs")  # the final runs' directories (the trials' are under tuning/runs)
 
 
 @dataclass(frozen=True)
@@ -148,7 +148,7 @@ class StudyState:
         if not builds:
             return
         other: dict[str, list[str]] = {}
-        for config in sorted((self.root / FINAL_RUNS).glob("*/config.json")):
+        for config in sorted(runs_of(self.root).glob("*/config.json")):
             run_card, run_config = recorded_card(config.parent)
             for card in builds_of(run_card):
                 kept = builds.get(_weights_name(card, run_config))

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fedfm_flower.cells import Cell
+from fedfm_flower.cells import Cell, runs_of
 from fedfm_flower.durable import atomic_write_text, exclusive_lock
 from fedfm_flower.grid_foundations import FoundationMismatch, SetupFoundations
 from fedfm_flower.overrides import parse_overrides
@@ -108,11 +108,6 @@ def cell_config(
         }
     )
     return config
-
-
-def runs_of(out: Path) -> Path:
-    """The folder of a grid directory's run directories."""
-    return out / "runs"
 
 
 def build_cells(

@@ -63,7 +63,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fedfm_flower.cells import Cell, cell_kind
+from fedfm_flower.cells import Cell, cell_kind, runs_of
 from fedfm_flower.durable import atomic_write_text
 from fedfm_flower.grid_foundations import FoundationMismatch, SetupFoundations, run_data_seed
 from fedfm_flower.overrides import parse_overrides
@@ -98,7 +98,6 @@ from fedfm_flower.sweep import (
     check_configs,
     pool_from_arguments,
     run_name,
-    runs_of,
     variant_settings,
 )
 

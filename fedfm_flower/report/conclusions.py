@@ -59,10 +59,17 @@ class Conclusion:
     @property
     def holds(self) -> bool | None:
         """Same verdict in both tables; None when one table lacks the method."""
-        if self.this is None or self.earlier is None:
-            return None
-        return self.this.verdict == self.earlier.verdict
+        return agree(self.this, self.earlier)
 
+
+def agree(this: Difference | None, earlier: Difference | None) -> bool | None:
+    """Whether two tables' differences give one verdict; None when either table lacks it."""
+    if this is None or earlier is None:
+        return None
+    return this.verdict == earlier.verdict
+
+
+HOLDS_TEXT = {True: "yes", False: "**no**", None: "(not in both)"}  # a row's holds? column
 
 VERDICTS = {"↑": "higher", "↓": "lower", "": "n.s."}
 # report.json records a verdict as the table's mark (↑, ↓) or "n.s."
@@ -139,9 +146,7 @@ class Between:
     @property
     def holds(self) -> bool | None:
         """Same verdict in both tables; None when one lacks the comparison."""
-        if self.this is None or self.earlier is None:
-            return None
-        return self.this.verdict == self.earlier.verdict
+        return agree(self.this, self.earlier)
 
 
 def check_pairs(pairs: Sequence[tuple[str, str]], labels: Sequence[str]) -> None:
@@ -212,7 +217,7 @@ def markdown_between(rows: Sequence[Between], name: str | None) -> str:
             cells += _text_and_verdict(row.earlier)
         cells += _text_and_verdict(row.this)
         if name:
-            cells.append({True: "yes", False: "**no**", None: "(not in both)"}[row.holds])
+            cells.append(HOLDS_TEXT[row.holds])
         lines.append("| " + " | ".join(cells) + " |")
     if name:
         compared = [row for row in rows if row.holds is not None]
@@ -310,14 +315,9 @@ def markdown_conclusions(rows: Sequence[Conclusion], name: str, reference: str) 
         "|---|---|---|---|---|---|---|",
     ]
     for row in rows:
-        earlier = "—" if row.earlier is None else row.earlier.text()
-        this = "—" if row.this is None else row.this.text()
-        holds = {True: "yes", False: "**no**", None: "(not in both)"}[row.holds]
-        lines.append(
-            f"| {row.setup} | {row.label} | {earlier} | "
-            f"{'—' if row.earlier is None else row.earlier.verdict} | {this} | "
-            f"{'—' if row.this is None else row.this.verdict} | {holds} |"
-        )
+        cells = [row.setup, row.label, *_text_and_verdict(row.earlier)]
+        cells += [*_text_and_verdict(row.this), HOLDS_TEXT[row.holds]]
+        lines.append("| " + " | ".join(cells) + " |")
     compared = [row for row in rows if row.holds is not None]
     changed = [row.label for row in compared if not row.holds]
     lines += [

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fedfm_flower.foundation_cards import describe, model_difference
+from fedfm_flower.grid_foundations import SetupFoundations
 from fedfm_flower.report.runs import RunResult
 from fedfm_flower.statistics import PairedTest, mean_ci, paired_test
 
@@ -118,24 +118,16 @@ def by_cell(runs: Sequence[RunResult]) -> dict[tuple[str, str], dict[int, RunRes
 
 
 def refuse_mixed_foundations(runs: Sequence[RunResult]) -> None:
-    """ValueError naming two runs of one setup and seed that ran on different foundation
-    models: other keys (another recipe, e.g. a run made before the foundation followed the data
-    seed) or other builds of one key (other weights: ``foundation_cards``). Pairing them would
-    compare the models as much as the methods."""
-    first: dict[tuple[str, int], RunResult] = {}
+    """``FoundationMismatch`` (a ValueError) naming two runs of one setup and seed that ran on
+    different foundation models: other keys (another recipe, e.g. a run made before the
+    foundation followed the data seed) or other builds of one key (other weights:
+    ``foundation_cards``). Pairing them would compare the models as much as the methods."""
+    found = SetupFoundations(
+        remedy="Rerun one side on the other's model (a tuning study keeps its builds: "
+        "docs/tuning.md)"
+    )
     for run in runs:
-        if not run.foundation.get("key"):
-            continue
-        seen = first.setdefault((run.setup, run.seed), run)
-        a, b = seen.foundation, run.foundation
-        what = model_difference(a, b)
-        if not what:
-            continue
-        raise ValueError(
-            f"runs of {run.setup} at seed {run.seed} ran on {what}: {seen.path} "
-            f"({describe(a)}) and {run.path} ({describe(b)}); rerun one side on the other's "
-            "model (a tuning study keeps its builds: docs/tuning.md)"
-        )
+        found.check(run.setup, run.seed, run.path, run.foundation)
 
 
 def build_cells(
