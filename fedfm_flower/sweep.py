@@ -170,32 +170,38 @@ def duration(seconds: float) -> str:
 @dataclass
 class TimeLeft:
     """A command's elapsed time and its time left. The cells left of each kind (a method's
-    runs) take that kind's mean seconds per cell so far (the mean over every kind until a cell
-    of it has run); their sum is divided by the cells' seconds per wall second so far (how many
-    ran at once). Cells found finished (on resume) end at once and add no seconds."""
+    runs) take that kind's mean seconds per whole cell so far (the mean over every kind until a
+    cell of it has run); their sum is divided by the cells' seconds per wall second so far (how
+    many ran at once). Cells found finished (on resume) end at once and add no seconds; a
+    resumed cell's seconds are a part of a cell's, so they count as work done but not in a
+    kind's mean."""
 
     cells: int  # the cells the command has to end
     kinds: Mapping[str, int] = field(default_factory=dict)  # of those, how many of each kind
     clock: Callable[[], float] = time.monotonic
     ended_cells: Counter[str] = field(default_factory=Counter, init=False)
-    seconds: dict[str, list[float]] = field(default_factory=dict, init=False)
+    seconds: dict[str, list[float]] = field(default_factory=dict, init=False)  # whole cells'
+    worked: float = field(default=0.0, init=False)  # every cell's seconds this command
     started: float = field(init=False)
 
     def __post_init__(self) -> None:
         self.started = self.clock()
 
-    def ended(self, kind: str = "", seconds: float | None = None, reused: bool = False) -> str:
-        """Count one more ended cell of ``kind`` that ran ``seconds`` (None: not known; a
-        reused cell ran none); what a progress line says of the time."""
+    def ended(self, kind: str = "", seconds: float | None = None, before: str = "new") -> str:
+        """Count one more ended cell of ``kind`` that ran ``seconds`` (None: not known) from
+        its state ``before`` (``cells.cell_state``: 'new', 'interrupted' or 'done'); what a
+        progress line says of the time."""
         self.ended_cells[kind] += 1
-        if seconds is not None and not reused:
-            self.seconds.setdefault(kind, []).append(seconds)
+        if seconds is not None and before != "done":
+            self.worked += seconds
+            if before == "new":
+                self.seconds.setdefault(kind, []).append(seconds)
         elapsed = self.clock() - self.started
-        ran = [s for per_kind in self.seconds.values() for s in per_kind]
+        whole = [s for per_kind in self.seconds.values() for s in per_kind]
         left = self.cells - sum(self.ended_cells.values())
-        if not ran or sum(ran) <= 0 or left <= 0:
+        if not whole or self.worked <= 0 or left <= 0:
             return f"{duration(elapsed)} elapsed"
-        mean = sum(ran) / len(ran)
+        mean = sum(whole) / len(whole)
         work_left = 0.0
         for name, count in self.kinds.items():
             of_kind = max(0, count - self.ended_cells[name])
@@ -203,7 +209,9 @@ class TimeLeft:
             work_left += of_kind * (sum(known) / len(known) if known else mean)
             left -= of_kind
         work_left += max(0, left) * mean  # cells of no declared kind
-        return f"{duration(elapsed)} elapsed, about {duration(elapsed * work_left / sum(ran))} left"
+        return (
+            f"{duration(elapsed)} elapsed, about {duration(elapsed * work_left / self.worked)} left"
+        )
 
 
 class SweepLog:
@@ -222,7 +230,7 @@ class SweepLog:
         """Record a finished cell and say how it ended."""
         self.done += 1
         time_said = self.time_left.ended(
-            cell.kind, record.get("seconds"), reused=record.get("state-before") == "done"
+            cell.kind, record.get("seconds"), record.get("state-before", "new")
         )
         if record["state"] == "failed":
             print(

@@ -479,9 +479,9 @@ def run_trials(
             study.optuna_study.tell(number, state=optuna.trial.TrialState.FAIL)
             outcome = f"failed: {record.get('error', f'final value {value}')}"
         study.finished += 1
+        said = time_left.ended(cell.kind, record.get("seconds"), record.get("state-before", "new"))
         print(
-            f"[{study.name} trial {number}, {study.finished}/{study.trials}] {outcome}; "
-            f"{time_left.ended(cell.kind, record.get('seconds'))}",
+            f"[{study.name} trial {number}, {study.finished}/{study.trials}] {outcome}; {said}",
             flush=True,
         )
 

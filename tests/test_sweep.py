@@ -119,7 +119,7 @@ def test_time_left_is_the_time_per_cell_run_times_the_cells_left() -> None:
     now = [100.0]
     left = sweep.TimeLeft(cells=5, kinds={"a toy": 5}, clock=lambda: now[0])
     now[0] += 0.5
-    assert left.ended("a toy", 0.5, reused=True) == "0 s elapsed"  # found finished: no estimate
+    assert left.ended("a toy", 0.5, "done") == "0 s elapsed"  # found finished: no estimate
     now[0] += 600
     assert left.ended("a toy", 600.0) == "10 min elapsed, about 30 min left"  # 600 s x 3
     now[0] += 600
@@ -127,6 +127,25 @@ def test_time_left_is_the_time_per_cell_run_times_the_cells_left() -> None:
     now[0] += 1200
     left.ended("a toy", 1200.0)
     assert left.ended("a toy", 1.0) == "40 min elapsed"  # nothing left
+
+
+def test_a_resumed_cell_counts_as_work_done_but_not_as_a_whole_cells_time() -> None:
+    # After a resume the first cell to end ran its last rounds only (60 s of a 600 s cell):
+    # taken as a whole cell it would say 3 x 60 s left.
+    now = [0.0]
+    left = sweep.TimeLeft(cells=5, kinds={"a toy": 5}, clock=lambda: now[0])
+    now[0] = 60.0
+    assert left.ended("a toy", 60.0, "interrupted") == "1 min elapsed"  # no whole cell yet
+    now[0] = 660.0
+    # 3 left x 600 s, at 660 cell s in 660 wall s: one at a time.
+    assert left.ended("a toy", 600.0) == "11 min elapsed, about 30 min left"
+    # Two at once: the resumed cell's 60 s ran beside the new one's 600 s in 600 wall s.
+    now = [0.0]
+    both = sweep.TimeLeft(cells=6, kinds={"a toy": 6}, clock=lambda: now[0])
+    now[0] = 60.0
+    both.ended("a toy", 60.0, "interrupted")
+    now[0] = 600.0
+    assert both.ended("a toy", 600.0) == "10 min elapsed, about 36 min left"  # 4 x 600 x 600 / 660
 
 
 def test_time_left_weighs_each_kind_by_its_own_cells_and_the_cells_run_at_once() -> None:
