@@ -251,7 +251,17 @@ def test_an_earlier_tables_conclusions_are_checked_against_this_ones(
     assert rows["fedrep"]["earlier"]["recomputed-over-seeds"] is False
     assert rows["fedavg"]["earlier"] is None and rows["fedavg"]["holds"] is None
     assert rows["fedprox"]["here"] is None and rows["fedprox"]["holds"] is None
+    # each table's level of the method: its mean over seeds and the t interval
+    for side, label in (("here", "fedrep"), ("earlier", "fedavg")):
+        means = _seed_means(label)
+        half = stats.t.ppf(0.975, 2) * np.std(means, ddof=1) / np.sqrt(3)
+        level = rows["fedrep"][f"{side}-level"]
+        assert level == pytest.approx({"mean": np.mean(means), "ci95": half})
+    assert rows["fedprox"]["here-level"] is None and rows["fedavg"]["earlier-level"] is None
     text = (out / "report.md").read_text()
+    section = text[text.index("## Conclusions of 4 trials") :]
+    fedrep_line = next(line for line in section.splitlines() if line.startswith("| toy | fedrep |"))
+    assert f"| {np.mean(_seed_means('fedrep')):.2f} ± " in fedrep_line
     assert "## Conclusions of 4 trials: do they hold here?" in text
     compared_holding = int(rows["fedrep"]["holds"])
     assert f"{compared_holding} of 1 conclusions hold" in text

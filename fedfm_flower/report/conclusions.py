@@ -48,13 +48,29 @@ class Difference:
 
 
 @dataclass(frozen=True)
+class Level:
+    """A method's mean over seeds and its 95% CI half-width in one table (metric units x
+    100)."""
+
+    mean: float
+    ci: float
+
+    def text(self) -> str:
+        """``75.28 ± 1.79``."""
+        return f"{self.mean:.2f} ± {self.ci:.2f}"
+
+
+@dataclass(frozen=True)
 class Conclusion:
-    """One (setup, method): its difference to the reference in this table and the earlier."""
+    """One (setup, method): its level, and its difference to the reference, in this table and
+    the earlier."""
 
     setup: str
     label: str
     this: Difference | None  # None: not in this table
     earlier: Difference | None  # None: not in the earlier table
+    this_level: Level | None = None
+    earlier_level: Level | None = None
 
     @property
     def holds(self) -> bool | None:
@@ -288,17 +304,25 @@ def build_conclusions(
             if label == reference:
                 continue
             cell = cells.get((setup, label))
+            entry = recorded.get(label)
             rows.append(
                 Conclusion(
                     setup,
                     label,
                     None if cell is None else from_cell(cell),
-                    from_recorded(recorded[label], recorded.get(reference))
-                    if label in recorded
-                    else None,
+                    None if entry is None else from_recorded(entry, recorded.get(reference)),
+                    None if cell is None else Level(cell.mean, cell.ci),
+                    None if entry is None else recorded_level(entry),
                 )
             )
     return rows
+
+
+def recorded_level(entry: Mapping[str, Any]) -> Level | None:
+    """A method's level as ``report.json`` records it; None without a mean."""
+    if entry.get("mean") is None:
+        return None
+    return Level(float(entry["mean"]), float(entry.get("ci95") or 0.0))
 
 
 def markdown_conclusions(rows: Sequence[Conclusion], name: str, reference: str) -> str:
@@ -306,16 +330,18 @@ def markdown_conclusions(rows: Sequence[Conclusion], name: str, reference: str) 
     lines = [
         f"## Conclusions of {name}: do they hold here?",
         "",
-        f"Each method's paired difference to **{reference}** over seeds (Δ [95% CI], p) in "
-        f"{name} and here; a conclusion is the verdict (higher/lower: p < {ALPHA}, else n.s.), "
-        "and it holds when both verdicts agree. `*`: recomputed over seeds from the per-seed "
-        "means of a report that tested the (seed, client) units pooled.",
+        f"Each method's mean ± 95% CI over seeds and its paired difference to **{reference}** "
+        f"over seeds (Δ [95% CI], p) in {name} and here; a conclusion is the verdict "
+        f"(higher/lower: p < {ALPHA}, else n.s.), and it holds when both verdicts agree. `*`: "
+        "recomputed over seeds from the per-seed means of a report that tested the (seed, "
+        "client) units pooled.",
         "",
-        f"| setup | method | {name} | verdict | here | verdict | holds? |",
-        "|---|---|---|---|---|---|---|",
+        f"| setup | method | {name} | Δ | verdict | here | Δ | verdict | holds? |",
+        "|---|---|---:|---|---|---:|---|---|---|",
     ]
     for row in rows:
-        cells = [row.setup, row.label, *_text_and_verdict(row.earlier)]
+        cells = [row.setup, row.label, _level_text(row.earlier_level)]
+        cells += [*_text_and_verdict(row.earlier), _level_text(row.this_level)]
         cells += [*_text_and_verdict(row.this), HOLDS_TEXT[row.holds]]
         lines.append("| " + " | ".join(cells) + " |")
     compared = [row for row in rows if row.holds is not None]
@@ -326,6 +352,10 @@ def markdown_conclusions(rows: Sequence[Conclusion], name: str, reference: str) 
         + (f"; changed: {', '.join(changed)}." if changed else "."),
     ]
     return "\n".join(lines)
+
+
+def _level_text(level: Level | None) -> str:
+    return "—" if level is None else level.text()
 
 
 def _difference_numbers(difference: Difference | None) -> dict[str, Any] | None:
@@ -350,8 +380,14 @@ def conclusions_numbers(rows: Sequence[Conclusion], name: str) -> dict[str, Any]
                 "method": row.label,
                 "here": _difference_numbers(row.this),
                 "earlier": _difference_numbers(row.earlier),
+                "here-level": _level_numbers(row.this_level),
+                "earlier-level": _level_numbers(row.earlier_level),
                 "holds": row.holds,
             }
             for row in rows
         ],
     }
+
+
+def _level_numbers(level: Level | None) -> dict[str, float] | None:
+    return None if level is None else {"mean": level.mean, "ci95": level.ci}
