@@ -7,8 +7,9 @@ each other and pairs its final runs with other methods'. Runs made on two founda
 ``SetupFoundations`` holds the card of the first finished run of each (setup, data seed) and
 refuses (``FoundationMismatch``) a run that recorded another. The sweep and the tuning
 command check their directory's finished runs before they run anything, and each run as it
-ends. Runs whose card names no offline foundation (timm or Hub weights, random) are not
-checked. Light: no torch.
+ends; a report checks the runs it pairs by seed (``report.tables``), with its own remedy. Runs
+whose card names no offline foundation (timm or Hub weights, random) are not checked. Light: no
+torch.
 """
 
 from __future__ import annotations
