@@ -174,11 +174,13 @@ class TimeLeft:
     cell of it has run); their sum is divided by the cells' seconds per wall second so far (how
     many ran at once). Cells found finished (on resume) end at once and add no seconds; a
     resumed cell's seconds are a part of a cell's, so they count as work done but not in a
-    kind's mean."""
+    kind's mean. ``earlier``: seconds per cell of each kind that earlier commands ran (a
+    resumed study's ended trials), taken for a kind until a cell of it runs here."""
 
     cells: int  # the cells the command has to end
     kinds: Mapping[str, int] = field(default_factory=dict)  # of those, how many of each kind
     clock: Callable[[], float] = time.monotonic
+    earlier: Mapping[str, list[float]] = field(default_factory=dict)
     ended_cells: Counter[str] = field(default_factory=Counter, init=False)
     seconds: dict[str, list[float]] = field(default_factory=dict, init=False)  # whole cells'
     worked: float = field(default=0.0, init=False)  # every cell's seconds this command
@@ -197,7 +199,8 @@ class TimeLeft:
             if before == "new":
                 self.seconds.setdefault(kind, []).append(seconds)
         elapsed = self.clock() - self.started
-        whole = [s for per_kind in self.seconds.values() for s in per_kind]
+        per_kind = {**self.earlier, **self.seconds}
+        whole = [s for of_kind in per_kind.values() for s in of_kind]
         left = self.cells - sum(self.ended_cells.values())
         if not whole or self.worked <= 0 or left <= 0:
             return f"{duration(elapsed)} elapsed"
@@ -205,7 +208,7 @@ class TimeLeft:
         work_left = 0.0
         for name, count in self.kinds.items():
             of_kind = max(0, count - self.ended_cells[name])
-            known = self.seconds.get(name)
+            known = per_kind.get(name)
             work_left += of_kind * (sum(known) / len(known) if known else mean)
             left -= of_kind
         work_left += max(0, left) * mean  # cells of no declared kind

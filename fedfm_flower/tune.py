@@ -413,6 +413,22 @@ def cell_kinds(studies: list[Study], seeds: list[int]) -> Counter[str]:
     return kinds
 
 
+def earlier_seconds(studies: list[Study]) -> dict[str, list[float]]:
+    """The seconds of rounds of each ended trial of ``studies`` (earlier commands'), by
+    ``Cell.kind``: what the time left takes for a kind until a cell of it runs."""
+    import optuna
+
+    ended = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+    seconds: dict[str, list[float]] = {}
+    for study in studies:
+        kind = cell_kind(study.label, study.setup + study.tag)
+        for trial in study.optuna_study.get_trials(deepcopy=False, states=ended):
+            ran = run_spent(study.trial_cell(trial.number, dict(trial.params)).run_dir)
+            if ran["seconds"] > 0:
+                seconds.setdefault(kind, []).append(ran["seconds"])
+    return seconds
+
+
 def run_trials(
     studies: list[Study],
     pool: CellPool,
@@ -762,7 +778,9 @@ def main(argv: list[str] | None = None) -> int:
 
     final_total = sum(1 + len(study.ablations) for study in studies) * len(args.seeds)
     time_left = TimeLeft(
-        sum(study.left() for study in studies) + final_total, cell_kinds(studies, args.seeds)
+        sum(study.left() for study in studies) + final_total,
+        cell_kinds(studies, args.seeds),
+        earlier=earlier_seconds(studies),
     )
     finals = FinalRuns(
         args.seeds,

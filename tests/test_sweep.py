@@ -146,6 +146,11 @@ def test_a_resumed_cell_counts_as_work_done_but_not_as_a_whole_cells_time() -> N
     both.ended("a toy", 60.0, "interrupted")
     now[0] = 600.0
     assert both.ended("a toy", 600.0) == "10 min elapsed, about 36 min left"  # 4 x 600 x 600 / 660
+    # A resumed study knows its earlier cells' seconds: the first line estimates from them.
+    now = [0.0]
+    known = sweep.TimeLeft(4, {"a toy": 4}, clock=lambda: now[0], earlier={"a toy": [600.0]})
+    now[0] = 60.0
+    assert known.ended("a toy", 60.0, "interrupted") == "1 min elapsed, about 30 min left"
 
 
 def test_time_left_weighs_each_kind_by_its_own_cells_and_the_cells_run_at_once() -> None:

@@ -511,6 +511,27 @@ def test_tuning_json_keeps_the_studies_of_earlier_commands(tmp_path: Path) -> No
     assert after == before and [r["study"] for r in after] == [fedavg.name, fedprox.name]
 
 
+def test_a_resumed_studys_time_left_starts_from_the_seconds_its_ended_trials_ran(
+    tmp_path: Path,
+) -> None:
+    pytest.importorskip("optuna")
+    from fedfm_flower import tune
+
+    fedavg, fedprox = _studies(tmp_path, trials=2)
+    tune.run_trials([fedavg, fedprox], _OutOfOrderPool(capacity=2, score=lambda c: c["lr"]))
+    rounds_seconds = [(fedavg, [(1.5, 2.0), (4.0,)]), (fedprox, [(), (3.0, 3.0)])]
+    for study, per_trial in rounds_seconds:
+        for trial, seconds in zip(study.optuna_study.get_trials(), per_trial, strict=True):
+            run = study.trial_cell(trial.number, dict(trial.params)).run_dir
+            run.mkdir(parents=True, exist_ok=True)  # a trial without rounds adds nothing
+            lines = [{"round": r, "round-seconds": t} for r, t in enumerate(seconds, start=1)]
+            (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert tune.earlier_seconds(list(_studies(tmp_path, trials=3))) == {
+        "fedavg digits-label-skew": [3.5, 4.0],
+        "fedprox digits-label-skew": [6.0],
+    }
+
+
 def test_a_trial_left_running_is_rerun_with_its_values(tmp_path: Path) -> None:
     pytest.importorskip("optuna")
     from fedfm_flower import search, tune
