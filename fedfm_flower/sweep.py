@@ -305,6 +305,30 @@ def pool_from_arguments(args: argparse.Namespace) -> CellPool:
     return make_pool(args.ray, args.ray_address, args.cpus_per_cell, args.gpus_per_cell)
 
 
+def run_grid(
+    pool: CellPool, work: Callable[[], None], on_mismatch: Callable[[], None] = lambda: None
+) -> int | None:
+    """Do ``work`` (a grid's cells in ``pool``), then close the pool; None when it ended, else
+    the command's exit status, its reason said: 1 at a run on another foundation model than
+    its setup's others (after ``on_mismatch``), 130 at Ctrl-C. A SIGTERM's ``SystemExit``
+    goes on, after saying how to resume."""
+    try:
+        work()
+    except FoundationMismatch as err:  # the grid cannot go on
+        on_mismatch()
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(INTERRUPTED, file=sys.stderr)
+        return 130
+    except SystemExit:  # SIGTERM (processes.exit_on_sigterm): its exit status, said
+        print(INTERRUPTED, file=sys.stderr)
+        raise
+    finally:
+        pool.close()
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the sweep; exit status 0 (all done), 1 (a run failed), 2 (bad arguments), 130
     (interrupted with Ctrl-C), or SIGTERM's 143 (1 when it lands inside Ray's wait)."""
@@ -326,19 +350,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    try:
-        records = run_sweep(cells, args.out, pool, foundations)
-    except FoundationMismatch as err:  # a run on another model than its setup's others
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print(INTERRUPTED, file=sys.stderr)
-        return 130
-    except SystemExit:  # SIGTERM (processes.exit_on_sigterm): its exit status, said
-        print(INTERRUPTED, file=sys.stderr)
-        raise
-    finally:
-        pool.close()
+    records: list[dict[str, Any]] = []
+    stopped = run_grid(pool, lambda: records.extend(run_sweep(cells, args.out, pool, foundations)))
+    if stopped is not None:
+        return stopped
     failed = [r for r in records if r["state"] == "failed"]
     if failed:
         print(

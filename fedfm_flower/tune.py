@@ -65,7 +65,7 @@ from typing import Any
 
 from fedfm_flower.cells import Cell, cell_kind, runs_of
 from fedfm_flower.durable import atomic_write_text
-from fedfm_flower.grid_foundations import FoundationMismatch, SetupFoundations, run_data_seed
+from fedfm_flower.grid_foundations import SetupFoundations, run_data_seed
 from fedfm_flower.overrides import parse_overrides
 from fedfm_flower.pools import CellPool
 from fedfm_flower.processes import exit_on_sigterm
@@ -90,13 +90,13 @@ from fedfm_flower.settings import require_package
 from fedfm_flower.study_state import StudyState, cache_dir_of, read_tuning
 from fedfm_flower.sweep import (
     CONFIG_ROOT,
-    INTERRUPTED,
     SweepLog,
     TimeLeft,
     add_grid_arguments,
     cell_config,
     check_configs,
     pool_from_arguments,
+    run_grid,
     run_name,
     variant_settings,
 )
@@ -790,21 +790,14 @@ def main(argv: list[str] | None = None) -> int:
         SweepLog(args.out, final_total, time_left),
         on_study_done=save_tuning,
     )
-    try:
+
+    def work() -> None:
         run_trials(studies, pool, finals, time_left, state, foundations)
         save_tuning()
-    except FoundationMismatch as err:  # a run on another model: the study cannot go on
-        save_tuning()
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print(INTERRUPTED, file=sys.stderr)
-        return 130
-    except SystemExit:  # SIGTERM (processes.exit_on_sigterm): its exit status, said
-        print(INTERRUPTED, file=sys.stderr)
-        raise
-    finally:
-        pool.close()
+
+    stopped = run_grid(pool, work, on_mismatch=save_tuning)
+    if stopped is not None:
+        return stopped
     unscored = [s.name for s in studies if s.best() is None]
     records = list(finals.records.values())
     for err in finals.errors:
