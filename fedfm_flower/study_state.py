@@ -192,7 +192,7 @@ class StudyState:
             for name in RUN_FILES:
                 kept = summary.parent / name
                 if kept.is_file():
-                    _parsed_lines(kept, whole=kept.suffix == ".json")
+                    parsed_lines(kept, whole=kept.suffix == ".json")
         if self.journal.is_file():
             repair_journal(self.journal)
 
@@ -207,7 +207,7 @@ def read_tuning(path: Path) -> dict[str, Any]:
     parse or is not an object."""
     if not path.is_file():
         return {}
-    (document,) = _parsed_lines(path, whole=True)
+    (document,) = parsed_lines(path, whole=True)
     if not isinstance(document, dict):
         raise StateError(f"{path} holds a {type(document).__name__}, not tuning.json's object")
     return document
@@ -237,13 +237,14 @@ def repair_journal(path: Path) -> int:
             )
     finally:
         lock.release()
-    _parsed_lines(path, whole=False)
+    parsed_lines(path, whole=False)
     return cut
 
 
-def _parsed_lines(path: Path, whole: bool) -> list[Any]:
+def parsed_lines(path: Path, whole: bool, shown: Path | None = None) -> list[Any]:
     """The JSON value of ``path`` (``whole``) or of each of its non-empty lines; ``StateError``
-    naming the file and line of the first that does not parse."""
+    naming the file (``shown``, for a copy: the file it copies) and line of the first that
+    does not parse."""
     text = path.read_text(encoding="utf-8", errors="replace")
     lines = [text] if whole else text.splitlines()
     values = []
@@ -255,9 +256,9 @@ def _parsed_lines(path: Path, whole: bool) -> list[Any]:
         except ValueError as err:
             where = getattr(err, "lineno", number) if whole else number
             raise StateError(
-                f"{path}, line {where}: not valid JSON ({err}); a merge conflict or a damaged "
-                "copy? Restore the file (e.g. git checkout -- FILE) or remove the bad part; "
-                "nothing was run or written"
+                f"{shown or path}, line {where}: not valid JSON ({err}); a merge conflict or a "
+                "damaged copy? Restore the file (e.g. git checkout -- FILE) or remove the bad "
+                "part; nothing was run or written"
             ) from None
     return values
 

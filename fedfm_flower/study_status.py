@@ -1,0 +1,187 @@
+"""Where a tuning directory stands, read without running or writing anything: per study its
+trials that ended (of them pruned and failed) and those left running, against its budget, the
+best trial so far, and the seeds of its final runs that finished or started.
+
+    python -m fedfm_flower.study_status runs/tuned16-tap          # a tune --out directory
+    python -m fedfm_flower.study_status bench/results/tuned16-tap --json   # or its --state
+
+The Optuna journal is read from a copy of its complete records, so a study running meanwhile
+is neither locked nor disturbed (a record being written is left out). The budget is the one
+``tuning.json`` records (per study, else per command; unknown before the command first wrote
+it). Final runs are matched to a study by their run name (``sweep.run_name``); those of no
+study (a method's variants at its values) are listed by name. Light: no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fedfm_flower.cells import runs_of
+from fedfm_flower.study_state import JOURNAL, TUNING, StateError, parsed_lines, read_tuning
+
+
+@dataclass
+class StudyStatus:
+    """One study of a tuning directory, as far as it has got."""
+
+    study: str  # label@setup (with the tag)
+    budget: int | None  # trials to run; None: no tuning.json yet
+    complete: int = 0
+    pruned: int = 0
+    failed: int = 0
+    running: int = 0  # asked, not told: running now, or left by a command that died
+    best_trial: int | None = None
+    best_score: float | None = None
+    best_values: dict[str, Any] = field(default_factory=dict)
+    finals_done: list[int] = field(default_factory=list)  # seeds whose final run finished
+    finals_started: list[int] = field(default_factory=list)  # seeds with a run not finished
+
+    @property
+    def ended(self) -> int:
+        """The trials that ended: complete, pruned or failed."""
+        return self.complete + self.pruned + self.failed
+
+
+def journal_trials(journal: Path) -> dict[str, list[Any]]:
+    """Every study's frozen trials in the Optuna journal ``journal``, read from a copy of its
+    complete records; ``StateError`` when there is no journal or a record does not parse."""
+    import optuna
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    try:
+        data = journal.read_bytes()
+    except OSError as err:
+        raise StateError(
+            f"no Optuna journal at {journal} ({err.strerror}); a study run with --state keeps "
+            "its journal there: pass that directory"
+        ) from None
+    with tempfile.TemporaryDirectory() as scratch:
+        copy = Path(scratch) / "journal.log"
+        copy.write_bytes(data[: data.rfind(b"\n") + 1])
+        parsed_lines(copy, whole=False, shown=journal)
+        storage = JournalStorage(JournalFileBackend(str(copy)))
+        try:
+            names = optuna.get_all_study_names(storage)
+            return {
+                name: optuna.load_study(study_name=name, storage=storage).get_trials(deepcopy=False)
+                for name in names
+            }
+        except (ValueError, KeyError) as err:  # a record Optuna cannot replay
+            raise StateError(f"{journal}: not an Optuna journal Optuna can read ({err})") from None
+
+
+def directory_status(root: Path) -> tuple[list[StudyStatus], list[str]]:
+    """The studies of the tuning (or state) directory ``root`` and the final runs of no study
+    (by name); ``StateError`` for a missing or damaged journal or ``tuning.json``."""
+    import optuna
+
+    states = optuna.trial.TrialState
+    tuning = read_tuning(root / TUNING)
+    budgets = {s.get("study"): s.get("budget") for s in tuning.get("studies", [])}
+    finals = _final_runs(root)
+    statuses = []
+    for name, trials in journal_trials(root / JOURNAL).items():
+        budget = budgets.get(name, tuning.get("trials-per-study"))
+        status = StudyStatus(name, None if budget is None else int(budget))
+        for trial in trials:
+            if trial.state == states.COMPLETE:
+                status.complete += 1
+            elif trial.state == states.PRUNED:
+                status.pruned += 1
+            elif trial.state == states.FAIL:
+                status.failed += 1
+            elif trial.state in (states.RUNNING, states.WAITING):
+                status.running += 1
+        scored = [t for t in trials if t.state == states.COMPLETE and t.value is not None]
+        best = max(scored, key=lambda t: (t.value, -t.number), default=None)  # as tune's
+        if best is not None:
+            status.best_trial, status.best_score = best.number, float(best.value)
+            status.best_values = dict(best.params)
+        label, _, setup = name.partition("@")
+        pattern = re.compile(rf"{re.escape(label.replace(':', '-'))}-{re.escape(setup)}-s(\d+)")
+        for run in list(finals):
+            matched = pattern.fullmatch(run)
+            if matched:
+                seeds = status.finals_done if finals.pop(run) else status.finals_started
+                seeds.append(int(matched.group(1)))
+        status.finals_done.sort()
+        status.finals_started.sort()
+        statuses.append(status)
+    return statuses, sorted(finals)
+
+
+def _final_runs(root: Path) -> dict[str, bool]:
+    """{run name: finished} of the final runs' directories under ``root``."""
+    folder = runs_of(root)
+    if not folder.is_dir():
+        return {}
+    return {
+        run.name: (run / "summary.json").is_file()
+        for run in sorted(folder.iterdir())
+        if run.is_dir()
+    }
+
+
+def status_text(statuses: list[StudyStatus], other_finals: list[str]) -> str:
+    """The status as a table, a study a row, and the final runs of no study."""
+    rows = [("study", "trials", "pruned", "failed", "running", "best (trial)", "finals done")]
+    for s in statuses:
+        best = "—" if s.best_score is None else f"{s.best_score:.4f} ({s.best_trial})"
+        finals = " ".join(map(str, s.finals_done)) or "—"
+        if s.finals_started:
+            finals += " (started: " + " ".join(map(str, s.finals_started)) + ")"
+        budget = "?" if s.budget is None else str(s.budget)
+        rows.append(
+            (
+                s.study,
+                f"{s.ended}/{budget}",
+                str(s.pruned),
+                str(s.failed),
+                str(s.running),
+                best,
+                finals,
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = [
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    ]
+    if other_finals:
+        lines += ["", "final runs of no study: " + ", ".join(other_finals)]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print where a tuning directory stands; exit status 0, or 2 for a directory without a
+    readable journal."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("directory", type=Path, help="a tune --out or --state directory")
+    parser.add_argument("--json", action="store_true", help="print the status as JSON")
+    args = parser.parse_args(argv)
+    try:
+        statuses, other_finals = directory_status(args.directory)
+    except StateError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        document = {
+            "studies": [{**asdict(s), "ended": s.ended} for s in statuses],
+            "final-runs-of-no-study": other_finals,
+        }
+        print(json.dumps(document, indent=2))
+    else:
+        print(status_text(statuses, other_finals))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

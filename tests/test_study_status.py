@@ -1,0 +1,130 @@
+"""``study_status``: where a tuning directory stands, read from a copy of its journal."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fedfm_flower.study_status import main
+
+optuna = pytest.importorskip("optuna")
+
+
+def _tuning_directory(root: Path) -> bytes:
+    """A tuning directory: two studies in a journal (one with every trial state), a budget in
+    tuning.json for one of them, final runs done, started and of no study; the journal's
+    bytes, a record cut short at the end."""
+    from fedfm_flower.pruning import journal_storage
+
+    journal = root / "tuning" / "journal.log"
+    storage = journal_storage(journal)
+    states = optuna.trial.TrialState
+    dist = {"lr": optuna.distributions.FloatDistribution(1e-4, 1.0, log=True)}
+    fedavg = optuna.create_study(study_name="fedavg@toy", storage=storage, direction="maximize")
+    for value, lr in ((0.5, 0.01), (0.7, 0.02), (0.7, 0.03)):  # a tie: the lower number wins
+        fedavg.add_trial(
+            optuna.trial.create_trial(params={"lr": lr}, distributions=dist, value=value)
+        )
+    fedavg.add_trial(
+        optuna.trial.create_trial(
+            params={"lr": 0.9},
+            distributions=dist,
+            state=states.PRUNED,
+            intermediate_values={10: 0.9},
+        )
+    )
+    fedavg.add_trial(
+        optuna.trial.create_trial(params={"lr": 0.5}, distributions=dist, state=states.FAIL)
+    )
+    fedavg.ask()  # left running
+    local = optuna.create_study(study_name="local@toy-x", storage=storage, direction="maximize")
+    local.ask()
+    tuning = {"trials-per-study": 8, "studies": [{"study": "fedavg@toy", "budget": 6}]}
+    (root / "tuning.json").write_text(json.dumps(tuning))
+    for name, done in (
+        ("fedavg-toy-s0", True),
+        ("fedavg-toy-s2", True),
+        ("fedavg-toy-s1", False),
+        ("fedavg-vanilla-toy-s0", True),  # a variant's (no study)
+        ("local-toy-x-s0", False),
+    ):
+        run = root / "runs" / name
+        run.mkdir(parents=True)
+        if done:
+            (run / "summary.json").write_text("{}")
+    with journal.open("ab") as handle:
+        handle.write(b'{"op_code": 5, "worker_id": "cut')  # a write that never finished
+    return journal.read_bytes()
+
+
+def test_the_status_counts_each_studys_trials_best_and_finals_without_touching_the_journal(
+    tmp_path: Path, capsys
+) -> None:
+    before = _tuning_directory(tmp_path)
+    assert main([str(tmp_path), "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    fedavg, local = document["studies"]
+    assert fedavg["study"] == "fedavg@toy" and fedavg["budget"] == 6
+    assert (fedavg["complete"], fedavg["pruned"], fedavg["failed"], fedavg["running"]) == (
+        3,
+        1,
+        1,
+        1,
+    )
+    assert fedavg["ended"] == 5
+    assert (fedavg["best_trial"], fedavg["best_score"], fedavg["best_values"]) == (
+        1,
+        0.7,
+        {"lr": 0.02},
+    )
+    assert fedavg["finals_done"] == [0, 2] and fedavg["finals_started"] == [1]
+    assert local["budget"] == 8  # the command's budget where the study has none of its own
+    assert (local["ended"], local["running"], local["best_trial"]) == (0, 1, None)
+    assert local["finals_done"] == [] and local["finals_started"] == [0]
+    assert document["final-runs-of-no-study"] == ["fedavg-vanilla-toy-s0"]
+    assert (tmp_path / "tuning" / "journal.log").read_bytes() == before  # read from a copy
+    assert main([str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == [
+        "study",
+        "trials",
+        "pruned",
+        "failed",
+        "running",
+        "best",
+        "(trial)",
+        "finals",
+        "done",
+    ]
+    assert lines[1].split() == [
+        "fedavg@toy",
+        "5/6",
+        "1",
+        "1",
+        "1",
+        "0.7000",
+        "(1)",
+        "0",
+        "2",
+        "(started:",
+        "1)",
+    ]
+    assert lines[2].split() == ["local@toy-x", "0/8", "0", "0", "1", "—", "—", "(started:", "0)"]
+    assert lines[-1] == "final runs of no study: fedavg-vanilla-toy-s0"
+
+
+def test_a_directory_without_a_journal_is_refused_naming_where_it_looked(
+    tmp_path: Path, capsys
+) -> None:
+    assert main([str(tmp_path)]) == 2
+    said = capsys.readouterr().err
+    assert f"no Optuna journal at {tmp_path / 'tuning' / 'journal.log'}" in said
+    assert "--state keeps its journal there" in said
+    (tmp_path / "tuning").mkdir()
+    (tmp_path / "tuning" / "journal.log").write_text("{not json\n")
+    assert main([str(tmp_path)]) == 2
+    assert (
+        f"{tmp_path / 'tuning' / 'journal.log'}, line 1: not valid JSON" in capsys.readouterr().err
+    )
