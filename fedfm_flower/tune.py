@@ -401,31 +401,44 @@ class FinalRuns:
         self.log.add(cell, record)
 
 
+def trial_kind(study: Study) -> str:
+    """The kind of a study's trials in the time left: apart from its final runs'
+    (``Cell.kind``), which run every round where many trials are pruned."""
+    return cell_kind(study.label, study.setup + study.tag) + " trials"
+
+
 def cell_kinds(studies: list[Study], seeds: list[int]) -> Counter[str]:
-    """How many cells of each kind (``Cell.kind``) the studies have left: their trials to draw
-    and their final runs at ``seeds``, their ablations' included."""
+    """How many cells of each kind the studies have left: their trials to draw
+    (``trial_kind``) and their final runs at ``seeds`` (``Cell.kind``), their ablations'
+    included."""
     kinds: Counter[str] = Counter()
     for study in studies:
         setup = study.setup + study.tag
-        kinds[cell_kind(study.label, setup)] += study.left() + len(seeds)
+        kinds[trial_kind(study)] += study.left()
+        kinds[cell_kind(study.label, setup)] += len(seeds)
         for label in study.ablations:
             kinds[cell_kind(label, setup)] += len(seeds)
     return kinds
 
 
 def earlier_seconds(studies: list[Study]) -> dict[str, list[float]]:
-    """The seconds of rounds of each ended trial of ``studies`` (earlier commands'), by
-    ``Cell.kind``: what the time left takes for a kind until a cell of it runs."""
+    """The seconds of rounds of the ended trials of ``studies`` (earlier commands'), by kind:
+    every ended trial for its study's trials (``trial_kind``), the complete ones (every round
+    run, as a final run does) for its final runs (``Cell.kind``). The time left takes them
+    for a kind until a cell of it runs."""
     import optuna
 
-    ended = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+    complete, pruned = optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED
     seconds: dict[str, list[float]] = {}
     for study in studies:
-        kind = cell_kind(study.label, study.setup + study.tag)
-        for trial in study.optuna_study.get_trials(deepcopy=False, states=ended):
+        final_kind = cell_kind(study.label, study.setup + study.tag)
+        for trial in study.optuna_study.get_trials(deepcopy=False, states=(complete, pruned)):
             ran = run_spent(study.trial_cell(trial.number, dict(trial.params)).run_dir)
-            if ran["seconds"] > 0:
-                seconds.setdefault(kind, []).append(ran["seconds"])
+            if ran["seconds"] <= 0:
+                continue
+            seconds.setdefault(trial_kind(study), []).append(ran["seconds"])
+            if trial.state == complete:
+                seconds.setdefault(final_kind, []).append(ran["seconds"])
     return seconds
 
 
@@ -495,7 +508,8 @@ def run_trials(
             study.optuna_study.tell(number, state=optuna.trial.TrialState.FAIL)
             outcome = f"failed: {record.get('error', f'final value {value}')}"
         study.finished += 1
-        said = time_left.ended(cell.kind, record.get("seconds"), record.get("state-before", "new"))
+        before = record.get("state-before", "new")
+        said = time_left.ended(trial_kind(study), record.get("seconds"), before)
         print(
             f"[{study.name} trial {number}, {study.finished}/{study.trials}] {outcome}; {said}",
             flush=True,

@@ -514,7 +514,7 @@ def test_tuning_json_keeps_the_studies_of_earlier_commands(tmp_path: Path) -> No
 def test_a_resumed_studys_time_left_starts_from_the_seconds_its_ended_trials_ran(
     tmp_path: Path,
 ) -> None:
-    pytest.importorskip("optuna")
+    optuna = pytest.importorskip("optuna")
     from fedfm_flower import tune
 
     fedavg, fedprox = _studies(tmp_path, trials=2)
@@ -526,8 +526,21 @@ def test_a_resumed_studys_time_left_starts_from_the_seconds_its_ended_trials_ran
             run.mkdir(parents=True, exist_ok=True)  # a trial without rounds adds nothing
             lines = [{"round": r, "round-seconds": t} for r, t in enumerate(seconds, start=1)]
             (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    first = fedavg.optuna_study.trials[0]
+    fedavg.optuna_study.add_trial(  # a pruned trial: its study's trials' time, not its finals'
+        optuna.trial.create_trial(
+            params=first.params,
+            distributions=first.distributions,
+            state=optuna.trial.TrialState.PRUNED,
+        )
+    )
+    pruned = fedavg.trial_cell(2, first.params).run_dir
+    pruned.mkdir(parents=True)
+    (pruned / "metrics.jsonl").write_text(json.dumps({"round": 1, "round-seconds": 0.5}) + "\n")
     assert tune.earlier_seconds(list(_studies(tmp_path, trials=3))) == {
+        "fedavg digits-label-skew trials": [3.5, 4.0, 0.5],
         "fedavg digits-label-skew": [3.5, 4.0],
+        "fedprox digits-label-skew trials": [6.0],
         "fedprox digits-label-skew": [6.0],
     }
 
