@@ -9,7 +9,9 @@ The Optuna journal is read from a copy of its complete records, so a study runni
 is neither locked nor disturbed (a record being written is left out). The budget is the one
 ``tuning.json`` records (per study, else per command; unknown before the command first wrote
 it). Final runs are matched to a study by their run name (``sweep.run_name``); those of no
-study (a method's variants at its values) are listed by name. Light: no torch.
+study (a method's variants at its values) are listed by name. Last, whether the finished runs
+of each setup and data seed share one foundation model (else ``tune`` refuses the directory:
+``grid_foundations``). Light: no torch.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from fedfm_flower.cells import runs_of
+from fedfm_flower.grid_foundations import FoundationMismatch, SetupFoundations
 from fedfm_flower.study_state import JOURNAL, TUNING, StateError, parsed_lines, read_tuning
 
 
@@ -160,6 +163,17 @@ def status_text(statuses: list[StudyStatus], other_finals: list[str]) -> str:
     return "\n".join(lines)
 
 
+def foundations_check(root: Path) -> str | None:
+    """None when the finished runs (trials and final runs) under ``root`` of each setup and
+    data seed share one foundation model, else the mismatch ``tune`` would refuse the
+    directory with (``grid_foundations``)."""
+    try:
+        SetupFoundations.of_finished_runs([runs_of(root / "tuning"), runs_of(root)])
+    except FoundationMismatch as err:
+        return str(err)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Print where a tuning directory stands; exit status 0, or 2 for a directory without a
     readable journal."""
@@ -172,14 +186,21 @@ def main(argv: list[str] | None = None) -> int:
     except StateError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    mixed = foundations_check(args.directory)
     if args.json:
         document = {
             "studies": [{**asdict(s), "ended": s.ended} for s in statuses],
             "final-runs-of-no-study": other_finals,
+            "foundation-mismatch": mixed,
         }
         print(json.dumps(document, indent=2))
     else:
         print(status_text(statuses, other_finals))
+        print(
+            "\nfoundation models: one per setup and seed"
+            if mixed is None
+            else f"\nfoundation models MIXED (tune refuses this directory): {mixed}"
+        )
     return 0
 
 

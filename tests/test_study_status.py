@@ -112,7 +112,24 @@ def test_the_status_counts_each_studys_trials_best_and_finals_without_touching_t
         "1)",
     ]
     assert lines[2].split() == ["local@toy-x", "0/8", "0", "0", "1", "—", "—", "(started:", "0)"]
-    assert lines[-1] == "final runs of no study: fedavg-vanilla-toy-s0"
+    assert lines[-3] == "final runs of no study: fedavg-vanilla-toy-s0"
+    assert lines[-1] == "foundation models: one per setup and seed"
+
+
+def test_the_status_says_when_a_setups_runs_ran_on_two_builds(tmp_path: Path, capsys) -> None:
+    from tests.test_study_foundations import build, write_run
+
+    _tuning_directory(tmp_path)
+    card = build(tmp_path / "cache-a", b"one build")
+    write_run(tmp_path / "tuning" / "runs", "fedavg-glyphs-t000-s0", card, tmp_path / "cache-a")
+    assert main([str(tmp_path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["foundation-mismatch"] is None
+    other = build(tmp_path / "cache-b", b"another build")
+    write_run(tmp_path / "runs", "fedavg-glyphs-s0", other, tmp_path / "cache-b")
+    assert main([str(tmp_path)]) == 0
+    said = capsys.readouterr().out.splitlines()[-1]
+    assert said.startswith("foundation models MIXED (tune refuses this directory): runs of setup")
+    assert "two builds of foundation c0ffee" in said and "fedavg-glyphs-s0" in said
 
 
 def test_a_directory_without_a_journal_is_refused_naming_where_it_looked(
