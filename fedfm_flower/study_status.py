@@ -28,6 +28,7 @@ from typing import Any
 from fedfm_flower.cells import runs_of
 from fedfm_flower.grid_foundations import FoundationMismatch, SetupFoundations
 from fedfm_flower.study_state import JOURNAL, TUNING, StateError, parsed_lines, read_tuning
+from fedfm_flower.tune import best_of
 
 
 @dataclass
@@ -103,8 +104,7 @@ def directory_status(root: Path) -> tuple[list[StudyStatus], list[str]]:
                 status.failed += 1
             elif trial.state in (states.RUNNING, states.WAITING):
                 status.running += 1
-        scored = [t for t in trials if t.state == states.COMPLETE and t.value is not None]
-        best = max(scored, key=lambda t: (t.value, -t.number), default=None)  # as tune's
+        best = best_of(trials)  # the trial tune chooses
         if best is not None:
             status.best_trial, status.best_score = best.number, float(best.value)
             status.best_values = dict(best.params)

@@ -143,13 +143,17 @@ class Study:
         return Cell(self.label, self.setup + self.tag, seed, config, link)
 
     def best(self) -> Any | None:
-        """The best scored trial (the lowest number among equals), None when none scored."""
-        import optuna
+        """The best scored trial (``best_of``), None when none scored."""
+        return best_of(self.optuna_study.get_trials(deepcopy=False))
 
-        scored = self.optuna_study.get_trials(
-            deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)
-        )
-        return max(scored, key=lambda t: (t.value, -t.number), default=None)
+
+def best_of(trials: list[Any]) -> Any | None:
+    """The complete trial of the highest value among Optuna ``trials`` (the lowest number
+    among equals), None when none is complete."""
+    import optuna
+
+    scored = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
+    return max(scored, key=lambda t: (t.value, -t.number), default=None)
 
 
 def study_name(label: str, setup: str, tag: str) -> str:
