@@ -305,17 +305,14 @@ def pool_from_arguments(args: argparse.Namespace) -> CellPool:
     return make_pool(args.ray, args.ray_address, args.cpus_per_cell, args.gpus_per_cell)
 
 
-def run_grid(
-    pool: CellPool, work: Callable[[], None], on_mismatch: Callable[[], None] = lambda: None
-) -> int | None:
+def run_grid(pool: CellPool, work: Callable[[], None]) -> int | None:
     """Do ``work`` (a grid's cells in ``pool``), then close the pool; None when it ended, else
     the command's exit status, its reason said: 1 at a run on another foundation model than
-    its setup's others (after ``on_mismatch``), 130 at Ctrl-C. A SIGTERM's ``SystemExit``
-    goes on, after saying how to resume."""
+    its setup's others, 130 at Ctrl-C. A SIGTERM's ``SystemExit`` goes on, after saying how
+    to resume."""
     try:
         work()
     except FoundationMismatch as err:  # the grid cannot go on
-        on_mismatch()
         print(f"error: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -810,10 +810,12 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     def work() -> None:
-        run_trials(studies, pool, finals, time_left, state, foundations)
-        save_tuning()
+        try:
+            run_trials(studies, pool, finals, time_left, state, foundations)
+        finally:  # also when stopped (Ctrl-C, SIGTERM, a mismatch): the wall time is kept
+            save_tuning()
 
-    stopped = run_grid(pool, work, on_mismatch=save_tuning)
+    stopped = run_grid(pool, work)
     if stopped is not None:
         return stopped
     unscored = [s.name for s in studies if s.best() is None]

@@ -500,9 +500,16 @@ def test_ctrl_c_closes_the_pool_and_says_how_to_resume(
     pool = Interrupted(capacity=2, score=lambda config: 0.0)
     monkeypatch.setattr(tune, "pool_from_arguments", lambda args: pool)
     argv = ["--methods", "fedavg", "--setups", "digits-label-skew", "--trials", "2"]
+    earlier = {"wall-seconds": 100.0, "studies": []}  # an earlier command's 100 s
+    (tmp_path / "tuning.json").write_text(json.dumps(earlier))
     assert tune.main([*argv, "--out", str(tmp_path), "--set", "num-clients=2"]) == 130
     assert pool.closed and len(pool.submitted) == 2
     assert "interrupted: rerun the same command to resume" in capsys.readouterr().err
+    # the stopped command's time is kept with the earlier ones, its trials as running
+    document = json.loads((tmp_path / "tuning.json").read_text())
+    assert document["wall-seconds"] > 100.0
+    (study,) = document["studies"]
+    assert [t["state"] for t in study["trials"]] == ["running", "running"]
 
 
 def test_tuning_json_keeps_the_studies_of_earlier_commands(tmp_path: Path) -> None:
