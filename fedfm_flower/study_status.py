@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
@@ -28,7 +27,8 @@ from typing import Any
 from fedfm_flower.cells import runs_of
 from fedfm_flower.grid_foundations import FoundationMismatch, SetupFoundations
 from fedfm_flower.study_state import JOURNAL, TUNING, StateError, parsed_lines, read_tuning
-from fedfm_flower.tune import best_of
+from fedfm_flower.sweep import seed_of_run
+from fedfm_flower.tune import best_of, study_parts
 
 
 @dataclass
@@ -108,13 +108,12 @@ def directory_status(root: Path) -> tuple[list[StudyStatus], list[str]]:
         if best is not None:
             status.best_trial, status.best_score = best.number, float(best.value)
             status.best_values = dict(best.params)
-        label, _, setup = name.partition("@")
-        pattern = re.compile(rf"{re.escape(label.replace(':', '-'))}-{re.escape(setup)}-s(\d+)")
+        label, setup = study_parts(name)
         for run in list(finals):
-            matched = pattern.fullmatch(run)
-            if matched:
+            seed = seed_of_run(run, label, setup, "")
+            if seed is not None:
                 seeds = status.finals_done if finals.pop(run) else status.finals_started
-                seeds.append(int(matched.group(1)))
+                seeds.append(seed)
         status.finals_done.sort()
         status.finals_started.sort()
         statuses.append(status)

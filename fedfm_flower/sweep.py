@@ -54,9 +54,20 @@ INTERRUPTED = (
 )
 
 
+def _run_stem(label: str, setup: str, tag: str) -> str:
+    return f"{label.replace(':', '-')}-{setup}{tag}-s"
+
+
 def run_name(label: str, setup: str, tag: str, seed: int) -> str:
     """The run directory name of one (method label, setup, tag, seed) cell."""
-    return f"{label.replace(':', '-')}-{setup}{tag}-s{seed}"
+    return f"{_run_stem(label, setup, tag)}{seed}"
+
+
+def seed_of_run(name: str, label: str, setup: str, tag: str) -> int | None:
+    """The seed of the run directory ``name`` when it is a (label, setup, tag) cell's
+    (``run_name``'s inverse), else None."""
+    seed = name.removeprefix(_run_stem(label, setup, tag))
+    return int(seed) if seed != name and seed.isdigit() else None
 
 
 def _read_toml(path: Path) -> dict[str, Any]:

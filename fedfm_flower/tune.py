@@ -161,6 +161,13 @@ def study_name(label: str, setup: str, tag: str) -> str:
     return f"{label}@{setup}{tag}"
 
 
+def study_parts(name: str) -> tuple[str, str]:
+    """The method label and the setup with its tag of the study ``name`` (``study_name``'s
+    inverse)."""
+    label, _, setup = name.partition("@")
+    return label, setup
+
+
 def make_sampler(name: str, seed: int, trials: int) -> Any:
     """Optuna's sampler ``name`` seeded with ``seed``; TPE starts with a third of the budget
     (at least 2) drawn at random and lies constant for trials in flight."""

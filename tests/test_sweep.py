@@ -270,3 +270,18 @@ def test_a_sweep_stops_at_a_run_on_another_foundation_model_and_refuses_to_go_on
     shutil.rmtree(out / "runs" / "local-toy-s0")
     now[0] = first
     assert sweep.main(argv) == 0 and pools[2].ran == ["local-toy-s0"]
+
+
+def test_a_run_names_seed_and_a_study_names_parts_are_read_back() -> None:
+    from fedfm_flower.sweep import run_name, seed_of_run
+    from fedfm_flower.tune import study_name, study_parts
+
+    for label, setup, tag, seed in (("fedavg", "toy", "", 0), ("fedvpt:deep", "glyphs", "-x", 12)):
+        name = run_name(label, setup, tag, seed)
+        assert seed_of_run(name, label, setup, tag) == seed
+        assert seed_of_run(name, label, setup + tag, "") == seed  # a study's setup has its tag
+        assert study_parts(study_name(label, setup, tag)) == (label, setup + tag)
+    assert seed_of_run("fedavg-vanilla-toy-s0", "fedavg", "toy", "") is None  # a variant's run
+    assert seed_of_run("fedavg-toy-s", "fedavg", "toy", "") is None
+    assert seed_of_run("fedavg-toy-s1x", "fedavg", "toy", "") is None
+    assert seed_of_run("local-toy-s1", "fedavg", "toy", "") is None
