@@ -16,7 +16,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-.venv/bin/python}"
 TABLES=("$@")
-[ ${#TABLES[@]} -gt 0 ] || TABLES=(tap fedperfix)  # label-skew, many-clients: done
+[ ${#TABLES[@]} -gt 0 ] || TABLES=(fedperfix)  # label-skew, many-clients, tap: done
 
 run() {  # run TABLE REFERENCE EARLIER-REPORT "FIRST SECOND ..." -- tune arguments
     local table="$1" reference="$2" earlier="$3" pairs=()
