@@ -6,7 +6,9 @@ number, the pruner's settings). While the run goes, each round whose evaluation 
 ``eval-every`` rounds) reports the mean of the task's primary metric to the trial at step = the
 round, through the journal, and asks the pruner whether to stop: a pruned run ends after that
 round's checkpoint, its summary says ``stopped-at-round``, and the tuning command records the
-trial as pruned (rounds run, last value).
+trial as pruned (rounds run, last value). A round whose report cannot reach the journal (a file
+system error, a lock not had, a line half written on a shared disk) is logged and not judged: the
+run goes on to its next report, since a pruner that cannot be asked is no reason to lose the trial.
 
 Pruners (``PrunerSettings.name``):
 
@@ -21,6 +23,7 @@ Pruners (``PrunerSettings.name``):
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -33,6 +36,8 @@ DEFAULT_REDUCTION = 3
 # Called with (round, mean validation value) when a round's evaluation is complete; True stops
 # the run after that round (``server_apps.runner.run_experiment``).
 EarlyStop = Callable[[int, float], bool]
+
+LOG = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -109,6 +114,25 @@ class TrialLink:
         trial = optuna.trial.Trial(study, trial_id)
 
         def stop(server_round: int, value: float) -> bool:
+            try:
+                return judge(server_round, value)
+            except optuna.exceptions.UpdateFinishedTrialError:
+                raise  # the trial was ended elsewhere: this run is not its run any more
+            except (OSError, RuntimeError, ValueError) as err:  # the journal's, not the run's
+                LOG.warning(
+                    "trial %d of %s: round %d's value %.4g not reported to %s (%s: %s); "
+                    "the run goes on unjudged until its next report",
+                    self.number,
+                    self.study,
+                    server_round,
+                    value,
+                    self.journal,
+                    type(err).__name__,
+                    err,
+                )
+                return False
+
+        def judge(server_round: int, value: float) -> bool:
             frozen = storage.get_trial(trial_id)
             if server_round not in frozen.intermediate_values:  # a resumed run reports again
                 trial.report(value, server_round)

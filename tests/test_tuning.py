@@ -1131,6 +1131,35 @@ def test_a_pruning_decided_before_a_crash_stops_the_resumed_run() -> None:
         assert resumed(10, 0.9)
 
 
+def test_a_report_the_journal_cannot_take_leaves_the_run_going_and_the_next_one_is_judged(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A journal that cannot be read at one report (here: moved away, as a shared disk that
+    drops out) costs that round's judgement, not the trial: the run goes on, the warning names
+    the trial, the round and the journal, and the next report is judged as usual."""
+    pytest.importorskip("optuna")
+    from fedfm_flower import tune
+
+    args = _tune_args(tmp_path, 3, pruner="halving", prune_min_rounds=5, prune_reduction=3)
+    overrides = {"num-clients": 2, "num-server-rounds": 20}
+    (study,) = tune.open_studies(["fedavg"], ["digits-label-skew"], args, overrides)
+    asked = [study.optuna_study.ask() for _ in range(2)]
+    links = [study.trial_cell(t.number, dict(t.params)).trial for t in asked]
+    assert not links[0].early_stop()(5, 0.8)
+    stop = links[1].early_stop()
+    journal = Path(links[1].journal)
+    journal.rename(journal.with_suffix(".away"))
+    with caplog.at_level("WARNING", logger="fedfm_flower.pruning"):
+        assert not stop(5, 0.5)  # would be pruned: 0.5 < 0.8 at the first rung
+    assert f"trial 1 of {links[1].study}: round 5's value 0.5 not reported to {journal}" in (
+        caplog.text
+    )
+    journal.with_suffix(".away").rename(journal)
+    assert 5 not in study.optuna_study.get_trials()[1].intermediate_values
+    assert stop(10, 0.5)  # judged again: the first rung, with the value it has now
+    assert study.optuna_study.get_trials()[1].intermediate_values == {10: 0.5}
+
+
 def test_a_copied_study_installs_its_foundation_builds_before_any_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
