@@ -37,7 +37,7 @@ DEFAULT_REDUCTION = 3
 # the run after that round (``server_apps.runner.run_experiment``).
 EarlyStop = Callable[[int, float], bool]
 
-LOG = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,7 @@ class TrialLink:
             except optuna.exceptions.UpdateFinishedTrialError:
                 raise  # the trial was ended elsewhere: this run is not its run any more
             except (OSError, RuntimeError, ValueError) as err:  # the journal's, not the run's
-                LOG.warning(
+                log.warning(
                     "trial %d of %s: round %d's value %.4g not reported to %s (%s: %s); "
                     "the run goes on unjudged until its next report",
                     self.number,
