@@ -1,22 +1,21 @@
 #!/usr/bin/env bash
-# The 16-trial tuned tables of issue 51 that are still to finish, in order, each resumable:
-# a study whose state (bench/results/tuned16-<table>/: Optuna journal, tuning.json, finished
-# runs' small files) exists goes on from it, on this machine or another, without repeating a
-# finished trial. After each table its report, with the 4-trial table's conclusions checked.
+# The 16-trial tuned tables (docs/tuning.md), each resumable: a study whose state
+# (bench/results/tuned16-<table>/: Optuna journal, tuning.json, finished runs' small files)
+# exists goes on from it, on this machine or another, without repeating a finished trial; a
+# finished one only has its report written again. After each table its report, with the
+# 4-trial table's conclusions checked and its between-method pairs.
 #
-#     bash scripts/tuned16.sh [TABLE ...]     # default: the tables not yet done, in order
+#     bash scripts/tuned16.sh [TABLE ...]     # default: all four, in order
 #
 # Tables: label-skew many-clients tap fedperfix. Run it from a clone pinned at one commit for
 # the whole of a study (the trials of one study must come from one tree); commit the state
 # directories as they grow (git add -f bench/results/tuned16-*). Measure nothing else on the
-# machine meanwhile: the trials take both cores (--ray, 2 cells at once). label-skew's kept
-# study ran seven methods' trials on another build than its final runs (docs/tuning.md): the
-# tune command refuses it as it is; a redo starts from its state with foundations/ alone.
+# machine meanwhile: the trials take both cores (--ray, 2 cells at once).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-.venv/bin/python}"
 TABLES=("$@")
-[ ${#TABLES[@]} -gt 0 ] || TABLES=(fedperfix)  # label-skew, many-clients, tap: done
+[ ${#TABLES[@]} -gt 0 ] || TABLES=(label-skew many-clients tap fedperfix)
 
 run() {  # run TABLE REFERENCE EARLIER-REPORT "FIRST SECOND ..." -- tune arguments
     local table="$1" reference="$2" earlier="$3" pairs=()
