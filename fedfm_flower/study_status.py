@@ -1,6 +1,7 @@
 """Where a tuning directory stands, read without running or writing anything: per study its
-trials that ended (of them pruned and failed) and those left running, against its budget, the
-best trial so far, and the seeds of its final runs that finished or started.
+trials that ended (of them pruned and failed), those left running and those queued (enqueued,
+never asked: a study's trial 0 at the setup's values before its first run), against its
+budget, the best trial so far, and the seeds of its final runs that finished or started.
 
     python -m fedfm_flower.study_status runs/tuned16-tap          # a tune --out directory
     python -m fedfm_flower.study_status bench/results/tuned16-tap --json   # or its --state
@@ -41,6 +42,7 @@ class StudyStatus:
     pruned: int = 0
     failed: int = 0
     running: int = 0  # asked, not told: running now, or left by a command that died
+    queued: int = 0  # enqueued, never asked (Optuna's WAITING)
     best_trial: int | None = None
     best_score: float | None = None
     best_values: dict[str, Any] = field(default_factory=dict)
@@ -102,8 +104,10 @@ def directory_status(root: Path) -> tuple[list[StudyStatus], list[str]]:
                 status.pruned += 1
             elif trial.state == states.FAIL:
                 status.failed += 1
-            elif trial.state in (states.RUNNING, states.WAITING):
+            elif trial.state == states.RUNNING:
                 status.running += 1
+            elif trial.state == states.WAITING:
+                status.queued += 1
         best = best_of(trials)  # the trial tune chooses
         if best is not None:
             status.best_trial, status.best_score = best.number, float(best.value)
@@ -134,7 +138,9 @@ def _final_runs(root: Path) -> dict[str, bool]:
 
 def status_text(statuses: list[StudyStatus], other_finals: list[str]) -> str:
     """The status as a table, a study a row, and the final runs of no study."""
-    rows = [("study", "trials", "pruned", "failed", "running", "best (trial)", "finals done")]
+    rows = [
+        ("study", "trials", "pruned", "failed", "running", "queued", "best (trial)", "finals done")
+    ]
     for s in statuses:
         best = "—" if s.best_score is None else f"{s.best_score:.4f} ({s.best_trial})"
         finals = " ".join(map(str, s.finals_done)) or "—"
@@ -148,6 +154,7 @@ def status_text(statuses: list[StudyStatus], other_finals: list[str]) -> str:
                 str(s.pruned),
                 str(s.failed),
                 str(s.running),
+                str(s.queued),
                 best,
                 finals,
             )

@@ -41,6 +41,7 @@ def _tuning_directory(root: Path) -> bytes:
     fedavg.ask()  # left running
     local = optuna.create_study(study_name="local@toy-x", storage=storage, direction="maximize")
     local.ask()
+    local.enqueue_trial({"lr": 0.01})  # queued, as tune enqueues the setup's values
     tuning = {"trials-per-study": 8, "studies": [{"study": "fedavg@toy", "budget": 6}]}
     (root / "tuning.json").write_text(json.dumps(tuning))
     for name, done in (
@@ -81,7 +82,13 @@ def test_the_status_counts_each_studys_trials_best_and_finals_without_touching_t
     )
     assert fedavg["finals_done"] == [0, 2] and fedavg["finals_started"] == [1]
     assert local["budget"] == 8  # the command's budget where the study has none of its own
-    assert (local["ended"], local["running"], local["best_trial"]) == (0, 1, None)
+    assert (fedavg["running"], fedavg["queued"]) == (1, 0)
+    assert (local["ended"], local["running"], local["queued"], local["best_trial"]) == (
+        0,
+        1,
+        1,
+        None,
+    )
     assert local["finals_done"] == [] and local["finals_started"] == [0]
     assert document["final-runs-of-no-study"] == ["fedavg-vanilla-toy-s0"]
     assert (tmp_path / "tuning" / "journal.log").read_bytes() == before  # read from a copy
@@ -93,6 +100,7 @@ def test_the_status_counts_each_studys_trials_best_and_finals_without_touching_t
         "pruned",
         "failed",
         "running",
+        "queued",
         "best",
         "(trial)",
         "finals",
@@ -104,6 +112,7 @@ def test_the_status_counts_each_studys_trials_best_and_finals_without_touching_t
         "1",
         "1",
         "1",
+        "0",
         "0.7000",
         "(1)",
         "0",
@@ -111,7 +120,18 @@ def test_the_status_counts_each_studys_trials_best_and_finals_without_touching_t
         "(started:",
         "1)",
     ]
-    assert lines[2].split() == ["local@toy-x", "0/8", "0", "0", "1", "—", "—", "(started:", "0)"]
+    assert lines[2].split() == [
+        "local@toy-x",
+        "0/8",
+        "0",
+        "0",
+        "1",
+        "1",
+        "—",
+        "—",
+        "(started:",
+        "0)",
+    ]
     assert lines[-3] == "final runs of no study: fedavg-vanilla-toy-s0"
     assert lines[-1] == "foundation models: one per setup and seed"
 
