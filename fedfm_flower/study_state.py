@@ -2,7 +2,8 @@
 
 A tuning command writes its runs (checkpoints and all) under ``--out``; what a later command
 needs to resume without repeating work is small: the Optuna journal, ``tuning.json`` and each
-finished run's ``config.json``, ``summary.json`` and ``metrics.jsonl``. ``StudyState`` keeps
+finished run's ``config.json``, ``summary.json`` and ``metrics.jsonl`` (a failed run's config
+and metrics: the rounds it ran count against the budget). ``StudyState`` keeps
 those under its own root (``--state``, e.g. ``bench/results/<study>/``, a directory that can be
 committed), at the same relative paths as under ``--out``. The journal lives there alone; the
 other files are copied there as they are written, and copied back into ``--out`` when a command
@@ -80,13 +81,18 @@ class StudyState:
         if self.apart and path.is_file():
             _copy(path, self.root / path.resolve().relative_to(self.out.resolve()))
 
-    def keep_run(self, run_dir: Path) -> None:
-        """Keep a finished run's small files (nothing of a run without a summary) and the build
-        of its foundation model, if the state has none of it yet."""
+    def keep_run(self, run_dir: Path, ended: bool = False) -> None:
+        """Keep a finished run's small files and the build of its foundation model, if the
+        state has none of it yet; with ``ended``, a run that ended without a summary (failed)
+        keeps its ``config.json`` and ``metrics.jsonl``, so the rounds it ran still count
+        against the budget after a change of machine."""
         if (run_dir / "summary.json").is_file():
             for name in RUN_FILES:
                 self.keep(run_dir / name)
             self.keep_foundation(run_dir)
+        elif ended:
+            for name in RUN_FILES:
+                self.keep(run_dir / name)
 
     def keep_foundation(self, run_dir: Path) -> None:
         """Copy the files of each foundation build the run at ``run_dir`` used from its cache
@@ -188,10 +194,9 @@ class StudyState:
         if not self.root.is_dir():
             return
         read_tuning(self.root / TUNING)
-        for summary in sorted(self.root.rglob("summary.json")):
-            for name in RUN_FILES:
-                kept = summary.parent / name
-                if kept.is_file():
+        for name in RUN_FILES:  # finished runs' and failed runs' (no summary) files
+            for kept in sorted(self.root.rglob(name)):
+                if not kept.is_relative_to(self.root / FOUNDATIONS):
                     parsed_lines(kept, whole=kept.suffix == ".json")
         if self.journal.is_file():
             repair_journal(self.journal)

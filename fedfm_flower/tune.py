@@ -501,7 +501,7 @@ def run_trials(
         if foundations is not None:
             foundations.add(cell.run_dir)
         if state is not None:
-            state.keep_run(cell.run_dir)
+            state.keep_run(cell.run_dir, ended=True)
         if finals is not None and finals.owns(cell):
             finals.record(cell, record)
             continue

@@ -35,7 +35,7 @@ for table in "${TABLES[@]}"; do
     case "$table" in
         label-skew)
             run glyphs-label-skew local bench/results/tuned-glyphs/label-skew \
-                "fedrep pfedseq pfedpg fedvpt pfedseq fedvpt fedavg-ft fedvpt fedavg-ft pfedseq" -- \
+                "pfedseq fedrep pfedpg fedvpt pfedseq fedvpt pfedseq pfedpg fedrep fedvpt fedavg-ft fedrep fedavg-ft fedvpt fedavg-ft pfedseq fedvpt-deep fedvpt fedavg fedvpt" -- \
                 --methods local fedavg fedprox fedrep fedavg-ft fedvpt fedvpt-deep pfedseq pfedpg \
                 --setups glyphs-label-skew --val-fraction 0.15 ;;
         many-clients)

@@ -715,11 +715,16 @@ def test_a_variant_whose_method_is_not_named_is_refused_before_any_run(
 # --- pruning, budgets, per-method draws, coverage, a study's state on another machine ---------
 
 
+class _Crash(RuntimeError):
+    """A fake run's crash."""
+
+
 class _RunPool(QueuePool):
     """A serial pool whose cells run no training: round r of a cell gives ``curve(trial, r)``
     (its trial number, -1 for a final run) as its mean validation accuracy, reported to the
     trial's pruner when the cell carries a link, as the runner does; each run writes the files
-    a run writes, and its record is ``cell_record``'s. A finished run is not run again."""
+    a run writes, and its record is ``cell_record``'s. A curve value None crashes the run in
+    that round (its earlier rounds written, no summary). A finished run is not run again."""
 
     def __init__(self, curve, card=None) -> None:  # noqa: ANN001
         super().__init__()
@@ -727,10 +732,13 @@ class _RunPool(QueuePool):
         self._card = card  # () -> the foundation card a run records now (None: no card)
 
     def finish(self, cell) -> dict:  # noqa: ANN001
-        from fedfm_flower.cells import cell_record, cell_state
+        from fedfm_flower.cells import cell_record, cell_state, failed_record
 
         if cell_state(cell) != "done":
-            self._run(cell)
+            try:
+                self._run(cell)
+            except _Crash as err:  # as cell_record reports a run that raised
+                return {**failed_record(cell, str(err)), "state-before": "new", "seconds": 0.1}
         return cell_record(cell)
 
     def _run(self, cell) -> None:  # noqa: ANN001
@@ -740,19 +748,22 @@ class _RunPool(QueuePool):
         stop = cell.trial.early_stop() if cell.trial is not None else None
         rounds, clients = int(cell.config["num-server-rounds"]), int(cell.config["num-clients"])
         lines, stopped = [], {}
-        for r in range(1, rounds + 1):
-            value = self._curve(number, r)
-            lines.append({"round": r, "clients-sampled": clients, "round-seconds": 0.5})
-            lines[-1]["test-accuracy-mean"] = value
-            if stop is not None and stop(r, value) and r < rounds:
-                stopped = {"stopped-at-round": r}
-                break
         cell.run_dir.mkdir(parents=True)
-        (cell.run_dir / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
         recorded = {"run-config": cell.config}
         if self._card is not None:
             recorded["foundation"] = self._card()
         (cell.run_dir / "config.json").write_text(json.dumps(recorded))
+        for r in range(1, rounds + 1):
+            value = self._curve(number, r)
+            if value is None:  # the run crashes in round r, its rounds before it written
+                raise _Crash(f"trial {number} crashed in round {r}")
+            lines.append({"round": r, "clients-sampled": clients, "round-seconds": 0.5})
+            lines[-1]["test-accuracy-mean"] = value
+            with (cell.run_dir / "metrics.jsonl").open("a") as metrics:
+                metrics.write(json.dumps(lines[-1]) + "\n")
+            if stop is not None and stop(r, value) and r < rounds:
+                stopped = {"stopped-at-round": r}
+                break
         summary = {"primary-metric": "accuracy", "final-test-accuracy-mean": value, **stopped}
         (cell.run_dir / "summary.json").write_text(json.dumps(summary))
 
@@ -955,6 +966,35 @@ def test_a_study_copied_to_a_fresh_directory_resumes_without_repeating_a_trial(
     assert [x["state"] for x in study["trials"]] == ["complete", "pruned", "pruned"]
     assert study["spent"]["client-rounds"] == (2 + 1 + 1) * 2 == document["spent"]["client-rounds"]
     assert study["chosen"]["trial"] == 0
+
+
+def test_a_failed_trials_rounds_still_count_once_its_study_is_copied_elsewhere(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("optuna")
+    import shutil
+
+    from fedfm_flower import tune
+
+    # trial 1 crashes in round 3 of 3: it ran 2 rounds of 2 clients, and wrote no summary
+    pools = _pooled(monkeypatch, lambda trial, r: None if (trial, r) == (1, 3) else 0.9)
+
+    def argv(out: Path, state: Path) -> list[str]:
+        return [*_copied_study_argv(out, state, 2), "num-server-rounds=3", "--pruner", "none"]
+
+    first = tune.main(argv(tmp_path / "out", tmp_path / "state"))
+    failed = tmp_path / "state" / "tuning" / "runs" / "fedavg-digits-label-skew-t001-s0"
+    assert sorted(p.name for p in failed.iterdir()) == ["config.json", "metrics.jsonl"]
+
+    moved = tmp_path / "elsewhere"  # the committed state, on a new machine
+    shutil.copytree(tmp_path / "state", moved)
+    again = tune.main(argv(tmp_path / "fresh", moved))
+    assert pools[1].ran == []  # nothing runs again, the failed trial neither
+    assert (first, again) == (0, 0)  # a failed trial is spent budget, not a failed command
+    (study,) = json.loads((tmp_path / "fresh" / "tuning.json").read_text())["studies"]
+    assert [t["state"] for t in study["trials"]] == ["complete", "fail"]
+    assert [t["client-rounds"] for t in study["trials"]] == [3 * 2, 2 * 2]
+    assert study["spent"]["client-rounds"] == 10
 
 
 def _pooled(monkeypatch: pytest.MonkeyPatch, curve, card=None) -> list[_RunPool]:  # noqa: ANN001
