@@ -122,6 +122,9 @@ class Study:
     running: dict[Path, int] = field(default_factory=dict)  # run directory -> trial number
     pruner: PrunerSettings = field(default_factory=lambda: PrunerSettings("none"))
     journal: Path | None = None  # where the trials' runs report (None: they do not report)
+    client_rounds: int = 0  # the budget in client-rounds besides ``trials`` (0: none)
+    spent: int = 0  # client-rounds of the ended trials
+    full_trial: int = 0  # most client-rounds an ended trial ran (0: none ended yet)
 
     @property
     def name(self) -> str:
@@ -129,8 +132,27 @@ class Study:
         return study_name(self.label, self.setup, self.tag)
 
     def left(self) -> int:
-        """Trials still to draw."""
-        return self.trials - self.finished - len(self.running)
+        """Trials still to draw: those of the trial budget; then, under a client-round budget,
+        as many as its client-rounds not yet spent take, counting each running trial as one
+        that runs every round (so the study ends within one trial of the budget)."""
+        by_trials = self.trials - self.finished - len(self.running)
+        if by_trials > 0 or self.client_rounds <= 0:
+            return by_trials
+        per_trial = self.full_trial or self.most_per_trial()
+        short = self.client_rounds - self.spent - len(self.running) * per_trial
+        return -(-short // per_trial) if short > 0 else 0
+
+    def most_per_trial(self) -> int:
+        """The client-rounds of a trial that samples every client in every round."""
+        return int(self.base["num-server-rounds"]) * int(self.base["num-clients"])
+
+    def ended(self, run_dir: Path, complete: bool) -> None:
+        """Count the client-rounds a trial's run at ``run_dir`` spent (``complete``: it ran
+        every round)."""
+        ran = run_spent(run_dir)["client-rounds"]
+        self.spent += ran
+        if complete:
+            self.full_trial = max(self.full_trial, ran)
 
     def trial_cell(self, number: int, values: dict[str, Any]) -> Cell:
         """The cell of trial ``number`` with ``values``."""
@@ -300,22 +322,25 @@ def open_studies(
             study.sampler = make_sampler(args.sampler, seed, args.trials)
             if args.setup_first and not trials:
                 study.enqueue_trial(setup_values(space, base))  # a new study: the untuned run
-            finished = sum(trial.state.name in ENDED_STATES for trial in trials)
-            studies.append(
-                Study(
-                    label,
-                    setup,
-                    args.tag,
-                    base,
-                    space,
-                    study,
-                    args.trials,
-                    finished,
-                    variants,
-                    pruner=pruner,
-                    journal=journal,
-                )
+            ended = [trial for trial in trials if trial.state.name in ENDED_STATES]
+            opened = Study(
+                label,
+                setup,
+                args.tag,
+                base,
+                space,
+                study,
+                args.trials,
+                len(ended),
+                variants,
+                client_rounds=args.client_rounds,
+                pruner=pruner,
+                journal=journal,
             )
+            for trial in ended:  # earlier commands' spending (their runs are restored)
+                run_dir = opened.trial_cell(trial.number, dict(trial.params)).run_dir
+                opened.ended(run_dir, trial.state.name == "COMPLETE")
+            studies.append(opened)
     return studies
 
 
@@ -508,6 +533,7 @@ def run_trials(
         study = next(s for s in studies if cell.run_dir in s.running)
         number = study.running.pop(cell.run_dir)
         value = record.get("final", math.nan)
+        complete = False
         if record["state"] == "done" and "stopped-at-round" in record:
             study.optuna_study.tell(number, state=optuna.trial.TrialState.PRUNED)
             outcome = f"pruned at round {record['stopped-at-round']}: val {value:.4f}"
@@ -515,16 +541,18 @@ def run_trials(
             study.optuna_study.set_user_attr("metric", record["metric"])
             study.optuna_study.tell(number, value)
             outcome = f"val {record['metric']} {value:.4f}"
+            complete = True
         else:
             study.optuna_study.tell(number, state=optuna.trial.TrialState.FAIL)
             outcome = f"failed: {record.get('error', f'final value {value}')}"
         study.finished += 1
+        study.ended(cell.run_dir, complete)
         before = record.get("state-before", "new")
         said = time_left.ended(trial_kind(study), record.get("seconds"), before)
-        print(
-            f"[{study.name} trial {number}, {study.finished}/{study.trials}] {outcome}; {said}",
-            flush=True,
-        )
+        budget = f"{study.finished}/{study.trials}"
+        if study.client_rounds > 0:
+            budget += f", {study.spent}/{study.client_rounds} client-rounds"
+        print(f"[{study.name} trial {number}, {budget}] {outcome}; {said}", flush=True)
 
 
 def study_record(study: Study) -> dict[str, Any]:
@@ -551,6 +579,7 @@ def study_record(study: Study) -> dict[str, Any]:
         "space": {key: describe(rng) for key, rng in study.space.items()},
         "pruner": study.pruner.as_dict(),
         "budget": study.trials,
+        "client-rounds-budget": study.client_rounds,
         "spent": spent(trials),
         "trials": trials,
         "tried": tried_ranges(trials),
@@ -706,6 +735,7 @@ def write_tuning(
     document = {
         "sampler": args.sampler,
         "trials-per-study": args.trials,
+        "client-rounds-per-study": args.client_rounds,
         "setup-first": args.setup_first,
         "tuning-seed": args.tune_seed,
         "final-seeds": args.seeds,
@@ -727,6 +757,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_grid_arguments(parser)
     parser.add_argument("--trials", type=int, required=True, help="budget per method x setup")
+    parser.add_argument(
+        "--client-rounds",
+        type=int,
+        default=0,
+        help="a budget in client-rounds per method x setup besides --trials: a study draws "
+        "trials past --trials until its ended trials ran this many client-rounds (pruned and "
+        "failed ones' rounds included), so every method of a table spends the same, within "
+        "one trial; default 0: --trials alone",
+    )
     parser.add_argument("--sampler", choices=SAMPLERS, default="tpe")
     parser.add_argument(
         "--no-setup-first",
@@ -781,6 +820,8 @@ def main(argv: list[str] | None = None) -> int:
         require_package("--sampler", args.sampler, "optuna", " (pip install 'fedfm-flower[tune]')")
         if args.trials < 1:
             raise ValueError(f"--trials must be >= 1, got {args.trials}")
+        if args.client_rounds < 0:
+            raise ValueError(f"--client-rounds must be >= 0, got {args.client_rounds}")
         overrides = parse_overrides(args.set)
         state.check()
         state.check_foundations()

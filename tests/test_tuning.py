@@ -413,7 +413,7 @@ def _tune_args(out: Path, trials: int, **options):  # noqa: ANN003, ANN202
     args = argparse.Namespace(
         out=out, tune_seed=0, val_fraction=0.15, tag="", configs=CONFIG_ROOT, sampler="random",
         trials=trials, setup_first=True, variants_at_parent=False, seeds=[0], state=None,
-        pruner="none", prune_min_rounds=None, prune_reduction=3,
+        pruner="none", prune_min_rounds=None, prune_reduction=3, client_rounds=0,
     )  # fmt: skip
     for key, value in options.items():
         setattr(args, key, value)
@@ -966,6 +966,37 @@ def test_a_study_copied_to_a_fresh_directory_resumes_without_repeating_a_trial(
     assert [x["state"] for x in study["trials"]] == ["complete", "pruned", "pruned"]
     assert study["spent"]["client-rounds"] == (2 + 1 + 1) * 2 == document["spent"]["client-rounds"]
     assert study["chosen"]["trial"] == 0
+
+
+def test_a_client_round_budget_draws_trials_past_the_trial_budget_until_it_is_spent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("optuna")
+    from fedfm_flower import tune
+
+    # trial 0 runs both rounds (4 client-rounds); the halving pruner stops every other trial
+    # after round 1 (2 client-rounds)
+    pools = _pooled(monkeypatch, lambda trial, r: 0.9 if trial in (0, -1) else 0.3)
+    argv = _copied_study_argv(tmp_path / "out", tmp_path / "state", 2)
+    assert tune.main(argv) == 0
+    first = json.loads((tmp_path / "out" / "tuning.json").read_text())["studies"][0]
+    assert first["spent"]["client-rounds"] == 4 + 2 and first["client-rounds-budget"] == 0
+
+    # the same table topped up to 12 client-rounds: 6 more, at most 4 a trial, 2 each spent
+    assert tune.main([*argv, "--client-rounds", "12"]) == 0
+    t = "fedavg-digits-label-skew-t{:03d}-s0"
+    assert pools[1].ran == [t.format(2), t.format(3), t.format(4)]  # the final run reused
+    document = json.loads((tmp_path / "out" / "tuning.json").read_text())
+    (study,) = document["studies"]
+    assert study["spent"]["client-rounds"] == 12 and study["spent"]["trials"] == 5
+    assert study["client-rounds-budget"] == 12 == document["client-rounds-per-study"]
+    from fedfm_flower.report.tuning import markdown_tuning
+
+    assert "2 trials and at least 12 client-rounds (trials drawn" in markdown_tuning(document)
+
+    assert tune.main([*argv, "--client-rounds", "12"]) == 0  # spent: nothing more runs
+    assert pools[2].ran == []
+    assert tune.main([*argv, "--client-rounds", "-1"]) == 2
 
 
 def test_a_failed_trials_rounds_still_count_once_its_study_is_copied_elsewhere(

@@ -105,12 +105,19 @@ def markdown_tuning(document: dict[str, Any], reference: str = "") -> str:
         f"{total['client-rounds']} client-rounds, {_duration(total['seconds'])} of rounds, "
         f"{_duration(document.get('wall-seconds', 0.0))} wall time."
     )
+    client_rounds = document.get("client-rounds-per-study", 0)
+    topped = (
+        f" and at least {client_rounds} client-rounds (trials drawn past the trial budget until "
+        "a study spent them)"
+        if client_rounds
+        else ""
+    )
     flags = coverage_flags(document["studies"], reference) if reference else {}
     edges = edge_flags(document["studies"])
     lines = [
         "## Tuning",
         "",
-        f"{document['trials-per-study']} trials per method x setup ({document['sampler']} "
+        f"{document['trials-per-study']} trials{topped} per method x setup ({document['sampler']} "
         f"search, tuning seed {document['tuning-seed']}{first}), each scored by the "
         f"{document['selection']}; the chosen values ran at seeds "
         f"{', '.join(map(str, document['final-seeds']))} on the test split (the tables above)."
