@@ -5,17 +5,22 @@
 # finished one only has its report written again. After each table its report, with the
 # 4-trial table's conclusions checked and its between-method pairs.
 #
-#     bash scripts/tuned16.sh [TABLE ...]     # default: all four, in order
+#     bash scripts/tuned16.sh [TABLE ...]     # default: all five, in order
 #
-# Tables: label-skew many-clients tap fedperfix. Run it from a clone pinned at one commit for
-# the whole of a study (the trials of one study must come from one tree); commit the state
-# directories as they grow (git add -f bench/results/tuned16-*). Measure nothing else on the
-# machine meanwhile: the trials take both cores (--ray, 2 cells at once).
+# Tables: feature-skew label-skew many-clients tap fedperfix (FedDPA's: docs/tuning.md). Each
+# has 16 trials per method and a budget in client-rounds (--client-rounds) at the largest
+# spend of its methods' first 16 trials, so every method of a table spends the same compute,
+# within one trial: a method whose choice changes refuses its old final runs, naming them;
+# move them away (git rm in the state, rm in runs/) and run the table again. Run it from a
+# clone pinned at one commit for the whole of a study (the trials of one study must come from
+# one tree); commit the state directories as they grow (git add -f bench/results/tuned16-*).
+# Measure nothing else on the machine meanwhile: the trials take both cores (--ray, 2 cells
+# at once).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-.venv/bin/python}"
 TABLES=("$@")
-[ ${#TABLES[@]} -gt 0 ] || TABLES=(label-skew many-clients tap fedperfix)
+[ ${#TABLES[@]} -gt 0 ] || TABLES=(feature-skew label-skew many-clients tap fedperfix)
 
 run() {  # run TABLE REFERENCE EARLIER-REPORT "FIRST SECOND ..." -- tune arguments
     local table="$1" reference="$2" earlier="$3" pairs=()
@@ -33,28 +38,33 @@ run() {  # run TABLE REFERENCE EARLIER-REPORT "FIRST SECOND ..." -- tune argumen
 
 for table in "${TABLES[@]}"; do
     case "$table" in
+        feature-skew)
+            run glyphs-feature-skew local bench/results/tuned-glyphs/feature-skew \
+                "pfedpg fedvpt pfedseq fedvpt pfedseq fedrep fedavg-ft fedvpt fedavg fedvpt fedrep fedvpt fedvpt-deep fedvpt fedavg-ft fedrep fedavg-ft pfedseq" -- \
+                --methods local fedavg fedprox fedrep fedavg-ft fedvpt fedvpt-deep pfedseq pfedpg \
+                --setups glyphs-feature-skew --val-fraction 0.15 --client-rounds 1116 ;;
         label-skew)
             run glyphs-label-skew local bench/results/tuned-glyphs/label-skew \
                 "pfedseq fedrep pfedpg fedvpt pfedseq fedvpt pfedseq pfedpg fedrep fedvpt fedavg-ft fedrep fedavg-ft fedvpt fedavg-ft pfedseq fedvpt-deep fedvpt fedavg fedvpt" -- \
                 --methods local fedavg fedprox fedrep fedavg-ft fedvpt fedvpt-deep pfedseq pfedpg \
-                --setups glyphs-label-skew --val-fraction 0.15 ;;
+                --setups glyphs-label-skew --val-fraction 0.15 --client-rounds 2280 ;;
         many-clients)
             run glyphs-many-clients local bench/results/tuned-glyphs/many-clients \
                 "fedavg-ft fedrep fedavg-ft fedvpt pfedpg fedvpt fedrep fedvpt pfedseq fedrep" -- \
                 --methods local fedavg fedprox fedrep fedavg-ft fedvpt fedvpt-deep pfedseq pfedpg \
-                --setups glyphs-many-clients --val-fraction 0.15 ;;
+                --setups glyphs-many-clients --val-fraction 0.15 --client-rounds 4910 ;;
         tap)
             run tap tap bench/results/tuned-tap \
                 "fedavg-ft fedavg feddat fedavg feddat-ft fedavg-ft feddat-ft feddat" -- \
                 --methods tap local fedavg fedavg-ft per-fedavg feddat feddat-ft \
-                --setups multitask-cpu ;;
+                --setups multitask-cpu --client-rounds 2442 ;;
         fedperfix)
             run fedperfix local bench/results/tuned-fedperfix \
                 "fedperfix fedavg fedperfix fedrep fedperfix apfl fedperfix fedbabu fedperfix per-fedavg" -- \
                 --methods fedperfix fedavg local fedrep apfl fedbabu per-fedavg \
-                --setups glyphs-whole-vit --val-fraction 0.15 ;;
+                --setups glyphs-whole-vit --val-fraction 0.15 --client-rounds 1284 ;;
         *)
-            echo "error: unknown table '$table' (label-skew many-clients tap fedperfix)" >&2
+            echo "error: unknown table '$table' (feature-skew label-skew many-clients tap fedperfix)" >&2
             exit 2 ;;
     esac
 done
