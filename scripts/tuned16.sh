@@ -50,7 +50,7 @@ for table in "${TABLES[@]}"; do
                 --setups glyphs-label-skew --val-fraction 0.15 --client-rounds 2280 ;;
         many-clients)
             run glyphs-many-clients local bench/results/tuned-glyphs/many-clients \
-                "fedavg-ft fedrep fedavg-ft fedvpt pfedpg fedvpt fedrep fedvpt pfedseq fedrep" -- \
+                "fedavg-ft fedrep fedavg-ft fedvpt pfedpg fedvpt fedrep fedvpt pfedseq fedrep fedvpt-deep fedvpt pfedseq fedvpt pfedseq pfedpg" -- \
                 --methods local fedavg fedprox fedrep fedavg-ft fedvpt fedvpt-deep pfedseq pfedpg \
                 --setups glyphs-many-clients --val-fraction 0.15 --client-rounds 4910 ;;
         tap)
