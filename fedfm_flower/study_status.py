@@ -1,7 +1,9 @@
 """Where a tuning directory stands, read without running or writing anything: per study its
 trials that ended (of them pruned and failed), those left running and those queued (enqueued,
 never asked: a study's trial 0 at the setup's values before its first run), against its
-budget, the best trial so far, and the seeds of its final runs that finished or started.
+budget, the client-rounds its trials ran so far (from their runs' ``metrics.jsonl``, running
+ones included) against its ``--client-rounds``, the best trial so far, and the seeds of its
+final runs that finished or started.
 
     python -m fedfm_flower.study_status runs/tuned16-tap          # a tune --out directory
     python -m fedfm_flower.study_status bench/results/tuned16-tap --json   # or its --state
@@ -29,7 +31,7 @@ from fedfm_flower.cells import runs_of
 from fedfm_flower.grid_foundations import FoundationMismatch, SetupFoundations
 from fedfm_flower.study_state import JOURNAL, TUNING, StateError, parsed_lines, read_tuning
 from fedfm_flower.sweep import seed_of_run
-from fedfm_flower.tune import best_of, study_parts
+from fedfm_flower.tune import best_of, run_spent, study_parts
 
 
 @dataclass
@@ -43,6 +45,8 @@ class StudyStatus:
     failed: int = 0
     running: int = 0  # asked, not told: running now, or left by a command that died
     queued: int = 0  # enqueued, never asked (Optuna's WAITING)
+    client_rounds: int = 0  # run by its trials' runs found under tuning/runs (running ones too)
+    client_rounds_budget: int = 0  # tune --client-rounds (0: none)
     best_trial: int | None = None
     best_score: float | None = None
     best_values: dict[str, Any] = field(default_factory=dict)
@@ -92,11 +96,22 @@ def directory_status(root: Path) -> tuple[list[StudyStatus], list[str]]:
     states = optuna.trial.TrialState
     tuning = read_tuning(root / TUNING)
     budgets = {s.get("study"): s.get("budget") for s in tuning.get("studies", [])}
+    round_budgets = {
+        s.get("study"): s.get("client-rounds-budget") for s in tuning.get("studies", [])
+    }
     finals = _final_runs(root)
+    trial_folder = runs_of(root / "tuning")
+    trial_runs = sorted(trial_folder.iterdir()) if trial_folder.is_dir() else []
     statuses = []
     for name, trials in journal_trials(root / JOURNAL).items():
         budget = budgets.get(name, tuning.get("trials-per-study"))
         status = StudyStatus(name, None if budget is None else int(budget))
+        rounds_budget = round_budgets.get(name, tuning.get("client-rounds-per-study"))
+        status.client_rounds_budget = int(rounds_budget or 0)
+        label, setup = study_parts(name)
+        status.client_rounds = sum(
+            _trial_client_rounds(trial_runs, label, setup, trial.number) for trial in trials
+        )
         for trial in trials:
             if trial.state == states.COMPLETE:
                 status.complete += 1
@@ -112,7 +127,6 @@ def directory_status(root: Path) -> tuple[list[StudyStatus], list[str]]:
         if best is not None:
             status.best_trial, status.best_score = best.number, float(best.value)
             status.best_values = dict(best.params)
-        label, setup = study_parts(name)
         for run in list(finals):
             seed = seed_of_run(run, label, setup, "")
             if seed is not None:
@@ -122,6 +136,17 @@ def directory_status(root: Path) -> tuple[list[StudyStatus], list[str]]:
         status.finals_started.sort()
         statuses.append(status)
     return statuses, sorted(finals)
+
+
+def _trial_client_rounds(runs: list[Path], label: str, setup: str, number: int) -> int:
+    """The client-rounds the run of trial ``number`` of the (label, setup) study has run so
+    far, found among the trials' ``runs`` (0 when it is not there)."""
+    tag = f"-t{number:03d}"  # tune's trial runs: run_name(label, setup, tag, tuning seed)
+    return sum(
+        run_spent(run)["client-rounds"]
+        for run in runs
+        if seed_of_run(run.name, label, setup, tag) is not None
+    )
 
 
 def _final_runs(root: Path) -> dict[str, bool]:
@@ -139,7 +164,17 @@ def _final_runs(root: Path) -> dict[str, bool]:
 def status_text(statuses: list[StudyStatus], other_finals: list[str]) -> str:
     """The status as a table, a study a row, and the final runs of no study."""
     rows = [
-        ("study", "trials", "pruned", "failed", "running", "queued", "best (trial)", "finals done")
+        (
+            "study",
+            "trials",
+            "pruned",
+            "failed",
+            "running",
+            "queued",
+            "client-rounds",
+            "best (trial)",
+            "finals done",
+        )
     ]
     for s in statuses:
         best = "—" if s.best_score is None else f"{s.best_score:.4f} ({s.best_trial})"
@@ -147,6 +182,9 @@ def status_text(statuses: list[StudyStatus], other_finals: list[str]) -> str:
         if s.finals_started:
             finals += " (started: " + " ".join(map(str, s.finals_started)) + ")"
         budget = "?" if s.budget is None else str(s.budget)
+        rounds = str(s.client_rounds)
+        if s.client_rounds_budget:
+            rounds += f"/{s.client_rounds_budget}"
         rows.append(
             (
                 s.study,
@@ -155,6 +193,7 @@ def status_text(statuses: list[StudyStatus], other_finals: list[str]) -> str:
                 str(s.failed),
                 str(s.running),
                 str(s.queued),
+                rounds,
                 best,
                 finals,
             )

@@ -42,7 +42,11 @@ def _tuning_directory(root: Path) -> bytes:
     local = optuna.create_study(study_name="local@toy-x", storage=storage, direction="maximize")
     local.ask()
     local.enqueue_trial({"lr": 0.01})  # queued, as tune enqueues the setup's values
-    tuning = {"trials-per-study": 8, "studies": [{"study": "fedavg@toy", "budget": 6}]}
+    tuning = {
+        "trials-per-study": 8,
+        "client-rounds-per-study": 0,
+        "studies": [{"study": "fedavg@toy", "budget": 6, "client-rounds-budget": 40}],
+    }
     (root / "tuning.json").write_text(json.dumps(tuning))
     for name, done in (
         ("fedavg-toy-s0", True),
@@ -55,6 +59,18 @@ def _tuning_directory(root: Path) -> bytes:
         run.mkdir(parents=True)
         if done:
             (run / "summary.json").write_text("{}")
+    # the trials' runs: their sampled clients summed over the rounds run so far
+    for name, sampled in (
+        ("fedavg-toy-t000-s0", [3, 3]),
+        ("fedavg-toy-t003-s0", [4]),  # the pruned one: the rounds it ran
+        ("fedavg-toy-t005-s0", [2, 2, 2]),  # the running one, so far
+        ("fedavg-toy-t01-s0", [9]),  # no trial's name: not counted
+        ("local-toy-x-t000-s0", [5]),
+    ):
+        run = root / "tuning" / "runs" / name
+        run.mkdir(parents=True)
+        lines = [json.dumps({"round": r + 1, "clients-sampled": n}) for r, n in enumerate(sampled)]
+        (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     with journal.open("ab") as handle:
         handle.write(b'{"op_code": 5, "worker_id": "cut')  # a write that never finished
     return journal.read_bytes()
@@ -75,6 +91,8 @@ def test_the_status_counts_each_studys_trials_best_and_finals_without_touching_t
         1,
     )
     assert fedavg["ended"] == 5
+    assert (fedavg["client_rounds"], fedavg["client_rounds_budget"]) == (6 + 4 + 6, 40)
+    assert (local["client_rounds"], local["client_rounds_budget"]) == (5, 0)
     assert (fedavg["best_trial"], fedavg["best_score"], fedavg["best_values"]) == (
         1,
         0.7,
@@ -101,6 +119,7 @@ def test_the_status_counts_each_studys_trials_best_and_finals_without_touching_t
         "failed",
         "running",
         "queued",
+        "client-rounds",
         "best",
         "(trial)",
         "finals",
@@ -113,6 +132,7 @@ def test_the_status_counts_each_studys_trials_best_and_finals_without_touching_t
         "1",
         "1",
         "0",
+        "16/40",
         "0.7000",
         "(1)",
         "0",
@@ -127,6 +147,7 @@ def test_the_status_counts_each_studys_trials_best_and_finals_without_touching_t
         "0",
         "1",
         "1",
+        "5",
         "—",
         "—",
         "(started:",
