@@ -29,7 +29,13 @@ from typing import Any
 WEIGHTS_SHA256 = "weights-sha256"
 CACHE_FILES = "cache-files"  # the build's files relative to the cache directory, weights first
 PARTS = "parts"  # a composite card: {part name: the card of one build}
-VOLATILE = frozenset({"seconds", WEIGHTS_SHA256, CACHE_FILES})  # not part of what was built
+VOLATILE = frozenset({WEIGHTS_SHA256, CACHE_FILES})  # not part of what was built
+
+
+def _is_stable(field: str) -> bool:
+    """Whether a card field describes the build: not a timing (``seconds``,
+    ``pretrain_seconds``: one build made twice takes other times) nor its identity fields."""
+    return field not in VOLATILE and not field.endswith("seconds")
 
 
 def weights_file_name(backbone: str, key: str) -> str:
@@ -76,7 +82,7 @@ def builds_of(card: dict[str, Any]) -> list[dict[str, Any]]:
 
 def stable_fields(card: dict[str, Any]) -> str:
     """What the build made (accuracies, sizes, key), as canonical JSON: equal for one build."""
-    return json.dumps({k: v for k, v in card.items() if k not in VOLATILE}, sort_keys=True)
+    return json.dumps({k: v for k, v in card.items() if _is_stable(k)}, sort_keys=True)
 
 
 def same_build(a: dict[str, Any], b: dict[str, Any]) -> bool:

@@ -50,8 +50,11 @@ def test_a_card_names_its_build_by_the_weights_digest(tmp_path: Path) -> None:
     other = build(tmp_path / "b", b"weights of another machine")
     assert not cards.same_build(card, other)  # the same recipe (key and accuracies), other bytes
     assert cards.same_build(card, {**card, "seconds": 9.0})
-    # older cards (no digest) compare by what the build made; only the time may differ
+    # older cards (no digest) compare by what the build made; only the times may differ
     assert cards.same_build(BUILT, {**BUILT, "seconds": 1.0})
+    timed = {**BUILT, "pretrain_seconds": 47.2}  # tiny-llama's card times its pretraining too
+    assert cards.same_build(timed, {**timed, "pretrain_seconds": 49.0})
+    assert not cards.same_build(timed, {**timed, "final_train_loss": 0.227})
     assert not cards.same_build(BUILT, {**BUILT, "public_test_accuracy": 0.967})
     assert "public test accuracy 0.9560" in cards.describe(card)
 
