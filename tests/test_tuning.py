@@ -999,6 +999,40 @@ def test_a_client_round_budget_draws_trials_past_the_trial_budget_until_it_is_sp
     assert tune.main([*argv, "--client-rounds", "-1"]) == 2
 
 
+def test_studies_with_different_client_round_budgets_state_each_their_own() -> None:
+    """A directory whose studies came from commands with different --client-rounds (FedDPA's
+    Centralized at 16 trials beside the others at 1,024): the report does not claim the last
+    command's budget for every study; each row says spent / budget."""
+    from fedfm_flower.report.tuning import client_round_budgets, markdown_tuning
+
+    spent = {"trials": 2, "pruned": 1, "rounds": 3, "client-rounds": 24, "seconds": 6.0}
+    pooled = {
+        **_coverage_record("centralized", 1e-3, {"complete": 1e-3}),
+        "spent": {**spent, "client-rounds": 3},
+    }
+    federated = {**_coverage_record("fedavg", 1e-3, {"complete": 1e-3}), "spent": spent}
+    pooled["client-rounds-budget"], federated["client-rounds-budget"] = 0, 24
+    document = {**_tuning_document(2, [federated, pooled]), "client-rounds-per-study": 24}
+    assert client_round_budgets(document) == {
+        "fedavg@multitask-cpu": 24,
+        "centralized@multitask-cpu": 0,
+    }
+    table = markdown_tuning(document)
+    assert "at least 24 client-rounds" not in table
+    assert "each study's budget in client-rounds where it has one" in table
+    assert "| 1 (0, 0) | 24 / 24 |" in table and "| 1 (0, 0) | 3 / none |" in table
+
+    pooled["client-rounds-budget"] = 24  # one budget for all: stated once, rows unchanged
+    table = markdown_tuning(document)
+    assert "2 trials and at least 24 client-rounds (trials drawn" in table
+    assert "| 1 (0, 0) | 24 |" in table and "| 1 (0, 0) | 3 |" in table
+    del pooled["client-rounds-budget"], federated["client-rounds-budget"]  # an older record
+    assert client_round_budgets(document) == {
+        "fedavg@multitask-cpu": 24,
+        "centralized@multitask-cpu": 24,
+    }
+
+
 def test_a_failed_trials_rounds_still_count_once_its_study_is_copied_elsewhere(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

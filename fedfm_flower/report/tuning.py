@@ -92,6 +92,17 @@ def edge_flags(studies: list[dict[str, Any]]) -> dict[str, list[str]]:
     return flags
 
 
+def client_round_budgets(document: dict[str, Any]) -> dict[str, int]:
+    """Each tuned study's budget in client-rounds (0: none); a study recorded before budgets
+    were kept per study takes the document's ``client-rounds-per-study``."""
+    default = int(document.get("client-rounds-per-study") or 0)
+    return {
+        study["study"]: int(study.get("client-rounds-budget", default) or 0)
+        for study in document["studies"]
+        if not study.get("values-of")
+    }
+
+
 def markdown_tuning(document: dict[str, Any], reference: str = "") -> str:
     """Per study: its space, what it spent, the ranges it tried, the chosen values (flagged
     where they lie outside the range ``reference``'s study tried, or the reverse), and every
@@ -105,13 +116,20 @@ def markdown_tuning(document: dict[str, Any], reference: str = "") -> str:
         f"{total['client-rounds']} client-rounds, {_duration(total['seconds'])} of rounds, "
         f"{_duration(document.get('wall-seconds', 0.0))} wall time."
     )
-    client_rounds = document.get("client-rounds-per-study", 0)
-    topped = (
-        f" and at least {client_rounds} client-rounds (trials drawn past the trial budget until "
-        "a study spent them)"
-        if client_rounds
-        else ""
-    )
+    budgets = client_round_budgets(document)
+    mixed = len(set(budgets.values())) > 1
+    if mixed:  # studies of one directory tuned by commands with different --client-rounds
+        topped = (
+            " and each study's budget in client-rounds where it has one (its column: spent / "
+            "budget; trials drawn past the trial budget until a study spent it)"
+        )
+    elif any(budgets.values()):
+        topped = (
+            f" and at least {next(iter(budgets.values()))} client-rounds (trials drawn past the "
+            "trial budget until a study spent them)"
+        )
+    else:
+        topped = ""
     flags = coverage_flags(document["studies"], reference) if reference else {}
     edges = edge_flags(document["studies"])
     lines = [
@@ -145,6 +163,8 @@ def markdown_tuning(document: dict[str, Any], reference: str = "") -> str:
         states = [t["state"] for t in study["trials"]]
         cost = study.get("spent")
         client_rounds = "—" if cost is None else str(cost["client-rounds"])
+        if mixed and cost is not None:
+            client_rounds += f" / {budgets[study['study']] or 'none'}"
         seconds = "—" if cost is None else _duration(cost["seconds"])
         flagged = flags.get(study["study"])
         coverage = "—" if flagged is None else "; ".join(flagged) or "no"
