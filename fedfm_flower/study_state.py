@@ -218,6 +218,17 @@ def read_tuning(path: Path) -> dict[str, Any]:
     return document
 
 
+def client_round_budgets(document: dict[str, Any]) -> dict[str, int]:
+    """Each tuned study's budget in client-rounds (0: none); a study recorded before budgets
+    were kept per study takes the document's ``client-rounds-per-study``."""
+    default = int(document.get("client-rounds-per-study") or 0)
+    return {
+        study["study"]: int(study.get("client-rounds-budget", default) or 0)
+        for study in document.get("studies", [])
+        if not study.get("values-of")
+    }
+
+
 def repair_journal(path: Path) -> int:
     """Drop the record at the end of the Optuna journal ``path`` that a cut write left without
     its newline; the bytes dropped. ``StateError`` when another line is not a record."""

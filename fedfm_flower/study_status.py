@@ -29,7 +29,14 @@ from typing import Any
 
 from fedfm_flower.cells import runs_of
 from fedfm_flower.grid_foundations import FoundationMismatch, SetupFoundations
-from fedfm_flower.study_state import JOURNAL, TUNING, StateError, parsed_lines, read_tuning
+from fedfm_flower.study_state import (
+    JOURNAL,
+    TUNING,
+    StateError,
+    client_round_budgets,
+    parsed_lines,
+    read_tuning,
+)
 from fedfm_flower.sweep import seed_of_run
 from fedfm_flower.tune import best_of, run_spent, study_parts
 
@@ -96,9 +103,7 @@ def directory_status(root: Path) -> tuple[list[StudyStatus], list[str]]:
     states = optuna.trial.TrialState
     tuning = read_tuning(root / TUNING)
     budgets = {s.get("study"): s.get("budget") for s in tuning.get("studies", [])}
-    round_budgets = {
-        s.get("study"): s.get("client-rounds-budget") for s in tuning.get("studies", [])
-    }
+    round_budgets = client_round_budgets(tuning)
     finals = _final_runs(root)
     trial_folder = runs_of(root / "tuning")
     trial_runs = sorted(trial_folder.iterdir()) if trial_folder.is_dir() else []
@@ -106,8 +111,9 @@ def directory_status(root: Path) -> tuple[list[StudyStatus], list[str]]:
     for name, trials in journal_trials(root / JOURNAL).items():
         budget = budgets.get(name, tuning.get("trials-per-study"))
         status = StudyStatus(name, None if budget is None else int(budget))
-        rounds_budget = round_budgets.get(name, tuning.get("client-rounds-per-study"))
-        status.client_rounds_budget = int(rounds_budget or 0)
+        status.client_rounds_budget = round_budgets.get(
+            name, int(tuning.get("client-rounds-per-study") or 0)
+        )
         label, setup = study_parts(name)
         status.client_rounds = sum(
             _trial_client_rounds(trial_runs, label, setup, trial.number) for trial in trials

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from fedfm_flower.search import describe_tried, outside_tried, space_position, tried_ranges
+from fedfm_flower.study_state import client_round_budgets
 
 EDGE_SHARE = 0.05  # a chosen value this close to an end of its space (share of its span) is flagged
 
@@ -90,17 +91,6 @@ def edge_flags(studies: list[dict[str, Any]]) -> dict[str, list[str]]:
             said.append(f"`{key}` = {_value(value)} at the {end} of {space}")
         flags[study["study"]] = said
     return flags
-
-
-def client_round_budgets(document: dict[str, Any]) -> dict[str, int]:
-    """Each tuned study's budget in client-rounds (0: none); a study recorded before budgets
-    were kept per study takes the document's ``client-rounds-per-study``."""
-    default = int(document.get("client-rounds-per-study") or 0)
-    return {
-        study["study"]: int(study.get("client-rounds-budget", default) or 0)
-        for study in document["studies"]
-        if not study.get("values-of")
-    }
 
 
 def markdown_tuning(document: dict[str, Any], reference: str = "") -> str:
