@@ -10,7 +10,9 @@ fractions allowed), on a Ray instance it starts on this machine or on an existin
 must import this package (the same commit) and see the sweep directory at the same path (a
 shared file system): a cell writes its run there. A task whose worker dies is retried
 (``max_retries``); the retry resumes the run from its newest checkpoint, as a rerun of the
-sweep does.
+sweep does. A Ray worker has its raylet's environment, not the driver's: the driver's
+settings that change how a cell runs (``CELL_SETTINGS``) go with each task, so a cell on Ray runs
+as it would in the serial sweep.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import os
 import signal
 import threading
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -28,6 +31,13 @@ if TYPE_CHECKING:
 
 # How long RayPool.next_done waits in one call to Ray: signal handlers run between calls.
 WAIT_SLICE_S = 1.0
+# Environment variables a cell reads (named where they are read; tests/test_pools.py checks).
+CELL_SETTINGS = (
+    "FEDFM_SIMULATION_ENGINE",  # fork_engine.ENV_SWITCH
+    "FEDFM_PROMPT_ENGINE",  # prompt_engine.ENV_SWITCH
+    "FEDFM_ACTOR_PRELOAD",  # actor_preload.ENV_SWITCH
+    "FEDFM_INJECT_FAULT",  # client_apps.faults.ENVIRONMENT_VARIABLE
+)
 
 
 class CellPool(Protocol):
@@ -114,6 +124,11 @@ def _restore_sigterm_handler(handler: Any) -> None:
         signal.signal(signal.SIGTERM, handler)
 
 
+def cell_environment(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """The ``CELL_SETTINGS`` set in ``environ``, by name."""
+    return {name: environ[name] for name in CELL_SETTINGS if name in environ}
+
+
 class RayPool:
     """Cells as Ray tasks, run in parallel as the cluster's resources allow."""
 
@@ -132,9 +147,10 @@ class RayPool:
             sigterm = signal.getsignal(signal.SIGTERM)
             ray.init(**options)
             _restore_sigterm_handler(sigterm)
-        self._task = ray.remote(_ray_cell).options(
-            num_cpus=resources.cpus, num_gpus=resources.gpus, max_retries=resources.max_retries
-        )
+        task: dict[str, Any] = {"num_cpus": resources.cpus, "num_gpus": resources.gpus}
+        if settings := cell_environment():
+            task["runtime_env"] = {"env_vars": settings}
+        self._task = ray.remote(_ray_cell).options(max_retries=resources.max_retries, **task)
         self._flight: dict[Any, Cell] = {}
 
     def capacity(self) -> int:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from client_apps.faults import RELEASE_FILE
 from fedfm_flower import sweep
 from fedfm_flower.processes import pid_alive, proc_stat
 from fedfm_flower.results import RunDirectory
@@ -39,11 +40,14 @@ def _metrics(run: Path) -> list[dict]:
 
 
 @contextlib.contextmanager
-def _ray_sweep(argv: list[str], address: str) -> Iterator[subprocess.Popen]:
+def _ray_sweep(
+    argv: list[str], address: str, environment: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen]:
     """The sweep as its own Ray driver process, joining the cluster at ``address`` (killed if
     the test fails before it ends)."""
     process = subprocess.Popen(
         [sys.executable, "-m", "fedfm_flower.sweep", *argv, "--ray-address", address],
+        env=environment,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -137,42 +141,19 @@ def _worker_pids(task: str) -> list[int]:
     return pids
 
 
-def _stopped(pid: int) -> bool:
-    """Every thread of ``pid`` has stopped (SIGSTOP is delivered asynchronously)."""
-    tasks = list(Path(f"/proc/{pid}/task").glob("*"))
-    return bool(tasks) and all(proc_stat(int(t.name))[:1] == ["T"] for t in tasks)
-
-
-def _pause_cell_past_a_checkpoint(
-    process: subprocess.Popen, run: RunDirectory, timeout: float
-) -> int:
-    """The pid of the cell's worker, paused (SIGSTOP) at a look that found a committed
-    checkpoint and no summary. Each look pauses the worker first: what it sees then holds until
-    the kill, however long this process is held up on a loaded machine (unpaused, the cell could
-    finish between the look and the kill). Once found, the worker runs 20 ms between looks: a
-    warm worker runs this cell's 3 rounds in well under a second, and a longer slice (a scan of
-    /proc each time) could let it end between two looks."""
+def _held_cell(process: subprocess.Popen, run: RunDirectory, timeout: float) -> int:
+    """The pid of the cell's worker once the run committed a checkpoint. The sweep runs with
+    ``FEDFM_INJECT_FAULT=2:hold`` (the pool hands it to the cell): the cell waits at round 2's
+    training until the test creates its clients' release files, so it cannot end before the
+    kill however slowly this process is scheduled."""
     deadline = time.monotonic() + timeout
-    pid = 0
     while True:
-        assert process.poll() is None, "the sweep ended before the cell could be killed"
+        assert process.poll() is None, process.communicate()[0][-3000:]
         assert time.monotonic() < deadline, f"no checkpoint of a running cell within {timeout} s"
-        if not pid or not pid_alive(pid):
-            pids = _worker_pids("_ray_cell")
-            pid = pids[0] if len(pids) == 1 else 0
-            if not pid:
-                time.sleep(0.01)
-                continue
-        os.kill(pid, signal.SIGSTOP)
-        stop_deadline = time.monotonic() + 30
-        while not _stopped(pid) and pid_alive(pid):
-            assert time.monotonic() < stop_deadline, f"worker {pid} did not stop in 30 s"
-            time.sleep(0.001)
-        done = (run.path / "summary.json").exists()
-        if run.checkpoint_rounds() and not done and pid_alive(pid):
-            return pid
-        os.kill(pid, signal.SIGCONT)
-        time.sleep(0.02)
+        pids = _worker_pids("_ray_cell")
+        if len(pids) == 1 and run.checkpoint_rounds():
+            return pids[0]
+        time.sleep(0.05)
 
 
 def test_a_cell_whose_worker_is_killed_resumes_from_its_checkpoint(
@@ -180,14 +161,21 @@ def test_a_cell_whose_worker_is_killed_resumes_from_its_checkpoint(
 ) -> None:
     name, parallel = "fedavg-digits-label-skew-s0", tmp_path / "ray"
     run = RunDirectory(parallel / "runs" / name)
-    with _ray_sweep(_sweep_argv(["fedavg"], parallel, cache_dir, ROUNDS), two_nodes) as p:
-        pid = _pause_cell_past_a_checkpoint(p, run, timeout=600)
-        killed_after = max(run.checkpoint_rounds())
+    environment = {**os.environ, "FEDFM_INJECT_FAULT": "2:hold"}
+    argv = _sweep_argv(["fedavg"], parallel, cache_dir, ROUNDS)
+    with _ray_sweep(argv, two_nodes, environment) as p:
+        pid = _held_cell(p, run, timeout=600)
+        time.sleep(1.0)
+        # Still at round 2: the driver's setting reached the Ray worker.
+        assert run.checkpoint_rounds() == [1] and not (run.path / "summary.json").exists()
         os.kill(pid, signal.SIGKILL)
+        for client in range(2):  # the retry's round 2 goes on
+            held = parallel / "client-state" / name / f"client_{client}"
+            held.mkdir(parents=True, exist_ok=True)
+            (held / RELEASE_FILE).touch()
         output, _ = p.communicate(timeout=900)
     assert p.returncode == 0, output[-3000:]
 
-    assert killed_after < ROUNDS
     (record,) = json.loads((parallel / "sweep.json").read_text())["cells"]
     assert record["state"] == "done" and record["state-before"] == "interrupted"  # the retry
     ours, theirs = _metrics(parallel / "runs" / name), _metrics(serial / "runs" / name)
