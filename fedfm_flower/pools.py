@@ -147,10 +147,14 @@ class RayPool:
             sigterm = signal.getsignal(signal.SIGTERM)
             ray.init(**options)
             _restore_sigterm_handler(sigterm)
-        task: dict[str, Any] = {"num_cpus": resources.cpus, "num_gpus": resources.gpus}
+        task: dict[str, Any] = {
+            "num_cpus": resources.cpus,
+            "num_gpus": resources.gpus,
+            "max_retries": resources.max_retries,
+        }
         if settings := cell_environment():
             task["runtime_env"] = {"env_vars": settings}
-        self._task = ray.remote(_ray_cell).options(max_retries=resources.max_retries, **task)
+        self._task = ray.remote(_ray_cell).options(**task)
         self._flight: dict[Any, Cell] = {}
 
     def capacity(self) -> int:

@@ -1003,7 +1003,8 @@ def test_studies_with_different_client_round_budgets_state_each_their_own() -> N
     """A directory whose studies came from commands with different --client-rounds (FedDPA's
     Centralized at 16 trials beside the others at 1,024): the report does not claim the last
     command's budget for every study; each row says spent / budget."""
-    from fedfm_flower.report.tuning import client_round_budgets, markdown_tuning
+    from fedfm_flower.report.tuning import markdown_tuning
+    from fedfm_flower.study_state import client_round_budgets
 
     spent = {"trials": 2, "pruned": 1, "rounds": 3, "client-rounds": 24, "seconds": 6.0}
     pooled = {
