@@ -17,6 +17,9 @@ if TYPE_CHECKING:
     from fedfm_flower.pruning import TrialLink
 
 
+TRANSFER_MARK = "~"  # a transfer setup's name: <base setup>~<transfer name>
+
+
 def runs_of(out: Path) -> Path:
     """The folder of a grid directory's run directories (a tuning directory's final runs; its
     trials' are ``runs_of(out / "tuning")``)."""

@@ -17,6 +17,10 @@ validates it: every key must be a run-config key of the right type, every range 
 and every extreme value (each end, each choice) must pass the run config's own validation, so
 a range that would give an invalid run fails before the first trial, naming key and value.
 
+A chosen value at an end of its range asks for a wider range, unless that end is the limit of
+the key (a weight's 0 or 1, a paper's stated range): ``edge_limit`` says why, from
+``TRAINING_LIMITS`` here and the method's ``MethodSpec.search_limits``.
+
 Light: no torch, no flwr, no optuna (``suggest`` receives the trial object).
 """
 
@@ -56,15 +60,47 @@ class SearchSpaceError(ValueError):
     """A search space that cannot be searched; the message names the key and the value."""
 
 
+# The common training keys' ranges, wide enough that no committed table's choice sits at an end
+# (each earlier range lies inside, so those studies go on with their trials):
+# lr a decade each way -> 30x each way (at the top: FedBABU on glyphs-whole-vit, FedAvg-FT,
+# FedDAT and FedDAT-FT on multitask-cpu; at the bottom: pFedPG on glyphs-feature-skew); epochs
+# 1-3 -> 1-5 (3 chosen by most methods of the glyph tables, every one of FedPerfix's; FedPerfix
+# and FedDPA train 10, pFedPG 5); steps x/÷ 2 -> half to 4x (19-20 of 5-20 on multitask-cpu).
+LR_RANGE = Around(30.0, 30.0)
+EPOCHS_RANGE = IntRange(1, 5)
+STEPS_RANGE = Around(2.0, 4.0)
+
+
 def training_space(base: Mapping[str, Any]) -> dict[str, Range]:
-    """The common training keys every method is tuned over: the learning rate (a decade each
-    way of the setup's) and the local schedule (epochs 1-3, or steps x/÷ 2 in step mode)."""
-    space: dict[str, Range] = {"lr": Around(10.0, 10.0)}
+    """The common training keys every method is tuned over: the learning rate (30x each way of
+    the setup's) and the local schedule (epochs 1-5, or half to 4x the steps in step mode)."""
+    space: dict[str, Range] = {"lr": LR_RANGE}
     if int(base.get("local-steps", 0)) > 0:
-        space["local-steps"] = Around(2.0, 2.0)
+        space["local-steps"] = STEPS_RANGE
     else:
-        space["local-epochs"] = IntRange(1, 3)
+        space["local-epochs"] = EPOCHS_RANGE
     return space
+
+
+# Ends of a common key's range that are the limit of what the key can take, not a choice of ours
+# (key, "bottom" | "top") -> why; a method declares its own keys' in ``MethodSpec.search_limits``.
+# None: every end of lr, epochs and steps could move (an epoch or step count at 1 has nothing
+# below it, which the report knows of any count).
+TRAINING_LIMITS: Mapping[tuple[str, str], str] = {}
+
+EDGES = ("bottom", "top")
+
+
+def edge_limit(method: str, key: str, end: str) -> str | None:
+    """Why ``end`` (``bottom`` or ``top``) of ``key``'s range in the space of ``method`` (or of a
+    ``method:variant`` label) is the key's limit (a physical bound, a paper's stated range), or
+    None where the end could move."""
+    from fedfm_flower.registry import method_spec
+
+    if end not in EDGES:
+        raise ValueError(f"an end of a range is one of {', '.join(EDGES)}, got {end!r}")
+    limits = {**TRAINING_LIMITS, **dict(method_spec(method.partition(":")[0]).search_limits)}
+    return limits.get((key, end))
 
 
 def method_space(base: Mapping[str, Any]) -> dict[str, Range]:

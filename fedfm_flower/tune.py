@@ -58,12 +58,12 @@ import math
 import sys
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fedfm_flower.cells import Cell, cell_kind, runs_of
+from fedfm_flower.cells import TRANSFER_MARK, Cell, cell_kind, cell_state, runs_of
 from fedfm_flower.durable import atomic_write_text
 from fedfm_flower.grid_foundations import SetupFoundations, run_data_seed
 from fedfm_flower.overrides import parse_overrides
@@ -86,6 +86,15 @@ from fedfm_flower.search import (
     suggest,
     tried_ranges,
 )
+from fedfm_flower.selection import (
+    DEFAULT_DROP,
+    DEFAULT_EXTRA_SEEDS,
+    DEFAULT_LAST_ROUNDS,
+    DEFAULT_TOP,
+    ScoredTrial,
+    Selection,
+    SelectionSettings,
+)
 from fedfm_flower.settings import require_package
 from fedfm_flower.study_state import StudyState, cache_dir_of, read_tuning
 from fedfm_flower.sweep import (
@@ -103,6 +112,8 @@ from fedfm_flower.sweep import (
 
 SAMPLERS: tuple[str, ...] = ("tpe", "random")
 DEFAULT_VAL_FRACTION = 0.15
+DEFAULT_SEEDS: tuple[int, ...] = (0, 1, 2, 3, 4)  # final runs, each on its own data draw
+TRANSFER_ROOT = "transfer"  # configs/transfer/<setup>/<name>.toml: a setup no trial saw
 ENDED_STATES: tuple[str, ...] = ("COMPLETE", "PRUNED", "FAIL")  # count against the budget
 
 
@@ -125,6 +136,11 @@ class Study:
     client_rounds: int = 0  # the budget in client-rounds besides ``trials`` (0: none)
     spent: int = 0  # client-rounds of the ended trials
     full_trial: int = 0  # most client-rounds an ended trial ran (0: none ended yet)
+    select: SelectionSettings = field(default_factory=lambda: SelectionSettings(top=0))
+    selection: Selection | None = None  # opened once every trial has ended
+    selecting: dict[Path, tuple[int, int]] = field(default_factory=dict)  # re-run -> trial, seed
+    reruns: deque[Cell] = field(default_factory=deque)  # re-runs waiting for a slot
+    rerun_spent: int = 0  # client-rounds of the ended re-runs
 
     @property
     def name(self) -> str:
@@ -139,8 +155,24 @@ class Study:
         if by_trials > 0 or self.client_rounds <= 0:
             return by_trials
         per_trial = self.full_trial or self.most_per_trial()
-        short = self.client_rounds - self.spent - len(self.running) * per_trial
+        reserve = self.select.reruns() * per_trial  # the selection's first wave
+        short = self.client_rounds - self.spent - reserve - len(self.running) * per_trial
         return -(-short // per_trial) if short > 0 else 0
+
+    def trials_ended(self) -> bool:
+        """Whether every trial of the budget has ended (none left to draw, none running)."""
+        return self.left() <= 0 and not self.running
+
+    def decided(self) -> bool:
+        """Whether the study's choice is made (its selection ended; ``choice`` may be None)."""
+        return self.selection is not None and self.selection.decided
+
+    def choice(self) -> tuple[int, dict[str, Any]] | None:
+        """The chosen trial's number and values; None until decided or when nothing is
+        stable."""
+        if self.selection is None or self.selection.chosen is None:
+            return None
+        return self.selection.chosen.trial, dict(self.selection.chosen.params)
 
     def most_per_trial(self) -> int:
         """The client-rounds of a trial that samples every client in every round."""
@@ -164,9 +196,35 @@ class Study:
             link = TrialLink(str(self.journal.resolve()), self.name, number, self.pruner)
         return Cell(self.label, self.setup + self.tag, seed, config, link)
 
+    def rerun_cell(self, number: int, values: dict[str, Any], seed: int) -> Cell:
+        """Trial ``number``'s values again at training ``seed``, on the trials' data and
+        validation split (a selection re-run: no pruning)."""
+        config = {**self.base, **values, "seed": seed, "data-seed": run_data_seed(self.base)}
+        config["run-name"] = run_name(self.label, self.setup, f"{self.tag}-t{number:03d}", seed)
+        return Cell(self.label, self.setup + self.tag, seed, config)
+
     def best(self) -> Any | None:
         """The best scored trial (``best_of``), None when none scored."""
         return best_of(self.optuna_study.get_trials(deepcopy=False))
+
+    def metric(self) -> str:
+        """The primary metric its trials report (their summary's, once one scored)."""
+        return str(self.optuna_study.user_attrs.get("metric") or "accuracy")
+
+    def scored_trials(self) -> list[ScoredTrial]:
+        """Its complete trials as selection ranks them."""
+        import optuna
+
+        complete = (optuna.trial.TrialState.COMPLETE,)
+        return [
+            ScoredTrial(
+                t.number,
+                dict(t.params),
+                float(t.value),
+                self.trial_cell(t.number, dict(t.params)).run_dir,
+            )
+            for t in self.optuna_study.get_trials(deepcopy=False, states=complete)
+        ]
 
 
 def best_of(trials: list[Any]) -> Any | None:
@@ -336,12 +394,76 @@ def open_studies(
                 client_rounds=args.client_rounds,
                 pruner=pruner,
                 journal=journal,
+                select=selection_settings(args),
             )
             for trial in ended:  # earlier commands' spending (their runs are restored)
                 run_dir = opened.trial_cell(trial.number, dict(trial.params)).run_dir
                 opened.ended(run_dir, trial.state.name == "COMPLETE")
             studies.append(opened)
     return studies
+
+
+def selection_settings(args: argparse.Namespace) -> SelectionSettings:
+    """How the command's studies choose (``--select-*``, ``--diverge-drop``); the re-run seeds
+    default to the ``DEFAULT_EXTRA_SEEDS`` seeds after the tuning seed."""
+    seeds = args.select_seeds
+    if seeds is None:
+        seeds = [args.tune_seed + i for i in range(1, DEFAULT_EXTRA_SEEDS + 1)]
+    settings = SelectionSettings(
+        args.select_top, tuple(seeds), args.select_last_rounds, args.diverge_drop
+    )
+    settings.check(args.tune_seed)
+    return settings
+
+
+def final_data_seeds(args: argparse.Namespace) -> list[int]:
+    """The data seed of each final seed: ``--data-seeds`` (one per ``--seeds``), by default
+    the seed itself (a data draw, and foundation build, per seed)."""
+    if args.data_seeds is None:
+        return list(args.seeds)
+    if len(args.data_seeds) != len(args.seeds):
+        raise ValueError(
+            f"--data-seeds gives {len(args.data_seeds)} seeds for {len(args.seeds)} --seeds: "
+            "one data seed per final seed"
+        )
+    if any(seed < 0 for seed in args.data_seeds):
+        raise ValueError(f"--data-seeds must be >= 0, got {args.data_seeds}")
+    return list(args.data_seeds)
+
+
+def transfer_settings(setup: str, name: str, configs: Path = CONFIG_ROOT) -> dict[str, Any]:
+    """What ``configs/transfer/<setup>/<name>.toml`` changes of ``setup`` for the transfer
+    setup ``name``; ``FileNotFoundError`` names a missing file, ``ValueError`` an empty one."""
+    import tomllib
+
+    path = configs / TRANSFER_ROOT / setup / f"{name}.toml"
+    if not path.is_file():
+        raise FileNotFoundError(f"--transfer {name}: {path} does not exist (setup {setup})")
+    keys = tomllib.loads(path.read_text())
+    if not keys:
+        raise ValueError(f"--transfer {name}: {path} changes nothing of setup {setup}")
+    return keys
+
+
+def transfer_changes(study: Study, name: str, configs: Path = CONFIG_ROOT) -> dict[str, Any]:
+    """What the transfer setup ``name`` changes of ``study``'s setup (``transfer_settings``);
+    a ``ValueError`` when it sets a key the study chooses: a transfer setup changes the data
+    or the federation, never a chosen value."""
+    changed = transfer_settings(study.setup, name, configs)
+    tuned = sorted(set(changed) & {*study.space, "val-fraction", "data-seed"})
+    if tuned:
+        raise ValueError(
+            f"--transfer {name}: configs/{TRANSFER_ROOT}/{study.setup}/{name}.toml sets "
+            f"{', '.join(tuned)}, which the study of {study.label} chooses; a transfer setup "
+            "changes the data or the federation, never a chosen value"
+        )
+    return changed
+
+
+def transfer_setup(setup: str, name: str) -> str:
+    """The setup name of a transfer run: ``<setup><TRANSFER_MARK><name>`` (the report's
+    transfer section reads the base setup back from it)."""
+    return f"{setup}{TRANSFER_MARK}{name}"
 
 
 def study_state(args: argparse.Namespace) -> StudyState:
@@ -406,6 +528,8 @@ class FinalRuns:
     configs: Path
     log: SweepLog
     on_study_done: Callable[[], None] = lambda: None  # e.g. rewrite tuning.json
+    data_seeds: list[int] | None = None  # one per seed (None: the seed's own)
+    transfers: list[str] = field(default_factory=list)  # configs/transfer/<setup>/<name>.toml
     queue: deque[Cell] = field(default_factory=deque)
     records: dict[Path, dict[str, Any]] = field(default_factory=dict)  # run dir -> record
     errors: list[str] = field(default_factory=list)
@@ -413,14 +537,22 @@ class FinalRuns:
     _dirs: set[Path] = field(default_factory=set)
 
     def release(self, studies: list[Study]) -> None:
-        """Queue the final runs of every study that has just ended all its trials."""
+        """Queue the final runs of every study whose choice has just been made."""
         for study in studies:
-            if study.name in self._released or study.left() > 0 or study.running:
+            if study.name in self._released or not study.decided():
                 continue
             self._released.add(study.name)
             self.on_study_done()
             try:
-                cells = final_cells([study], self.seeds, self.out, self.overrides, self.configs)
+                cells = final_cells(
+                    [study],
+                    self.seeds,
+                    self.out,
+                    self.overrides,
+                    self.configs,
+                    self.data_seeds,
+                    self.transfers,
+                )
             except ValueError as err:
                 self.errors.append(str(err))
                 continue
@@ -443,18 +575,28 @@ def trial_kind(study: Study) -> str:
     return cell_kind(study.label, study.setup + study.tag) + " trials"
 
 
-def cell_kinds(studies: list[Study], seeds: list[int]) -> Counter[str]:
+def cell_kinds(
+    studies: list[Study], seeds: list[int], transfers: Sequence[str] = ()
+) -> Counter[str]:
     """How many cells of each kind the studies have left: their trials to draw
-    (``trial_kind``) and their final runs at ``seeds`` (``Cell.kind``), their ablations'
-    included."""
+    (``trial_kind``), their selection's first wave of re-runs (a final run's kind: they run
+    every round) and their final runs at ``seeds`` (``Cell.kind``) on their setup and every
+    ``transfers`` setup, their ablations' included."""
     kinds: Counter[str] = Counter()
     for study in studies:
         setup = study.setup + study.tag
         kinds[trial_kind(study)] += study.left()
-        kinds[cell_kind(study.label, setup)] += len(seeds)
-        for label in study.ablations:
-            kinds[cell_kind(label, setup)] += len(seeds)
+        if not study.decided():
+            kinds[cell_kind(study.label, setup)] += study.select.reruns()
+        for label in (study.label, *study.ablations):
+            for place in (setup, *(transfer_setup(setup, name) for name in transfers)):
+                kinds[cell_kind(label, place)] += len(seeds)
     return kinds
+
+
+def cells_left(studies: list[Study], seeds: list[int], transfers: Sequence[str] = ()) -> int:
+    """How many cells the studies have left (``cell_kinds``'s total)."""
+    return sum(cell_kinds(studies, seeds, transfers).values())
 
 
 def earlier_seconds(studies: list[Study]) -> dict[str, list[float]]:
@@ -487,11 +629,12 @@ def run_trials(
     foundations: SetupFoundations | None = None,
 ) -> None:
     """Draw and run every study's missing trials in ``pool``, as many at once as it holds;
-    with ``finals``, a study's final runs follow as soon as its last trial has ended, in the
-    slots no trial is left to take. A trial whose run the pruner stopped is told pruned. Each
-    finished run's small files go to ``state``, after ``foundations`` has checked that it ran
-    on its setup's model (``FoundationMismatch`` if not: nothing of it is kept or told); each
-    trial's line ends with ``time_left``'s estimate."""
+    once a study's last trial has ended, its selection's re-runs (``fedfm_flower.selection``),
+    and with ``finals`` its final runs as soon as its choice is made, in the slots no trial is
+    left to take. A trial whose run the pruner stopped is told pruned. Each finished run's
+    small files go to ``state``, after ``foundations`` has checked that it ran on its setup's
+    model (``FoundationMismatch`` if not: nothing of it is kept or told); each trial's line
+    ends with ``time_left``'s estimate."""
     import optuna
 
     time_left = time_left or TimeLeft(sum(s.left() for s in studies), cell_kinds(studies, []))
@@ -500,6 +643,43 @@ def run_trials(
         cell = study.trial_cell(number, values)
         study.running[cell.run_dir] = number
         pool.submit(cell)
+
+    def rerun_ended(study: Study, cell: Cell, record: dict[str, Any] | None) -> None:
+        number, seed = study.selecting.pop(cell.run_dir)
+        study.rerun_spent += run_spent(cell.run_dir)["client-rounds"]
+        selection = study.selection
+        assert selection is not None  # a re-run is asked by an open selection only
+        selection.take(number, seed, cell.run_dir)
+        if record is not None:
+            said = time_left.ended(cell.kind, record.get("seconds"), record.get("state-before"))
+            outcome = selection.candidates_outcome(number, seed)
+            print(f"[{study.name} trial {number} at seed {seed}] {outcome}; {said}", flush=True)
+        if selection.decided:
+            print(f"[{study.name}] {selection.verdict()}", flush=True)
+
+    def advance_selection(study: Study) -> None:
+        """Open a study's selection once its trials have ended; queue the re-runs its wave
+        wants (a re-run finished before, e.g. restored from the state, is read, not run)."""
+        if not study.trials_ended():
+            return
+        if study.selection is None:
+            study.selection = Selection(study.select, int(study.base["seed"]), study.metric())
+            study.selection.start(study.scored_trials())
+            if study.selection.decided:
+                print(f"[{study.name}] {study.selection.verdict()}", flush=True)
+        asked = True
+        while asked and not study.selection.decided:
+            asked = False
+            for number, values, seed in study.selection.wanted():
+                cell = study.rerun_cell(number, values, seed)
+                if cell.run_dir in study.selecting:
+                    continue
+                study.selecting[cell.run_dir] = (number, seed)
+                if cell_state(cell) == "done":
+                    rerun_ended(study, cell, None)
+                    asked = True  # the wave may have changed: look again
+                    break
+                study.reruns.append(cell)
 
     for study in studies:  # trials an interrupted command left running: rerun them first
         for trial in study.optuna_study.get_trials(
@@ -516,6 +696,9 @@ def run_trials(
             while study.left() > 0 and pool.pending() < capacity:
                 trial = study.optuna_study.ask()
                 start(study, trial.number, suggest(trial, study.space))
+            advance_selection(study)
+            while study.reruns and pool.pending() < capacity:
+                pool.submit(study.reruns.popleft())
         if finals is not None:
             finals.release(studies)
             while finals.queue and pool.pending() < capacity:
@@ -530,7 +713,10 @@ def run_trials(
         if finals is not None and finals.owns(cell):
             finals.record(cell, record)
             continue
-        study = next(s for s in studies if cell.run_dir in s.running)
+        study = next(s for s in studies if cell.run_dir in s.running or cell.run_dir in s.selecting)
+        if cell.run_dir in study.selecting:
+            rerun_ended(study, cell, record)
+            continue
         number = study.running.pop(cell.run_dir)
         value = record.get("final", math.nan)
         complete = False
@@ -557,7 +743,6 @@ def run_trials(
 
 def study_record(study: Study) -> dict[str, Any]:
     """What ``tuning.json`` says of one study."""
-    best = study.best()
     trials = []
     for trial in study.optuna_study.get_trials(deepcopy=False):
         run = study.trial_cell(trial.number, dict(trial.params)).run_dir
@@ -574,19 +759,34 @@ def study_record(study: Study) -> dict[str, Any]:
             record["last-round"] = trial.last_step
             record["last-value"] = trial.intermediate_values[trial.last_step]
         trials.append(record)
+    selection = study.selection
+    reruns = [] if selection is None else rerun_records(selection)
+    chosen = None if selection is None else selection.chosen
     return {
         **_record_head(study, study.label),
         "space": {key: describe(rng) for key, rng in study.space.items()},
         "pruner": study.pruner.as_dict(),
         "budget": study.trials,
         "client-rounds-budget": study.client_rounds,
-        "spent": spent(trials),
+        "spent": spent(trials, reruns),
         "trials": trials,
         "tried": tried_ranges(trials),
-        "chosen": None if best is None else {"trial": best.number, "values": dict(best.params)},
-        "best-score": None if best is None else best.value,
+        "selection": None if selection is None else selection.record(),
+        "chosen": None if chosen is None else {"trial": chosen.trial, "values": chosen.params},
+        "best-score": None if chosen is None else chosen.single,
+        "selection-score": None if chosen is None or not reruns else chosen.score,
         "ablations": list(study.ablations),
     }
+
+
+def rerun_records(selection: Selection) -> list[dict[str, Any]]:
+    """What the ended re-runs of ``selection`` spent (``run_spent``), one record each."""
+    return [
+        {"run": outcome.run, **run_spent(Path(outcome.run))}
+        for candidate in selection.candidates
+        for seed, outcome in candidate.outcomes.items()
+        if seed != selection.tune_seed
+    ]
 
 
 def run_spent(run_dir: Path) -> dict[str, Any]:
@@ -602,13 +802,16 @@ def run_spent(run_dir: Path) -> dict[str, Any]:
     }
 
 
-def spent(trials: list[dict[str, Any]]) -> dict[str, Any]:
-    """A study's spending, from its trials' records: the trials that ended (of them pruned)
-    and the rounds, client-rounds and seconds all its trials ran."""
+def spent(trials: list[dict[str, Any]], reruns: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
+    """A study's spending, from its trials' and its selection re-runs' records: the trials
+    that ended (of them pruned), the re-runs, and the rounds, client-rounds and seconds all of
+    them ran (the re-runs' client-rounds also apart)."""
     return {
         "trials": sum(t["state"] in ("complete", "pruned", "fail") for t in trials),
         "pruned": sum(t["state"] == "pruned" for t in trials),
-        **summed(trials, ("rounds", "client-rounds", "seconds")),
+        "reruns": len(reruns),
+        "rerun-client-rounds": sum(r["client-rounds"] for r in reruns),
+        **summed([*trials, *reruns], ("rounds", "client-rounds", "seconds")),
     }
 
 
@@ -643,32 +846,54 @@ def ablation_record(study: Study, label: str) -> dict[str, Any]:
 
 
 def final_cells(
-    studies: list[Study], seeds: list[int], out: Path, overrides: dict[str, Any], configs: Path
+    studies: list[Study],
+    seeds: list[int],
+    out: Path,
+    overrides: dict[str, Any],
+    configs: Path,
+    data_seeds: list[int] | None = None,
+    transfers: list[str] | None = None,
 ) -> list[Cell]:
-    """The test runs of every study's chosen values at ``seeds``, then those of its ablations
-    (``method:variant`` labels) at the same values, where their variant file sets no other
-    (studies without a scored trial have none)."""
+    """The test runs of every study's chosen values at ``seeds`` (seed i on data seed
+    ``data_seeds[i]``, by default the seed itself), then those of its ablations
+    (``method:variant`` labels) at the same values, where their variant file sets no other,
+    each on the study's setup and then unchanged on every ``transfers`` setup (studies
+    without a choice have none); a ``ValueError`` names a transfer file that sets a tuned key."""
     cells = []
+    data_seeds = list(seeds) if data_seeds is None else data_seeds
     for study in studies:
-        best = study.best()
-        if best is None:
+        choice = study.choice()
+        if choice is None:
             continue
-        # The trials' data at every seed: the seed varies training alone, and no final run
-        # tests on an example the trials validated on (the data-seed of the trials' seed).
-        chosen = {
-            "val-fraction": study.base["val-fraction"],
-            "data-seed": run_data_seed(study.base),
-            **best.params,
-        }
+        _, params = choice
+        places = [("", {})] + [
+            (TRANSFER_MARK + name, transfer_changes(study, name, configs))
+            for name in transfers or []
+        ]
         for label in (study.label, *study.ablations):
             own = variant_settings(label, configs)  # an ablation keeps what its file sets
-            values = {k: v for k, v in chosen.items() if k not in own}
-            for seed in seeds:
-                config = cell_config(
-                    label, study.setup, seed, out, {**overrides, **values}, study.tag, configs
-                )
-                cells.append(Cell(label, study.setup + study.tag, seed, config))
-                _refuse_stale_run(cells[-1], values)
+            for suffix, changed in places:
+                for seed, data_seed in zip(seeds, data_seeds, strict=True):
+                    # The trials' validation share (so as many training examples), the seed's
+                    # own data draw and foundation build: intervals carry the partition's
+                    # variance, not only training's.
+                    chosen = {
+                        "val-fraction": study.base["val-fraction"],
+                        "data-seed": data_seed,
+                        **params,
+                    }
+                    values = {k: v for k, v in chosen.items() if k not in own}
+                    config = cell_config(
+                        label,
+                        study.setup,
+                        seed,
+                        out,
+                        {**overrides, **values, **changed},
+                        study.tag + suffix,
+                        configs,
+                    )
+                    cells.append(Cell(label, study.setup + study.tag + suffix, seed, config))
+                    _refuse_stale_run(cells[-1], {**values, **changed})
     check_configs([cell.config for cell in cells])
     return cells
 
@@ -739,7 +964,15 @@ def write_tuning(
         "setup-first": args.setup_first,
         "tuning-seed": args.tune_seed,
         "final-seeds": args.seeds,
-        "selection": "final mean client value of the primary metric on the validation split",
+        "final-data-seeds": final_data_seeds(args),
+        "transfer": {
+            study.setup + study.tag: [
+                transfer_setup(study.setup + study.tag, name) for name in args.transfer
+            ]
+            for study in studies
+        },
+        "selection": selection_settings(args).describe(),
+        "selection-settings": selection_settings(args).as_dict(),
         "spent": summed(
             [r["spent"] for r in records.values() if "spent" in r],
             ("trials", "pruned", "rounds", "client-rounds", "seconds"),
@@ -780,7 +1013,59 @@ def main(argv: list[str] | None = None) -> int:
         "its method (which --methods must name), so the ablation differs in its part alone",
     )
     parser.add_argument("--tune-seed", type=int, default=0, help="seed of the tuning runs")
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="final runs")
+    parser.add_argument(
+        "--seeds",
+        nargs="+",
+        type=int,
+        default=list(DEFAULT_SEEDS),
+        help="seeds of the final runs on the test split; default 0-4",
+    )
+    parser.add_argument(
+        "--data-seeds",
+        nargs="+",
+        type=int,
+        default=None,
+        help="the data seed of each final seed (one per --seeds); default: the seed itself, "
+        "a new partition and foundation build per seed (intervals carry the data's variance "
+        "too); the tuning seed's, e.g. 0 0 0, for the trials' data at every seed",
+    )
+    parser.add_argument(
+        "--transfer",
+        nargs="+",
+        default=[],
+        metavar="NAME",
+        help="also run each chosen value unchanged on configs/transfer/<setup>/NAME.toml (a "
+        "setup no trial saw), at every final seed; the report re-tests each verdict there",
+    )
+    choosing = parser.add_argument_group("choosing among the trials (fedfm_flower.selection)")
+    choosing.add_argument(
+        "--select-top",
+        type=int,
+        default=DEFAULT_TOP,
+        help="candidates per wave: the best trials by single-seed score, re-run at "
+        "--select-seeds; 0: the best single-seed trial that did not diverge, no re-runs",
+    )
+    choosing.add_argument(
+        "--select-seeds",
+        nargs="+",
+        type=int,
+        default=None,
+        help="training seeds of the re-runs (on the trials' data and validation split); "
+        f"default: the {DEFAULT_EXTRA_SEEDS} seeds after --tune-seed",
+    )
+    choosing.add_argument(
+        "--select-last-rounds",
+        type=int,
+        default=DEFAULT_LAST_ROUNDS,
+        help="a run's score: the mean of its last this-many evaluated rounds",
+    )
+    choosing.add_argument(
+        "--diverge-drop",
+        type=float,
+        default=DEFAULT_DROP,
+        help="a run diverged when an evaluated round after its best falls more than this "
+        "share of the best below it (or a value is not finite); it cannot be chosen",
+    )
     parser.add_argument(
         "--val-fraction",
         type=float,
@@ -822,6 +1107,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--trials must be >= 1, got {args.trials}")
         if args.client_rounds < 0:
             raise ValueError(f"--client-rounds must be >= 0, got {args.client_rounds}")
+        selection_settings(args)
+        data_seeds = final_data_seeds(args)
         overrides = parse_overrides(args.set)
         state.check()
         state.check_foundations()
@@ -831,6 +1118,21 @@ def main(argv: list[str] | None = None) -> int:
         )
         wall_before = earlier_wall_seconds(args.out)
         studies = open_studies(args.methods, args.setups, args, overrides)
+        for study in studies:  # every transfer file there, setting no tuned key, valid
+            check_configs(
+                [
+                    cell_config(
+                        study.label,
+                        study.setup,
+                        args.tune_seed,
+                        args.out,
+                        {**overrides, **transfer_changes(study, name, args.configs)},
+                        study.tag + TRANSFER_MARK + name,
+                        args.configs,
+                    )
+                    for name in args.transfer
+                ]
+            )
         for cache in sorted({cache_dir_of(study.base) for study in studies}):
             state.install_foundations(cache)
         pool = pool_from_arguments(args)
@@ -842,10 +1144,11 @@ def main(argv: list[str] | None = None) -> int:
         write_tuning(studies, args.out, args, wall_before + time.monotonic() - started)
         state.keep(args.out / "tuning.json")
 
-    final_total = sum(1 + len(study.ablations) for study in studies) * len(args.seeds)
+    places = 1 + len(args.transfer)  # the study's setup and its transfer setups
+    final_total = sum(1 + len(study.ablations) for study in studies) * len(args.seeds) * places
     time_left = TimeLeft(
-        sum(study.left() for study in studies) + final_total,
-        cell_kinds(studies, args.seeds),
+        cells_left(studies, args.seeds, args.transfer),
+        cell_kinds(studies, args.seeds, args.transfer),
         earlier=earlier_seconds(studies),
     )
     finals = FinalRuns(
@@ -855,6 +1158,8 @@ def main(argv: list[str] | None = None) -> int:
         args.configs,
         SweepLog(args.out, final_total, time_left),
         on_study_done=save_tuning,
+        data_seeds=data_seeds,
+        transfers=list(args.transfer),
     )
 
     def work() -> None:
@@ -866,13 +1171,14 @@ def main(argv: list[str] | None = None) -> int:
     stopped = run_grid(pool, work)
     if stopped is not None:
         return stopped
-    unscored = [s.name for s in studies if s.best() is None]
+    unscored = [s for s in studies if s.choice() is None]
     records = list(finals.records.values())
     for err in finals.errors:
         print(f"error: {err}", file=sys.stderr)
     failed = [r for r in records if r["state"] == "failed"]
-    for name in unscored:
-        print(f"error: study {name} has no scored trial (see tuning.json)", file=sys.stderr)
+    for study in unscored:
+        why = "no scored trial" if study.best() is None else "no stable trial (every one diverged)"
+        print(f"error: study {study.name} has {why} (see tuning.json)", file=sys.stderr)
     if failed:
         print(f"error: {len(failed)} final runs failed (see sweep.json)", file=sys.stderr)
     if failed or unscored or finals.errors:

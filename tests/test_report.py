@@ -13,6 +13,7 @@ from fedfm_flower.report import tables
 from fedfm_flower.report.build import main as report_main
 from fedfm_flower.report.figures import bytes_per_round, client_gains, curve_band
 from fedfm_flower.report.runs import load_runs
+from tests.report_runs import write_run_dir
 
 # final per-client accuracy: method -> seed -> four clients (ids 0..3)
 FINAL = {
@@ -35,36 +36,8 @@ FINAL = {
 
 
 def write_run(root: Path, label: str, seed: int, finished: bool = True) -> Path:
-    """A run directory as the runner writes it: 3 rounds, evaluated at rounds 2 and 3."""
-    path = root / f"{label}-s{seed}"
-    path.mkdir(parents=True)
-    config = {"method": label, "label": label, "setup": "toy", "dataset": "digits", "seed": seed}
-    (path / "config.json").write_text(json.dumps({"run-config": config}))
-    final = FINAL[label][seed % 3]
-    records = []
-    for server_round in (1, 2, 3):
-        record = {
-            "round": server_round,
-            "bytes-down": 4000 * server_round,
-            "bytes-up": 2000,
-            "clients-reported": 4,
-        }
-        if server_round >= 2:
-            shift = 0.1 if server_round == 2 else 0.0
-            # node ids differ from client ids (as in Flower simulation): pairing uses client ids
-            record["evaluate"] = {
-                str(1000 + 7 * c): {
-                    "client-id": float(c),
-                    "test-accuracy": v - shift,
-                    "test-error": 1.0 - (v - shift),
-                }
-                for c, v in enumerate(final)
-            }
-        records.append(record)
-    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    if finished:
-        (path / "summary.json").write_text(json.dumps({"primary-metric": "accuracy"}))
-    return path
+    """A run of ``label`` on setup ``toy`` whose clients end at FINAL's values of its seed."""
+    return write_run_dir(root, label, seed, FINAL[label][seed % 3], finished)
 
 
 @pytest.fixture

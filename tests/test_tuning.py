@@ -27,7 +27,7 @@ from fedfm_flower.search import (
     resolve_space,
 )
 from fedfm_flower.sweep import CONFIG_ROOT, cell_config
-from tests.serial_pool import QueuePool
+from tests.serial_pool import RunPool, tune_pools
 
 BASE = {"method": "fedprox", "dataset": "digits", "lr": 0.02, "local-epochs": 1}
 
@@ -40,10 +40,10 @@ def test_around_resolves_to_the_setups_own_scale() -> None:
     assert space["lr"] == LogUniform(pytest.approx(0.002), pytest.approx(2.0))
     step_mode = {**BASE, "local-steps": 10}
     steps = resolve_space(search.training_space(step_mode), step_mode)
-    assert steps["local-steps"] == IntRange(5, 20, log=True)
+    assert steps["local-steps"] == IntRange(5, 40, log=True)
     assert "local-epochs" not in steps
     epochs = resolve_space(search.training_space(BASE), BASE)
-    assert epochs["local-epochs"] == IntRange(1, 3)
+    assert epochs["local-epochs"] == IntRange(1, 5)
 
 
 @pytest.mark.parametrize(
@@ -86,12 +86,14 @@ def test_every_methods_declared_space_resolves_on_its_setups() -> None:
 
 
 def test_per_fedavgs_inner_and_outer_steps_are_searched_where_plain_sgd_trains() -> None:
-    """Per-FedAvg's alpha and beta over the same absolute range on every setup: its steps are
-    plain SGD, so an AdamW setup's small lr does not shrink them (multitask-cpu: lr 3e-4)."""
+    """Per-FedAvg's alpha and beta over the same absolute ranges on every setup: its steps are
+    plain SGD, so an AdamW setup's small lr does not shrink them (multitask-cpu: lr 3e-4); the
+    outer step reaches 0.3 (multitask-cpu chose 0.099 of 0.001-0.1)."""
     for setup_lr, optimizer in ((3e-4, "adamw"), (0.02, "sgd")):
         base = {**BASE, "method": "per-fedavg", "lr": setup_lr, "optimizer": optimizer}
         space = resolve_space(search.method_space(base), base)
-        assert space["perfedavg-alpha"] == space["perfedavg-beta"] == LogUniform(1e-3, 0.1)
+        assert space["perfedavg-alpha"] == LogUniform(1e-3, 0.1)
+        assert space["perfedavg-beta"] == LogUniform(1e-3, 0.3)
         assert space["perfedavg-alpha"].contains(0.03)  # the value 4 trials never reached
 
 
@@ -230,6 +232,7 @@ def _tune_argv(out: Path, cache_dir: Path) -> list[str]:
         "--trials", "2",
         "--sampler", "random",
         "--seeds", "0",
+        "--select-top", "1", "--select-seeds", "1",
         "--out", str(out),
         "--set", "num-server-rounds=2", "num-clients=2", f"cache-dir='{cache_dir}'",
         "pretrain-epochs=30",
@@ -311,14 +314,23 @@ def test_tune_selects_on_validation_then_runs_the_choice_on_test(
         values = {r["round"]: r["test-accuracy-mean"] for r in rounds}
         assert reported[trial["number"]].intermediate_values == values and len(values) == 2
         assert trial["rounds"] == 2 and trial["client-rounds"] == 2 * 2
-    assert study["spent"]["client-rounds"] == 2 * 2 * 2 and study["spent"]["pruned"] == 0
+    # the best trial re-ran at seed 1 on the trials' data and validation split (selection)
+    rerun = out / "tuning" / "runs" / f"fedprox-digits-label-skew-t{best['number']:03d}-s1"
+    rerun_config = json.loads((rerun / "config.json").read_text())["run-config"]
+    assert (rerun_config["seed"], rerun_config["data-seed"]) == (1, 0)
+    assert rerun_config["evaluation-split"] == "val" and rerun_config["val-fraction"] == share
+    assert all(rerun_config[k] == v for k, v in best["values"].items())
+    assert study["selection"]["candidates"][0]["trial"] == best["number"]
+    assert study["spent"]["client-rounds"] == 2 * 2 * 2 + 2 * 2 and study["spent"]["pruned"] == 0
+    assert study["spent"]["reruns"] == 1 and study["spent"]["rerun-client-rounds"] == 2 * 2
 
     final = out / "runs" / "fedprox-digits-label-skew-s0"
     final_config = json.loads((final / "config.json").read_text())["run-config"]
     assert final_config["evaluation-split"] == "test" and final_config["val-fraction"] == share
     assert all(final_config[k] == v for k, v in best["values"].items())
-    # 2 trials x 2 rounds x 2 clients on validation, then 2 x 2 on test; nothing sealed read
-    assert splits_read == ["data"] * (2 * 4 + 4)
+    # 2 trials and 1 re-run x 2 rounds x 2 clients on validation, then 2 x 2 on test;
+    # nothing sealed read
+    assert splits_read == ["data"] * (3 * 4 + 4)
 
     report = tmp_path / "report"
     assert report_main([str(out), "--out", str(report), "--reference", "fedprox"]) == 0
@@ -414,6 +426,8 @@ def _tune_args(out: Path, trials: int, **options):  # noqa: ANN003, ANN202
         out=out, tune_seed=0, val_fraction=0.15, tag="", configs=CONFIG_ROOT, sampler="random",
         trials=trials, setup_first=True, variants_at_parent=False, seeds=[0], state=None,
         pruner="none", prune_min_rounds=None, prune_reduction=3, client_rounds=0,
+        select_top=0, select_seeds=None, select_last_rounds=2, diverge_drop=0.1,
+        data_seeds=None, transfer=[],
     )  # fmt: skip
     for key, value in options.items():
         setattr(args, key, value)
@@ -715,59 +729,6 @@ def test_a_variant_whose_method_is_not_named_is_refused_before_any_run(
 # --- pruning, budgets, per-method draws, coverage, a study's state on another machine ---------
 
 
-class _Crash(RuntimeError):
-    """A fake run's crash."""
-
-
-class _RunPool(QueuePool):
-    """A serial pool whose cells run no training: round r of a cell gives ``curve(trial, r)``
-    (its trial number, -1 for a final run) as its mean validation accuracy, reported to the
-    trial's pruner when the cell carries a link, as the runner does; each run writes the files
-    a run writes, and its record is ``cell_record``'s. A curve value None crashes the run in
-    that round (its earlier rounds written, no summary). A finished run is not run again."""
-
-    def __init__(self, curve, card=None) -> None:  # noqa: ANN001
-        super().__init__()
-        self._curve = curve
-        self._card = card  # () -> the foundation card a run records now (None: no card)
-
-    def finish(self, cell) -> dict:  # noqa: ANN001
-        from fedfm_flower.cells import cell_record, cell_state, failed_record
-
-        if cell_state(cell) != "done":
-            try:
-                self._run(cell)
-            except _Crash as err:  # as cell_record reports a run that raised
-                return {**failed_record(cell, str(err)), "state-before": "new", "seconds": 0.1}
-        return cell_record(cell)
-
-    def _run(self, cell) -> None:  # noqa: ANN001
-        name = cell.config["run-name"]
-        self.ran.append(name)
-        number = int(name.split("-t")[-1][:3]) if "-t" in name else -1
-        stop = cell.trial.early_stop() if cell.trial is not None else None
-        rounds, clients = int(cell.config["num-server-rounds"]), int(cell.config["num-clients"])
-        lines, stopped = [], {}
-        cell.run_dir.mkdir(parents=True)
-        recorded = {"run-config": cell.config}
-        if self._card is not None:
-            recorded["foundation"] = self._card()
-        (cell.run_dir / "config.json").write_text(json.dumps(recorded))
-        for r in range(1, rounds + 1):
-            value = self._curve(number, r)
-            if value is None:  # the run crashes in round r, its rounds before it written
-                raise _Crash(f"trial {number} crashed in round {r}")
-            lines.append({"round": r, "clients-sampled": clients, "round-seconds": 0.5})
-            lines[-1]["test-accuracy-mean"] = value
-            with (cell.run_dir / "metrics.jsonl").open("a") as metrics:
-                metrics.write(json.dumps(lines[-1]) + "\n")
-            if stop is not None and stop(r, value) and r < rounds:
-                stopped = {"stopped-at-round": r}
-                break
-        summary = {"primary-metric": "accuracy", "final-test-accuracy-mean": value, **stopped}
-        (cell.run_dir / "summary.json").write_text(json.dumps(summary))
-
-
 def test_a_trial_worst_at_its_first_report_is_pruned_and_its_rounds_count(
     tmp_path: Path,
 ) -> None:
@@ -778,7 +739,7 @@ def test_a_trial_worst_at_its_first_report_is_pruned_and_its_rounds_count(
     overrides = {"num-clients": 2, "num-server-rounds": 3}
     (study,) = tune.open_studies(["fedavg"], ["digits-label-skew"], args, overrides)
     first = {0: 0.5, 1: 0.1, 2: 0.6}  # each trial's value at round 1, then + 0.1 a round
-    pool = _RunPool(lambda trial, r: first[trial] + 0.1 * r)
+    pool = RunPool(lambda trial, r: first[trial] + 0.1 * r)
     tune.run_trials([study], pool)
 
     trials = study.optuna_study.get_trials()
@@ -794,7 +755,8 @@ def test_a_trial_worst_at_its_first_report_is_pruned_and_its_rounds_count(
     assert [t["rounds"] for t in record["trials"]] == [3, 1, 3]
     assert [t["client-rounds"] for t in record["trials"]] == [6, 2, 6]
     assert record["spent"] == {
-        "trials": 3, "pruned": 1, "rounds": 7, "client-rounds": 14, "seconds": 3.5,
+        "trials": 3, "pruned": 1, "reruns": 0, "rerun-client-rounds": 0, "rounds": 7,
+        "client-rounds": 14, "seconds": 3.5,
     }  # fmt: skip
     assert record["pruner"] == {"name": "halving", "min-rounds": 1, "reduction": 2}
     assert record["chosen"]["trial"] == 2 and record["best-score"] == pytest.approx(0.9)
@@ -944,7 +906,7 @@ def test_a_study_copied_to_a_fresh_directory_resumes_without_repeating_a_trial(
 
     from fedfm_flower import tune
 
-    pools = _pooled(monkeypatch, lambda trial, r: 0.9 if trial in (0, -1) else 0.3)
+    pools = tune_pools(monkeypatch, lambda trial, r: 0.9 if trial in (0, -1) else 0.3)
     argv = _copied_study_argv
     assert tune.main(argv(tmp_path / "out", tmp_path / "state", 2)) == 0
     t = "fedavg-digits-label-skew-t{:03d}-s0"
@@ -976,7 +938,7 @@ def test_a_client_round_budget_draws_trials_past_the_trial_budget_until_it_is_sp
 
     # trial 0 runs both rounds (4 client-rounds); the halving pruner stops every other trial
     # after round 1 (2 client-rounds)
-    pools = _pooled(monkeypatch, lambda trial, r: 0.9 if trial in (0, -1) else 0.3)
+    pools = tune_pools(monkeypatch, lambda trial, r: 0.9 if trial in (0, -1) else 0.3)
     argv = _copied_study_argv(tmp_path / "out", tmp_path / "state", 2)
     assert tune.main(argv) == 0
     first = json.loads((tmp_path / "out" / "tuning.json").read_text())["studies"][0]
@@ -1043,7 +1005,7 @@ def test_a_failed_trials_rounds_still_count_once_its_study_is_copied_elsewhere(
     from fedfm_flower import tune
 
     # trial 1 crashes in round 3 of 3: it ran 2 rounds of 2 clients, and wrote no summary
-    pools = _pooled(monkeypatch, lambda trial, r: None if (trial, r) == (1, 3) else 0.9)
+    pools = tune_pools(monkeypatch, lambda trial, r: None if (trial, r) == (1, 3) else 0.9)
 
     def argv(out: Path, state: Path) -> list[str]:
         return [*_copied_study_argv(out, state, 2), "num-server-rounds=3", "--pruner", "none"]
@@ -1063,25 +1025,11 @@ def test_a_failed_trials_rounds_still_count_once_its_study_is_copied_elsewhere(
     assert study["spent"]["client-rounds"] == 10
 
 
-def _pooled(monkeypatch: pytest.MonkeyPatch, curve, card=None) -> list[_RunPool]:  # noqa: ANN001
-    """The pools ``tune.main`` makes from now on, one ``_RunPool(curve, card)`` per command."""
-    from fedfm_flower import tune
-
-    pools: list[_RunPool] = []
-
-    def pool(args) -> _RunPool:  # noqa: ANN001
-        pools.append(_RunPool(curve, card))
-        return pools[-1]
-
-    monkeypatch.setattr(tune, "pool_from_arguments", pool)
-    return pools
-
-
 def _copied_study_argv(out: Path, state: Path, trials: int) -> list[str]:
     return [
         "--methods", "fedavg", "--setups", "digits-label-skew", "--sampler", "random",
         "--trials", str(trials), "--seeds", "0", "--out", str(out), "--state", str(state),
-        "--set", "num-clients=2", "num-server-rounds=2",
+        "--select-top", "0", "--set", "num-clients=2", "num-server-rounds=2",
     ]  # fmt: skip
 
 
@@ -1095,7 +1043,7 @@ def test_a_journal_record_cut_short_is_dropped_and_the_study_resumes_twice(
     pytest.importorskip("optuna")
     from fedfm_flower import tune
 
-    pools = _pooled(monkeypatch, lambda trial, r: 0.9 if trial in (0, -1) else 0.3)
+    pools = tune_pools(monkeypatch, lambda trial, r: 0.9 if trial in (0, -1) else 0.3)
     state = tmp_path / "state"
     assert tune.main(_copied_study_argv(tmp_path / "out", state, 2)) == 0
     journal = state / "tuning" / "journal.log"
@@ -1139,7 +1087,7 @@ def test_a_damaged_state_file_is_refused_by_name_before_anything_runs(
     pytest.importorskip("optuna")
     from fedfm_flower import tune
 
-    pools = _pooled(monkeypatch, lambda trial, r: 0.5)
+    pools = tune_pools(monkeypatch, lambda trial, r: 0.5)
     state = tmp_path / "state"
     assert tune.main(_copied_study_argv(tmp_path / "out", state, 2)) == 0
     path = state / damaged
@@ -1158,40 +1106,51 @@ def test_a_damaged_state_file_is_refused_by_name_before_anything_runs(
     assert {p: p.read_bytes() for p in state.rglob("*") if p.is_file()} == before
 
 
-def test_final_runs_test_at_every_seed_on_the_trials_data(
+def test_final_runs_draw_their_data_per_seed_or_on_the_data_seeds_asked(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """The final runs carry data-seed = the tuning seed (the seed varies training alone); a
-    final run made before (its data drawn from its own seed) is refused at seed 1 and reused
-    at seed 0, where its data were the trials'."""
+    """By default a final run's data seed is its seed (a new partition and foundation build
+    per seed: the intervals carry the data's variance); ``--data-seeds`` gives one per seed
+    (the trials' data at every seed: ``0 0``). A final run made on another data draw is
+    refused at the seed where it differs and reused where it does not; the trials keep the
+    tuning seed's data (or the command's ``data-seed``)."""
     pytest.importorskip("optuna")
     from fedfm_flower import tune
+    from fedfm_flower.grid_foundations import run_data_seed
 
-    pools = _pooled(monkeypatch, lambda trial, r: 0.5)
+    pools = tune_pools(monkeypatch, lambda trial, r: 0.5)
     argv = [*_copied_study_argv(tmp_path / "out", tmp_path / "out", 1), "--seeds", "0", "1"]
     assert tune.main(argv) == 0
     runs = tmp_path / "out" / "runs"
-    for seed in (0, 1):
-        made = json.loads((runs / f"fedavg-digits-label-skew-s{seed}" / "config.json").read_text())
-        assert (made["run-config"]["seed"], made["run-config"]["data-seed"]) == (seed, 0)
-    for seed in (0, 1):  # as the command wrote them before data-seed existed
-        path = runs / f"fedavg-digits-label-skew-s{seed}" / "config.json"
-        made = json.loads(path.read_text())
-        del made["run-config"]["data-seed"]
-        path.write_text(json.dumps(made))
+
+    def made(seed: int, root: Path = runs) -> tuple[int, int]:
+        path = root / f"fedavg-digits-label-skew-s{seed}" / "config.json"
+        config = json.loads(path.read_text())["run-config"]
+        return config["seed"], config["data-seed"]
+
+    assert [made(0), made(1)] == [(0, 0), (1, 1)]
+    document = json.loads((tmp_path / "out" / "tuning.json").read_text())
+    assert document["final-data-seeds"] == [0, 1]
+    trial = tmp_path / "out" / "tuning" / "runs" / "fedavg-digits-label-skew-t000-s0"
+    trial_config = json.loads((trial / "config.json").read_text())["run-config"]
+    assert run_data_seed(trial_config) == 0
     capsys.readouterr()
-    assert tune.main(argv) == 1
+    # the trials' data at every seed, asked for: seed 1's run on its own draw is refused
+    assert tune.main([*argv, "--data-seeds", "0", "0"]) == 1
     error = capsys.readouterr().err
     assert "fedavg-digits-label-skew-s1 was made with other values (data-seed = 1, now 0)" in error
     assert "-s0 was made" not in error
     assert pools[1].ran == []
-    # data-seed set for the whole command: the trials' data, so the final runs' too
+    for bad in (["--data-seeds", "0"], ["--data-seeds", "0", "-1"]):
+        assert tune.main([*argv, *bad]) == 2
+        assert "--data-seeds" in capsys.readouterr().err
+    # data-seed set for the whole command: the trials' data; the final runs draw per seed
     out = tmp_path / "o2"
     argv = [*_copied_study_argv(out, out, 1), "data-seed=4", "--seeds", "0", "1"]
-    assert tune.main(argv) == 0
-    for run in ("tuning/runs/fedavg-digits-label-skew-t000-s0", "runs/fedavg-digits-label-skew-s1"):
-        made = json.loads((out / run / "config.json").read_text())
-        assert made["run-config"]["data-seed"] == 4, run
+    assert tune.main([*argv, "--data-seeds", "4", "4"]) == 0
+    trial = out / "tuning" / "runs" / "fedavg-digits-label-skew-t000-s0"
+    assert json.loads((trial / "config.json").read_text())["run-config"]["data-seed"] == 4
+    assert [made(0, out / "runs"), made(1, out / "runs")] == [(0, 4), (1, 4)]
 
 
 def test_the_setups_own_values_are_never_pruned_even_when_a_drawn_trial_reports_first(
@@ -1274,7 +1233,7 @@ def test_a_copied_study_installs_its_foundation_builds_before_any_run(
     pytest.importorskip("optuna")
     from fedfm_flower import tune
 
-    pools = _pooled(monkeypatch, lambda trial, r: 0.9)
+    pools = tune_pools(monkeypatch, lambda trial, r: 0.9)
     kept = tmp_path / "state" / "foundations" / "foundation"
     kept.mkdir(parents=True)
     (kept / "tiny-vit-abc.safetensors").write_bytes(b"the study's build")
@@ -1305,7 +1264,7 @@ def test_a_study_stops_at_a_run_on_another_foundation_model_and_resumes_once_it_
     first = {"key": "abc", WEIGHTS_SHA256: "1" * 64, "public_test_accuracy": 0.95}
     other = {"key": "abc", WEIGHTS_SHA256: "2" * 64, "public_test_accuracy": 0.94}
     now = [first]
-    pools = _pooled(monkeypatch, lambda trial, r: 0.9, card=lambda: now[0])
+    pools = tune_pools(monkeypatch, lambda trial, r: 0.9, card=lambda: now[0])
     out, state = tmp_path / "out", tmp_path / "state"
     t = "fedavg-digits-label-skew-t{:03d}-s0"
     assert tune.main(_copied_study_argv(out, state, 2)) == 0

@@ -108,6 +108,9 @@ class MethodSpec:
     # What tuning searches besides the common training keys (fedfm_flower.search): run-config
     # key -> range; an entry for a common key (lr) replaces the common range.
     search: Mapping[str, Range] = field(default_factory=dict, compare=False)
+    # Ends of those ranges that are the limit of the key, not a choice (a chosen value there
+    # asks for no wider range; the report says why): (key, "bottom" | "top") -> why.
+    search_limits: Mapping[tuple[str, str], str] = field(default_factory=dict, compare=False)
     # Which of central DP, local DP and SecAgg+ its federation takes, and why not the others.
     capabilities: Capabilities = UNDECLARED
 

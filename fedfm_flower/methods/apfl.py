@@ -46,8 +46,12 @@ class APFLSettings(MethodSettings):
 
 
 # Tuned besides the common training keys (fedfm_flower.search): the mixing weight's whole range
-# (APFL, Deng et al. 2020).
+# (APFL, Deng et al. 2020), whose both ends are the weight's bounds.
 SEARCH = {"apfl-alpha": Uniform(0.0, 1.0)}
+SEARCH_LIMITS = {
+    ("apfl-alpha", "bottom"): "a mixing weight: 0 evaluates the shared model w alone",
+    ("apfl-alpha", "top"): "a mixing weight: 1 evaluates the personal model v alone",
+}
 
 SPECS = (
     MethodSpec(
@@ -63,6 +67,7 @@ SPECS = (
         # and a step takes two forward-backward passes (at w and at the mixture).
         profile=ResourceProfile(copies=2, passes=2, extra=1),
         search=SEARCH,
+        search_limits=SEARCH_LIMITS,
         capabilities=AVERAGE_ONLY,
     ),
 )

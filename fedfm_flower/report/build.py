@@ -1,18 +1,22 @@
 """The whole report of a set of runs, and its command line.
 
-Writes to ``--out``: ``report.md`` (per setup: the table, the paired differences and the
-figures), ``table.md`` / ``table.tex`` (the personalization table over all setups),
-``differences.md``, one ``curves-``, ``gain-`` and ``bytes-<setup>.png`` per setup, for a setup
-with per-client ROUGE-1 ``feddpa-table-<setup>.md`` (``task_table``: FedDPA's Table 1 layout),
-for a setup with per-pair metrics ``pairs-<setup>.md`` (``pair_table``: TAP's per-pair table,
-Welch's t-test), for a setup with TAP's replacement flags ``replacements-<setup>.png``
-(``replacements``: TAP's Fig. 3-4), and ``report.json`` (every number in the tables and
-figures, per-seed headline values and the runs read). With ``--against DIR`` the report adds
-each method against its own runs in DIR (``against``: tuned against untuned, after against
-before); with ``--conclusions-of REPORT`` whether an earlier table's verdicts against the
-reference hold here (``conclusions``: a 4-trial tuned table against its 16-trial redo); with
-``--pair A B`` (repeatable) A's paired difference to B over seeds, and with ``--conclusions-of``
-whether the earlier report's holds.
+Writes to ``--out``: ``report.md`` (per setup: which variance its intervals carry (``variance``:
+one data draw for every seed, or a draw per seed), the table, the paired differences and the
+figures; where setups ``<base>~<name>`` ran a base setup's chosen values unchanged, whether the
+base setup's verdicts against the reference hold on them (``transfer``)), ``table.md`` /
+``table.tex`` (the personalization table over all setups), ``differences.md``, one
+``curves-``, ``gain-`` and ``bytes-<setup>.png`` per setup, for a setup with per-client ROUGE-1
+``feddpa-table-<setup>.md`` (``task_table``: FedDPA's Table 1 layout), for a setup with
+per-pair metrics ``pairs-<setup>.md`` (``pair_table``: TAP's per-pair table, Welch's t-test),
+for a setup with TAP's replacement flags ``replacements-<setup>.png`` (``replacements``: TAP's
+Fig. 3-4), and ``report.json`` (every number in the tables and figures, per-seed headline
+values, each setup's data draws under ``setup-variance``, the transfer section's numbers under
+``transfer`` and the runs read). With ``--against DIR`` the report adds each method against its
+own runs in DIR (``against``: tuned against untuned, after against before); with
+``--conclusions-of REPORT`` whether an earlier table's verdicts against the reference hold here
+(``conclusions``: a 4-trial tuned table against its 16-trial redo); with ``--pair A B``
+(repeatable) A's paired difference to B over seeds, and with ``--conclusions-of`` whether the
+earlier report's holds.
 Unfinished runs are listed, not used; runs evaluated on validation data (tuning trials) are
 never read; a setup without a finished run of the reference method gets its table cells and
 figures but no paired tests. Exit status 2 when no finished run is
@@ -38,7 +42,9 @@ from fedfm_flower.report import (
     replacements,
     tables,
     task_table,
+    transfer,
     tuning,
+    variance,
 )
 from fedfm_flower.report.runs import RunResult, load_runs
 
@@ -82,19 +88,23 @@ def write_report(
         f"ran (each seed's mean over the clients both evaluated) against **{reference}** finds "
         f"the method higher/lower at p < {tables.ALPHA}; no mark: no significant difference. "
         "The differences also show the (seed, client) units pooled, which describe the "
-        "difference across clients and decide nothing.",
+        "difference across clients and decide nothing. The intervals carry training "
+        "variance only where every seed shares one data draw, data and training variance "
+        "where each seed draws its own: see each setup.",
         "",
         tables.markdown_table(cells, reference),
         "",
     ]
     numbers: dict[str, Any] = {"reference": reference, "metric": metric, "setups": {}}
+    draws = {setup: variance.data_draws(runs, setup) for setup in setups}
+    numbers["setup-variance"] = {setup: d.numbers() for setup, d in draws.items()}
     for setup in setups:
         slug = _slug(setup)
         figures.learning_curves(runs, setup, out / f"curves-{slug}.png")
         figures.bytes_chart(runs, setup, out / f"bytes-{slug}.png")
         setup_cells = {k: v for k, v in cells.items() if k[0] == setup}
         traffic = figures.bytes_per_round(runs, setup)
-        sections += [f"## {setup}", ""]
+        sections += [f"## {setup}", "", draws[setup].text(), ""]
         if setup in unreferenced:
             sections += [f"No finished run of **{reference}** here: no paired tests.", ""]
             gain = ""
@@ -139,6 +149,10 @@ def write_report(
             }
             for (_, label), cell in setup_cells.items()
         }
+    transferred = transfer.build_transfer(cells, reference)
+    if transferred:
+        sections += [transfer.markdown_transfer(transferred, reference, draws), ""]
+        numbers["transfer"] = transfer.transfer_numbers(transferred, reference)
     if others is not None:
         name, other_runs = others
         rows = against.build_against(runs, other_runs)

@@ -230,8 +230,8 @@ def markdown_between(rows: Sequence[Between], name: str | None) -> str:
     for row in rows:
         cells = [row.setup, f"{row.first} − {row.second}"]
         if name:
-            cells += _text_and_verdict(row.earlier)
-        cells += _text_and_verdict(row.this)
+            cells += text_and_verdict(row.earlier)
+        cells += text_and_verdict(row.this)
         if name:
             cells.append(HOLDS_TEXT[row.holds])
         lines.append("| " + " | ".join(cells) + " |")
@@ -242,7 +242,8 @@ def markdown_between(rows: Sequence[Between], name: str | None) -> str:
     return "\n".join(lines)
 
 
-def _text_and_verdict(difference: Difference | None) -> list[str]:
+def text_and_verdict(difference: Difference | None) -> list[str]:
+    """A difference's table cells: its text and its verdict (``—``, ``—``: none)."""
     if difference is None:
         return ["—", "—"]
     return [difference.text(), difference.verdict]
@@ -257,8 +258,8 @@ def between_numbers(rows: Sequence[Between], name: str | None) -> dict[str, Any]
                 "setup": row.setup,
                 "first": row.first,
                 "second": row.second,
-                "here": _difference_numbers(row.this),
-                "earlier": _difference_numbers(row.earlier),
+                "here": difference_numbers(row.this),
+                "earlier": difference_numbers(row.earlier),
                 "holds": row.holds,
             }
             for row in rows
@@ -341,8 +342,8 @@ def markdown_conclusions(rows: Sequence[Conclusion], name: str, reference: str) 
     ]
     for row in rows:
         cells = [row.setup, row.label, _level_text(row.earlier_level)]
-        cells += [*_text_and_verdict(row.earlier), _level_text(row.this_level)]
-        cells += [*_text_and_verdict(row.this), HOLDS_TEXT[row.holds]]
+        cells += [*text_and_verdict(row.earlier), _level_text(row.this_level)]
+        cells += [*text_and_verdict(row.this), HOLDS_TEXT[row.holds]]
         lines.append("| " + " | ".join(cells) + " |")
     compared = [row for row in rows if row.holds is not None]
     changed = [row.label for row in compared if not row.holds]
@@ -358,7 +359,8 @@ def _level_text(level: Level | None) -> str:
     return "—" if level is None else level.text()
 
 
-def _difference_numbers(difference: Difference | None) -> dict[str, Any] | None:
+def difference_numbers(difference: Difference | None) -> dict[str, Any] | None:
+    """A difference as report.json records it (None: no difference)."""
     if difference is None:
         return None
     return {
@@ -378,8 +380,8 @@ def conclusions_numbers(rows: Sequence[Conclusion], name: str) -> dict[str, Any]
             {
                 "setup": row.setup,
                 "method": row.label,
-                "here": _difference_numbers(row.this),
-                "earlier": _difference_numbers(row.earlier),
+                "here": difference_numbers(row.this),
+                "earlier": difference_numbers(row.earlier),
                 "here-level": _level_numbers(row.this_level),
                 "earlier-level": _level_numbers(row.earlier_level),
                 "holds": row.holds,

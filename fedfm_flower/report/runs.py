@@ -5,7 +5,8 @@ A run directory (``fedfm_flower.results``) is recognised by its ``config.json`` 
 listed as skipped. A run's method label is its ``label`` config key (``method:variant`` in
 sweeps), else its method; its setup is the ``setup`` key, else its dataset. Per-client values
 are keyed by the stable client id carried in every reply (never the node id, which changes
-between runs), so two runs of one seed pair client by client.
+between runs), so two runs of one seed pair client by client. Its data seed is the one its data
+came from (``data-seed``, or its seed where that is -1: ``grid_foundations.run_data_seed``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from fedfm_flower import protocol as P
+from fedfm_flower.grid_foundations import run_data_seed
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,7 @@ class RunResult:
     clients_reported: tuple[int, ...]  # per round
     final_metrics: dict[int, dict[str, float]]  # client id -> every reply metric, last evaluation
     foundation: dict[str, Any] = field(default_factory=dict)  # config.json's card ({}: none)
+    data_seed: int | None = None  # the seed its data came from (run_data_seed); None: not read
 
     @property
     def final_mean(self) -> float:
@@ -95,6 +98,7 @@ def read_run(path: Path, metric: str = "") -> RunResult | None:
         clients_reported=tuple(int(r["clients-reported"]) for r in records),
         final_metrics=final_metrics,
         foundation=dict(payload.get("foundation") or {}),
+        data_seed=run_data_seed(config),
     )
 
 

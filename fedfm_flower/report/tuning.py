@@ -1,7 +1,9 @@
 """The tuning section of a report: what each study searched and tried, what it spent, its
 trials and the values chosen, the comparisons whose choice lies outside a rival's trials, and
 the choices at an end of their own space (within ``EDGE_SHARE`` of its span, on its scale:
-the best value may lie beyond what the space lets the study try).
+the best value may lie beyond what the space lets the study try, unless that end is the key's
+stated limit: ``search.edge_limit``), and how each choice was made (``fedfm_flower.selection``:
+the candidates re-run at more seeds, those that diverged).
 
 Reads ``tuning.json`` (``fedfm_flower.tune``) of a tuning directory given to the report.
 """
@@ -13,7 +15,13 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from fedfm_flower.search import describe_tried, outside_tried, space_position, tried_ranges
+from fedfm_flower.search import (
+    describe_tried,
+    edge_limit,
+    outside_tried,
+    space_position,
+    tried_ranges,
+)
 from fedfm_flower.study_state import client_round_budgets
 
 EDGE_SHARE = 0.05  # a chosen value this close to an end of its space (share of its span) is flagged
@@ -88,9 +96,68 @@ def edge_flags(studies: list[dict[str, Any]]) -> dict[str, list[str]]:
             if at <= EDGE_SHARE and isinstance(value, int) and value <= 1:
                 continue  # a count at 1 (local epochs, steps) has nothing below to try
             end = "bottom" if at <= EDGE_SHARE else "top"
-            said.append(f"`{key}` = {_value(value)} at the {end} of {space}")
+            limit = _limit(study["label"], key, end)
+            why = f" (the key's limit: {limit})" if limit else ""
+            said.append(f"`{key}` = {_value(value)} at the {end} of {space}{why}")
         flags[study["study"]] = said
     return flags
+
+
+def _draws(document: dict[str, Any]) -> str:
+    """How the final runs drew their data: a clause of the lead sentence."""
+    data_seeds = document.get("final-data-seeds")
+    if data_seeds is None:  # a command before --data-seeds: see its runs' configs
+        return ""
+    if len(set(data_seeds)) == 1:
+        return f", on one data draw (data seed {data_seeds[0]}): intervals carry training only"
+    return (
+        f", each on its own data draw (data seeds {', '.join(map(str, data_seeds))}): "
+        "intervals carry the partition's variance and training's"
+    )
+
+
+def _score(study: dict[str, Any]) -> str:
+    """The chosen trial's validation score: over seeds where selection re-ran it."""
+    if study["best-score"] is None:
+        return "—"
+    single = f"{100 * study['best-score']:.2f}"
+    over_seeds = study.get("selection-score")
+    if over_seeds is None:
+        return single
+    runs = next(
+        len(c["runs"])
+        for c in study["selection"]["candidates"]
+        if c["trial"] == study["chosen"]["trial"]
+    )
+    return f"{100 * over_seeds:.2f} ({runs} seeds; single {single})"
+
+
+def _selection_lines(study: dict[str, Any]) -> list[str]:
+    """The study's selection: each candidate's score over seeds, or where it diverged."""
+    selection = study.get("selection")
+    if not selection or not selection["candidates"] or selection["top"] == 0:
+        return []
+    said = []
+    for candidate in selection["candidates"]:
+        bad = [str(r["seed"]) for r in candidate["runs"] if r["diverged"]]
+        if bad:
+            said.append(f"trial {candidate['trial']} diverged at seed {', '.join(bad)}")
+        else:
+            said.append(f"trial {candidate['trial']} {100 * candidate['score']:.2f}")
+    passed = selection.get("passed-over") or []
+    over = f"; passed over (diverged at the tuning seed): {passed}" if passed else ""
+    return [
+        f"Selection ({selection['waves']} wave(s), mean over seeds of the last "
+        f"{selection['last-rounds']} rounds): " + "; ".join(said) + over + "."
+    ]
+
+
+def _limit(label: str, key: str, end: str) -> str | None:
+    """``search.edge_limit``, None for a method no longer registered (an old document)."""
+    try:
+        return edge_limit(label, key, end)
+    except (KeyError, ValueError):
+        return None
 
 
 def markdown_tuning(document: dict[str, Any], reference: str = "") -> str:
@@ -128,7 +195,8 @@ def markdown_tuning(document: dict[str, Any], reference: str = "") -> str:
         f"{document['trials-per-study']} trials{topped} per method x setup ({document['sampler']} "
         f"search, tuning seed {document['tuning-seed']}{first}), each scored by the "
         f"{document['selection']}; the chosen values ran at seeds "
-        f"{', '.join(map(str, document['final-seeds']))} on the test split (the tables above)."
+        f"{', '.join(map(str, document['final-seeds']))} on the test split (the tables above)"
+        f"{_draws(document)}."
         f"{spending} A client-round is one client's round of one trial; a pruned trial counts "
         "the rounds it ran.",
         "",
@@ -149,7 +217,7 @@ def markdown_tuning(document: dict[str, Any], reference: str = "") -> str:
             if chosen is None
             else ", ".join(f"`{k}` = {_value(v)}" for k, v in chosen["values"].items())
         )
-        score = "—" if study["best-score"] is None else f"{100 * study['best-score']:.2f}"
+        score = _score(study)
         states = [t["state"] for t in study["trials"]]
         cost = study.get("spent")
         client_rounds = "—" if cost is None else str(cost["client-rounds"])
@@ -184,6 +252,7 @@ def markdown_tuning(document: dict[str, Any], reference: str = "") -> str:
             "Tried: "
             + ("; ".join(f"`{k}` {describe_tried(t)}" for k, t in tried.items()) or "nothing")
             + f". Pruner: {pruner['name']}{rungs}.",
+            *_selection_lines(study),
             "",
             "| trial | " + " | ".join(f"`{k}`" for k in keys) + " | val score | rounds | state |",
             "|---|" + "---|" * len(keys) + "---|---|---|",
