@@ -2,8 +2,10 @@
 trials that ended (of them pruned and failed), those left running and those queued (enqueued,
 never asked: a study's trial 0 at the setup's values before its first run), against its
 budget, the client-rounds its trials ran so far (from their runs' ``metrics.jsonl``, running
-ones included) against its ``--client-rounds``, the best trial so far, and the seeds of its
-final runs that finished or started.
+ones included; a selection's re-runs, ``fedfm_flower.selection``, too) against its
+``--client-rounds``, the best trial so far by its single-seed score, the trial the study's
+selection chose once it has (``tuning.json``), and the seeds of its final runs that finished
+or started, on its setup and on each transfer setup.
 
     python -m fedfm_flower.study_status runs/tuned16-tap          # a tune --out directory
     python -m fedfm_flower.study_status bench/results/tuned16-tap --json   # or its --state
@@ -27,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fedfm_flower.cells import runs_of
+from fedfm_flower.cells import TRANSFER_MARK, runs_of
 from fedfm_flower.grid_foundations import FoundationMismatch, SetupFoundations
 from fedfm_flower.study_state import (
     JOURNAL,
@@ -59,6 +61,9 @@ class StudyStatus:
     best_values: dict[str, Any] = field(default_factory=dict)
     finals_done: list[int] = field(default_factory=list)  # seeds whose final run finished
     finals_started: list[int] = field(default_factory=list)  # seeds with a run not finished
+    chosen_trial: int | None = None  # the selection's choice (tuning.json), once made
+    chosen_score: float | None = None  # its score over seeds (None: chosen on one seed)
+    transfers_done: dict[str, list[int]] = field(default_factory=dict)  # setup -> seeds
 
     @property
     def ended(self) -> int:
@@ -103,6 +108,8 @@ def directory_status(root: Path) -> tuple[list[StudyStatus], list[str]]:
     states = optuna.trial.TrialState
     tuning = read_tuning(root / TUNING)
     budgets = {s.get("study"): s.get("budget") for s in tuning.get("studies", [])}
+    records = {s.get("study"): s for s in tuning.get("studies", [])}
+    transfers = tuning.get("transfer", {})
     round_budgets = client_round_budgets(tuning)
     finals = _final_runs(root)
     trial_folder = runs_of(root / "tuning")
@@ -133,11 +140,21 @@ def directory_status(root: Path) -> tuple[list[StudyStatus], list[str]]:
         if best is not None:
             status.best_trial, status.best_score = best.number, float(best.value)
             status.best_values = dict(best.params)
+        chosen = (records.get(name) or {}).get("chosen")
+        if chosen is not None:
+            status.chosen_trial = int(chosen["trial"])
+            status.chosen_score = records[name].get("selection-score")
         for run in list(finals):
             seed = seed_of_run(run, label, setup, "")
             if seed is not None:
                 seeds = status.finals_done if finals.pop(run) else status.finals_started
                 seeds.append(seed)
+            for place in transfers.get(setup, []):
+                seed = seed_of_run(run, label, place, "")
+                if seed is not None and finals.pop(run):  # an unfinished one: not yet done
+                    status.transfers_done.setdefault(place, []).append(seed)
+        for seeds in status.transfers_done.values():
+            seeds.sort()
         status.finals_done.sort()
         status.finals_started.sort()
         statuses.append(status)
@@ -179,7 +196,9 @@ def status_text(statuses: list[StudyStatus], other_finals: list[str]) -> str:
             "queued",
             "client-rounds",
             "best (trial)",
+            "chosen",
             "finals done",
+            "transfer finals done",
         )
     ]
     for s in statuses:
@@ -191,6 +210,13 @@ def status_text(statuses: list[StudyStatus], other_finals: list[str]) -> str:
         rounds = str(s.client_rounds)
         if s.client_rounds_budget:
             rounds += f"/{s.client_rounds_budget}"
+        chosen = "—" if s.chosen_trial is None else str(s.chosen_trial)
+        if s.chosen_score is not None:
+            chosen += f" ({s.chosen_score:.4f} over seeds)"
+        moved = "; ".join(
+            f"{place.partition(TRANSFER_MARK)[2]}: {' '.join(map(str, seeds))}"
+            for place, seeds in sorted(s.transfers_done.items())
+        )
         rows.append(
             (
                 s.study,
@@ -201,7 +227,9 @@ def status_text(statuses: list[StudyStatus], other_finals: list[str]) -> str:
                 str(s.queued),
                 rounds,
                 best,
+                chosen,
                 finals,
+                moved or "—",
             )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]

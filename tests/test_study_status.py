@@ -45,7 +45,16 @@ def _tuning_directory(root: Path) -> bytes:
     tuning = {
         "trials-per-study": 8,
         "client-rounds-per-study": 0,
-        "studies": [{"study": "fedavg@toy", "budget": 6, "client-rounds-budget": 40}],
+        "studies": [
+            {
+                "study": "fedavg@toy",
+                "budget": 6,
+                "client-rounds-budget": 40,
+                "chosen": {"trial": 2, "values": {"lr": 0.03}},  # a selection over seeds
+                "selection-score": 0.65,
+            }
+        ],
+        "transfer": {"toy": ["toy~far"]},
     }
     (root / "tuning.json").write_text(json.dumps(tuning))
     for name, done in (
@@ -54,6 +63,9 @@ def _tuning_directory(root: Path) -> bytes:
         ("fedavg-toy-s1", False),
         ("fedavg-vanilla-toy-s0", True),  # a variant's (no study)
         ("local-toy-x-s0", False),
+        ("fedavg-toy~far-s0", True),  # on the transfer setup
+        ("fedavg-toy~far-s1", True),
+        ("fedavg-toy~far-s2", False),
     ):
         run = root / "runs" / name
         run.mkdir(parents=True)
@@ -62,6 +74,7 @@ def _tuning_directory(root: Path) -> bytes:
     # the trials' runs: their sampled clients summed over the rounds run so far
     for name, sampled in (
         ("fedavg-toy-t000-s0", [3, 3]),
+        ("fedavg-toy-t000-s1", [3, 3]),  # a selection's re-run of trial 0
         ("fedavg-toy-t003-s0", [4]),  # the pruned one: the rounds it ran
         ("fedavg-toy-t005-s0", [2, 2, 2]),  # the running one, so far
         ("fedavg-toy-t01-s0", [9]),  # no trial's name: not counted
@@ -91,7 +104,7 @@ def test_the_status_counts_each_studys_trials_best_and_finals_without_touching_t
         1,
     )
     assert fedavg["ended"] == 5
-    assert (fedavg["client_rounds"], fedavg["client_rounds_budget"]) == (6 + 4 + 6, 40)
+    assert (fedavg["client_rounds"], fedavg["client_rounds_budget"]) == (6 + 6 + 4 + 6, 40)
     assert (local["client_rounds"], local["client_rounds_budget"]) == (5, 0)
     assert (fedavg["best_trial"], fedavg["best_score"], fedavg["best_values"]) == (
         1,
@@ -99,6 +112,9 @@ def test_the_status_counts_each_studys_trials_best_and_finals_without_touching_t
         {"lr": 0.02},
     )
     assert fedavg["finals_done"] == [0, 2] and fedavg["finals_started"] == [1]
+    assert (fedavg["chosen_trial"], fedavg["chosen_score"]) == (2, 0.65)
+    assert fedavg["transfers_done"] == {"toy~far": [0, 1]}
+    assert local["chosen_trial"] is None and local["transfers_done"] == {}
     assert local["budget"] == 8  # the command's budget where the study has none of its own
     assert (fedavg["running"], fedavg["queued"]) == (1, 0)
     assert (local["ended"], local["running"], local["queued"], local["best_trial"]) == (
@@ -122,6 +138,10 @@ def test_the_status_counts_each_studys_trials_best_and_finals_without_touching_t
         "client-rounds",
         "best",
         "(trial)",
+        "chosen",
+        "finals",
+        "done",
+        "transfer",
         "finals",
         "done",
     ]
@@ -132,13 +152,20 @@ def test_the_status_counts_each_studys_trials_best_and_finals_without_touching_t
         "1",
         "1",
         "0",
-        "16/40",
+        "22/40",
         "0.7000",
         "(1)",
+        "2",
+        "(0.6500",
+        "over",
+        "seeds)",
         "0",
         "2",
         "(started:",
         "1)",
+        "far:",
+        "0",
+        "1",
     ]
     assert lines[2].split() == [
         "local@toy-x",
@@ -150,8 +177,10 @@ def test_the_status_counts_each_studys_trials_best_and_finals_without_touching_t
         "5",
         "—",
         "—",
+        "—",
         "(started:",
         "0)",
+        "—",
     ]
     assert lines[-3] == "final runs of no study: fedavg-vanilla-toy-s0"
     assert lines[-1] == "foundation models: one per setup and seed"
