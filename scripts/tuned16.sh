@@ -6,9 +6,10 @@
 # one-draw table's conclusions checked (report-one-draw/, the table before final runs over
 # data draws) and its between-method pairs.
 #
-#     bash scripts/tuned16.sh [TABLE ...]     # default: all five, in order
+#     bash scripts/tuned16.sh [TABLE ...]     # default: all six, in order
 #
-# Tables: feature-skew label-skew many-clients tap fedperfix (FedDPA's: docs/tuning.md). Each
+# Tables: feature-skew label-skew many-clients tap fedperfix feddpa (FedDPA's other reports,
+# TTP and against each of its methods: docs/tuning.md). Each
 # has at least 16 trials per method in the widened spaces and a budget in client-rounds
 # (--client-rounds): the one-draw table's (the largest spend of its methods' first 16 trials)
 # plus 8 full trials for the widened spaces plus the selection's re-runs (top 3 x 2 seeds), so
@@ -24,7 +25,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-.venv/bin/python}"
 TABLES=("$@")
-[ ${#TABLES[@]} -gt 0 ] || TABLES=(feature-skew label-skew many-clients tap fedperfix)
+[ ${#TABLES[@]} -gt 0 ] || TABLES=(feature-skew label-skew many-clients tap fedperfix feddpa)
 
 run() {  # run TABLE REFERENCE EARLIER-REPORT "FIRST SECOND ..." -- tune arguments
     local table="$1" reference="$2" earlier="$3" pairs=()
@@ -77,8 +78,15 @@ for table in "${TABLES[@]}"; do
                 --methods fedperfix fedavg local fedrep apfl fedbabu per-fedavg \
                 --setups glyphs-whole-vit --val-fraction 0.15 --client-rounds 2964 \
                 --transfer domain-dirichlet scarce ;;
+        feddpa)  # Centralized (one pooled client, 8 rounds a trial) first, with no client-round budget
+            "$PY" -m fedfm_flower.tune --methods centralized --setups instructions-8-tasks \
+                --trials 16 --out runs/tuned16-feddpa --state bench/results/tuned16-feddpa --ray
+            run feddpa fedavg-ft bench/results/tuned-feddpa \
+                "feddpa-t feddpa-f feddpa-t:fixed feddpa-t fedavg local" -- \
+                --methods feddpa-t fedavg fedavg-ft local feddpa-f feddpa-t:fixed feddpa-f:fixed \
+                --setups instructions-8-tasks --client-rounds 2144 ;;
         *)
-            echo "error: unknown table '$table' (feature-skew label-skew many-clients tap fedperfix)" >&2
+            echo "error: unknown table '$table' (feature-skew label-skew many-clients tap fedperfix feddpa)" >&2
             exit 2 ;;
     esac
 done
