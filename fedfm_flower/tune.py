@@ -140,7 +140,6 @@ class Study:
     selection: Selection | None = None  # opened once every trial has ended
     selecting: dict[Path, tuple[int, int]] = field(default_factory=dict)  # re-run -> trial, seed
     reruns: deque[Cell] = field(default_factory=deque)  # re-runs waiting for a slot
-    rerun_spent: int = 0  # client-rounds of the ended re-runs
 
     @property
     def name(self) -> str:
@@ -646,7 +645,6 @@ def run_trials(
 
     def rerun_ended(study: Study, cell: Cell, record: dict[str, Any] | None) -> None:
         number, seed = study.selecting.pop(cell.run_dir)
-        study.rerun_spent += run_spent(cell.run_dir)["client-rounds"]
         selection = study.selection
         assert selection is not None  # a re-run is asked by an open selection only
         selection.take(number, seed, cell.run_dir)
