@@ -196,7 +196,7 @@ def test_methods_match_the_registry() -> None:
 @pytest.mark.parametrize(
     ("key", "value", "fragment"),
     [
-        ("method", "fedsgd", "allowed: apfl, centralized, fedavg"),
+        ("method", "fedsgd", "allowed: apfl, centralized, ditto, fedavg"),
         ("dataset", "mnist", "allowed: digits"),
         ("backbone", "resnet50", "allowed: tiny-vit"),
         ("partitioner", "shards", "allowed: iid"),
@@ -348,8 +348,13 @@ def test_every_config_file_in_the_repository_parses() -> None:
     assert len(files) > 50
     for path in files:
         values = tomllib.loads(path.read_text())
-        # A method's overlay is checked with a setup of its modality underneath.
-        base = {} if path.parent.name == "setups" else _model_for(path.parent.name)
+        # A method's overlay is checked with a setup of its modality underneath; a transfer
+        # setup's (configs/transfer/<setup>/) with its setup underneath.
+        if path.parent.parent.name == "transfer":
+            setup = ROOT / "configs" / "setups" / f"{path.parent.name}.toml"
+            base = tomllib.loads(setup.read_text())
+        else:
+            base = {} if path.parent.name == "setups" else _model_for(path.parent.name)
         try:
             ExperimentConfig.from_run_config({**base, **values})
         except ConfigError as err:

@@ -80,11 +80,18 @@ def test_each_baseline_runs_two_rounds(method: str, small_run_config: dict) -> N
     assert (run_dir / "checkpoints" / "round_00002.safetensors").is_file()
 
 
-def test_client_training_leaves_the_frozen_backbone_bit_identical(small_run_config: dict) -> None:
-    run_in_process({**small_run_config, "method": "fedavg"}, num_nodes=4)
+@pytest.mark.parametrize("method", ["fedavg", "per-fedavg-lora"])
+def test_client_training_leaves_the_frozen_backbone_bit_identical(
+    method: str, small_run_config: dict
+) -> None:
+    """FedAvg, and Per-FedAvg on the trainable parameters (pFedSeq's tables' form: LoRA +
+    head, where ``per-fedavg`` trains the whole ViT), never change the frozen backbone."""
+    run_in_process({**small_run_config, "method": method}, num_nodes=4)
     config = ExperimentConfig.from_run_config(
-        {**ExperimentConfig().to_run_config(), **small_run_config, "method": "fedavg"}
+        {**ExperimentConfig().to_run_config(), **small_run_config, "method": method}
     )
+    resolved = registry.resolve(config)
+    assert (resolved.tuner, resolved.trains_backbone) == ("lora", False)
     trained = MODEL_CACHE._model  # the model the clients trained in this process
     assert trained is not None
     fresh = build_model(config, "lora", 10)

@@ -71,6 +71,17 @@ SPECS = (
         capabilities=AVERAGE_ONLY,
     ),
     MethodSpec(
+        "per-fedavg-lora",
+        strategy="strategies.fedavg:FedAvgStrategy",
+        client="client_apps.perfedavg:PerFedAvgClient",
+        summary="Per-FedAvg on the run's trainable parameters (LoRA + head on a frozen ViT, as "
+        "pFedSeq's Tables 1 and 4 run every baseline); the backbone stays frozen",
+        settings=PerFedAvgSettings,
+        profile=_TWO_PASSES,
+        search=SEARCH,
+        capabilities=AVERAGE_ONLY,
+    ),
+    MethodSpec(
         "per-fedavg-ft",
         strategy="strategies.fedavg:FedAvgStrategy",
         client="client_apps.perfedavg:PerFedAvgFineTuneClient",
