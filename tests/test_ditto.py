@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 import torch
 from flwr.app import RecordDict
-from test_table2_baselines import TwoLayerModel, _capture_evaluated, _data, _runtime
 
 from client_apps.ditto import DittoClient
 from client_apps.split import SplitClient
@@ -23,6 +22,7 @@ from fedfm_flower.results import RunDirectory
 from fedfm_flower.settings import ConfigError
 from fedfm_flower.tasks.classification import ImageClassification
 from server_apps.inprocess import run_in_process
+from tests.tiny_clients import TwoLayerModel, capture_evaluated, client_runtime, data
 
 NAMES = ("body.weight", "body.bias", "head.weight", "head.bias")
 
@@ -63,11 +63,11 @@ def _hand_personal_update(
 ) -> dict[str, torch.Tensor]:
     """By hand in plain torch: v <- v - lr (grad f(v) + lam (v - anchor)) over the batches of
     the round's seeded order (epochs passes of the 22 examples)."""
-    data = _data(22, 1)  # the train split of ``_runtime``
+    examples = data(22, 1)  # the train split of ``client_runtime``
     v = {n: t.clone() for n, t in v.items()}
     generator = torch.Generator().manual_seed(seed)
     for _ in range(config.local_epochs):
-        for x, y in ImageClassification().batches(data, config.batch_size, generator):
+        for x, y in ImageClassification().batches(examples, config.batch_size, generator):
             grads = _grads(v, x, y)
             v = {
                 n: v[n] - config.lr * (g + lam * (v[n] - anchor[n]))
@@ -83,7 +83,7 @@ def test_the_personal_update_matches_a_plain_torch_loop(tmp_path: Path) -> None:
     lam = 0.7
     config = _config(ditto_lambda=lam)
     model = TwoLayerModel()
-    runtime = _runtime(model, config, tmp_path / "state")
+    runtime = client_runtime(model, config, tmp_path / "state")
     initial = model.trainable().tensors
     received = _offset(initial, 1, 0.2)  # w^t of round 2
     start = _offset(initial, 2, 0.5)  # v after round 1, away from w^t
@@ -109,7 +109,7 @@ def test_the_global_update_is_fedavgs_bit_for_bit(tmp_path: Path) -> None:
     for method in ("fedavg", "ditto"):
         config = ExperimentConfig(method=method).replace(lr=0.1, batch_size=4, ditto_lambda=1.0)
         model = TwoLayerModel()
-        runtime = _runtime(model, config, tmp_path / method)
+        runtime = client_runtime(model, config, tmp_path / method)
         received = _offset(model.trainable().tensors, 3, 0.1)
         client = SplitClient() if method == "fedavg" else DittoClient()
         sent[method], _ = client.train(runtime, received, 1)
@@ -127,13 +127,13 @@ def test_lambda_zero_is_plain_local_training_and_a_large_lambda_pulls_v_to_w(
 
     def personal(lam: float, **changes: object) -> dict[str, torch.Tensor]:
         config = _config(ditto_lambda=lam, **changes)
-        runtime = _runtime(model, config, tmp_path / f"{lam}-{len(changes)}")
+        runtime = client_runtime(model, config, tmp_path / f"{lam}-{len(changes)}")
         _saved_v(runtime, start)
         DittoClient().train(runtime, received, 2)
         return runtime.store.load(before=3)
 
     # lambda = 0: v is plain local training of v (the run's loop, no penalty), bit for bit.
-    runtime = _runtime(model, _config(method="fedavg"), tmp_path / "plain")
+    runtime = client_runtime(model, _config(method="fedavg"), tmp_path / "plain")
     local = runtime.model()
     local.load_tensors(start)
     runtime.train(local, NAMES, runtime.seed(2))
@@ -149,7 +149,7 @@ def test_lambda_zero_is_plain_local_training_and_a_large_lambda_pulls_v_to_w(
     # lambda = 1 / lr: one step lands on w^t minus a plain gradient step taken at v's start.
     config = _config(ditto_lambda=1 / 0.3, ditto_personal_steps=1)
     one_step = personal(1 / 0.3, ditto_personal_steps=1)
-    runtime = _runtime(model, config, tmp_path / "step")
+    runtime = client_runtime(model, config, tmp_path / "step")
     generator = torch.Generator().manual_seed(runtime.seed(2))
     x, y = next(ImageClassification().batches(runtime.data.train, 8, generator))
     for name, g in zip(NAMES, _grads(start, x, y), strict=True):
@@ -159,11 +159,11 @@ def test_lambda_zero_is_plain_local_training_and_a_large_lambda_pulls_v_to_w(
 def test_v_is_kept_restored_after_a_restart_and_evaluated_alone(tmp_path: Path) -> None:
     config = _config(ditto_lambda=0.1)
     model = TwoLayerModel()
-    runtime = _runtime(model, config, tmp_path / "state")
+    runtime = client_runtime(model, config, tmp_path / "state")
     initial = model.trainable().tensors
     received = _offset(initial, 6, 0.1)
     # A client with no v yet evaluates v^0 = w^0, the model's initial values.
-    evaluated = _capture_evaluated(runtime)
+    evaluated = capture_evaluated(runtime)
     DittoClient().evaluate(runtime, received, 0)
     assert all(torch.equal(evaluated[n], initial[n]) for n in NAMES)
 
@@ -175,8 +175,8 @@ def test_v_is_kept_restored_after_a_restart_and_evaluated_alone(tmp_path: Path) 
 
     # A restart: a fresh context (empty memory state) reads v from disk and evaluates it,
     # whatever global model arrives.
-    restarted = _runtime(TwoLayerModel(), config, tmp_path / "state", state=RecordDict())
-    evaluated = _capture_evaluated(restarted)
+    restarted = client_runtime(TwoLayerModel(), config, tmp_path / "state", state=RecordDict())
+    evaluated = capture_evaluated(restarted)
     DittoClient().evaluate(restarted, _offset(received, 7, 5.0), 1)
     assert all(torch.equal(evaluated[n], v[n]) for n in NAMES)
     # Round 2 starts from that v: its update equals the hand loop started there.
@@ -216,7 +216,7 @@ def test_a_personal_lr_and_schedule_of_their_own(tmp_path: Path) -> None:
     initial = model.trainable().tensors
     received = _offset(initial, 8, 0.2)
     config = _config(ditto_lambda=0.5, ditto_personal_lr=0.05, ditto_personal_epochs=1)
-    runtime = _runtime(model, config, tmp_path)
+    runtime = client_runtime(model, config, tmp_path)
     _, stats = DittoClient().train(runtime, received, 1)
     assert stats.num_steps == 6 + 3  # w: local-epochs 2; v: one epoch
     v = runtime.store.load(before=2)

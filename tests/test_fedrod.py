@@ -6,16 +6,13 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 from flwr.app import RecordDict
 from torch import nn
-from torch.utils.data import TensorDataset
 
-from client_apps.base import ClientRuntime
 from client_apps.fedrod import (
     PERSONAL_BIAS,
     PERSONAL_WEIGHT,
@@ -28,64 +25,18 @@ from client_apps.fedrod import (
 )
 from fedfm_flower import protocol as P
 from fedfm_flower import registry
-from fedfm_flower.client_state import ClientStateStore
-from fedfm_flower.config import ExperimentConfig, NodeIdentity
+from fedfm_flower.config import ExperimentConfig
 from fedfm_flower.methods.fedrod import FedRoDSettings
-from fedfm_flower.models.groups import GroupPattern, TunedModel
 from fedfm_flower.records import record_names
 from fedfm_flower.settings import ConfigError
 from fedfm_flower.tasks.classification import ImageClassification
 from fedfm_flower.training import evaluate
 from server_apps.inprocess import run_in_process
 from strategies.fedavg import FedAvgStrategy
+from tests.tiny_clients import CLASSES, IN, TwoLayerModel, client_runtime, data
 
-IN, HIDDEN, CLASSES = 4, 5, 3
 BODY = ("body.weight", "body.bias")
 HEAD = ("head.weight", "head.bias")
-
-
-class TinyClassifier(TunedModel):
-    """A body (group ``adapter``) and a linear head: FedRoD's f and h_G on a tiny scale."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.body = nn.Linear(IN, HIDDEN)
-        self.head = nn.Linear(HIDDEN, CLASSES)
-        self.group_patterns = (
-            GroupPattern("adapter", r"^body\."),
-            GroupPattern("head", r"^head\."),
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.tanh(self.body(x)))
-
-
-def _data(n: int, seed: int, classes: int = CLASSES) -> TensorDataset:
-    generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, IN, generator=generator)
-    return TensorDataset(x, torch.randint(0, classes, (n,), generator=generator))
-
-
-def _runtime(
-    model: TunedModel, config: ExperimentConfig, state_dir: Path, state: RecordDict | None = None
-) -> ClientRuntime:
-    """A client runtime on ``model`` (reset to its initial tensors per message), whose training
-    labels miss class 2 (its prior count is 0), and a state store on disk."""
-    store = ClientStateStore(state or RecordDict(), 0, "run", str(state_dir))
-    runtime = ClientRuntime(
-        config, NodeIdentity(0, 0, 2), store, torch.device("cpu"), registry.resolve(config)
-    )
-    initial = dict(model.trainable().tensors)
-
-    def fresh() -> TunedModel:
-        model.load_tensors(initial)
-        return model
-
-    runtime.model = fresh  # type: ignore[method-assign]
-    runtime.__dict__["task"] = ImageClassification()
-    runtime.__dict__["data"] = SimpleNamespace(train=_data(10, 1, classes=2), test=_data(9, 2))
-    return runtime
 
 
 def _config(**changes: object) -> ExperimentConfig:
@@ -173,9 +124,9 @@ def _hand_round(
 
 
 def test_a_client_round_matches_a_hand_written_loop(tmp_path: Path) -> None:
-    model = TinyClassifier()
+    model = TwoLayerModel("adapter")
     config = _config()
-    runtime = _runtime(model, config, tmp_path)
+    runtime = client_runtime(model, config, tmp_path, train=data(10, 1, classes=2))
     strategy = FedAvgStrategy(config, model.trainable())
     received = {n: t + 0.05 for n, t in strategy.train_payload(0, 1).items()}
     assert set(received) == {*BODY, *HEAD}  # the body and h_G travel
@@ -199,7 +150,9 @@ def test_a_client_round_matches_a_hand_written_loop(tmp_path: Path) -> None:
     # The personal loss moved h_P, and none of it reached the body or h_G: the same round with
     # h_P ten times larger sends the same tensors.
     assert not torch.allclose(w_p, initial_head[0])
-    other = _runtime(TinyClassifier(), config, tmp_path / "other")
+    other = client_runtime(
+        TwoLayerModel("adapter"), config, tmp_path / "other", train=data(10, 1, classes=2)
+    )
     other.store.save(0, {PERSONAL_WEIGHT: 10 * w_p, PERSONAL_BIAS: 10 * b_p})
     resent, _ = FedRoDClient().train(other, received, 1)
     assert all(torch.equal(resent[n], sent[n]) for n in sent)
@@ -211,9 +164,9 @@ def test_a_client_round_matches_a_hand_written_loop(tmp_path: Path) -> None:
 def test_the_personal_head_stays_on_its_client_and_persists_across_rounds(
     tmp_path: Path,
 ) -> None:
-    model = TinyClassifier()
+    model = TwoLayerModel("adapter")
     config = _config()
-    runtime = _runtime(model, config, tmp_path / "state")
+    runtime = client_runtime(model, config, tmp_path / "state", train=data(10, 1, classes=2))
     received = FedAvgStrategy(config, model.trainable()).train_payload(0, 1)
     initial_head = {n: model.get_parameter(n).detach().clone() for n in HEAD}
 
@@ -228,7 +181,13 @@ def test_the_personal_head_stays_on_its_client_and_persists_across_rounds(
     assert after_one is not None
     # Round 3 (the client sat out round 2) starts from round 1's h_P, even after a restart
     # (a fresh context: the memory state is empty, the disk has it).
-    restarted = _runtime(TinyClassifier(), config, tmp_path / "state", state=RecordDict())
+    restarted = client_runtime(
+        TwoLayerModel("adapter"),
+        config,
+        tmp_path / "state",
+        state=RecordDict(),
+        train=data(10, 1, classes=2),
+    )
     resumed = FedRoDClient().personal(restarted, restarted.model(), {"before": 3})
     assert torch.equal(resumed.weight.detach(), after_one[PERSONAL_WEIGHT])
     sent_three, _ = FedRoDClient().train(restarted, sent, 3)
@@ -247,7 +206,7 @@ def test_the_personal_head_stays_on_its_client_and_persists_across_rounds(
 
 
 def test_a_zero_personal_head_predicts_as_the_generic_head(tmp_path: Path) -> None:
-    model = TinyClassifier()
+    model = TwoLayerModel("adapter")
     x = torch.randn(7, IN, generator=torch.Generator().manual_seed(3))
     head = generic_head(model)
     zero = PersonalHead(torch.zeros_like(head.weight), torch.zeros_like(head.bias))
@@ -255,7 +214,7 @@ def test_a_zero_personal_head_predicts_as_the_generic_head(tmp_path: Path) -> No
         assert torch.equal(PersonalizedClassifier(model, zero)(x), model(x))
 
     config = _config().replace(fedrod_personal_init="zeros")
-    runtime = _runtime(model, config, tmp_path)
+    runtime = client_runtime(model, config, tmp_path, train=data(10, 1, classes=2))
     received = FedAvgStrategy(config, model.trainable()).train_payload(0, 1)
     stats = FedRoDClient().evaluate(runtime, received, 1)  # before any training: h_P = 0
     plain = evaluate(ImageClassification(), runtime.model(), runtime.data.test)
@@ -265,9 +224,9 @@ def test_a_zero_personal_head_predicts_as_the_generic_head(tmp_path: Path) -> No
 
 
 def test_evaluation_reports_personalized_and_generic_accuracy(tmp_path: Path) -> None:
-    model = TinyClassifier()
+    model = TwoLayerModel("adapter")
     config = _config(lr=1.0)
-    runtime = _runtime(model, config, tmp_path)
+    runtime = client_runtime(model, config, tmp_path, train=data(10, 1, classes=2))
     received = FedAvgStrategy(config, model.trainable()).train_payload(0, 1)
     sent, _ = FedRoDClient().train(runtime, received, 1)
     stats = FedRoDClient().evaluate(runtime, sent, 1)

@@ -8,100 +8,32 @@ two-layer model with hand-made data, and its updates are checked against hand co
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 from flwr.app import RecordDict
 from torch import nn
-from torch.utils.data import TensorDataset
 
 from client_apps.apfl import ALPHA_KEY, APFLClient, apfl_step
-from client_apps.base import ClientRuntime
 from client_apps.fedbabu import FedBABUClient
 from client_apps.perfedavg import PerFedAvgClient, perfedavg_step
 from client_apps.stepwise import halves, trainable_only
 from fedfm_flower import registry
-from fedfm_flower.client_state import ClientStateStore
-from fedfm_flower.config import ExperimentConfig, NodeIdentity
+from fedfm_flower.config import ExperimentConfig
 from fedfm_flower.methods.apfl import APFLSettings
 from fedfm_flower.methods.perfedavg import PerFedAvgSettings
 from fedfm_flower.models import build_model
-from fedfm_flower.models.groups import GroupPattern, TunedModel
 from fedfm_flower.settings import ConfigError
 from fedfm_flower.tasks.classification import ImageClassification
-from fedfm_flower.training import EvalStats
 from strategies.fedavg import FedAvgStrategy
-
-IN, HIDDEN, CLASSES = 4, 5, 3
-
-
-class LinearModel(TunedModel):
-    """logits = x W^T + b: one Linear, group ``head``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.head = nn.Linear(IN, CLASSES)
-        self.group_patterns = (GroupPattern("head", r"^head\."),)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(x)
-
-
-class TwoLayerModel(TunedModel):
-    """A body (group ``vit.mlp``) and a head: FedBABU's split on a tiny scale."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.body = nn.Linear(IN, HIDDEN)
-        self.head = nn.Linear(HIDDEN, CLASSES)
-        self.group_patterns = (
-            GroupPattern("vit.mlp", r"^body\."),
-            GroupPattern("head", r"^head\."),
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.tanh(self.body(x)))
-
-
-def _data(n: int, seed: int) -> TensorDataset:
-    generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, IN, generator=generator)
-    return TensorDataset(x, torch.randint(0, CLASSES, (n,), generator=generator))
-
-
-def _runtime(
-    model: TunedModel, config: ExperimentConfig, state_dir: Path, state: RecordDict | None = None
-) -> ClientRuntime:
-    """A client runtime on ``model`` (reset to its initial tensors per message), hand-made
-    data and a state store on disk."""
-    store = ClientStateStore(state or RecordDict(), 0, "run", str(state_dir))
-    device = torch.device("cpu")
-    runtime = ClientRuntime(config, NodeIdentity(0, 0, 2), store, device, registry.resolve(config))
-    initial = dict(model.trainable().tensors)
-
-    def fresh() -> TunedModel:
-        model.load_tensors(initial)
-        return model
-
-    runtime.model = fresh  # type: ignore[method-assign]
-    runtime.__dict__["task"] = ImageClassification()
-    runtime.__dict__["data"] = SimpleNamespace(train=_data(22, 1), test=_data(9, 2))
-    return runtime
-
-
-def _capture_evaluated(runtime: ClientRuntime) -> dict[str, torch.Tensor]:
-    """Make ``runtime.evaluate`` record the trainable tensors of the model it evaluates."""
-    seen: dict[str, torch.Tensor] = {}
-
-    def evaluate(model: TunedModel) -> EvalStats:
-        seen.update(model.trainable().tensors)
-        return ClientRuntime.evaluate(runtime, model)
-
-    runtime.evaluate = evaluate  # type: ignore[method-assign]
-    return seen
+from tests.tiny_clients import (
+    CLASSES,
+    IN,
+    LinearModel,
+    TwoLayerModel,
+    capture_evaluated,
+    client_runtime,
+)
 
 
 def _ce_grads(
@@ -127,7 +59,7 @@ def test_fedbabu_head_is_frozen_never_sent_and_fine_tuned_only_to_evaluate(
 ) -> None:
     model = TwoLayerModel()
     config = ExperimentConfig(method="fedbabu", lr=0.1, batch_size=4, finetune_epochs=2)
-    runtime = _runtime(model, config, tmp_path)
+    runtime = client_runtime(model, config, tmp_path)
     initial = model.trainable()
     strategy = FedAvgStrategy(config, initial)
     received = strategy.train_payload(0, 1)
@@ -142,7 +74,7 @@ def test_fedbabu_head_is_frozen_never_sent_and_fine_tuned_only_to_evaluate(
         assert torch.equal(model.get_parameter(name).detach(), initial.tensors[name])
     assert runtime.store.rounds() == []  # nothing is personal state
 
-    evaluated = _capture_evaluated(runtime)
+    evaluated = capture_evaluated(runtime)
     body = {**received, **sent}
     FedBABUClient().evaluate(runtime, body, 1)
     for name in ("body.weight", "body.bias"):  # the body stayed fixed while the head tuned
@@ -210,7 +142,7 @@ def test_apfl_keeps_v_and_alpha_off_the_messages_and_restores_them_from_disk(
 ) -> None:
     model = TwoLayerModel()
     config = ExperimentConfig(method="apfl", lr=0.1, batch_size=4).replace(apfl_alpha_lr=0.5)
-    runtime = _runtime(model, config, tmp_path / "state")
+    runtime = client_runtime(model, config, tmp_path / "state")
     names = list(model.parameter_groups())
     strategy = FedAvgStrategy(config, model.trainable())
     received = strategy.train_payload(0, 1)
@@ -227,10 +159,10 @@ def test_apfl_keeps_v_and_alpha_off_the_messages_and_restores_them_from_disk(
     assert all(torch.equal(model.get_parameter(n).detach(), sent[n]) for n in names)
 
     # A restart: a fresh context (empty memory state) reads v and alpha from disk.
-    restarted = _runtime(TwoLayerModel(), config, tmp_path / "state", state=RecordDict())
+    restarted = client_runtime(TwoLayerModel(), config, tmp_path / "state", state=RecordDict())
     v, restored = APFLClient().personal(restarted, restarted.model(), {"before": 2})
     assert restored == alpha and all(torch.equal(v[n], saved[n]) for n in names)
-    evaluated = _capture_evaluated(restarted)
+    evaluated = capture_evaluated(restarted)
     APFLClient().evaluate(restarted, sent, 1)
     for n in names:  # the personalised model: alpha v + (1 - alpha) w
         assert torch.allclose(evaluated[n], alpha * saved[n] + (1 - alpha) * sent[n], atol=1e-6)
@@ -275,11 +207,11 @@ def test_perfedavg_adapts_a_copy_with_one_step_before_evaluating(tmp_path: Path)
     config = ExperimentConfig(method="per-fedavg", lr=0.1, batch_size=4).replace(
         perfedavg_alpha=0.7
     )
-    runtime = _runtime(model, config, tmp_path)
+    runtime = client_runtime(model, config, tmp_path)
     strategy = FedAvgStrategy(config, model.trainable())
     received = {n: t + 0.1 for n, t in strategy.train_payload(0, 1).items()}
     kept = {n: t.clone() for n, t in received.items()}
-    evaluated = _capture_evaluated(runtime)
+    evaluated = capture_evaluated(runtime)
     PerFedAvgClient().evaluate(runtime, received, 3)
     # The batch: the first of the train split in the seeded order of this round's evaluation.
     generator = torch.Generator().manual_seed(runtime.seed(3, salt=2))
@@ -295,7 +227,7 @@ def test_perfedavg_adapts_a_copy_with_one_step_before_evaluating(tmp_path: Path)
 def test_perfedavg_local_steps_take_two_halves_of_a_double_batch(tmp_path: Path) -> None:
     model = LinearModel()
     config = ExperimentConfig(method="per-fedavg", lr=0.1, batch_size=4)
-    runtime = _runtime(model, config, tmp_path)
+    runtime = client_runtime(model, config, tmp_path)
     received = FedAvgStrategy(config, model.trainable()).train_payload(0, 1)
     sent, stats = PerFedAvgClient().train(runtime, received, 1)
     assert list(sent) == ["head.weight", "head.bias"]

@@ -1,0 +1,98 @@
+"""Tiny models and a client runtime on hand-made data, for tests of a method's client half
+checked against hand computations (FedPerfix's Table 2 baselines, Ditto, FedRoD)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from flwr.app import RecordDict
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from client_apps.base import ClientRuntime
+from fedfm_flower import registry
+from fedfm_flower.client_state import ClientStateStore
+from fedfm_flower.config import ExperimentConfig, NodeIdentity
+from fedfm_flower.models.groups import GroupPattern, TunedModel
+from fedfm_flower.tasks.classification import ImageClassification
+from fedfm_flower.training import EvalStats
+
+IN, HIDDEN, CLASSES = 4, 5, 3
+
+
+class LinearModel(TunedModel):
+    """logits = x W^T + b: one Linear, group ``head``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.head = nn.Linear(IN, CLASSES)
+        self.group_patterns = (GroupPattern("head", r"^head\."),)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x)
+
+
+class TwoLayerModel(TunedModel):
+    """A body (group ``body_group``: ``vit.mlp``, FedBABU's split; ``adapter``, a tuner's) and
+    a linear head."""
+
+    def __init__(self, body_group: str = "vit.mlp") -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Linear(IN, HIDDEN)
+        self.head = nn.Linear(HIDDEN, CLASSES)
+        self.group_patterns = (
+            GroupPattern(body_group, r"^body\."),
+            GroupPattern("head", r"^head\."),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.body(x)))
+
+
+def data(n: int, seed: int, classes: int = CLASSES) -> TensorDataset:
+    """``n`` seeded examples of ``IN`` features, labels among the first ``classes``."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, IN, generator=generator)
+    return TensorDataset(x, torch.randint(0, classes, (n,), generator=generator))
+
+
+def client_runtime(
+    model: TunedModel,
+    config: ExperimentConfig,
+    state_dir: Path,
+    state: RecordDict | None = None,
+    train: TensorDataset | None = None,
+) -> ClientRuntime:
+    """A client runtime on ``model`` (reset to its initial tensors per message), hand-made
+    data (``train``, by default 22 examples of seed 1; 9 test examples of seed 2) and a state
+    store on disk."""
+    store = ClientStateStore(state or RecordDict(), 0, "run", str(state_dir))
+    device = torch.device("cpu")
+    runtime = ClientRuntime(config, NodeIdentity(0, 0, 2), store, device, registry.resolve(config))
+    initial = dict(model.trainable().tensors)
+
+    def fresh() -> TunedModel:
+        model.load_tensors(initial)
+        return model
+
+    runtime.model = fresh  # type: ignore[method-assign]
+    runtime.__dict__["task"] = ImageClassification()
+    train = data(22, 1) if train is None else train
+    runtime.__dict__["data"] = SimpleNamespace(train=train, test=data(9, 2))
+    return runtime
+
+
+def capture_evaluated(runtime: ClientRuntime) -> dict[str, torch.Tensor]:
+    """Make ``runtime.evaluate`` record the trainable tensors of the model it evaluates."""
+    seen: dict[str, torch.Tensor] = {}
+
+    def evaluate(model: TunedModel) -> EvalStats:
+        seen.update(model.trainable().tensors)
+        return ClientRuntime.evaluate(runtime, model)
+
+    runtime.evaluate = evaluate  # type: ignore[method-assign]
+    return seen
