@@ -160,8 +160,9 @@ class MethodSettings:
     # ------------------------------------------------------------------ keys and defaults
     @classmethod
     def key_of(cls, name: str) -> str:
-        """Run-config key of field ``name``: ``<prefix>-<name in kebab case>``."""
-        return f"{cls.prefix}-{name.replace('_', '-')}"
+        """Run-config key of field ``name``: ``<prefix>-<name in kebab case>``, a trailing
+        underscore dropped (``lambda_``, a field named after a Python keyword)."""
+        return f"{cls.prefix}-{name.rstrip('_').replace('_', '-')}"
 
     @classmethod
     def keys(cls) -> tuple[str, ...]:

@@ -196,7 +196,7 @@ def test_methods_match_the_registry() -> None:
 @pytest.mark.parametrize(
     ("key", "value", "fragment"),
     [
-        ("method", "fedsgd", "allowed: apfl, centralized, ditto, fedavg"),
+        ("method", "fedsgd", "allowed: apfl, centralized, ditto, fedala, fedavg"),
         ("dataset", "mnist", "allowed: digits"),
         ("backbone", "resnet50", "allowed: tiny-vit"),
         ("partitioner", "shards", "allowed: iid"),

@@ -65,10 +65,10 @@ def test_the_pyproject_table_parses_to_the_defaults_and_leaves_the_rest() -> Non
     table = tomllib.loads(pyproject_table())["tool"]["flwr"]["app"]["config"]
     assert table == ExperimentConfig().to_run_config()
     assert list(table) == list(ExperimentConfig.keys())
-    text = f'[project]\nname = "x"\n\n{TABLE_HEADER}\nold = 1\n\n[tool.ruff]\nline-length = 100\n'
+    text = f'[project]\nname = "x"\n\n{TABLE_HEADER}\ngone = 1\n\n[tool.ruff]\nline-length = 100\n'
     new = with_pyproject_table(text)
     assert new.startswith('[project]\nname = "x"\n\n' + pyproject_table() + "\n")
-    assert new.endswith("\n[tool.ruff]\nline-length = 100\n") and "old = 1" not in new
+    assert new.endswith("\n[tool.ruff]\nline-length = 100\n") and "\ngone = 1" not in new
     assert with_pyproject_table(new) == new
     with pytest.raises(ValueError, match="one"):
         with_pyproject_table('[project]\nname = "x"\n')

@@ -90,11 +90,6 @@ class DittoSettings(MethodSettings):
         doc="step size of the personal model; `0` means the run's `lr` (Algorithm 1's one eta)",
     )
 
-    @classmethod
-    def key_of(cls, name: str) -> str:
-        """Run-config key of field ``name``, a trailing underscore dropped (``lambda_``)."""
-        return super().key_of(name.rstrip("_"))
-
     def schedule(self, epochs: int, steps: int) -> tuple[int, int]:
         """(epochs, steps) of the personal model's pass, given the run's local schedule."""
         if self.personal_steps > 0:
