@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_table2_baselines import LinearModel, _ce_grads, _runtime
 
 from client_apps.fedprox import FedProxClient
 from fedfm_flower import protocol as P
@@ -16,6 +15,7 @@ from fedfm_flower.records import numpy_arrays
 from fedfm_flower.results import RunDirectory
 from fedfm_flower.settings import ConfigError
 from server_apps.inprocess import run_in_process
+from tests.tiny_clients import LinearModel, ce_grads, client_runtime
 
 
 def _trained(mu: float, received: dict[str, torch.Tensor], tmp_path: Path) -> dict:
@@ -23,7 +23,7 @@ def _trained(mu: float, received: dict[str, torch.Tensor], tmp_path: Path) -> di
     config = ExperimentConfig(
         method="fedprox", lr=0.5, batch_size=32, local_steps=2, momentum=0.0
     ).replace(fedprox_mu=mu)
-    runtime = _runtime(LinearModel(), config, tmp_path / str(mu))
+    runtime = client_runtime(LinearModel(), config, tmp_path / str(mu))
     sent, _ = FedProxClient().train(runtime, received, 1)
     return sent
 
@@ -34,13 +34,13 @@ def test_the_proximal_gradient_matches_a_hand_computation(tmp_path: Path) -> Non
     received = {n: t.clone() for n, t in w0.items()}
     sent = _trained(mu, received, tmp_path)
     # Every step sees the whole train split (22 examples, batch 32): order does not matter.
-    runtime = _runtime(LinearModel(), ExperimentConfig(), tmp_path / "data")
+    runtime = client_runtime(LinearModel(), ExperimentConfig(), tmp_path / "data")
     batch = tuple(torch.stack(column) for column in zip(*runtime.data.train, strict=True))
     names = ("head.weight", "head.bias")
     # Step 1 starts at w0, where the proximal term's gradient mu (w - w0) is zero.
-    grads = _ce_grads(w0[names[0]], w0[names[1]], batch)
+    grads = ce_grads(w0[names[0]], w0[names[1]], batch)
     w1 = {n: w0[n] - lr * g for n, g in zip(names, grads, strict=True)}
-    grads = _ce_grads(w1[names[0]], w1[names[1]], batch)
+    grads = ce_grads(w1[names[0]], w1[names[1]], batch)
     w2 = {n: w1[n] - lr * (g + mu * (w1[n] - w0[n])) for n, g in zip(names, grads, strict=True)}
     plain = {n: w1[n] - lr * g for n, g in zip(names, grads, strict=True)}
     for name in names:

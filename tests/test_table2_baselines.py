@@ -27,24 +27,13 @@ from fedfm_flower.settings import ConfigError
 from fedfm_flower.tasks.classification import ImageClassification
 from strategies.fedavg import FedAvgStrategy
 from tests.tiny_clients import (
-    CLASSES,
     IN,
     LinearModel,
     TwoLayerModel,
     capture_evaluated,
+    ce_grads,
     client_runtime,
 )
-
-
-def _ce_grads(
-    weight: torch.Tensor, bias: torch.Tensor, batch: tuple[torch.Tensor, torch.Tensor]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """By hand: the gradient of the mean cross-entropy of logits = x W^T + b."""
-    x, y = batch
-    residual = (
-        torch.softmax(x @ weight.T + bias, dim=1) - nn.functional.one_hot(y, CLASSES)
-    ) / len(y)
-    return residual.T @ x, residual.sum(0)
 
 
 def _linear_params(model: LinearModel) -> dict[str, nn.Parameter]:
@@ -112,8 +101,8 @@ def test_apfl_step_matches_the_hand_computed_updates_of_w_v_and_alpha() -> None:
         _, new_alpha = apfl_step(ImageClassification(), model, w, v, alpha, batch, lr, alpha_lr)
     names = ("head.weight", "head.bias")
     mixed = [alpha * v0[n] + (1 - alpha) * w0[n] for n in names]
-    g_mixed = _ce_grads(*mixed, batch)  # the gradient at the mixed parameters
-    g_w = _ce_grads(w0["head.weight"], w0["head.bias"], batch)
+    g_mixed = ce_grads(*mixed, batch)  # the gradient at the mixed parameters
+    g_w = ce_grads(w0["head.weight"], w0["head.bias"], batch)
     d_alpha = sum((g * (v0[n] - w0[n])).sum() for g, n in zip(g_mixed, names, strict=True))
     assert new_alpha == pytest.approx(alpha - alpha_lr * d_alpha.item(), abs=1e-6)
     assert 0.0 < new_alpha < 1.0 and new_alpha != alpha
@@ -192,13 +181,13 @@ def test_perfedavg_step_applies_the_gradient_at_the_inner_step_to_w() -> None:
     with trainable_only(model, w.values()):
         inner, outer = perfedavg_step(ImageClassification(), model, w, first, second, alpha, beta)
     assert (inner.count, outer.count) == (5, 4)
-    g_first = _ce_grads(*w0, first)
+    g_first = ce_grads(*w0, first)
     temp = [t - alpha * g for t, g in zip(w0, g_first, strict=True)]
-    g_temp = _ce_grads(*temp, second)  # the gradient at temp, on D'
+    g_temp = ce_grads(*temp, second)  # the gradient at temp, on D'
     for p, t, g in zip(w.values(), w0, g_temp, strict=True):
         assert torch.allclose(p.detach(), t - beta * g, atol=1e-6)
     # Not the plain step on D' at w: the inner step matters.
-    g_plain = _ce_grads(*w0, second)
+    g_plain = ce_grads(*w0, second)
     assert not torch.allclose(w["head.weight"].detach(), w0[0] - beta * g_plain[0], atol=1e-4)
 
 
@@ -217,7 +206,7 @@ def test_perfedavg_adapts_a_copy_with_one_step_before_evaluating(tmp_path: Path)
     generator = torch.Generator().manual_seed(runtime.seed(3, salt=2))
     batch = next(runtime.task.batches(runtime.data.train, 4, generator))
     assert len(batch[0]) == 4
-    grads = _ce_grads(received["head.weight"], received["head.bias"], batch)
+    grads = ce_grads(received["head.weight"], received["head.bias"], batch)
     for n, g in zip(("head.weight", "head.bias"), grads, strict=True):
         assert torch.allclose(evaluated[n], received[n] - 0.7 * g, atol=1e-6)
     assert all(torch.equal(received[n], kept[n]) for n in kept)  # the message is untouched
