@@ -23,7 +23,11 @@ from __future__ import annotations
 import torch
 
 from client_apps.base import ClientLogic, ClientRuntime
-from client_apps.stepwise import WithTensors, batch_stream, run_loop, sgd_, trainable_only
+from client_apps.stepwise import (
+    WithTensors,
+    local_schedule,
+    sgd_,
+)
 from fedfm_flower.methods.apfl import APFLSettings
 from fedfm_flower.models import TunedModel
 from fedfm_flower.tasks.base import Batch, StepResult, Task
@@ -96,17 +100,7 @@ class APFLClient(ClientLogic):
             )
             return [result]
 
-        seed = runtime.seed(server_round)
-        batches = batch_stream(
-            runtime.task,
-            runtime.data.train,
-            config.batch_size,
-            seed,
-            epochs=config.local_epochs,
-            steps=config.local_steps,
-        )
-        with trainable_only(model, w.values()):
-            stats = run_loop(batches, step, runtime.device, seed)
+        stats = local_schedule(runtime, model, w.values(), step, server_round)
         alpha_saved = torch.tensor([current[0]], dtype=torch.float64)
         runtime.store.save(server_round, {**v, ALPHA_KEY: alpha_saved})
         return model.tensors_named(names), stats

@@ -26,7 +26,15 @@ from __future__ import annotations
 import torch
 
 from client_apps.base import ClientLogic, ClientRuntime
-from client_apps.stepwise import WithTensors, batch_stream, halves, run_loop, sgd_, trainable_only
+from client_apps.stepwise import (
+    WithTensors,
+    batch_stream,
+    halves,
+    local_schedule,
+    run_loop,
+    sgd_,
+    trainable_only,
+)
 from fedfm_flower.methods.perfedavg import PerFedAvgSettings
 from fedfm_flower.models import TunedModel
 from fedfm_flower.tasks.base import Batch, StepResult, Task
@@ -89,17 +97,9 @@ class PerFedAvgClient(ClientLogic):
             first, second = halves(batch)
             return perfedavg_step(runtime.task, model, w, first, second, alpha, beta)
 
-        seed = runtime.seed(server_round)
-        batches = batch_stream(
-            runtime.task,
-            runtime.data.train,
-            2 * config.batch_size,
-            seed,
-            epochs=config.local_epochs,
-            steps=config.local_steps,
+        stats = local_schedule(
+            runtime, model, w.values(), step, server_round, 2 * config.batch_size
         )
-        with trainable_only(model, w.values()):
-            stats = run_loop(batches, step, runtime.device, seed)
         return model.tensors_named(w), stats
 
     def evaluate(

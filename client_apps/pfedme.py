@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from client_apps.base import ClientLogic, ClientRuntime
-from client_apps.stepwise import batch_stream, run_loop, sgd_, trainable_only
+from client_apps.stepwise import local_schedule, sgd_
 from fedfm_flower.methods.pfedme import PFedMeSettings
 from fedfm_flower.models import TunedModel
 from fedfm_flower.tasks.base import Batch, StepResult, Task
@@ -76,17 +76,7 @@ class PFedMeClient(ClientLogic):
         def step(batch: Batch) -> list[StepResult]:
             return [pfedme_batch(runtime.task, model, theta, w, batch, settings, config.lr)]
 
-        seed = runtime.seed(server_round)
-        batches = batch_stream(
-            runtime.task,
-            runtime.data.train,
-            config.batch_size,
-            seed,
-            epochs=config.local_epochs,
-            steps=config.local_steps,
-        )
-        with trainable_only(model, theta.values()):
-            stats = run_loop(batches, step, runtime.device, seed)
+        stats = local_schedule(runtime, model, theta.values(), step, server_round)
         runtime.store.save(server_round, model.tensors_named(names))
         return {n: t.cpu() for n, t in w.items()}, stats
 

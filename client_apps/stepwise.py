@@ -1,4 +1,5 @@
-"""Hand-written local loops for methods whose step is not one optimizer step (APFL, Per-FedAvg).
+"""Hand-written local loops for methods whose step is not one optimizer step (APFL, Per-FedAvg,
+pFedMe).
 
 ``fedfm_flower.training.train`` steps one set of parameters with the configured optimizer;
 APFL and Per-FedAvg take gradients at other points than the model's own parameters (a mixture
@@ -12,13 +13,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from fedfm_flower.tasks.base import Batch, StepResult, Task
 from fedfm_flower.training import StepTally, TrainStats
+
+if TYPE_CHECKING:
+    from client_apps.base import ClientRuntime
 
 
 class WithTensors:
@@ -97,3 +101,27 @@ def run_loop(
             tally.add(result)
         tally.steps += 1
     return tally.stats()
+
+
+def local_schedule(
+    runtime: ClientRuntime,
+    model: nn.Module,
+    params: Iterable[nn.Parameter],
+    step: Callable[[Batch], Iterable[StepResult]],
+    server_round: int,
+    batch_size: int | None = None,
+) -> TrainStats:
+    """Run ``step`` over the round's seeded batches of the run's local schedule (``batch_size``,
+    by default the run's) with only ``params`` trainable; the tallied statistics."""
+    config = runtime.config
+    seed = runtime.seed(server_round)
+    batches = batch_stream(
+        runtime.task,
+        runtime.data.train,
+        batch_size or config.batch_size,
+        seed,
+        epochs=config.local_epochs,
+        steps=config.local_steps,
+    )
+    with trainable_only(model, params):
+        return run_loop(batches, step, runtime.device, seed)

@@ -22,9 +22,17 @@ from fedfm_flower.results import RunDirectory
 from fedfm_flower.settings import ConfigError
 from fedfm_flower.tasks.classification import ImageClassification
 from server_apps.inprocess import run_in_process
-from tests.tiny_clients import TwoLayerModel, capture_evaluated, client_runtime, data
+from tests.tiny_clients import (
+    TWO_LAYER_NAMES,
+    TwoLayerModel,
+    capture_evaluated,
+    client_runtime,
+    data,
+    offset,
+    two_layer_grads,
+)
 
-NAMES = ("body.weight", "body.bias", "head.weight", "head.bias")
+NAMES = TWO_LAYER_NAMES
 
 
 def _config(method: str = "ditto", **changes: object) -> ExperimentConfig:
@@ -33,25 +41,9 @@ def _config(method: str = "ditto", **changes: object) -> ExperimentConfig:
     return ExperimentConfig(method=method).replace(**base)
 
 
-def _offset(tensors: dict[str, torch.Tensor], seed: int, scale: float) -> dict:
-    generator = torch.Generator().manual_seed(seed)
-    return {n: t + scale * torch.randn(t.shape, generator=generator) for n, t in tensors.items()}
-
-
 def _saved_v(runtime, start: dict[str, torch.Tensor]) -> None:
     """Make ``start`` the client's v after round 1."""
     runtime.store.save(1, start)
-
-
-def _grads(
-    params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor
-) -> tuple[torch.Tensor, ...]:
-    """By hand: the gradient of the mean cross-entropy of head(tanh(body(x))) at ``params``."""
-    leaves = {n: t.clone().requires_grad_() for n, t in params.items()}
-    hidden = torch.tanh(x @ leaves["body.weight"].T + leaves["body.bias"])
-    logits = hidden @ leaves["head.weight"].T + leaves["head.bias"]
-    loss = torch.nn.functional.cross_entropy(logits, y)
-    return torch.autograd.grad(loss, [leaves[n] for n in NAMES])
 
 
 def _hand_personal_update(
@@ -68,7 +60,7 @@ def _hand_personal_update(
     generator = torch.Generator().manual_seed(seed)
     for _ in range(config.local_epochs):
         for x, y in ImageClassification().batches(examples, config.batch_size, generator):
-            grads = _grads(v, x, y)
+            grads = two_layer_grads(v, x, y)
             v = {
                 n: v[n] - config.lr * (g + lam * (v[n] - anchor[n]))
                 for n, g in zip(NAMES, grads, strict=True)
@@ -85,8 +77,8 @@ def test_the_personal_update_matches_a_plain_torch_loop(tmp_path: Path) -> None:
     model = TwoLayerModel()
     runtime = client_runtime(model, config, tmp_path / "state")
     initial = model.trainable().tensors
-    received = _offset(initial, 1, 0.2)  # w^t of round 2
-    start = _offset(initial, 2, 0.5)  # v after round 1, away from w^t
+    received = offset(initial, 1, 0.2)  # w^t of round 2
+    start = offset(initial, 2, 0.5)  # v after round 1, away from w^t
     _saved_v(runtime, start)
     kept = {n: t.clone() for n, t in received.items()}
     sent, stats = DittoClient().train(runtime, received, 2)
@@ -110,7 +102,7 @@ def test_the_global_update_is_fedavgs_bit_for_bit(tmp_path: Path) -> None:
         config = ExperimentConfig(method=method).replace(lr=0.1, batch_size=4, ditto_lambda=1.0)
         model = TwoLayerModel()
         runtime = client_runtime(model, config, tmp_path / method)
-        received = _offset(model.trainable().tensors, 3, 0.1)
+        received = offset(model.trainable().tensors, 3, 0.1)
         client = SplitClient() if method == "fedavg" else DittoClient()
         sent[method], _ = client.train(runtime, received, 1)
     assert list(sent["ditto"]) == list(sent["fedavg"]) == list(NAMES)  # w only, never v
@@ -122,8 +114,8 @@ def test_lambda_zero_is_plain_local_training_and_a_large_lambda_pulls_v_to_w(
 ) -> None:
     model = TwoLayerModel()
     initial = model.trainable().tensors
-    received = _offset(initial, 4, 0.2)
-    start = _offset(initial, 5, 1.0)
+    received = offset(initial, 4, 0.2)
+    start = offset(initial, 5, 1.0)
 
     def personal(lam: float, **changes: object) -> dict[str, torch.Tensor]:
         config = _config(ditto_lambda=lam, **changes)
@@ -152,7 +144,7 @@ def test_lambda_zero_is_plain_local_training_and_a_large_lambda_pulls_v_to_w(
     runtime = client_runtime(model, config, tmp_path / "step")
     generator = torch.Generator().manual_seed(runtime.seed(2))
     x, y = next(ImageClassification().batches(runtime.data.train, 8, generator))
-    for name, g in zip(NAMES, _grads(start, x, y), strict=True):
+    for name, g in zip(NAMES, two_layer_grads(start, x, y), strict=True):
         assert torch.allclose(one_step[name], received[name] - 0.3 * g, atol=1e-6), name
 
 
@@ -161,7 +153,7 @@ def test_v_is_kept_restored_after_a_restart_and_evaluated_alone(tmp_path: Path) 
     model = TwoLayerModel()
     runtime = client_runtime(model, config, tmp_path / "state")
     initial = model.trainable().tensors
-    received = _offset(initial, 6, 0.1)
+    received = offset(initial, 6, 0.1)
     # A client with no v yet evaluates v^0 = w^0, the model's initial values.
     evaluated = capture_evaluated(runtime)
     DittoClient().evaluate(runtime, received, 0)
@@ -177,7 +169,7 @@ def test_v_is_kept_restored_after_a_restart_and_evaluated_alone(tmp_path: Path) 
     # whatever global model arrives.
     restarted = client_runtime(TwoLayerModel(), config, tmp_path / "state", state=RecordDict())
     evaluated = capture_evaluated(restarted)
-    DittoClient().evaluate(restarted, _offset(received, 7, 5.0), 1)
+    DittoClient().evaluate(restarted, offset(received, 7, 5.0), 1)
     assert all(torch.equal(evaluated[n], v[n]) for n in NAMES)
     # Round 2 starts from that v: its update equals the hand loop started there.
     DittoClient().train(restarted, sent, 2)
@@ -214,7 +206,7 @@ def test_settings_defaults_rules_and_spec() -> None:
 def test_a_personal_lr_and_schedule_of_their_own(tmp_path: Path) -> None:
     model = TwoLayerModel()
     initial = model.trainable().tensors
-    received = _offset(initial, 8, 0.2)
+    received = offset(initial, 8, 0.2)
     config = _config(ditto_lambda=0.5, ditto_personal_lr=0.05, ditto_personal_epochs=1)
     runtime = client_runtime(model, config, tmp_path)
     _, stats = DittoClient().train(runtime, received, 1)

@@ -19,9 +19,16 @@ from fedfm_flower.ranges import LogUniform
 from fedfm_flower.records import numpy_arrays
 from fedfm_flower.registry import method_spec
 from fedfm_flower.settings import ConfigError
-from tests.tiny_clients import TwoLayerModel, capture_evaluated, client_runtime, data
+from tests.tiny_clients import (
+    TWO_LAYER_NAMES,
+    TwoLayerModel,
+    capture_evaluated,
+    client_runtime,
+    data,
+    offset,
+)
 
-NAMES = ("body.weight", "body.bias", "head.weight", "head.bias")
+NAMES = TWO_LAYER_NAMES
 TOP = ("head.weight", "head.bias")
 
 
@@ -31,11 +38,6 @@ def _config(method: str = "fedala", **changes: object) -> ExperimentConfig:
     if method == "fedala":
         base = {"fedala_layers": 2, "fedala_eta": 1.0, **base}
     return ExperimentConfig(method=method).replace(**base)
-
-
-def _offset(tensors: dict[str, torch.Tensor], seed: int, scale: float) -> dict:
-    generator = torch.Generator().manual_seed(seed)
-    return {n: t + scale * torch.randn(t.shape, generator=generator) for n, t in tensors.items()}
 
 
 def _loss_and_grads(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor):  # noqa: ANN202
@@ -87,8 +89,8 @@ def test_one_ala_update_matches_plain_torch_and_lower_layers_take_theta(tmp_path
     model = TwoLayerModel()
     runtime = client_runtime(model, config, tmp_path / "state")
     initial = model.trainable().tensors
-    received = _offset(initial, 1, 0.5)
-    local = _offset(initial, 2, 1.0)
+    received = offset(initial, 1, 0.5)
+    local = offset(initial, 2, 1.0)
     w0 = {n: torch.full_like(local[n], 0.6) for n in TOP}
     _keep(runtime, local, w0)  # not the start phase: one epoch of W
     seen = {}
@@ -133,7 +135,7 @@ def test_w_persists_per_client_across_rounds_and_is_never_sent(tmp_path: Path) -
     assert set(kept1) == set(TOP) and all(torch.equal(kept1[n], sent1[n]) for n in TOP)
     assert stats1.num_steps == 3  # local training only
     # Round 2: the start phase, W from ones, num-pre-loss + 1 = 3 epochs (threshold met).
-    received = _offset(initial, 3, 0.5)
+    received = offset(initial, 3, 0.5)
     sent2, stats2 = FedALAClient().train(runtime, received, 2)
     assert list(sent2) == list(NAMES)
     kept2 = runtime.store.load(before=3)
@@ -143,7 +145,7 @@ def test_w_persists_per_client_across_rounds_and_is_never_sent(tmp_path: Path) -
     assert stats2.num_steps == 3 * 3 + 3
     # A restart reads theta and W from disk; round 3 continues from that W, one epoch.
     restarted = client_runtime(TwoLayerModel(), config, tmp_path / "state", state=RecordDict())
-    received3 = _offset(received, 4, 0.3)
+    received3 = offset(received, 4, 0.3)
     _, stats3 = FedALAClient().train(restarted, received3, 3)
     kept3 = restarted.store.load(before=4)
     _, w3, _ = _hand_ala(
@@ -164,8 +166,8 @@ def test_w_persists_per_client_across_rounds_and_is_never_sent(tmp_path: Path) -
 def test_w_one_and_eta_zero_is_fedavg_bit_for_bit(tmp_path: Path) -> None:
     model = TwoLayerModel()
     initial = model.trainable().tensors
-    received = _offset(initial, 5, 0.4)
-    local = _offset(initial, 6, 1.0)
+    received = offset(initial, 5, 0.4)
+    local = offset(initial, 6, 1.0)
     sent = {}
     for method in ("fedavg", "fedala"):
         changes = {"fedala_eta": 0.0, "fedala_layers": 0} if method == "fedala" else {}
@@ -185,8 +187,8 @@ def test_w_one_and_eta_zero_is_fedavg_bit_for_bit(tmp_path: Path) -> None:
 def test_start_phase_trains_until_the_losses_settle(tmp_path: Path) -> None:
     model = TwoLayerModel()
     initial = model.trainable().tensors
-    received = _offset(initial, 7, 0.5)
-    local = _offset(initial, 8, 1.0)
+    received = offset(initial, 7, 0.5)
+    local = offset(initial, 8, 1.0)
 
     def ala_steps(**changes: object) -> int:
         runtime = client_runtime(model, _config(**changes), tmp_path / str(len(changes)))

@@ -24,31 +24,23 @@ from server_apps.inprocess import run_in_process
 from strategies.fedavg import FedAvgStrategy
 from strategies.parts.replies import ClientReply
 from strategies.pfedme import PFedMeStrategy
-from tests.tiny_clients import TwoLayerModel, capture_evaluated, client_runtime, data
+from tests.tiny_clients import (
+    TWO_LAYER_NAMES,
+    TwoLayerModel,
+    capture_evaluated,
+    client_runtime,
+    data,
+    offset,
+    two_layer_grads,
+)
 
-NAMES = ("body.weight", "body.bias", "head.weight", "head.bias")
+NAMES = TWO_LAYER_NAMES
 
 
 def _config(method: str = "pfedme", **changes: object) -> ExperimentConfig:
     """Batches of 8 of the 22 training examples, two epochs (3 batches each)."""
     base = {"lr": 0.05, "batch_size": 8, "momentum": 0.0, "local_epochs": 2, **changes}
     return ExperimentConfig(method=method).replace(**base)
-
-
-def _offset(tensors: dict[str, torch.Tensor], seed: int, scale: float) -> dict:
-    generator = torch.Generator().manual_seed(seed)
-    return {n: t + scale * torch.randn(t.shape, generator=generator) for n, t in tensors.items()}
-
-
-def _grads(
-    params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor
-) -> tuple[torch.Tensor, ...]:
-    """By hand: the gradient of the mean cross-entropy of head(tanh(body(x))) at ``params``."""
-    leaves = {n: t.clone().requires_grad_() for n, t in params.items()}
-    hidden = torch.tanh(x @ leaves["body.weight"].T + leaves["body.bias"])
-    logits = hidden @ leaves["head.weight"].T + leaves["head.bias"]
-    loss = torch.nn.functional.cross_entropy(logits, y)
-    return torch.autograd.grad(loss, [leaves[n] for n in NAMES])
 
 
 def _hand_pfedme(
@@ -72,7 +64,7 @@ def _hand_pfedme(
             if reset_theta:
                 theta = {n: t.clone() for n, t in w.items()}
             for _ in range(k):
-                grads = _grads(theta, x, y)
+                grads = two_layer_grads(theta, x, y)
                 theta = {
                     n: theta[n] - personal_lr * (g + lam * (theta[n] - w[n]))
                     for n, g in zip(NAMES, grads, strict=True)
@@ -95,7 +87,7 @@ def test_the_inner_solve_and_outer_step_match_a_plain_torch_loop(
     config = _config(pfedme_lambda=lam, pfedme_inner_steps=k, pfedme_personal_lr=personal_lr)
     model = TwoLayerModel()
     runtime = client_runtime(model, config, tmp_path / "state")
-    received = _offset(model.trainable().tensors, 1, 0.2)  # w^t of round 2
+    received = offset(model.trainable().tensors, 1, 0.2)  # w^t of round 2
     kept = {n: t.clone() for n, t in received.items()}
     sent, stats = PFedMeClient().train(runtime, received, 2)
     theta = runtime.store.load(before=3)
@@ -119,7 +111,7 @@ def test_lambda_zero_leaves_w_at_the_received_model_and_theta_plain_sgd(tmp_path
     config = _config(pfedme_lambda=0.0, pfedme_inner_steps=2, local_epochs=1)
     model = TwoLayerModel()
     runtime = client_runtime(model, config, tmp_path)
-    received = _offset(model.trainable().tensors, 3, 0.2)
+    received = offset(model.trainable().tensors, 3, 0.2)
     sent, _ = PFedMeClient().train(runtime, received, 1)
     assert all(torch.equal(sent[n], received[n]) for n in NAMES)
     # theta: plain SGD from w^t, K steps on each batch.
@@ -132,7 +124,7 @@ def test_theta_is_kept_for_that_client_restored_and_evaluated_alone(tmp_path: Pa
     model = TwoLayerModel()
     initial = model.trainable().tensors
     runtime = client_runtime(model, config, tmp_path / "state")
-    received = _offset(initial, 6, 0.1)
+    received = offset(initial, 6, 0.1)
     # A client with no theta yet evaluates theta^0 = w^0, the model's initial values.
     evaluated = capture_evaluated(runtime)
     PFedMeClient().evaluate(runtime, received, 0)
@@ -148,7 +140,7 @@ def test_theta_is_kept_for_that_client_restored_and_evaluated_alone(tmp_path: Pa
     # model arrives.
     restarted = client_runtime(TwoLayerModel(), config, tmp_path / "state", state=RecordDict())
     evaluated = capture_evaluated(restarted)
-    PFedMeClient().evaluate(restarted, _offset(received, 7, 5.0), 1)
+    PFedMeClient().evaluate(restarted, offset(received, 7, 5.0), 1)
     assert all(torch.equal(evaluated[n], theta[n]) for n in NAMES)
     # Another client's store holds nothing: it evaluates w^0, not this client's theta.
     other = client_runtime(TwoLayerModel(), config, tmp_path / "other")

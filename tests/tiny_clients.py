@@ -20,6 +20,7 @@ from fedfm_flower.tasks.classification import ImageClassification
 from fedfm_flower.training import EvalStats
 
 IN, HIDDEN, CLASSES = 4, 5, 3
+TWO_LAYER_NAMES = ("body.weight", "body.bias", "head.weight", "head.bias")
 
 
 class LinearModel(TunedModel):
@@ -107,3 +108,21 @@ def ce_grads(
         torch.softmax(x @ weight.T + bias, dim=1) - nn.functional.one_hot(y, CLASSES)
     ) / len(y)
     return residual.T @ x, residual.sum(0)
+
+
+def offset(tensors: dict[str, torch.Tensor], seed: int, scale: float) -> dict[str, torch.Tensor]:
+    """``tensors`` each moved by ``scale`` times seeded standard-normal noise."""
+    generator = torch.Generator().manual_seed(seed)
+    return {n: t + scale * torch.randn(t.shape, generator=generator) for n, t in tensors.items()}
+
+
+def two_layer_grads(
+    params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """By hand: the gradient of the mean cross-entropy of head(tanh(body(x))) at ``params``
+    (``TwoLayerModel``'s tensors, in ``TWO_LAYER_NAMES`` order)."""
+    leaves = {n: t.clone().requires_grad_() for n, t in params.items()}
+    hidden = torch.tanh(x @ leaves["body.weight"].T + leaves["body.bias"])
+    logits = hidden @ leaves["head.weight"].T + leaves["head.bias"]
+    loss = nn.functional.cross_entropy(logits, y)
+    return torch.autograd.grad(loss, [leaves[n] for n in TWO_LAYER_NAMES])
