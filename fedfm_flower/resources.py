@@ -53,11 +53,10 @@ from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
 from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.config_files import CONFIG_ROOT
 from fedfm_flower.models.families import family_of
 from fedfm_flower.overrides import parse_overrides
 from fedfm_flower.registry import method_spec, resolve
-
-CONFIG_ROOT = Path(__file__).resolve().parent.parent / "configs"
 
 
 @dataclass(frozen=True)

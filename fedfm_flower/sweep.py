@@ -3,6 +3,12 @@
     python -m fedfm_flower.sweep --methods local fedavg fedrep pfedseq pfedpg:basis-only \\
         --setups glyphs-feature-skew glyphs-label-skew --seeds 0 1 2 --out runs/glyphs
     python -m fedfm_flower.report runs/glyphs --out reports/glyphs
+    python -m fedfm_flower.sweep --table pfedseq-t1 --stand-in --out runs/pfedseq-t1
+
+``--table NAME`` runs a paper's table (``configs/tables/<name>.toml``,
+``fedfm_flower.paper_tables``): its rows' methods on its columns' settings (the paper's, or with
+``--stand-in`` the offline setups standing in for them), and leaves ``table.json`` for the
+report's paper-ordered table.
 
 A cell's run config is layered, later layers winning: ``configs/setups/<setup>.toml`` (the
 data, model and training of the setup), ``configs/<method>/<setup>.toml`` (the method's own
@@ -39,15 +45,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fedfm_flower.cells import Cell, runs_of
+from fedfm_flower.config_files import CONFIG_ROOT
 from fedfm_flower.durable import atomic_write_text, exclusive_lock
 from fedfm_flower.grid_foundations import FoundationMismatch, SetupFoundations
 from fedfm_flower.overrides import parse_overrides
+from fedfm_flower.paper_tables import load_table, record_table, table_plan
 from fedfm_flower.processes import exit_on_sigterm
 
 if TYPE_CHECKING:
     from fedfm_flower.pools import CellPool
 
-CONFIG_ROOT = Path(__file__).resolve().parent.parent / "configs"
 INTERRUPTED = (
     "interrupted: rerun the same command to resume (finished runs are kept, interrupted ones "
     "resume from their newest checkpoint)"
@@ -292,11 +299,11 @@ def run_sweep(
     return [done[cell.run_dir] for cell in cells]
 
 
-def add_grid_arguments(parser: argparse.ArgumentParser) -> None:
+def add_grid_arguments(parser: argparse.ArgumentParser, required: bool = True) -> None:
     """The command-line options of which cells to build and where they run (the sweep's and
-    the tuning command's)."""
-    parser.add_argument("--methods", nargs="+", required=True, help="method or method:variant")
-    parser.add_argument("--setups", nargs="+", required=True, help="configs/setups/<name>.toml")
+    the tuning command's); ``required`` False when another option can name the cells."""
+    parser.add_argument("--methods", nargs="+", required=required, help="method or method:variant")
+    parser.add_argument("--setups", nargs="+", required=required, help="configs/setups/<name>.toml")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE")
     parser.add_argument("--tag", default="", help="suffix of the setup names of --set runs")
     parser.add_argument("--configs", type=Path, default=CONFIG_ROOT, help=argparse.SUPPRESS)
@@ -341,19 +348,41 @@ def main(argv: list[str] | None = None) -> int:
     """Run the sweep; exit status 0 (all done), 1 (a run failed), 2 (bad arguments), 130
     (interrupted with Ctrl-C), or SIGTERM's 143 (1 when it lands inside Ray's wait)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_grid_arguments(parser)
+    add_grid_arguments(parser, required=False)
+    parser.add_argument(
+        "--table",
+        default="",
+        help="a paper's table by name (configs/tables/<name>.toml): its rows x columns, in "
+        "place of --methods and --setups",
+    )
+    parser.add_argument(
+        "--stand-in",
+        action="store_true",
+        help="with --table: the offline stand-in setups in place of the paper's settings",
+    )
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--out", type=Path, required=True, help="sweep directory")
     args = parser.parse_args(argv)
     from fedfm_flower.logs import configure_logging
 
     configure_logging()
+    table = None
     try:
+        if args.table:
+            if args.methods or args.setups:
+                raise ValueError("--table names the methods and setups: drop --methods/--setups")
+            table = load_table(args.table, args.configs)
+            args.methods, args.setups = table.labels(), table.setups(args.stand_in)
+            print(table_plan(table, args.stand_in))
+        elif not (args.methods and args.setups) or args.stand_in:
+            raise ValueError("give --methods and --setups, or --table [--stand-in]")
         overrides = parse_overrides(args.set)
         cells = build_cells(
             args.methods, args.setups, args.seeds, args.out, overrides, args.tag, args.configs
         )
         foundations = SetupFoundations.of_finished_runs([runs_of(args.out)])
+        if table is not None:
+            record_table(args.out, table, args.stand_in)
         pool = pool_from_arguments(args)
     except (ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)

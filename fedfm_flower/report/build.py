@@ -16,7 +16,9 @@ own runs in DIR (``against``: tuned against untuned, after against before); with
 ``--conclusions-of REPORT`` whether an earlier table's verdicts against the reference hold here
 (``conclusions``: a 4-trial tuned table against its 16-trial redo); with ``--pair A B``
 (repeatable) A's paired difference to B over seeds, and with ``--conclusions-of`` whether the
-earlier report's holds.
+earlier report's holds. Runs of a paper's table (``python -m fedfm_flower.sweep --table``)
+also get that table in the paper's row and column order (``paper_table``; report.json
+``paper-table``).
 Unfinished runs are listed, not used; runs evaluated on validation data (tuning trials) are
 never read; a setup without a finished run of the reference method gets its table cells and
 figures but no paired tests. Exit status 2 when no finished run is
@@ -39,6 +41,7 @@ from fedfm_flower.report import (
     conclusions,
     figures,
     pair_table,
+    paper_table,
     replacements,
     tables,
     task_table,
@@ -62,8 +65,10 @@ def write_report(
     others: tuple[str, list[RunResult]] | None = None,
     earlier: tuple[str, dict[str, Any]] | None = None,
     pairs: Sequence[tuple[str, str]] = (),
+    paper: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Render every table and figure of ``runs`` into ``out``; returns the report's numbers."""
+    """Render every table and figure of ``runs`` into ``out`` (``paper``: the table record of a
+    ``--table`` sweep, laid out as its paper's); returns the report's numbers."""
     setups = list(dict.fromkeys(run.setup for run in runs))
     unreferenced = [
         s for s in setups if not any(r.setup == s and r.label == reference for r in runs)
@@ -96,6 +101,9 @@ def write_report(
         "",
     ]
     numbers: dict[str, Any] = {"reference": reference, "metric": metric, "setups": {}}
+    if paper is not None:
+        sections += [paper_table.markdown_paper_table(paper, cells), ""]
+        numbers["paper-table"] = paper_table.paper_table_numbers(paper, cells)
     draws = {setup: variance.data_draws(runs, setup) for setup in setups}
     numbers["setup-variance"] = {setup: d.numbers() for setup, d in draws.items()}
     for setup in setups:
@@ -252,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
             others,
             earlier,
             [tuple(pair) for pair in args.pair],
+            paper_table.find_table(args.runs),
         )
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -1,0 +1,234 @@
+"""The papers' tables by name: which method, variant and setup reproduce each row.
+
+A table is declared once, in ``configs/tables/<name>.toml`` (``pfedseq-t1`` is pFedSeq's
+Table 1): the paper and table it reproduces, its columns, each with the **paper's setting**
+(``setup``: ``configs/setups/<setup>.toml`` plus ``configs/<method>/<setup>.toml`` where a
+method sets keys of its own, as in any sweep) and an **offline stand-in** (``stand-in``: a
+setup that runs on a CPU with nothing downloaded; a column without one is left out of
+``--stand-in`` runs), and its rows in the paper's order, each a
+method label (``method`` or ``method:variant``) or a ``missing`` reason for a row the
+framework cannot run. A row may carry the paper's reported figures (``paper``, one per column,
+blank where the paper has none) so that the report sets ours beside them.
+
+    python -m fedfm_flower.sweep --table pfedseq-t1 --seeds 0 1 2 --out runs/pfedseq-t1
+    python -m fedfm_flower.sweep --table pfedseq-t1 --stand-in --out runs/pfedseq-t1-offline
+    python -m fedfm_flower.report runs/pfedseq-t1 --out reports/pfedseq-t1
+
+The sweep writes the table it ran to ``<out>/table.json``; the report then adds the table in
+the paper's row and column order with the paper's figures beside ours.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fedfm_flower.config_files import CONFIG_ROOT
+from fedfm_flower.durable import atomic_write_text
+
+TABLE_FILE = "table.json"
+
+
+@dataclass(frozen=True)
+class Column:
+    """One column: the paper's setting and the offline setup standing in for it (None: the
+    column has no offline stand-in)."""
+
+    name: str
+    setup: str
+    stand_in: str | None
+
+    def setup_of(self, stand_in: bool) -> str | None:
+        """The setup this column runs on: the paper's, or its stand-in (None: none)."""
+        return self.stand_in if stand_in else self.setup
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row: the method label that reproduces it, or why the framework lacks it."""
+
+    name: str
+    label: str | None
+    missing: str
+    paper: tuple[float | None, ...]
+
+
+@dataclass(frozen=True)
+class PaperTable:
+    """A declared table of a paper."""
+
+    key: str
+    paper: str
+    table: str
+    title: str
+    reference: str
+    metric: str
+    columns: tuple[Column, ...]
+    rows: tuple[Row, ...]
+
+    def labels(self) -> list[str]:
+        """The method labels of the rows the framework runs, in the paper's order."""
+        return [row.label for row in self.rows if row.label is not None]
+
+    def setups(self, stand_in: bool = False) -> list[str]:
+        """The columns' setups: the paper's, or the offline stand-ins (columns without one
+        left out)."""
+        setups = (c.setup_of(stand_in) for c in self.columns)
+        return list(dict.fromkeys(s for s in setups if s is not None))
+
+    def missing(self) -> list[Row]:
+        """The rows the framework cannot run."""
+        return [row for row in self.rows if row.label is None]
+
+    def to_json(self, stand_in: bool) -> dict[str, Any]:
+        """What a sweep records in ``table.json``: the table and the setting it ran."""
+        return {
+            "key": self.key,
+            "paper": self.paper,
+            "table": self.table,
+            "title": self.title,
+            "metric": self.metric,
+            "setting": "stand-in" if stand_in else "paper",
+            "columns": [
+                {"name": c.name, "setup": c.setup_of(stand_in)} for c in self.columns
+            ],
+            "rows": [
+                {"name": r.name, "label": r.label, "missing": r.missing, "paper": list(r.paper)}
+                for r in self.rows
+            ],
+        }
+
+
+def tables_dir(configs: Path = CONFIG_ROOT) -> Path:
+    """Where the tables are declared."""
+    return configs / "tables"
+
+
+def table_names(configs: Path = CONFIG_ROOT) -> list[str]:
+    """Every declared table's name, sorted."""
+    return sorted(p.stem for p in tables_dir(configs).glob("*.toml"))
+
+
+def _text(data: dict[str, Any], key: str, where: str, default: str | None = None) -> str:
+    value = data.get(key, default)
+    if not isinstance(value, str) or (default is None and not value):
+        raise ValueError(f"{where}: '{key}' must be a non-empty string, got {value!r}")
+    return value
+
+
+def _paper_values(value: Any, columns: int, where: str) -> tuple[float | None, ...]:
+    if value is None:
+        return (None,) * columns
+    if not isinstance(value, list) or len(value) != columns:
+        raise ValueError(f"{where}: 'paper' must list one figure per column ({columns})")
+    out: list[float | None] = []
+    for item in value:
+        if item == "":
+            out.append(None)
+        elif isinstance(item, int | float) and not isinstance(item, bool) and math.isfinite(item):
+            out.append(float(item))
+        else:
+            raise ValueError(f"{where}: 'paper' holds {item!r}; a number, or \"\" for none")
+    return tuple(out)
+
+
+def load_table(name: str, configs: Path = CONFIG_ROOT) -> PaperTable:
+    """The declared table ``name``; ``ValueError`` names an unknown table or a bad entry."""
+    path = tables_dir(configs) / f"{name}.toml"
+    if not path.is_file():
+        known = ", ".join(table_names(configs)) or "none"
+        raise ValueError(f"no table '{name}' (declared: {known})")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as err:
+        raise ValueError(f"{path}: {err}") from err
+    columns = tuple(
+        Column(
+            _text(c, "name", f"{path} column {i}"),
+            _text(c, "setup", f"{path} column {i}"),
+            _text(c, "stand-in", f"{path} column {i}") if "stand-in" in c else None,
+        )
+        for i, c in enumerate(data.get("columns", []))
+    )
+    if not columns:
+        raise ValueError(f"{path}: no [[columns]]")
+    rows = []
+    for i, r in enumerate(data.get("rows", [])):
+        where = f"{path} row {i} ({r.get('name', '?')})"
+        label, missing = r.get("method"), r.get("missing", "")
+        if (label is None) == (not missing):
+            raise ValueError(f"{where}: give either 'method' or 'missing' (why it is not here)")
+        rows.append(
+            Row(
+                _text(r, "name", where),
+                None if label is None else _text(r, "method", where),
+                missing,
+                _paper_values(r.get("paper"), len(columns), where),
+            )
+        )
+    if not rows:
+        raise ValueError(f"{path}: no [[rows]]")
+    labels = [row.label for row in rows if row.label is not None]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"{path}: a method label appears in two rows")
+    reference = _text(data, "reference", str(path))
+    if reference not in labels:
+        raise ValueError(f"{path}: reference '{reference}' is not a row's method")
+    return PaperTable(
+        key=name,
+        paper=_text(data, "paper", str(path)),
+        table=_text(data, "table", str(path)),
+        title=_text(data, "title", str(path)),
+        reference=reference,
+        metric=_text(data, "metric", str(path)),
+        columns=columns,
+        rows=tuple(rows),
+    )
+
+
+def table_plan(table: PaperTable, stand_in: bool) -> str:
+    """What a sweep of ``table`` runs, and which of its rows it cannot, for the user."""
+    setting = "offline stand-ins" if stand_in else "the paper's settings"
+    columns = ", ".join(f"{c.name} = {c.setup_of(stand_in) or 'none'}" for c in table.columns)
+    lines = [
+        f"{table.paper}, {table.table} ({table.title}): {len(table.labels())} rows on "
+        f"{setting}: {columns}"
+    ]
+    lines += [f"  not run: {row.name}: {row.missing}" for row in table.missing()]
+    return "\n".join(lines)
+
+
+def record_table(out: Path, table: PaperTable, stand_in: bool) -> None:
+    """Write ``out/table.json``; ``ValueError`` when ``out`` holds another table or setting."""
+    document = table.to_json(stand_in)
+    earlier = read_table(out)
+    if earlier is not None and (earlier["key"], earlier["setting"]) != (
+        document["key"],
+        document["setting"],
+    ):
+        raise ValueError(
+            f"{out} holds table {earlier['key']} ({earlier['setting']} setting); give a new --out "
+            f"for {document['key']} ({document['setting']})"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / TABLE_FILE, json.dumps(document, indent=2))
+
+
+def read_table(folder: Path) -> dict[str, Any] | None:
+    """The ``table.json`` a table sweep left in ``folder``, or None; ``ValueError`` when it is
+    unreadable."""
+    path = Path(folder) / TABLE_FILE
+    if not path.is_file():
+        return None
+    try:
+        document = json.loads(path.read_text())
+        document["key"], document["setting"], document["rows"], document["columns"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ValueError(
+            f"{path}: not a table record ({err}); remove it or rerun the sweep"
+        ) from err
+    return document
