@@ -93,8 +93,8 @@ class FederationKeys:
             "number of clients/partitions; `0` takes it from the node config's `num-partitions` "
             "(simulation sets it; in a deployment, the value most nodes report). The ServerApp "
             "waits for this many nodes before round 1. `pfedseq` sizes its learners by it (one "
-            "channel per client, ids 0..N-1), `pfedpg` its descriptors (one per client, ids "
-            "0..N-1)"
+            "channel per client, ids 0..N-1), `pfedpg`, `pfedhn` and `pefll` their descriptors, "
+            "`pfedla` its hypernetworks and `apple` its cores (one per client, ids 0..N-1)"
         ),
     )
     fraction_train: float = setting(

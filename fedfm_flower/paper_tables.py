@@ -93,9 +93,7 @@ class PaperTable:
             "title": self.title,
             "metric": self.metric,
             "setting": "stand-in" if stand_in else "paper",
-            "columns": [
-                {"name": c.name, "setup": c.setup_of(stand_in)} for c in self.columns
-            ],
+            "columns": [{"name": c.name, "setup": c.setup_of(stand_in)} for c in self.columns],
             "rows": [
                 {"name": r.name, "label": r.label, "missing": r.missing, "paper": list(r.paper)}
                 for r in self.rows

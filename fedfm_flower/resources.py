@@ -21,9 +21,11 @@ load_weights=False)`` on PyTorch's meta device: shapes only, no weights, no down
   (about twice the forward when the whole model trains, the same factor for every such method,
   so the ratios hold);
 * **communication**: the parameters a client uploads per round, the tensors its method shares
-  (the method's split, ``MethodSpec.split``; FedPerfix's from ``fedperfix-personal``). The
-  server sends as many back (download = upload) for every method here (pFedSeq and pFedPG send
-  updates of the shared tensors, of the same size).
+  (the method's split, ``MethodSpec.split``; FedPerfix's from ``fedperfix-personal``), and
+  the parameters it downloads: as many (pFedSeq and pFedPG send updates of the shared tensors,
+  of the same size) except where the method's profile counts its messages (``traffic``: APPLE
+  downloads every client's core, PeFLL's messages carry its networks' descriptor, gradient and
+  Jacobian).
 
 Each is also given as a fraction of FedAvg's on the same backbone: FedAvg training the whole
 ViT with no plugin (``tuner = none``, ``train-backbone = true``), the paper's 1x. FedPerfix's
@@ -251,7 +253,14 @@ def method_resources(config: ExperimentConfig, num_outputs: int | None = None) -
     shared, local = method.split_names(counts.groups)
     trainable = sum(counts.numel.values())
     storage = counts.total_params + (profile.copies - 1) * trainable + profile.extra
-    upload = sum(counts.numel[n] for n in shared)
+    upload = download = sum(counts.numel[n] for n in shared)
+    if profile.traffic is not None:
+        if not config.num_clients:
+            raise ValueError(
+                f"method '{config.method}': its messages grow with the number of "
+                "clients; set num-clients"
+            )
+        upload, download = profile.traffic(config, upload, outputs)
     reference = _model_counts(_model_key(config), "none", outputs, True)
     return Resources(
         label=config.label or config.method,
@@ -262,7 +271,7 @@ def method_resources(config: ExperimentConfig, num_outputs: int | None = None) -
         storage_params=storage,
         local_params=sum(counts.numel[n] for n in local) + storage - counts.total_params,
         upload_params=upload,
-        download_params=upload,
+        download_params=download,
         forward_macs=counts.forward_macs,
         passes=profile.passes,
         fedavg_storage_params=reference.total_params,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import io
+import math
 from pathlib import Path
 
 import pytest
@@ -139,9 +140,18 @@ def test_the_upload_counted_is_what_the_strategy_sends(method: str) -> None:
     initial = initial_trainable(
         config, tuner_of(config), CLASSES, train_backbone=trains_backbone(config)
     )
-    payload = strategy_class(method)(config, initial).train_payload(0, 1)
-    assert row.upload_params == sum(t.numel() for t in payload.values())
-    assert row.upload_params + row.local_params <= row.storage_params
+    strategy = strategy_class(method)(config, initial)
+    if method == "pefll":  # client 0 has sent a descriptor: the steady round (with a Jacobian)
+        server = strategy.require_server()
+        server.descriptors[0] = 1.0
+        server.descriptor_rounds[0] = 1
+    payload = strategy.train_payload(0, 2)
+    reply = strategy.reply_spec(0)
+    assert row.download_params == sum(t.numel() for t in payload.values())
+    assert row.upload_params == sum(math.prod(shape) for shape, _ in reply.values())
+    if METHODS[method].profile.traffic is None:  # the shared tensors, once each way
+        assert row.download_params == row.upload_params
+        assert row.upload_params + row.local_params <= row.storage_params
 
 
 def test_command_rows_variants_and_labels(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -47,6 +47,9 @@ class ResourceProfile:
     copies: int = 1  # copies of the trainable tensors a client stores (APFL: v and w)
     passes: int = 1  # forward-backward passes per training step (APFL, Per-FedAvg: 2)
     extra: int = 0  # further parameters a client stores (APFL's mixing weight alpha)
+    # Where a round's messages carry more than the shared tensors once each way: (run config,
+    # parameters of the shared tensors, classes) -> (upload, download) per client and round.
+    traffic: Callable[[ExperimentConfig, int, int], tuple[int, int]] | None = None
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,9 @@ class MethodSpec:
     modalities: tuple[str, ...] = ()  # input modalities it serves; () means every one
     split: Split | Callable[[ExperimentConfig], Split] = Split()
     profile: ResourceProfile = ResourceProfile()
+    # Names of the method's own message entries beside the model's tensors start with this
+    # (APPLE's other clients' cores, PeFLL's networks); "": its messages hold model tensors only.
+    message_prefix: str = ""
     # What tuning searches besides the common training keys (fedfm_flower.search): run-config
     # key -> range; an entry for a common key (lr) replaces the common range.
     search: Mapping[str, Range] = field(default_factory=dict, compare=False)
