@@ -1,4 +1,5 @@
-"""Base of the strategies whose server keeps one slot per client (pFedSeq, pFedPG).
+"""Base of the strategies whose server keeps one slot per client (pFedSeq, pFedPG, APPLE, pFedHN,
+pFedLA, PeFLL).
 
 Their learners need the number of clients N before the first aggregation: ``num-clients`` when
 set, otherwise the ``num-partitions`` the nodes report in the identity query, otherwise the

@@ -137,8 +137,8 @@ class PerAdaSettings(MethodSettings):
         0,
         non_negative=True,
         doc=(
-            "distil in rounds 1..N only, FedAvg's average after; `0`: every round (the "
-            "authors' scripts: 30)"
+            "> 0: distil in the first that many rounds only, FedAvg's average after; `0`: "
+            "every round (the authors' scripts: 30)"
         ),
     )
     aux_data: str = setting(
