@@ -8,7 +8,8 @@
 #
 #     bash scripts/tuned16.sh [TABLE ...]     # default: all six, in order
 #
-# Tables: feature-skew label-skew many-clients tap fedperfix feddpa (FedDPA's other reports,
+# Tables: feature-skew label-skew many-clients tap fedperfix feddpa, and the pFL baselines on
+# the first two: label-skew-baselines feature-skew-baselines (FedDPA's other reports,
 # TTP and against each of its methods: docs/tuning.md). Each
 # has at least 16 trials per method in the widened spaces and a budget in client-rounds
 # (--client-rounds): the one-draw table's (the largest spend of its methods' first 16 trials)
@@ -45,6 +46,24 @@ run() {  # run TABLE REFERENCE EARLIER-REPORT "FIRST SECOND ..." -- tune argumen
     "$PY" -m fedfm_flower.report "runs/tuned16-$table" --out "$state/report" \
         --reference "$reference" --conclusions-of "$earlier" --conclusions-name "one draw" \
         "${pairs[@]}"
+}
+
+# The pFL baselines of the papers' tables, tuned on a glyph table's setup as its own study (from
+# a newer tree than the table's: one study, one tree) at the table's client-round budget, with
+# final runs on the same data draws; reported together with the table's methods, each against
+# Local and against pFedSeq.
+BASELINES="ditto pfedme fedala fedrod per-fedavg-lora apple pfedhn pfedla pefll perada"
+baselines() {  # baselines TABLE-SETUP CLIENT-ROUNDS TRANSFER...
+    local table="$1" budget="$2" pairs=()
+    local state="bench/results/tuned16-$table-baselines"
+    shift 2
+    for method in $BASELINES; do pairs+=(--pair "$method" pfedseq); done
+    # shellcheck disable=SC2086
+    "$PY" -m fedfm_flower.tune --methods $BASELINES --setups "$table" --val-fraction 0.15 \
+        --client-rounds "$budget" --transfer "$@" --trials 16 \
+        --out "runs/tuned16-$table-baselines" --state "$state" --ray
+    "$PY" -m fedfm_flower.report "runs/tuned16-$table" "runs/tuned16-$table-baselines" \
+        --out "$state/report" --reference local "${pairs[@]}"
 }
 
 for table in "${TABLES[@]}"; do
@@ -85,8 +104,12 @@ for table in "${TABLES[@]}"; do
                 "feddpa-t feddpa-f feddpa-t:fixed feddpa-t fedavg local" -- \
                 --methods feddpa-t fedavg fedavg-ft local feddpa-f feddpa-t:fixed feddpa-f:fixed \
                 --setups instructions-8-tasks --client-rounds 2144 ;;
+        label-skew-baselines)
+            baselines glyphs-label-skew 5080 dirichlet-0.1 20-clients ;;
+        feature-skew-baselines)
+            baselines glyphs-feature-skew 2796 domain-dirichlet scarce ;;
         *)
-            echo "error: unknown table '$table' (feature-skew label-skew many-clients tap fedperfix feddpa)" >&2
+            echo "error: unknown table '$table' (feature-skew label-skew many-clients tap fedperfix feddpa label-skew-baselines feature-skew-baselines)" >&2
             exit 2 ;;
     esac
 done

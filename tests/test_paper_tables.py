@@ -58,6 +58,19 @@ def test_pfedseq_cells_are_the_configs_users_run(tmp_path: Path) -> None:
         assert {k: baseline.get(k) for k in shared} == shared, setup
 
 
+@pytest.mark.parametrize("method", ["pfedpg", "fedvpt", "fedvpt-deep"])
+def test_pfedpg_cells_are_the_configs_users_run(method: str, tmp_path: Path) -> None:
+    """pFedPG's Table 2 cells of the prompt methods set every key of the user's config file
+    (configs/<method>/cifar100-<partition>-vit-b16.toml) to the same value."""
+    files = {"pfedpg-cifar100-dir0.1": "cifar100-dir0.1-vit-b16"}
+    files["pfedpg-cifar100-disjoint"] = "cifar100-disjoint-vit-b16"
+    assert set(load_table("pfedpg-t2").setups()) == set(files)
+    for setup, stem in files.items():
+        users = tomllib.loads((CONFIG_ROOT / method / f"{stem}.toml").read_text())
+        cell = cell_config(method, setup, 0, tmp_path)
+        assert {k: cell.get(k) for k in users} == users, (method, setup)
+
+
 def test_pfedseq_t1_rows_in_the_papers_order() -> None:
     table = load_table("pfedseq-t1")
     assert [r.name for r in table.rows][:2] == ["Local", "FedAvg"]
