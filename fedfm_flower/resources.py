@@ -251,15 +251,15 @@ def method_resources(config: ExperimentConfig, num_outputs: int | None = None) -
     outputs = _num_outputs(config, num_outputs)
     counts = _model_counts(_model_key(config), method.tuner, outputs, method.trains_backbone)
     shared, local = method.split_names(counts.groups)
+    if (profile.traffic is not None or callable(profile.copies)) and not config.num_clients:
+        raise ValueError(
+            f"method '{config.method}': what a client stores or sends grows with the number "
+            "of clients; set num-clients"
+        )
     trainable = sum(counts.numel.values())
-    storage = counts.total_params + (profile.copies - 1) * trainable + profile.extra
+    storage = counts.total_params + (profile.copies_for(config) - 1) * trainable + profile.extra
     upload = download = sum(counts.numel[n] for n in shared)
     if profile.traffic is not None:
-        if not config.num_clients:
-            raise ValueError(
-                f"method '{config.method}': its messages grow with the number of "
-                "clients; set num-clients"
-            )
         upload, download = profile.traffic(config, upload, outputs)
     reference = _model_counts(_model_key(config), "none", outputs, True)
     return Resources(

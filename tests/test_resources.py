@@ -209,3 +209,13 @@ def test_vit_s16_against_the_paper() -> None:
     assert fedperfix.upload_params == fedavg.upload_params - (width * 100 + 100)
     assert abs(attention.communication_ratio - 13.89 / 21.03) < 0.02
     assert 1.0 < fedperfix.computation_ratio < 1.2  # prefix adapters: ~15% more MACs
+
+
+def test_apple_stores_and_downloads_every_clients_core() -> None:
+    keys = {"tuner": "auto", "train-backbone": False, "num-clients": 4}
+    fedavg, apple = (method_resources(_tiny(m, **keys)) for m in ("fedavg", "apple"))
+    trainable = fedavg.upload_params  # FedAvg and APPLE share every trainable tensor
+    assert apple.upload_params == trainable and apple.download_params == 4 * trainable
+    assert apple.storage_params == fedavg.storage_params + 4 * trainable  # N cores + w_i
+    with pytest.raises(ValueError, match="set num-clients"):
+        method_resources(_tiny("apple", **{**keys, "num-clients": 0}))

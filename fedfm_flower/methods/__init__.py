@@ -44,12 +44,18 @@ class Split:
 class ResourceProfile:
     """What a client keeps and computes beyond its model (FedPerfix's Table 2 columns)."""
 
-    copies: int = 1  # copies of the trainable tensors a client stores (APFL: v and w)
+    # Copies of the trainable tensors a client stores (APFL: v and w), or a function of the run
+    # config where they grow with it (APPLE: every client's core and their mixture).
+    copies: int | Callable[[ExperimentConfig], int] = 1
     passes: int = 1  # forward-backward passes per training step (APFL, Per-FedAvg: 2)
     extra: int = 0  # further parameters a client stores (APFL's mixing weight alpha)
     # Where a round's messages carry more than the shared tensors once each way: (run config,
     # parameters of the shared tensors, classes) -> (upload, download) per client and round.
     traffic: Callable[[ExperimentConfig, int, int], tuple[int, int]] | None = None
+
+    def copies_for(self, config: ExperimentConfig) -> int:
+        """The copies a client of ``config``'s run stores."""
+        return self.copies(config) if callable(self.copies) else self.copies
 
 
 @dataclass(frozen=True)

@@ -187,6 +187,11 @@ CAPABILITIES = Capabilities(
 )
 
 
+def apple_copies(config: ExperimentConfig) -> int:
+    """A training client holds all N cores and their mixture w_i."""
+    return config.num_clients + 1
+
+
 def apple_traffic(config: ExperimentConfig, shared: int, classes: int) -> tuple[int, int]:
     """Up: the client's core; down: all N cores (APPLE's download grows with the clients)."""
     return shared, config.num_clients * shared
@@ -203,9 +208,9 @@ SPECS = (
         settings=AppleSettings,
         # The core (every trainable tensor) travels; p_i stays in the client's state.
         split=Split(shared=None, local=()),
-        # While training a client holds N cores and their mixture (N + 1 copies: the profile
-        # cannot name N and counts the least, 2) and the N entries of p_i.
-        profile=ResourceProfile(copies=2, traffic=apple_traffic),
+        # While training a client holds N cores and their mixture (N + 1 copies) and the N
+        # entries of p_i (not counted: N scalars).
+        profile=ResourceProfile(copies=apple_copies, traffic=apple_traffic),
         message_prefix=CORE_PREFIX,
         search=SEARCH,
         capabilities=CAPABILITIES,

@@ -7,7 +7,7 @@ authors' code, github.com/pefllauthors/PeFLL, runs all of it on one machine):
 
 1. forward: the server sends the embedding network psi; the client computes its descriptor
    v_i = 1/|B| sum_{(x, y) in B} E(x, y; psi) on a batch B of its data and sends v_i; the server
-   sends theta_i = h(v_i; phi);
+   sends theta_i = h(v_i; phi) (here of the normalized descriptor: below);
 2. the client trains theta_i for k local steps to theta_i~ and sends Delta_i = theta_i~ - theta_i;
 3. backward: the server takes (d theta_i / d phi)^T (theta_i - theta_i~) for phi and sends the
    descriptor's gradient g_i = (d theta_i / d v_i)^T (theta_i - theta_i~); the client
