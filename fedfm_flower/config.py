@@ -24,7 +24,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from fedfm_flower.keys import (
     NATURAL_ID_PARTITIONERS,
@@ -46,11 +46,13 @@ from fedfm_flower.models.tuners.keys import (
     PromptKeys,
     TunerKeys,
 )
+from fedfm_flower.privacy.support import dp_refusal, secagg_refusal
 from fedfm_flower.registry import METHODS as METHOD_REGISTRY
 from fedfm_flower.registry import settings_class, settings_classes, trains_backbone
 from fedfm_flower.settings import (
     ConfigError,
     MethodSettings,
+    SettingsT,
     check_value,
     coerce,
     require_package,
@@ -76,8 +78,6 @@ GROUPS: tuple[type, ...] = (
     PrivacyKeys,
     SecAggKeys,
 )
-
-SettingsT = TypeVar("SettingsT", bound=MethodSettings)
 
 
 def data_seed_of(seed: int, data_seed: int) -> int:
@@ -253,8 +253,6 @@ class ExperimentConfig(
             raise ConfigError("mlflow-experiment", self.mlflow_experiment, "must not be empty")
 
     def _check_privacy(self) -> None:
-        from fedfm_flower.privacy.support import dp_refusal
-
         if self.dp == "none":
             return
         refusal = dp_refusal(self)
@@ -262,8 +260,6 @@ class ExperimentConfig(
             raise ConfigError("dp", self.dp, f"method {self.method!r} cannot take it: {refusal}")
 
     def _check_secagg(self) -> None:
-        from fedfm_flower.privacy.secagg import secagg_refusal
-
         if self.secagg_num_shares > 1 and (
             self.secagg_num_shares < 3 or not float(self.secagg_num_shares).is_integer()
         ):
@@ -326,7 +322,7 @@ class ExperimentConfig(
 
     def _check_evaluation_split(self) -> None:
         from fedfm_flower.data.registry import dataset_spec
-        from fedfm_flower.tasks import task_has_validation
+        from fedfm_flower.tasks.registry import task_has_validation
 
         if self.evaluation_split != "val":
             return
@@ -342,7 +338,7 @@ class ExperimentConfig(
 
     def _check_modality(self) -> None:
         from fedfm_flower.data.registry import dataset_spec
-        from fedfm_flower.tasks import task_modality
+        from fedfm_flower.tasks.registry import task_modality
 
         task = dataset_spec(self.dataset).task
         family = family_of(self.backbone)

@@ -24,7 +24,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar, Protocol, Self, TypeVar
 
 SCALARS: tuple[type, ...] = (bool, int, float, str)
 
@@ -206,3 +206,21 @@ class MethodSettings:
 
     def check(self) -> None:
         """Rules across fields (override; raise ConfigError). None by default."""
+
+
+SettingsT = TypeVar("SettingsT", bound=MethodSettings)
+
+
+class RunConfig(Protocol):
+    """A run's config as the layers under ``fedfm_flower.config`` read it: the method
+    modules, the registry and the privacy capabilities, which the config imports and so
+    cannot import (``ExperimentConfig`` is one)."""
+
+    method: str
+    dataset: str
+    dp: str
+    num_clients: int
+
+    def settings_of(self, kind: type[SettingsT]) -> SettingsT:
+        """The typed settings ``kind`` of the run's values."""
+        ...

@@ -5,9 +5,10 @@ Every module of the packages below is parsed with ``ast`` (nothing is imported).
 anywhere in ``a``, at module level or inside a function, resolved against the module's package
 (``from . import x``, ``from .m import y``) and to the submodule when the imported name is one
 (``from fedfm_flower.data import splits`` is an edge to ``fedfm_flower.data.splits``). Imports
-under ``if TYPE_CHECKING:`` never run and are left out; so are the implicit imports of parent
-packages (``import a.b.c`` runs ``a/__init__`` first), which every submodule has, and imports of
-modules that do not exist.
+under ``if TYPE_CHECKING:`` count too: they never run, but a module that names another's type
+depends on it, and a cycle through them is a layer that knows one above it. Left out are the
+implicit imports of parent packages (``import a.b.c`` runs ``a/__init__`` first), which every
+submodule has, and imports of modules that do not exist.
 
 Imports made by name at run time are edges too (``on_demand_imports``): a package's lazy exports
 (``_EXPORTS`` of ``fedfm_flower.lazy``) from the package to each exporting module, the
@@ -38,23 +39,11 @@ def module_files(root: Path = ROOT, packages: tuple[str, ...] = PACKAGES) -> dic
     return modules
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
 def _import_nodes(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
-    """Every import statement that can run (at any depth), skipping ``if TYPE_CHECKING:``."""
-    stack = [tree]
-    while stack:
-        node = stack.pop()
+    """Every import statement (at any depth, under ``if TYPE_CHECKING:`` too)."""
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import | ast.ImportFrom):
             yield node
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
-            stack.extend(node.orelse)
-            continue
-        stack.extend(ast.iter_child_nodes(node))
 
 
 def imports_of(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
@@ -233,7 +222,7 @@ def test_imports_are_resolved(tmp_path: Path):
     modules = module_files(tmp_path, ("pkg",))
     graph = import_graph(modules)
     assert graph["pkg"] == {"pkg.sub.leaf"}
-    assert graph["pkg.sub.leaf"] == {"pkg.top", "pkg.sub.other"}
+    assert graph["pkg.sub.leaf"] == {"pkg.top", "pkg.hidden", "pkg.sub.other"}  # type-only too
     assert graph["pkg.sub.other"] == {"pkg.sub.leaf", "pkg.sub"}
     assert find_cycles(graph) == [["pkg.sub.leaf", "pkg.sub.other", "pkg.sub.leaf"]]
 

@@ -127,7 +127,7 @@ def test_families_registry_agrees_with_config_and_checks_modality() -> None:
     from fedfm_flower.config import BACKBONES
     from fedfm_flower.data.registry import DATASETS
     from fedfm_flower.models.families import FAMILIES, family_of
-    from fedfm_flower.tasks import TASKS
+    from fedfm_flower.tasks.registry import TASKS
 
     assert set(BACKBONES) == {b for f in FAMILIES.values() for b in f.backbones}
     assert {spec.task for spec in DATASETS.values()} <= set(TASKS)

@@ -29,9 +29,9 @@ from fedfm_flower.privacy.secagg import (
     SecAggSettings,
     SecureMean,
     SecureRound,
-    secagg_refusal,
     secure_exchange,
 )
+from fedfm_flower.privacy.support import secagg_refusal
 from fedfm_flower.records import from_array_record, numpy_arrays, to_array_record
 from fedfm_flower.registry import METHODS
 from fedfm_flower.settings import ConfigError

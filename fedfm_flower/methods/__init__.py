@@ -19,9 +19,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from fedfm_flower.config import ExperimentConfig
     from fedfm_flower.ranges import Range
-    from fedfm_flower.settings import MethodSettings
+    from fedfm_flower.settings import MethodSettings, RunConfig
 
 
 @dataclass(frozen=True)
@@ -46,14 +45,14 @@ class ResourceProfile:
 
     # Copies of the trainable tensors a client stores (APFL: v and w), or a function of the run
     # config where they grow with it (APPLE: every client's core and their mixture).
-    copies: int | Callable[[ExperimentConfig], int] = 1
+    copies: int | Callable[[RunConfig], int] = 1
     passes: int = 1  # forward-backward passes per training step (APFL, Per-FedAvg: 2)
     extra: int = 0  # further parameters a client stores (APFL's mixing weight alpha)
     # Where a round's messages carry more than the shared tensors once each way: (run config,
     # parameters of the shared tensors, classes) -> (upload, download) per client and round.
-    traffic: Callable[[ExperimentConfig, int, int], tuple[int, int]] | None = None
+    traffic: Callable[[RunConfig, int, int], tuple[int, int]] | None = None
 
-    def copies_for(self, config: ExperimentConfig) -> int:
+    def copies_for(self, config: RunConfig) -> int:
         """The copies a client of ``config``'s run stores."""
         return self.copies(config) if callable(self.copies) else self.copies
 
@@ -106,13 +105,13 @@ class MethodSpec:
     client: str
     summary: str
     settings: type[MethodSettings] | None = None  # its keys <prefix>-*; None: no keys of its own
-    tuner: str = "lora"  # what it adds to the backbone (fedfm_flower.models.tuners.TUNERS)
+    tuner: str = "lora"  # what it adds to the backbone (fedfm_flower.models.tuners.registry.TUNERS)
     # The whole ViT trains (else only when train-backbone = true). On a backbone of another
     # family, which is adapter-tuned only, such a method with tuner "none" trains the family's
     # LoRA instead; one with a ViT tuner of its own (FedPerfix) needs a ViT.
     trains_backbone: bool = False
     modalities: tuple[str, ...] = ()  # input modalities it serves; () means every one
-    split: Split | Callable[[ExperimentConfig], Split] = Split()
+    split: Split | Callable[[RunConfig], Split] = Split()
     profile: ResourceProfile = ResourceProfile()
     # Names of the method's own message entries beside the model's tensors start with this
     # (APPLE's other clients' cores, PeFLL's networks); "": its messages hold model tensors only.
@@ -126,6 +125,6 @@ class MethodSpec:
     # Which of central DP, local DP and SecAgg+ its federation takes, and why not the others.
     capabilities: Capabilities = UNDECLARED
 
-    def split_for(self, config: ExperimentConfig) -> Split:
+    def split_for(self, config: RunConfig) -> Split:
         """The split of a run of this method (a function of ``config`` for some methods)."""
         return self.split if isinstance(self.split, Split) else self.split(config)

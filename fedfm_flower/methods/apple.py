@@ -86,14 +86,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 from fedfm_flower.methods import Capabilities, MethodSpec, ResourceProfile, Split
 from fedfm_flower.ranges import LogUniform
-from fedfm_flower.settings import MethodSettings, setting
-
-if TYPE_CHECKING:
-    from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.settings import MethodSettings, RunConfig, setting
 
 SCHEDULES: tuple[str, ...] = ("cosine", "exponential")
 EXPONENTIAL_END = 1e-3  # the exponential scheduler's lambda at r = L (the authors' epsilon)
@@ -187,12 +184,12 @@ CAPABILITIES = Capabilities(
 )
 
 
-def apple_copies(config: ExperimentConfig) -> int:
+def apple_copies(config: RunConfig) -> int:
     """A training client holds all N cores and their mixture w_i."""
     return config.num_clients + 1
 
 
-def apple_traffic(config: ExperimentConfig, shared: int, classes: int) -> tuple[int, int]:
+def apple_traffic(config: RunConfig, shared: int, classes: int) -> tuple[int, int]:
     """Up: the client's core; down: all N cores (APPLE's download grows with the clients)."""
     return shared, config.num_clients * shared
 

@@ -14,14 +14,11 @@ plugs its ``v_i`` into the received ``u``, trains both, and sends ``u_i``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 from fedfm_flower.methods import AVERAGE_ONLY, MethodSpec, Split
 from fedfm_flower.ranges import Uniform
-from fedfm_flower.settings import ConfigError, MethodSettings, setting
-
-if TYPE_CHECKING:
-    from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.settings import ConfigError, MethodSettings, RunConfig, setting
 
 
 @dataclass(frozen=True)
@@ -59,7 +56,7 @@ class FedPerfixSettings(MethodSettings):
                 raise ConfigError(key, self.personal, f"{entry!r}: {err}") from err
 
 
-def personal_split(config: ExperimentConfig) -> Split:
+def personal_split(config: RunConfig) -> Split:
     """Everything but ``fedperfix-personal`` travels; each of its entries must select something."""
     personal = config.settings_of(FedPerfixSettings).personal_parts
     return Split(shared=None, local=personal, strict=True, key=FedPerfixSettings.key_of("personal"))

@@ -79,14 +79,11 @@ Hyper-parameters and the other choices:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 from fedfm_flower.methods import Capabilities, MethodSpec, ResourceProfile, Split
 from fedfm_flower.ranges import LogUniform
-from fedfm_flower.settings import MethodSettings, setting
-
-if TYPE_CHECKING:
-    from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.settings import MethodSettings, RunConfig, setting
 
 HEADS: tuple[str, ...] = ("local", "generated")  # pfedhn-head's (a method imports no method)
 
@@ -146,7 +143,7 @@ class PeFLLSettings(MethodSettings):
     )
 
 
-def generated_split(config: ExperimentConfig) -> Split:
+def generated_split(config: RunConfig) -> Split:
     """The adapter travels (and the head, when generated: ``pefll-head``); the rest stays."""
     if config.settings_of(PeFLLSettings).head == "generated":
         return Split(shared=("adapter", "head"), local=())
@@ -171,7 +168,7 @@ def embedding_parameters(settings: PeFLLSettings, classes: int, dim: int) -> int
     return sum((inputs + 1) * outputs for inputs, outputs in layers)
 
 
-def pefll_traffic(config: ExperimentConfig, shared: int, classes: int) -> tuple[int, int]:
+def pefll_traffic(config: RunConfig, shared: int, classes: int) -> tuple[int, int]:
     """A round of a client that took part before: up Delta_i, v_i, the psi gradient and its
     flag; down theta_i, psi, the descriptor's round and d theta_i / d v_i (d x theta)."""
     settings = config.settings_of(PeFLLSettings)

@@ -63,14 +63,11 @@ Choices made here:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 from fedfm_flower.methods import Capabilities, MethodSpec, Split
 from fedfm_flower.ranges import LogUniform
-from fedfm_flower.settings import MethodSettings, setting
-
-if TYPE_CHECKING:
-    from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.settings import MethodSettings, RunConfig, setting
 
 HEADS: tuple[str, ...] = ("local", "generated")
 
@@ -118,7 +115,7 @@ class PFedHNSettings(MethodSettings):
     )
 
 
-def generated_split(config: ExperimentConfig) -> Split:
+def generated_split(config: RunConfig) -> Split:
     """The adapter travels (and the head, when generated: ``pfedhn-head``); the rest stays."""
     if config.settings_of(PFedHNSettings).head == "generated":
         return Split(shared=("adapter", "head"), local=())

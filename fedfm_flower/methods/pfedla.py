@@ -76,14 +76,11 @@ Hyper-parameters and the choices made here:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 from fedfm_flower.methods import Capabilities, MethodSpec, Split
 from fedfm_flower.ranges import LogUniform
-from fedfm_flower.settings import MethodSettings, setting
-
-if TYPE_CHECKING:
-    from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.settings import MethodSettings, RunConfig, setting
 
 LAYERINGS: tuple[str, ...] = ("block", "tensor")  # learners.pfedla.layer_groups
 HEADS: tuple[str, ...] = ("mixed", "local")
@@ -132,7 +129,7 @@ class PFedLASettings(MethodSettings):
     )
 
 
-def pfedla_split(config: ExperimentConfig) -> Split:
+def pfedla_split(config: RunConfig) -> Split:
     """Every trainable tensor travels, or all but the head with ``pfedla-head = "local"``."""
     if config.settings_of(PFedLASettings).head == "local":
         return Split(shared=None, local=("head",))

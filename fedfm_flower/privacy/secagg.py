@@ -25,10 +25,10 @@ quantization error, not bit for bit; each client counts the values it had to cli
 (``secagg-clipped`` in its training metrics).
 
 Only methods whose server needs the plain average of the same shared tensors from every client
-take it (``secagg_refusal``); the evaluation messages of a fused round travel beside step 3
-unchanged. A strategy runs it through its exchange part (``strategies.parts.exchange``,
-``SecAggExchange``) and adds the mean with its update part (``strategies.parts.averaging``,
-``SecureMeanUpdate``).
+take it (``fedfm_flower.privacy.support.secagg_refusal``); the evaluation messages of a fused
+round travel beside step 3 unchanged. A strategy runs it through its exchange part
+(``strategies.parts.exchange``, ``SecAggExchange``) and adds the mean with its update part
+(``strategies.parts.averaging``, ``SecureMeanUpdate``).
 """
 
 from __future__ import annotations
@@ -54,23 +54,6 @@ log = logging.getLogger(__name__)
 # ClientApp's mod can look for it without importing Flower's crypto.
 SECAGG_RECORD = "secaggplus_configs"
 MODULUS_RANGE = 2**32  # Flower's default; the masks are drawn below it
-
-
-def secagg_refusal(config: ExperimentConfig) -> str | None:
-    """Why ``config``'s run cannot take SecAgg+, or None when it can."""
-    from fedfm_flower.registry import method_spec
-
-    refusal = method_spec(config.method).capabilities.secagg
-    if refusal is not None:
-        return refusal
-    if config.dataset == "multitask":
-        return "on 'multitask' each component is averaged over its owners only, not one sum"
-    if config.dp == "central":
-        return (
-            "central DP clips each client's update on the server, which SecAgg+ hides; use "
-            "dp = 'local' with it"
-        )
-    return None
 
 
 @dataclass(frozen=True)

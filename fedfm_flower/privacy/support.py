@@ -1,4 +1,5 @@
-"""Which methods can take central or local differential privacy, and why the others cannot.
+"""Which methods can take central or local differential privacy or SecAgg+, and why the others
+cannot.
 
 Central DP noises the *aggregate* of the shared updates, so it fits a method whose server needs
 only that average of the clients' shared tensors: the methods on ``FedAvgStrategy`` whose
@@ -18,12 +19,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from fedfm_flower.config import ExperimentConfig
+    from fedfm_flower.settings import RunConfig
 
 DP_MODES: tuple[str, ...] = ("none", "central", "local")
 
 
-def dp_refusal(config: ExperimentConfig) -> str | None:
+def dp_refusal(config: RunConfig) -> str | None:
     """Why ``config``'s method cannot take its ``dp`` mode, or None when it can (or dp = none)."""
     if config.dp == "central":
         return central_dp_refusal(config)
@@ -32,18 +33,35 @@ def dp_refusal(config: ExperimentConfig) -> str | None:
     return None
 
 
-def local_dp_refusal(config: ExperimentConfig) -> str | None:
+def local_dp_refusal(config: RunConfig) -> str | None:
     """Why ``config``'s method cannot take local DP, or None when it can."""
     from fedfm_flower.registry import method_spec
 
     return method_spec(config.method).capabilities.local_dp
 
 
-def central_dp_refusal(config: ExperimentConfig) -> str | None:
+def central_dp_refusal(config: RunConfig) -> str | None:
     """Why ``config``'s method cannot take central DP, or None when it can."""
     from fedfm_flower.registry import method_spec
 
     return method_spec(config.method).capabilities.central_dp
+
+
+def secagg_refusal(config: RunConfig) -> str | None:
+    """Why ``config``'s run cannot take SecAgg+, or None when it can."""
+    from fedfm_flower.registry import method_spec
+
+    refusal = method_spec(config.method).capabilities.secagg
+    if refusal is not None:
+        return refusal
+    if config.dataset == "multitask":
+        return "on 'multitask' each component is averaged over its owners only, not one sum"
+    if config.dp == "central":
+        return (
+            "central DP clips each client's update on the server, which SecAgg+ hides; use "
+            "dp = 'local' with it"
+        )
+    return None
 
 
 TABLE_BEGIN, TABLE_END = "<!-- capabilities:begin -->", "<!-- capabilities:end -->"

@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from fedfm_flower.models.tuners.registry import TUNERS
+
 if TYPE_CHECKING:
     from torch import nn
 
@@ -29,18 +31,6 @@ class TunedParts:
 
 
 Tuner = Callable[["nn.Module", "ExperimentConfig"], TunedParts]
-
-TUNERS: dict[str, str] = {
-    "lora": "fedfm_flower.models.tuners.lora:lora_tuner",
-    "dual-lora": "fedfm_flower.models.tuners.dual_lora:dual_lora_tuner",
-    "vpt": "fedfm_flower.models.tuners.prompts:vpt_shallow_tuner",
-    "vpt-deep": "fedfm_flower.models.tuners.prompts:vpt_deep_tuner",
-    "perfix": "fedfm_flower.models.tuners.prefix:perfix_tuner",
-    "prefix-zero": "fedfm_flower.models.tuners.prefix:prefix_zero_tuner",
-    "prefix-random": "fedfm_flower.models.tuners.prefix:prefix_random_tuner",
-    "mlp-adapter": "fedfm_flower.models.tuners.mlp_adapter:mlp_adapter_tuner",
-    "none": "fedfm_flower.models.tuners:no_tuner",
-}
 
 
 def no_tuner(backbone: nn.Module, config: ExperimentConfig) -> TunedParts:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from fedfm_flower.models.tuners import TUNERS
+from fedfm_flower.models.tuners.registry import TUNERS
 from fedfm_flower.settings import setting
 
 TUNER_CHOICES: tuple[str, ...] = ("auto", *TUNERS)
