@@ -10,6 +10,21 @@ method label (``method`` or ``method:variant``) or a ``missing`` reason for a ro
 framework cannot run. A row may carry the paper's reported figures (``paper``, one per column,
 blank where the paper has none) so that the report sets ours beside them.
 
+A cell is the report's main metric of (column setup, row method), unless the table's columns
+are **client tasks** of one federation (FedDPA's Table 1, ``feddpa-t1``): then every column
+names its ``task``, as the report's per-task table (``fedfm_flower.report.task_table``) names
+its columns: a client task's name, or ``Average``. The task table of an instruction run names
+a client by its task (the offline ``instructions`` data's task, ``client_task``; a ``flan``
+client's most common record category), so a column's task differs between the paper's data
+and the offline stand-in's; ``stand-in-task`` names the stand-in's (default: ``task``). Every
+row then names its ``block``, the task table's block its cells come from (``Personalization``
+or ``Test-time personalization``, ``task_table.BLOCKS``). The block is a row's, not the
+table's, because the paper's two blocks are one table of the same runs (every test-time row's
+method is also a personalization row): one sweep and one report give both, where two tables
+would need two run folders (a folder records one table) of the same runs. A method label may
+then appear once per block. Columns are matched to tasks by name, not by client order: the
+task table orders its columns by client, the paper by its own choice.
+
     python -m fedfm_flower.sweep --table pfedseq-t1 --seeds 0 1 2 --out runs/pfedseq-t1
     python -m fedfm_flower.sweep --table pfedseq-t1 --stand-in --out runs/pfedseq-t1-offline
     python -m fedfm_flower.report runs/pfedseq-t1 --out reports/pfedseq-t1
@@ -36,15 +51,22 @@ TABLE_FILE = "table.json"
 @dataclass(frozen=True)
 class Column:
     """One column: the paper's setting and the offline setup standing in for it (None: the
-    column has no offline stand-in)."""
+    column has no offline stand-in); for a task-column table, the client task it shows on
+    each (None: the column is a setup, its cells the main metric)."""
 
     name: str
     setup: str
     stand_in: str | None
+    task: str | None = None
+    stand_in_task: str | None = None
 
     def setup_of(self, stand_in: bool) -> str | None:
         """The setup this column runs on: the paper's, or its stand-in (None: none)."""
         return self.stand_in if stand_in else self.setup
+
+    def task_of(self, stand_in: bool) -> str | None:
+        """The client task this column shows on that setting (None: not a task column)."""
+        return (self.stand_in_task or self.task) if stand_in else self.task
 
 
 @dataclass(frozen=True)
@@ -55,6 +77,7 @@ class Row:
     label: str | None
     missing: str
     paper: tuple[float | None, ...]
+    block: str | None = None  # the task table's block of its cells (task-column tables only)
 
 
 @dataclass(frozen=True)
@@ -71,8 +94,9 @@ class PaperTable:
     rows: tuple[Row, ...]
 
     def labels(self) -> list[str]:
-        """The method labels of the rows the framework runs, in the paper's order."""
-        return [row.label for row in self.rows if row.label is not None]
+        """The method labels of the rows the framework runs, in the paper's order (each once,
+        though a task-column table may list one in two blocks)."""
+        return list(dict.fromkeys(row.label for row in self.rows if row.label is not None))
 
     def setups(self, stand_in: bool = False) -> list[str]:
         """The columns' setups: the paper's, or the offline stand-ins (columns without one
@@ -92,10 +116,20 @@ class PaperTable:
             "table": self.table,
             "title": self.title,
             "metric": self.metric,
+            "reference": self.reference,
             "setting": "stand-in" if stand_in else "paper",
-            "columns": [{"name": c.name, "setup": c.setup_of(stand_in)} for c in self.columns],
+            "columns": [
+                {"name": c.name, "setup": c.setup_of(stand_in), "task": c.task_of(stand_in)}
+                for c in self.columns
+            ],
             "rows": [
-                {"name": r.name, "label": r.label, "missing": r.missing, "paper": list(r.paper)}
+                {
+                    "name": r.name,
+                    "label": r.label,
+                    "missing": r.missing,
+                    "paper": list(r.paper),
+                    "block": r.block,
+                }
                 for r in self.rows
             ],
         }
@@ -134,6 +168,51 @@ def _paper_values(value: Any, columns: int, where: str) -> tuple[float | None, .
     return tuple(out)
 
 
+def _column(data: dict[str, Any], where: str) -> Column:
+    stand_in = _text(data, "stand-in", where) if "stand-in" in data else None
+    task = _text(data, "task", where) if "task" in data else None
+    stand_in_task = _text(data, "stand-in-task", where) if "stand-in-task" in data else None
+    if stand_in_task is not None and (task is None or stand_in is None):
+        raise ValueError(f"{where}: 'stand-in-task' needs the column's 'task' and 'stand-in'")
+    return Column(
+        _text(data, "name", where), _text(data, "setup", where), stand_in, task, stand_in_task
+    )
+
+
+def _task_columns(columns: tuple[Column, ...], path: Path) -> bool:
+    """Whether the columns are client tasks (every one names its task, or none does)."""
+    named = [c.name for c in columns if c.task is not None]
+    if named and len(named) != len(columns):
+        bare = ", ".join(c.name for c in columns if c.task is None)
+        raise ValueError(
+            f"{path}: columns {bare} name no 'task' while others do; a table's columns are all "
+            "client tasks or all setups"
+        )
+    return bool(named)
+
+
+def _block(data: dict[str, Any], by_task: bool, where: str) -> str | None:
+    """A row's ``block``: required, and one of the task table's, when the columns are tasks."""
+    from fedfm_flower.report.task_table import BLOCKS
+
+    known = [title for title, _ in BLOCKS]
+    if "block" not in data:
+        if by_task:
+            raise ValueError(
+                f"{where}: the columns are client tasks; give the row's 'block' "
+                f"({' or '.join(known)}): which block of the task table its cells come from"
+            )
+        return None
+    block = _text(data, "block", where)
+    if not by_task:
+        raise ValueError(
+            f"{where}: 'block' = {block!r} needs columns that name their client 'task'"
+        )
+    if block not in known:
+        raise ValueError(f"{where}: unknown 'block' {block!r}; known: {', '.join(known)}")
+    return block
+
+
 def load_table(name: str, configs: Path = CONFIG_ROOT) -> PaperTable:
     """The declared table ``name``; ``ValueError`` names an unknown table or a bad entry."""
     path = tables_dir(configs) / f"{name}.toml"
@@ -144,16 +223,10 @@ def load_table(name: str, configs: Path = CONFIG_ROOT) -> PaperTable:
         data = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as err:
         raise ValueError(f"{path}: {err}") from err
-    columns = tuple(
-        Column(
-            _text(c, "name", f"{path} column {i}"),
-            _text(c, "setup", f"{path} column {i}"),
-            _text(c, "stand-in", f"{path} column {i}") if "stand-in" in c else None,
-        )
-        for i, c in enumerate(data.get("columns", []))
-    )
+    columns = tuple(_column(c, f"{path} column {i}") for i, c in enumerate(data.get("columns", [])))
     if not columns:
         raise ValueError(f"{path}: no [[columns]]")
+    by_task = _task_columns(columns, path)
     rows = []
     for i, r in enumerate(data.get("rows", [])):
         where = f"{path} row {i} ({r.get('name', '?')})"
@@ -166,13 +239,16 @@ def load_table(name: str, configs: Path = CONFIG_ROOT) -> PaperTable:
                 None if label is None else _text(r, "method", where),
                 missing,
                 _paper_values(r.get("paper"), len(columns), where),
+                _block(r, by_task, where),
             )
         )
     if not rows:
         raise ValueError(f"{path}: no [[rows]]")
-    labels = [row.label for row in rows if row.label is not None]
-    if len(set(labels)) != len(labels):
-        raise ValueError(f"{path}: a method label appears in two rows")
+    keys = [(row.block, row.label) for row in rows if row.label is not None]
+    if len(set(keys)) != len(keys):
+        where = "two rows of one block" if by_task else "two rows"
+        raise ValueError(f"{path}: a method label appears in {where}")
+    labels = [label for _, label in keys]
     reference = _text(data, "reference", str(path))
     if reference not in labels:
         raise ValueError(f"{path}: reference '{reference}' is not a row's method")
@@ -191,12 +267,19 @@ def load_table(name: str, configs: Path = CONFIG_ROOT) -> PaperTable:
 def table_plan(table: PaperTable, stand_in: bool) -> str:
     """What a sweep of ``table`` runs, and which of its rows it cannot, for the user."""
     setting = "offline stand-ins" if stand_in else "the paper's settings"
-    columns = ", ".join(f"{c.name} = {c.setup_of(stand_in) or 'none'}" for c in table.columns)
+    if table.columns[0].task is None:
+        columns = ", ".join(f"{c.name} = {c.setup_of(stand_in) or 'none'}" for c in table.columns)
+    else:
+        tasks = ", ".join(f"{c.name} = {c.task_of(stand_in)}" for c in table.columns)
+        columns = f"the client tasks of {', '.join(table.setups(stand_in)) or 'none'}: {tasks}"
     lines = [
-        f"{table.paper}, {table.table} ({table.title}): {len(table.labels())} rows on "
+        f"{table.paper}, {table.table} ({table.title}): {len(table.labels())} methods on "
         f"{setting}: {columns}"
     ]
-    lines += [f"  not run: {row.name}: {row.missing}" for row in table.missing()]
+    lines += [
+        f"  not run: {row.name}{f' ({row.block})' if row.block else ''}: {row.missing}"
+        for row in table.missing()
+    ]
     return "\n".join(lines)
 
 

@@ -1,17 +1,30 @@
 """The papers' tables by name: every declared row resolves on the paper's setting and on its
 offline stand-in (config checks only: no run, no download), a table's pFedSeq cell is the
-config users run, bad declarations are refused, and the report lays a table out as the paper."""
+config users run, bad declarations are refused, and the report lays a table out as the paper,
+its cells from the main table or, for client-task columns (FedDPA's Table 1), from the per-task
+table."""
 
 from __future__ import annotations
 
 import json
+import re
 import tomllib
 from pathlib import Path
 
+import numpy as np
 import pytest
+from scipy import stats
 
 from fedfm_flower.config_files import CONFIG_ROOT
-from fedfm_flower.paper_tables import load_table, read_table, record_table, table_names
+from fedfm_flower.data.flan import flan_client_task
+from fedfm_flower.data.instructions import client_task
+from fedfm_flower.paper_tables import (
+    PaperTable,
+    load_table,
+    read_table,
+    record_table,
+    table_names,
+)
 from fedfm_flower.registry import method_spec
 from fedfm_flower.report.build import main as report_main
 from fedfm_flower.sweep import build_cells, cell_config
@@ -22,7 +35,27 @@ TABLES = table_names()
 
 
 def test_the_papers_main_tables_are_declared() -> None:
-    assert "pfedseq-t1" in TABLES
+    assert {"pfedseq-t1", "feddpa-t1"} <= set(TABLES)
+
+
+def _users_data(table: PaperTable, setup: str, stand_in: bool, root: Path) -> dict[str, str]:
+    """Overrides standing in for the data a user provides: a setup naming a ``flan`` data-dir
+    that is not here (the authors' files) gets tiny client files under ``root``, one per
+    client, each client's records of the task the table's columns name (columns in client
+    order), and data-dir pointing at them. Preflight itself still refuses a missing directory."""
+    config = cell_config(table.labels()[0], setup, 0, root)
+    if config.get("dataset") != "flan" or Path(config.get("data-dir", "")).is_dir():
+        return {}
+    tasks = [c.task_of(stand_in) for c in table.columns if c.setup_of(stand_in) == setup]
+    tasks = [t for t in tasks if t and t != "Average"]
+    data = root / "flan" / setup
+    data.mkdir(parents=True)
+    for client in range(int(config["num-clients"])):
+        task = tasks[client] if client < len(tasks) else f"task-{client}"
+        record = {"instruction": f"Question {client}?", "output": "yes", "category": task}
+        for name in ("local_training", "local_test"):
+            (data / f"{name}_{client}.json").write_text(json.dumps([record]))
+    return {"data-dir": str(data)}
 
 
 @pytest.mark.parametrize("name", TABLES)
@@ -32,10 +65,54 @@ def test_every_row_resolves_on_every_column(name: str, stand_in: bool, tmp_path:
     for label in table.labels():
         method_spec(label.partition(":")[0])  # a registered method (KeyError names it)
     # build_cells validates every cell's run config (ValueError names the run and the value)
-    cells = build_cells(table.labels(), table.setups(stand_in), [0], tmp_path)
+    cells = []
+    for setup in table.setups(stand_in):
+        overrides = _users_data(table, setup, stand_in, tmp_path)
+        cells += build_cells(table.labels(), [setup], [0], tmp_path, overrides)
     assert len(cells) == len(table.labels()) * len(table.setups(stand_in))
     if stand_in:  # offline: small models built here, nothing from the Hub
         assert all(not c.config.get("pretrained", False) for c in cells), name
+
+
+def test_a_missing_users_data_dir_is_still_refused(tmp_path: Path) -> None:
+    """The paper's FedDPA setting names the authors' data directory: where it is not, preflight
+    refuses the cell before any run (the test above provides tiny files instead)."""
+    table = load_table("feddpa-t1")
+    data_dir = cell_config("fedavg", "feddpa-flan-dataset1", 0, tmp_path)["data-dir"]
+    if Path(data_dir).exists():
+        pytest.skip(f"{data_dir} is here (the user's copy of the authors' data)")
+    with pytest.raises(ValueError, match="'data-dir' = 'data/dataset1/8'.*no such directory"):
+        build_cells(table.labels(), table.setups(), [0], tmp_path)
+
+
+def test_feddpa_t1_columns_are_the_federations_client_tasks(tmp_path: Path) -> None:
+    """Each setting's task columns name its 8 clients' tasks once each (plus Average): the flan
+    loader's names (a client's most common category) on the paper's setting, the offline
+    instructions tasks on the stand-in; the paper's setting is the paper's."""
+    table = load_table("feddpa-t1")
+    assert [c.name for c in table.columns][-1] == "Average"
+    assert [r.block for r in table.rows].count("Personalization") == 6
+    ttp = [r.name for r in table.rows if r.block == "Test-time personalization"]
+    assert ttp == ["Local-finetuned", "FedLoRA", "FedDPA-F", "FedDPA-T"]
+    for stand_in in (False, True):
+        tasks = [c.task_of(stand_in) for c in table.columns[:-1]]
+        assert len(set(tasks)) == 8, stand_in
+    assert {client_task(i) for i in range(8)} == {c.task_of(True) for c in table.columns[:-1]}
+    data = Path(_users_data(table, "feddpa-flan-dataset1", False, tmp_path)["data-dir"])
+    assert [flan_client_task(str(data), i) for i in range(8)] == [
+        c.task for c in table.columns[:-1]
+    ]
+    for label in table.labels():
+        cell = cell_config(label, "feddpa-flan-dataset1", 0, tmp_path)
+        assert (cell["dataset"], cell["num-clients"], cell["fraction-train"]) == ("flan", 8, 1.0)
+        assert cell["model-name-or-path"] == "huggyllama/llama-7b"
+        assert (cell["lora-rank"], cell["lora-target-modules"]) == (8, "q_proj,v_proj")
+        assert (cell["local-epochs"], cell["batch-size"]) == (10, 32)
+        assert cell["test-time-evaluation"] is True
+        # K = 20 rounds; Local-finetuned and Centralized: 50 epochs (Appendix A.2)
+        epochs = 50 if label in ("local", "centralized") else 200
+        assert cell["num-server-rounds"] * cell["local-epochs"] == epochs, label
+    assert cell_config("feddpa-t", "feddpa-flan-dataset1", 0, tmp_path)["feddpa-alpha"] == 0.5
 
 
 def test_pfedseq_cells_are_the_configs_users_run(tmp_path: Path) -> None:
@@ -186,3 +263,197 @@ def test_report_lays_the_table_out_as_the_paper(tmp_path: Path) -> None:
     section = (out / "report.md").read_text().split("## P, Table 9: t")[1]
     assert "| row | method | A (`ga`) |" in section and "| paper |" not in section
     assert "| Local | `local` | — |" in section  # no run on the stand-in's setup
+
+
+def test_the_report_tests_against_the_tables_reference_unless_told(tmp_path: Path) -> None:
+    fed_row = '[[rows]]\nname = "Fed"\nmethod = "fedavg"\npaper = [2.5]\n[[rows]]\nname = "Other"'
+    declared = GOOD.replace('[[rows]]\nname = "Other"', fed_row)
+    _declare(tmp_path / "configs", declared.replace('reference = "local"', 'reference = "fedavg"'))
+    runs = tmp_path / "runs"
+    for seed in (0, 1):
+        write_run_dir(runs / "a", "local", seed, [0.5, 0.7], setup="sa")
+        write_run_dir(runs / "b", "fedavg", seed, [0.6 + 0.1 * seed, 0.8], setup="sa")
+    record_table(runs, load_table("t", tmp_path / "configs"), stand_in=False)
+    out = tmp_path / "report"
+    assert report_main([str(runs), "--out", str(out)]) == 0
+    assert json.loads((out / "report.json").read_text())["reference"] == "fedavg"
+    assert report_main([str(runs), "--out", str(out), "--reference", "local"]) == 0
+    assert json.loads((out / "report.json").read_text())["reference"] == "local"
+
+
+TASKS = """paper = "P"
+table = "Table 7"
+title = "tasks"
+metric = "rouge"
+reference = "local"
+[[columns]]
+name = "QA"
+setup = "sa"
+stand-in = "ga"
+task = "qa"
+[[columns]]
+name = "Summaries"
+setup = "sa"
+stand-in = "ga"
+task = "sum"
+stand-in-task = "dialogue"
+[[columns]]
+name = "Average"
+setup = "sa"
+stand-in = "ga"
+task = "Average"
+[[rows]]
+name = "Local"
+method = "local"
+block = "Personalization"
+paper = [1.5, 2.5, 2.0]
+[[rows]]
+name = "Fed"
+method = "fedavg"
+block = "Personalization"
+[[rows]]
+name = "Other"
+missing = "not written"
+block = "Personalization"
+[[rows]]
+name = "Local"
+method = "local"
+block = "Test-time personalization"
+paper = [3.0, "", 3.0]
+"""
+
+
+@pytest.mark.parametrize(
+    ("text", "change", "message"),
+    [
+        (TASKS, ('block = "Test-time personalization"', ""), "row 3 .Local.: the columns are "),
+        (TASKS, ('block = "Personalization"\npaper', 'block = "Personal"\npaper'), "unknown "),
+        (TASKS, ('task = "qa"', ""), "columns QA name no 'task'"),
+        (TASKS, ('task = "sum"', ""), "'stand-in-task' needs the column's 'task'"),
+        (TASKS, ('block = "Test-time personalization"', 'block = "Personalization"'), "one bl"),
+        (GOOD, ('method = "local"', 'method = "local"\nblock = "Personalization"'), "needs col"),
+    ],
+)
+def test_bad_task_declarations_are_refused_naming_the_file(
+    tmp_path: Path, text: str, change: tuple[str, str], message: str
+) -> None:
+    """A task column without a row's block, an unknown block, columns half tasks, a block
+    without task columns: each refused with the file named."""
+    _declare(tmp_path, text.replace(*change))
+    with pytest.raises(ValueError, match=re.escape(str(tmp_path / "tables" / "t.toml"))) as err:
+        load_table("t", tmp_path)
+    assert re.search(message, str(err.value)), err.value
+
+
+# final per-client values: method -> seed -> (client 0, client 1); client 0's task is "sum" and
+# client 1's "qa", so the columns (qa first) are matched by name, not by client order
+ROUGE = {"local": {0: (0.60, 0.90), 1: (0.64, 0.80)}, "fedavg": {0: (0.50, 0.70), 1: (0.56, 0.76)}}
+TTP = {"local": {0: (0.40, 0.45), 1: (0.42, 0.49)}, "fedavg": {0: (0.66, 0.68), 1: (0.70, 0.60)}}
+
+
+def _write_task_run(root: Path, label: str, seed: int, setup: str) -> None:
+    """A finished run with per-client ROUGE-1 and TTP, as the runner writes it (2 rounds, the
+    last one counts), its clients' tasks stored by partition."""
+    path = root / f"{label}-{setup}-s{seed}"
+    path.mkdir(parents=True)
+    run_config = {"method": label, "label": label, "setup": setup, "dataset": "flan", "seed": seed}
+    payload = {"run-config": run_config, "client-tasks": {"0": "sum", "1": "qa"}}
+    (path / "config.json").write_text(json.dumps(payload))
+    records = []
+    for server_round in (1, 2):
+        shift = 0.3 if server_round == 1 else 0.0
+        evaluate = {
+            str(900 + c): {
+                "client-id": float(c),
+                "num-examples": 10.0,
+                "test-rouge-1": ROUGE[label][seed][c] - shift,
+                "test-ttp-rouge-1": TTP[label][seed][c] - shift,
+            }
+            for c in (0, 1)
+        }
+        record = {"round": server_round, "bytes-down": 10, "bytes-up": 5, "clients-reported": 2}
+        records.append({**record, "evaluate": evaluate})
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (path / "summary.json").write_text(json.dumps({"primary-metric": "rouge-1"}))
+
+
+def _by_hand(values: list[float]) -> tuple[float, float]:
+    """Mean and 95% half-width over seeds (scipy's t interval), in percent."""
+    scaled = [100 * v for v in values]
+    low, high = stats.t.interval(
+        0.95, len(scaled) - 1, loc=np.mean(scaled), scale=stats.sem(scaled)
+    )
+    return float(np.mean(scaled)), (high - low) / 2
+
+
+def test_report_lays_a_task_column_table_out_as_the_paper(tmp_path: Path) -> None:
+    """Each cell is the per-task table's (block, method, task) of the column's setup, computed
+    here by hand from the runs' per-client metrics; rows under their block; a declared task no
+    client has is named with the tasks found."""
+    _declare(tmp_path / "configs", TASKS)
+    table = load_table("t", tmp_path / "configs")
+    assert table.labels() == ["local", "fedavg"]
+    runs = tmp_path / "runs"
+    for label in ROUGE:
+        for seed in (0, 1):
+            _write_task_run(runs, label, seed, "sa")
+    record_table(runs, table, stand_in=False)
+    out = tmp_path / "report"
+    assert report_main([str(runs), "--out", str(out)]) == 0
+    text = (out / "report.md").read_text()
+    section = text[text.index("## P, Table 7: tasks") :].split("\n## ")[0]
+    lines = [line for line in section.splitlines() if line.startswith("| ")]
+    assert lines[0] == (
+        "| row | method | QA (`qa`) | paper | Summaries (`sum`) | paper | Average | paper |"
+    )
+    expected = {}
+    for block, source in (("Personalization", ROUGE), ("Test-time personalization", TTP)):
+        for label, by_seed in source.items():
+            qa = [by_seed[s][1] for s in (0, 1)]  # client 1's task
+            summaries = [by_seed[s][0] for s in (0, 1)]
+            average = [(a + b) / 2 for a, b in zip(qa, summaries, strict=True)]
+            expected[block, label] = [_by_hand(qa), _by_hand(summaries), _by_hand(average)]
+
+    def shown(block: str, label: str, paper: list[str]) -> str:
+        cells = [f"{m:.2f} ± {h:.2f}" for m, h in expected[block, label]]
+        return " | ".join(f"{c} | {p}" for c, p in zip(cells, paper, strict=True))
+
+    assert lines[1] == "| *Personalization* |" + " |" * 7
+    assert (
+        lines[2]
+        == f"| Local | `local` | {shown('Personalization', 'local', ['1.50', '2.50', '2.00'])} |"
+    )
+    assert lines[3] == f"| Fed | `fedavg` | {shown('Personalization', 'fedavg', ['—'] * 3)} |"
+    assert lines[4] == "| Other | not here | — | — | — | — | — | — |"
+    assert lines[5] == "| *Test-time personalization* |" + " |" * 7
+    ttp = shown("Test-time personalization", "local", ["3.00", "—", "3.00"])
+    assert lines[6] == f"| Local | `local` | {ttp} |"
+    assert "- Other (Personalization): not written" in section
+    assert "Columns without a client" not in section
+    numbers = json.loads((out / "report.json").read_text())["paper-table"]
+    assert [(r["name"], r["block"]) for r in numbers["rows"]][-1] == (
+        "Local",
+        "Test-time personalization",
+    )
+    fed = numbers["rows"][1]["cells"]["Average"]
+    mean, half = expected["Personalization", "fedavg"][2]
+    assert fed["task"] == "Average" and fed["seeds"] == [0, 1] and fed["paper"] is None
+    assert (fed["mean"], fed["ci95"]) == (pytest.approx(mean), pytest.approx(half))
+
+    # the same runs as stand-ins on setup ga, whose Summaries column names task "dialogue"
+    stand_in_runs = tmp_path / "stand-in-runs"
+    for label in ROUGE:
+        for seed in (0, 1):
+            _write_task_run(stand_in_runs, label, seed, "ga")
+    record_table(stand_in_runs, table, stand_in=True)
+    assert report_main([str(stand_in_runs), "--out", str(out)]) == 0
+    section = (out / "report.md").read_text().split("## P, Table 7: tasks")[1].split("\n## ")[0]
+    assert "| row | method | QA (`qa`) | Summaries (`dialogue`) | Average |" in section
+    (qa_mean, qa_half), _, (mean, half) = expected["Personalization", "local"]
+    assert f"| Local | `local` | {qa_mean:.2f} ± {qa_half:.2f} | — | {mean:.2f} ± {half:.2f} |" in (
+        section
+    )
+    assert (
+        "- Summaries: task `dialogue` is no client's task in the runs on `ga` (their tasks: "
+        "`sum`, `qa`)" in section
+    )

@@ -65,7 +65,7 @@ def test_a_bad_space_is_refused_naming_key_and_value(space: dict, message: str) 
         resolve_space(space, BASE)
 
 
-def test_every_methods_declared_space_resolves_on_its_setups() -> None:
+def test_every_methods_declared_space_resolves_on_its_setups(tmp_path: Path) -> None:
     checked = set()
     for method, spec in METHODS.items():
         for setup_file in sorted((CONFIG_ROOT / method).glob("*.toml")):
@@ -73,6 +73,8 @@ def test_every_methods_declared_space_resolves_on_its_setups() -> None:
             if not shared and "dataset" not in tomllib.loads(setup_file.read_text()):
                 continue  # a variant of the method, not a setup
             base = cell_config(method, setup_file.stem, 0, Path("/tmp/unused"))
+            if base.get("data-dir") and not Path(base["data-dir"]).exists():
+                base["data-dir"] = str(tmp_path)  # the user's copy of a paper's data (FedDPA's)
             space = resolve_space(search.method_space(base), base)
             full = {**ExperimentConfig().to_run_config(), **base}
             applies = {
@@ -154,7 +156,7 @@ def test_a_sealed_split_refuses_every_use() -> None:
 def test_evaluation_on_val_needs_a_validation_split(monkeypatch: pytest.MonkeyPatch) -> None:
     import dataclasses
 
-    from fedfm_flower import tasks
+    from fedfm_flower.tasks import registry as tasks
 
     with pytest.raises(ConfigError, match="'evaluation-split' = 'val'.*val-fraction > 0"):
         ExperimentConfig.from_run_config({"evaluation-split": "val"})

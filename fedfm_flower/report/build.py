@@ -101,9 +101,10 @@ def write_report(
         "",
     ]
     numbers: dict[str, Any] = {"reference": reference, "metric": metric, "setups": {}}
+    task_tables = {setup: task_table.build_task_table(runs, setup) for setup in setups}
     if paper is not None:
-        sections += [paper_table.markdown_paper_table(paper, cells), ""]
-        numbers["paper-table"] = paper_table.paper_table_numbers(paper, cells)
+        sections += [paper_table.markdown_paper_table(paper, cells, task_tables), ""]
+        numbers["paper-table"] = paper_table.paper_table_numbers(paper, cells, task_tables)
     draws = {setup: variance.data_draws(runs, setup) for setup in setups}
     numbers["setup-variance"] = {setup: d.numbers() for setup, d in draws.items()}
     for setup in setups:
@@ -124,7 +125,7 @@ def write_report(
             f"![learning curves](curves-{slug}.png) {gain}![bytes per round](bytes-{slug}.png)",
             "",
         ]
-        by_task = task_table.build_task_table(runs, setup)
+        by_task = task_tables[setup]
         if by_task is not None:
             markdown = task_table.markdown_task_table(by_task)
             atomic_write_text(out / f"feddpa-table-{slug}.md", markdown + "\n")
@@ -204,7 +205,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("runs", nargs="+", type=Path, help="run directories or folders of them")
     parser.add_argument("--out", type=Path, required=True, help="where the report goes")
-    parser.add_argument("--reference", default="local", help="method every other is tested against")
+    parser.add_argument(
+        "--reference",
+        default=None,
+        help="method every other is tested against (default: the paper table's reference "
+        "when the runs hold one, else local)",
+    )
     parser.add_argument(
         "--metric",
         default="",
@@ -247,6 +253,9 @@ def main(argv: list[str] | None = None) -> int:
             if not other_runs:
                 raise ValueError(f"no finished run under {', '.join(map(str, args.against))}")
             others = (args.against_name, other_runs)
+        table = paper_table.find_table(args.runs)
+        if args.reference is None:
+            args.reference = (table or {}).get("reference") or "local"
         earlier = None
         if args.conclusions_of is not None:
             document = conclusions.load_earlier(args.conclusions_of, args.reference, runs[0].metric)
@@ -260,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
             others,
             earlier,
             [tuple(pair) for pair in args.pair],
-            paper_table.find_table(args.runs),
+            table,
         )
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -5,15 +5,27 @@ A cell is ours (mean ± 95% CI over seeds, the mark against the report's referen
 paper's own setting, the paper's figure. On the offline stand-ins the paper's figures measure
 another dataset and model, so they are not set beside ours. A row the framework lacks says why;
 a row or column without finished runs shows a dash.
+
+A table whose columns are client tasks (FedDPA's Table 1) takes each cell from the per-task
+table of the column's setup (``task_table.build_task_table``): the row's block, the row's
+method, the column's task; the same cell (mean ± 95% CI over seeds) as that table's, with no
+mark (the task table tests nothing against the reference). Rows are grouped under their
+block's title as in the paper. A declared task that no client of the runs has is named below
+the table with the tasks the runs do have (a dash alone would hide a misnamed task).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from fedfm_flower.paper_tables import read_table
 from fedfm_flower.report.tables import Cell
+from fedfm_flower.report.task_table import AVERAGE, TaskTable
+
+Cells = dict[tuple[str, str], Cell]
+TaskTables = Mapping[str, TaskTable | None]
 
 
 def find_table(folders: list[Path]) -> dict[str, Any] | None:
@@ -36,18 +48,76 @@ def _paper_figure(value: float | None) -> str:
     return "—" if value is None else f"{value:.2f}"
 
 
-def markdown_paper_table(document: dict[str, Any], cells: dict[tuple[str, str], Cell]) -> str:
-    """The table in the paper's order; the paper's figures beside ours on its own setting."""
+def _by_task(document: dict[str, Any]) -> bool:
+    """Whether the table's columns are client tasks (a record without the key: setups)."""
+    return any(column.get("task") for column in document["columns"])
+
+
+def table_cell(
+    row: dict[str, Any], column: dict[str, Any], cells: Cells, task_tables: TaskTables
+) -> Cell | None:
+    """Our cell of (row, column): the main table's (setup, method), or for a task column the
+    task table's (block, method, task) of the column's setup; None where there is none."""
+    label, setup, task = row["label"], column["setup"], column.get("task")
+    if not label or not setup:
+        return None
+    if not task:
+        return cells.get((setup, label))
+    table = task_tables.get(setup)
+    if table is None:
+        return None
+    return table.blocks.get(row.get("block") or "", {}).get(label, {}).get(task)
+
+
+def _row_name(row: dict[str, Any]) -> str:
+    """The row's name, with its block where it has one (a method may be in two blocks)."""
+    return f"{row['name']} ({row['block']})" if row.get("block") else row["name"]
+
+
+def _unknown_tasks(document: dict[str, Any], task_tables: TaskTables) -> list[str]:
+    """A line per declared task no client of its setup's runs has (tasks named as found)."""
+    lines = []
+    for column in document["columns"]:
+        table = task_tables.get(column["setup"]) if column.get("task") else None
+        if table is not None and column["task"] not in table.columns:
+            found = ", ".join(f"`{c}`" for c in table.columns if c != AVERAGE)
+            lines.append(
+                f"- {column['name']}: task `{column['task']}` is no client's task in the runs "
+                f"on `{column['setup']}` (their tasks: {found}); check the table's task names"
+            )
+    return lines
+
+
+def markdown_paper_table(
+    document: dict[str, Any], cells: Cells, task_tables: TaskTables | None = None
+) -> str:
+    """The table in the paper's order; the paper's figures beside ours on its own setting
+    (``task_tables``: each setup's per-task table, for a table whose columns are tasks)."""
+    task_tables = task_tables or {}
     on_paper = document["setting"] == "paper"
     columns = document["columns"]
+    by_task = _by_task(document)
     header, rule = ["row", "method"], ["---", "---"]
     for column in columns:
-        setup = f"`{column['setup']}`" if column["setup"] else "no stand-in"
-        header.append(f"{column['name']} ({setup})")
+        if by_task:
+            same = column["task"] == column["name"]
+            header.append(column["name"] if same else f"{column['name']} (`{column['task']}`)")
+        else:
+            setup = f"`{column['setup']}`" if column["setup"] else "no stand-in"
+            header.append(f"{column['name']} ({setup})")
         rule.append("---:")
         if on_paper:
             header.append("paper")
             rule.append("---:")
+    caption = []
+    if by_task:
+        setups = dict.fromkeys(f"`{c['setup']}`" if c["setup"] else "no stand-in" for c in columns)
+        caption = [
+            f"Columns: client tasks of {', '.join(setups)}, as the report's per-task table (a "
+            "task: the mean over its clients; Average: the mean over every task of the runs); "
+            "rows under their block.",
+            "",
+        ]
     lines = [
         f"## {document['paper']}, {document['table']}: {document['title']}",
         "",
@@ -59,14 +129,19 @@ def markdown_paper_table(document: dict[str, Any], cells: dict[tuple[str, str], 
             "are not set beside these)."
         ),
         "",
+        *caption,
         "| " + " | ".join(header) + " |",
         "|" + "|".join(rule) + "|",
     ]
+    block = None
     for row in document["rows"]:
+        if by_task and row.get("block") != block:
+            block = row.get("block")
+            lines.append(f"| *{block}* |" + " |" * (len(header) - 1))
         label = row["label"]
         entries = [row["name"], f"`{label}`" if label else "not here"]
         for i, column in enumerate(columns):
-            cell = cells.get((column["setup"], label)) if label and column["setup"] else None
+            cell = table_cell(row, column, cells, task_tables)
             entries.append(cell.text() if cell is not None else "—")
             if on_paper:
                 entries.append(_paper_figure(row["paper"][i]))
@@ -74,29 +149,38 @@ def markdown_paper_table(document: dict[str, Any], cells: dict[tuple[str, str], 
     missing = [row for row in document["rows"] if not row["label"]]
     if missing:
         lines += ["", "Rows not run here:"]
-        lines += [f"- {row['name']}: {row['missing']}" for row in missing]
+        lines += [f"- {_row_name(row)}: {row['missing']}" for row in missing]
+    unknown = _unknown_tasks(document, task_tables)
+    if unknown:
+        lines += ["", "Columns without a client of their task:", *unknown]
     return "\n".join(lines)
 
 
 def paper_table_numbers(
-    document: dict[str, Any], cells: dict[tuple[str, str], Cell]
+    document: dict[str, Any], cells: Cells, task_tables: TaskTables | None = None
 ) -> dict[str, Any]:
     """report.json's ``paper-table``: per row and column, ours (mean, ci95, seeds, mark) and the
-    paper's figure."""
+    paper's figure; a task column also names its ``task``, a row its ``block``."""
+    task_tables = task_tables or {}
+    by_task = _by_task(document)
     rows = []
     for row in document["rows"]:
         entries = {}
         for i, column in enumerate(document["columns"]):
-            cell = cells.get((column["setup"], row["label"])) if row["label"] else None
+            cell = table_cell(row, column, cells, task_tables)
             entries[column["name"]] = {
                 "setup": column["setup"],
+                **({"task": column["task"]} if by_task else {}),
                 "mean": None if cell is None else cell.mean,
                 "ci95": None if cell is None or len(cell.seeds) < 2 else cell.ci,
                 "seeds": [] if cell is None else list(cell.seeds),
                 "mark": "" if cell is None else cell.mark,
                 "paper": row["paper"][i],
             }
-        rows.append({"name": row["name"], "label": row["label"], "cells": entries})
+        numbers = {"name": row["name"], "label": row["label"], "cells": entries}
+        if by_task:
+            numbers["block"] = row.get("block")
+        rows.append(numbers)
     return {
         "key": document["key"],
         "setting": document["setting"],
