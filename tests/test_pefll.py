@@ -28,8 +28,7 @@ from fedfm_flower.registry import method_spec
 from fedfm_flower.settings import ConfigError
 from fedfm_flower.tasks.classification import ImageClassification
 from server_apps.inprocess import run_in_process
-from tests.test_pfedhn import hand_adam
-from tests.tiny_clients import client_runtime
+from tests.tiny_clients import client_runtime, hand_adam
 
 CLASSES, SIDE, N, DIM = 3, 8, 3, 2
 

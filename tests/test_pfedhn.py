@@ -24,7 +24,14 @@ from fedfm_flower.registry import method_spec, resolve
 from fedfm_flower.settings import ConfigError
 from fedfm_flower.tasks.classification import ImageClassification
 from server_apps.inprocess import InProcessGrid, identity_app, run_in_process
-from tests.tiny_clients import TwoLayerModel, client_runtime, data, offset, two_layer_grads
+from tests.tiny_clients import (
+    TwoLayerModel,
+    client_runtime,
+    data,
+    hand_adam,
+    offset,
+    two_layer_grads,
+)
 
 N, DIM, HIDDEN, LAYERS = 3, 2, 5, 3
 SHAPES = {"a": (3, 2), "b": (4,)}
@@ -105,16 +112,6 @@ def hand_step(
     for name, g in grads.items():
         after[name] = hand_adam(after[name], g * scale, state.get(params[name], {}), lr)
     return after
-
-
-def hand_adam(value: torch.Tensor, grad: torch.Tensor, state: dict, lr: float) -> torch.Tensor:
-    """One Adam step (betas 0.9, 0.999, eps 1e-8) of ``value`` from ``state`` (torch's
-    ``exp_avg``, ``exp_avg_sq``, ``step``; empty: the first step), written out."""
-    t = int(state["step"]) + 1 if state else 1
-    m = (0.9 * state["exp_avg"] if state else 0) + 0.1 * grad
-    v = (0.999 * state["exp_avg_sq"] if state else 0) + 0.001 * grad * grad
-    m_hat, v_hat = m / (1 - 0.9**t), v / (1 - 0.999**t)
-    return value - lr * m_hat / (v_hat.sqrt() + 1e-8)
 
 
 # ----------------------------------------------------------------------------- the hypernetwork

@@ -1,5 +1,6 @@
 """Tiny models and a client runtime on hand-made data, for tests of a method's client half
-checked against hand computations (FedPerfix's Table 2 baselines, Ditto, FedRoD)."""
+checked against hand computations (FedPerfix's Table 2 baselines, Ditto, FedRoD), and a
+written-out Adam step (the hypernetwork baselines' servers)."""
 
 from __future__ import annotations
 
@@ -126,3 +127,13 @@ def two_layer_grads(
     logits = hidden @ leaves["head.weight"].T + leaves["head.bias"]
     loss = nn.functional.cross_entropy(logits, y)
     return torch.autograd.grad(loss, [leaves[n] for n in TWO_LAYER_NAMES])
+
+
+def hand_adam(value: torch.Tensor, grad: torch.Tensor, state: dict, lr: float) -> torch.Tensor:
+    """One Adam step (betas 0.9, 0.999, eps 1e-8) of ``value`` from ``state`` (torch's
+    ``exp_avg``, ``exp_avg_sq``, ``step``; empty: the first step), written out."""
+    t = int(state["step"]) + 1 if state else 1
+    m = (0.9 * state["exp_avg"] if state else 0) + 0.1 * grad
+    v = (0.999 * state["exp_avg_sq"] if state else 0) + 0.001 * grad * grad
+    m_hat, v_hat = m / (1 - 0.9**t), v / (1 - 0.999**t)
+    return value - lr * m_hat / (v_hat.sqrt() + 1e-8)
