@@ -25,6 +25,15 @@ would need two run folders (a folder records one table) of the same runs. A meth
 then appear once per block. Columns are matched to tasks by name, not by client order: the
 task table orders its columns by client, the paper by its own choice.
 
+Likewise a table whose columns are **modality-task pairs** of the multi-task federation (TAP's
+Table 1, ``tap-t1``): every column names its ``pair``, a row of the report's per-pair table
+(``fedfm_flower.report.pair_table``) by that table's row name, ``<metric> <pair>`` (``metric``
+one of ``pair_table.PAIR_METRICS``, ``pair`` one of ``data.multitask.MULTITASK_TASKS``: ``mse
+image-gen``), and a cell is that table's cell of (pair, row method): the mean over seeds of each
+seed's mean over the clients holding the pair, ± its 95% half-width. ``stand-in-pair`` names
+the stand-in's (default: ``pair``). A pair column's rows name no block. A table's columns are
+all tasks, all pairs or all setups.
+
     python -m fedfm_flower.sweep --table pfedseq-t1 --seeds 0 1 2 --out runs/pfedseq-t1
     python -m fedfm_flower.sweep --table pfedseq-t1 --stand-in --out runs/pfedseq-t1-offline
     python -m fedfm_flower.report runs/pfedseq-t1 --out reports/pfedseq-t1
@@ -59,6 +68,8 @@ class Column:
     stand_in: str | None
     task: str | None = None
     stand_in_task: str | None = None
+    pair: str | None = None  # the pair table's row, ``<metric> <pair>`` (pair-column tables)
+    stand_in_pair: str | None = None
 
     def setup_of(self, stand_in: bool) -> str | None:
         """The setup this column runs on: the paper's, or its stand-in (None: none)."""
@@ -67,6 +78,10 @@ class Column:
     def task_of(self, stand_in: bool) -> str | None:
         """The client task this column shows on that setting (None: not a task column)."""
         return (self.stand_in_task or self.task) if stand_in else self.task
+
+    def pair_of(self, stand_in: bool) -> str | None:
+        """The pair-table row this column shows on that setting (None: not a pair column)."""
+        return (self.stand_in_pair or self.pair) if stand_in else self.pair
 
 
 @dataclass(frozen=True)
@@ -119,7 +134,12 @@ class PaperTable:
             "reference": self.reference,
             "setting": "stand-in" if stand_in else "paper",
             "columns": [
-                {"name": c.name, "setup": c.setup_of(stand_in), "task": c.task_of(stand_in)}
+                {
+                    "name": c.name,
+                    "setup": c.setup_of(stand_in),
+                    "task": c.task_of(stand_in),
+                    "pair": c.pair_of(stand_in),
+                }
                 for c in self.columns
             ],
             "rows": [
@@ -168,27 +188,57 @@ def _paper_values(value: Any, columns: int, where: str) -> tuple[float | None, .
     return tuple(out)
 
 
+def _pair(data: dict[str, Any], key: str, where: str) -> str | None:
+    """A column's ``pair`` or ``stand-in-pair``: a pair-table row name, ``<metric> <pair>``."""
+    from fedfm_flower.data.multitask import MULTITASK_TASKS
+    from fedfm_flower.report.pair_table import PAIR_METRICS
+
+    if key not in data:
+        return None
+    value = _text(data, key, where)
+    metric, _, pair = value.partition(" ")
+    if metric not in PAIR_METRICS or pair not in MULTITASK_TASKS:
+        raise ValueError(
+            f"{where}: '{key}' = {value!r} is no row of the pair table: '<metric> <pair>', "
+            f"metric one of {', '.join(PAIR_METRICS)}, pair one of {', '.join(MULTITASK_TASKS)}"
+        )
+    return value
+
+
 def _column(data: dict[str, Any], where: str) -> Column:
     stand_in = _text(data, "stand-in", where) if "stand-in" in data else None
     task = _text(data, "task", where) if "task" in data else None
     stand_in_task = _text(data, "stand-in-task", where) if "stand-in-task" in data else None
     if stand_in_task is not None and (task is None or stand_in is None):
         raise ValueError(f"{where}: 'stand-in-task' needs the column's 'task' and 'stand-in'")
+    pair, stand_in_pair = _pair(data, "pair", where), _pair(data, "stand-in-pair", where)
+    if stand_in_pair is not None and (pair is None or stand_in is None):
+        raise ValueError(f"{where}: 'stand-in-pair' needs the column's 'pair' and 'stand-in'")
+    if task is not None and pair is not None:
+        raise ValueError(f"{where}: a column names a client 'task' or a 'pair', not both")
     return Column(
-        _text(data, "name", where), _text(data, "setup", where), stand_in, task, stand_in_task
+        _text(data, "name", where),
+        _text(data, "setup", where),
+        stand_in,
+        task,
+        stand_in_task,
+        pair,
+        stand_in_pair,
     )
 
 
 def _task_columns(columns: tuple[Column, ...], path: Path) -> bool:
-    """Whether the columns are client tasks (every one names its task, or none does)."""
-    named = [c.name for c in columns if c.task is not None]
-    if named and len(named) != len(columns):
-        bare = ", ".join(c.name for c in columns if c.task is None)
-        raise ValueError(
-            f"{path}: columns {bare} name no 'task' while others do; a table's columns are all "
-            "client tasks or all setups"
-        )
-    return bool(named)
+    """Whether the columns are client tasks (every one names its task, or none does; the same
+    for pairs)."""
+    for key in ("task", "pair"):
+        named = [c.name for c in columns if getattr(c, key) is not None]
+        if named and len(named) != len(columns):
+            bare = ", ".join(c.name for c in columns if getattr(c, key) is None)
+            raise ValueError(
+                f"{path}: columns {bare} name no '{key}' while others do; a table's columns "
+                "are all client tasks, all pairs or all setups"
+            )
+    return columns[0].task is not None
 
 
 def _block(data: dict[str, Any], by_task: bool, where: str) -> str | None:
@@ -267,7 +317,10 @@ def load_table(name: str, configs: Path = CONFIG_ROOT) -> PaperTable:
 def table_plan(table: PaperTable, stand_in: bool) -> str:
     """What a sweep of ``table`` runs, and which of its rows it cannot, for the user."""
     setting = "offline stand-ins" if stand_in else "the paper's settings"
-    if table.columns[0].task is None:
+    if table.columns[0].pair is not None:
+        pairs = ", ".join(f"{c.name} = {c.pair_of(stand_in)}" for c in table.columns)
+        columns = f"the pairs of {', '.join(table.setups(stand_in)) or 'none'}: {pairs}"
+    elif table.columns[0].task is None:
         columns = ", ".join(f"{c.name} = {c.setup_of(stand_in) or 'none'}" for c in table.columns)
     else:
         tasks = ", ".join(f"{c.name} = {c.task_of(stand_in)}" for c in table.columns)

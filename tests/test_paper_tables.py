@@ -457,3 +457,153 @@ def test_report_lays_a_task_column_table_out_as_the_paper(tmp_path: Path) -> Non
         "- Summaries: task `dialogue` is no client's task in the runs on `ga` (their tasks: "
         "`sum`, `qa`)" in section
     )
+
+
+PAIRS = """paper = "Q"
+table = "Table 1"
+title = "pairs"
+metric = "MSE"
+reference = "tap"
+
+[[columns]]
+name = "FMNIST"
+setup = "mv"
+stand-in = "mc"
+pair = "mse image-gen"
+
+[[columns]]
+name = "AG"
+setup = "mv"
+stand-in = "mc"
+pair = "accuracy text-cls"
+
+[[rows]]
+name = "TAP"
+method = "tap"
+paper = [0.5467, 90.5]
+
+[[rows]]
+name = "Local"
+method = "local"
+
+[[rows]]
+name = "Other"
+missing = "not written"
+"""
+# final per-client values: method -> seed -> {client: {pair metric: value}}; client 0 holds
+# image-gen, clients 1 and 2 text-cls (one seed's value: the mean over the clients holding it)
+PAIR_VALUES = {
+    "tap": {
+        0: {
+            0: {"mse-image-gen": 0.50},
+            1: {"accuracy-text-cls": 0.80},
+            2: {"accuracy-text-cls": 0.90},
+        },
+        1: {
+            0: {"mse-image-gen": 0.56},
+            1: {"accuracy-text-cls": 0.70},
+            2: {"accuracy-text-cls": 0.75},
+        },
+    },
+    "local": {
+        0: {
+            0: {"mse-image-gen": 0.62},
+            1: {"accuracy-text-cls": 0.60},
+            2: {"accuracy-text-cls": 0.64},
+        },
+        1: {
+            0: {"mse-image-gen": 0.65},
+            1: {"accuracy-text-cls": 0.58},
+            2: {"accuracy-text-cls": 0.50},
+        },
+    },
+}
+
+
+def _write_pair_run(root: Path, label: str, seed: int, setup: str) -> None:
+    """A finished multitask run whose clients report per-pair metrics (one round)."""
+    path = root / f"{label}-{setup}-s{seed}"
+    path.mkdir(parents=True)
+    run_config = {"method": label, "label": label, "setup": setup, "dataset": "multitask"}
+    (path / "config.json").write_text(json.dumps({"run-config": {**run_config, "seed": seed}}))
+    clients = PAIR_VALUES[label][seed]
+    evaluate = {
+        str(900 + c): {
+            "client-id": float(c),
+            "num-examples": 10.0,
+            "test-score": sum(m.values()),
+            **{f"test-{k}": v for k, v in m.items()},
+        }
+        for c, m in clients.items()
+    }
+    record = {"round": 1, "bytes-down": 10, "bytes-up": 5, "clients-reported": 3}
+    (path / "metrics.jsonl").write_text(json.dumps({**record, "evaluate": evaluate}) + "\n")
+    (path / "summary.json").write_text(json.dumps({"primary-metric": "score"}))
+
+
+def test_report_lays_a_pair_column_table_out_as_the_paper(tmp_path: Path) -> None:
+    """Each cell is the pair table's (pair, method) of the column's setup, computed here by hand
+    from the runs' per-client pair metrics: MSE raw with 4 decimals, accuracy x 100."""
+    _declare(tmp_path / "configs", PAIRS)
+    table = load_table("t", tmp_path / "configs")
+    assert [c.pair_of(True) for c in table.columns] == ["mse image-gen", "accuracy text-cls"]
+    assert all(r.block is None for r in table.rows)
+    runs = tmp_path / "runs"
+    for label in PAIR_VALUES:
+        for seed in (0, 1):
+            _write_pair_run(runs, label, seed, "mv")
+    record_table(runs, table, stand_in=False)
+    out = tmp_path / "report"
+    assert report_main([str(runs), "--out", str(out)]) == 0
+    text = (out / "report.md").read_text()
+    section = text[text.index("## Q, Table 1: pairs") :].split("\n## ")[0]
+    lines = [line for line in section.splitlines() if line.startswith("| ")]
+    assert lines[0] == (
+        "| row | method | FMNIST (`mse image-gen`) | paper | AG (`accuracy text-cls`) | paper |"
+    )
+
+    def by_hand(label: str, key: str, scale: float) -> tuple[float, float]:
+        per_seed = []
+        for seed in (0, 1):
+            held = [m[key] for m in PAIR_VALUES[label][seed].values() if key in m]
+            per_seed.append(scale * sum(held) / len(held))
+        low, high = stats.t.interval(0.95, 1, loc=np.mean(per_seed), scale=stats.sem(per_seed))
+        return float(np.mean(per_seed)), (high - low) / 2
+
+    def shown(label: str, paper: list[str]) -> str:
+        mse, mse_half = by_hand(label, "mse-image-gen", 1.0)
+        acc, acc_half = by_hand(label, "accuracy-text-cls", 100.0)
+        return f"{mse:.4f} ± {mse_half:.4f} | {paper[0]} | {acc:.2f} ± {acc_half:.2f} | {paper[1]}"
+
+    assert lines[1] == f"| TAP | `tap` | {shown('tap', ['0.5467', '90.50'])} |"
+    assert lines[2] == f"| Local | `local` | {shown('local', ['—', '—'])} |"
+    assert lines[3] == "| Other | not here | — | — | — | — |"
+    assert "Columns without a run" not in section
+    numbers = json.loads((out / "report.json").read_text())["paper-table"]
+    local = numbers["rows"][1]["cells"]["FMNIST"]
+    mean, half = by_hand("local", "mse-image-gen", 1.0)
+    assert local["pair"] == "mse image-gen" and local["seeds"] == [0, 1]
+    assert (local["mean"], local["ci95"]) == (pytest.approx(mean), pytest.approx(half))
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (('pair = "mse image-gen"', 'pair = "mse image-cls2"'), "no row of the pair table"),
+        (('pair = "mse image-gen"', 'pair = "mse"'), "no row of the pair table"),
+        (('pair = "mse image-gen"', 'task = "x"'), "columns AG name no 'task'"),
+        (('pair = "mse image-gen"', 'pair = "mse image-gen"\nstand-in-pair = "mse vqa"'), None),
+        (('method = "local"', 'method = "local"\nblock = "Personalization"'), "needs col"),
+    ],
+)
+def test_bad_pair_declarations_are_refused(
+    tmp_path: Path, change: tuple[str, str], message: str | None
+) -> None:
+    """An unknown pair-table row, columns half pairs, a row's block: refused naming the file."""
+    _declare(tmp_path, PAIRS.replace(*change))
+    if message is None:
+        assert load_table("t", tmp_path).columns[0].pair_of(True) == "mse vqa"
+        return
+    with pytest.raises(ValueError, match=re.escape(str(tmp_path / "tables" / "t.toml"))) as err:
+        load_table("t", tmp_path)
+    assert re.search(message, str(err.value)), err.value

@@ -102,9 +102,12 @@ def write_report(
     ]
     numbers: dict[str, Any] = {"reference": reference, "metric": metric, "setups": {}}
     task_tables = {setup: task_table.build_task_table(runs, setup) for setup in setups}
+    pair_tables = {s: pair_table.build_pair_table(runs, s, reference) for s in setups}
     if paper is not None:
-        sections += [paper_table.markdown_paper_table(paper, cells, task_tables), ""]
-        numbers["paper-table"] = paper_table.paper_table_numbers(paper, cells, task_tables)
+        sections += [paper_table.markdown_paper_table(paper, cells, task_tables, pair_tables), ""]
+        numbers["paper-table"] = paper_table.paper_table_numbers(
+            paper, cells, task_tables, pair_tables
+        )
     draws = {setup: variance.data_draws(runs, setup) for setup in setups}
     numbers["setup-variance"] = {setup: d.numbers() for setup, d in draws.items()}
     for setup in setups:
@@ -131,7 +134,7 @@ def write_report(
             atomic_write_text(out / f"feddpa-table-{slug}.md", markdown + "\n")
             sections += [markdown, ""]
             numbers.setdefault("feddpa-tables", {})[setup] = task_table.task_table_numbers(by_task)
-        by_pair = pair_table.build_pair_table(runs, setup, reference)
+        by_pair = pair_tables[setup]
         if by_pair is not None:
             markdown = pair_table.markdown_pair_table(by_pair)
             atomic_write_text(out / f"pairs-{slug}.md", markdown + "\n")

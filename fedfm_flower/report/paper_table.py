@@ -12,6 +12,13 @@ method, the column's task; the same cell (mean ± 95% CI over seeds) as that tab
 mark (the task table tests nothing against the reference). Rows are grouped under their
 block's title as in the paper. A declared task that no client of the runs has is named below
 the table with the tasks the runs do have (a dash alone would hide a misnamed task).
+
+A table whose columns are modality-task pairs (TAP's Table 1) takes each cell from the per-pair
+table of the column's setup (``pair_table.build_pair_table``): the column's row (``<metric>
+<pair>``), the row's method; the same mean ± 95% CI over seeds as that table's (MSE raw with 4
+decimals, the others x 100 with 2, the paper's figures alike), with no mark here (that table
+sets its Welch test and the test over seeds beside it). A declared pair no run reports is named
+below the table with the pairs the runs do report.
 """
 
 from __future__ import annotations
@@ -21,11 +28,13 @@ from pathlib import Path
 from typing import Any
 
 from fedfm_flower.paper_tables import read_table
+from fedfm_flower.report.pair_table import RAW, PairTable, row_name
 from fedfm_flower.report.tables import Cell
 from fedfm_flower.report.task_table import AVERAGE, TaskTable
 
 Cells = dict[tuple[str, str], Cell]
 TaskTables = Mapping[str, TaskTable | None]
+PairTables = Mapping[str, PairTable | None]
 
 
 def find_table(folders: list[Path]) -> dict[str, Any] | None:
@@ -44,8 +53,20 @@ def find_table(folders: list[Path]) -> dict[str, Any] | None:
     return next(iter(found.values()), None)
 
 
-def _paper_figure(value: float | None) -> str:
-    return "—" if value is None else f"{value:.2f}"
+def _digits(column: dict[str, Any]) -> int:
+    """Decimals of a column's figures: 4 for a raw metric's pair (MSE), else 2."""
+    pair = column.get("pair")
+    return 4 if pair and pair.partition(" ")[0] in RAW else 2
+
+
+def _paper_figure(value: float | None, digits: int = 2) -> str:
+    return "—" if value is None else f"{value:.{digits}f}"
+
+
+def _cell_text(cell: Cell, digits: int) -> str:
+    """``Cell.text`` with ``digits`` decimals."""
+    spread = f"{cell.ci:.{digits}f}" if len(cell.seeds) > 1 else "—"
+    return f"{cell.mean:.{digits}f} ± {spread}{cell.mark}"
 
 
 def _by_task(document: dict[str, Any]) -> bool:
@@ -53,14 +74,31 @@ def _by_task(document: dict[str, Any]) -> bool:
     return any(column.get("task") for column in document["columns"])
 
 
+def _by_pair(document: dict[str, Any]) -> bool:
+    """Whether the table's columns are modality-task pairs (a record without the key: not)."""
+    return any(column.get("pair") for column in document["columns"])
+
+
 def table_cell(
-    row: dict[str, Any], column: dict[str, Any], cells: Cells, task_tables: TaskTables
+    row: dict[str, Any],
+    column: dict[str, Any],
+    cells: Cells,
+    task_tables: TaskTables,
+    pair_tables: PairTables | None = None,
 ) -> Cell | None:
-    """Our cell of (row, column): the main table's (setup, method), or for a task column the
-    task table's (block, method, task) of the column's setup; None where there is none."""
+    """Our cell of (row, column): the main table's (setup, method), for a task column the task
+    table's (block, method, task) of the column's setup, for a pair column the pair table's
+    (pair row, method); None where there is none."""
     label, setup, task = row["label"], column["setup"], column.get("task")
     if not label or not setup:
         return None
+    if column.get("pair"):
+        by_pair = (pair_tables or {}).get(setup)
+        metric, _, pair = column["pair"].partition(" ")
+        found = None if by_pair is None else by_pair.cells.get((metric, pair), {}).get(label)
+        if found is None:
+            return None
+        return Cell(setup, label, found.seeds, found.mean, found.ci, None)
     if not task:
         return cells.get((setup, label))
     table = task_tables.get(setup)
@@ -88,20 +126,42 @@ def _unknown_tasks(document: dict[str, Any], task_tables: TaskTables) -> list[st
     return lines
 
 
+def _unknown_pairs(document: dict[str, Any], pair_tables: PairTables) -> list[str]:
+    """A line per declared pair no run of its setup reports (pairs named as found)."""
+    lines = []
+    for column in document["columns"]:
+        table = pair_tables.get(column["setup"]) if column.get("pair") else None
+        if table is not None and tuple(column["pair"].partition(" ")[::2]) not in table.rows:
+            found = ", ".join(f"`{row_name(*r)}`" for r in table.rows)
+            lines.append(
+                f"- {column['name']}: `{column['pair']}` is in no run on `{column['setup']}` "
+                f"(their pairs: {found}); check the table's pair names"
+            )
+    return lines
+
+
 def markdown_paper_table(
-    document: dict[str, Any], cells: Cells, task_tables: TaskTables | None = None
+    document: dict[str, Any],
+    cells: Cells,
+    task_tables: TaskTables | None = None,
+    pair_tables: PairTables | None = None,
 ) -> str:
     """The table in the paper's order; the paper's figures beside ours on its own setting
-    (``task_tables``: each setup's per-task table, for a table whose columns are tasks)."""
+    (``task_tables``: each setup's per-task table, for a table whose columns are tasks;
+    ``pair_tables``: each setup's per-pair table, for a table whose columns are pairs)."""
     task_tables = task_tables or {}
+    pair_tables = pair_tables or {}
     on_paper = document["setting"] == "paper"
     columns = document["columns"]
     by_task = _by_task(document)
+    by_pair = _by_pair(document)
     header, rule = ["row", "method"], ["---", "---"]
     for column in columns:
         if by_task:
             same = column["task"] == column["name"]
             header.append(column["name"] if same else f"{column['name']} (`{column['task']}`)")
+        elif by_pair:
+            header.append(f"{column['name']} (`{column['pair']}`)")
         else:
             setup = f"`{column['setup']}`" if column["setup"] else "no stand-in"
             header.append(f"{column['name']} ({setup})")
@@ -116,6 +176,14 @@ def markdown_paper_table(
             f"Columns: client tasks of {', '.join(setups)}, as the report's per-task table (a "
             "task: the mean over its clients; Average: the mean over every task of the runs); "
             "rows under their block.",
+            "",
+        ]
+    if by_pair:
+        setups = dict.fromkeys(f"`{c['setup']}`" if c["setup"] else "no stand-in" for c in columns)
+        caption = [
+            f"Columns: modality-task pairs of {', '.join(setups)}, as the report's per-pair "
+            "table (a seed's value: the mean over the clients holding the pair; its tests "
+            "there); MSE raw, lower is better.",
             "",
         ]
     lines = [
@@ -141,10 +209,11 @@ def markdown_paper_table(
         label = row["label"]
         entries = [row["name"], f"`{label}`" if label else "not here"]
         for i, column in enumerate(columns):
-            cell = table_cell(row, column, cells, task_tables)
-            entries.append(cell.text() if cell is not None else "—")
+            cell = table_cell(row, column, cells, task_tables, pair_tables)
+            digits = _digits(column)
+            entries.append(_cell_text(cell, digits) if cell is not None else "—")
             if on_paper:
-                entries.append(_paper_figure(row["paper"][i]))
+                entries.append(_paper_figure(row["paper"][i], digits))
         lines.append("| " + " | ".join(entries) + " |")
     missing = [row for row in document["rows"] if not row["label"]]
     if missing:
@@ -153,24 +222,32 @@ def markdown_paper_table(
     unknown = _unknown_tasks(document, task_tables)
     if unknown:
         lines += ["", "Columns without a client of their task:", *unknown]
+    unknown = _unknown_pairs(document, pair_tables)
+    if unknown:
+        lines += ["", "Columns without a run of their pair:", *unknown]
     return "\n".join(lines)
 
 
 def paper_table_numbers(
-    document: dict[str, Any], cells: Cells, task_tables: TaskTables | None = None
+    document: dict[str, Any],
+    cells: Cells,
+    task_tables: TaskTables | None = None,
+    pair_tables: PairTables | None = None,
 ) -> dict[str, Any]:
     """report.json's ``paper-table``: per row and column, ours (mean, ci95, seeds, mark) and the
-    paper's figure; a task column also names its ``task``, a row its ``block``."""
+    paper's figure; a task column also names its ``task``, a row its ``block``; a pair column
+    its ``pair``."""
     task_tables = task_tables or {}
-    by_task = _by_task(document)
+    by_task, by_pair = _by_task(document), _by_pair(document)
     rows = []
     for row in document["rows"]:
         entries = {}
         for i, column in enumerate(document["columns"]):
-            cell = table_cell(row, column, cells, task_tables)
+            cell = table_cell(row, column, cells, task_tables, pair_tables)
             entries[column["name"]] = {
                 "setup": column["setup"],
                 **({"task": column["task"]} if by_task else {}),
+                **({"pair": column["pair"]} if by_pair else {}),
                 "mean": None if cell is None else cell.mean,
                 "ci95": None if cell is None or len(cell.seeds) < 2 else cell.ci,
                 "seeds": [] if cell is None else list(cell.seeds),
