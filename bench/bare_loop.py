@@ -4,8 +4,8 @@
 
 One process, no Flower: the clients are trained and evaluated one after another with the same
 code for the math as the ClientApp and the FedAvg strategy (``fedfm_flower.models``,
-``fedfm_flower.training``, ``fedfm_flower.data``, ``fedfm_flower.aggregation``), in client-id
-order. Preparing the clients' data is done before the
+``fedfm_flower.tasks.training``, ``fedfm_flower.data``, ``fedfm_flower.learners.aggregation``), in
+client-id order. Preparing the clients' data is done before the
 first round and is not timed; each round's time covers training every client, averaging, and
 evaluating every client. The script checks at the end that no ``flwr`` module was imported.
 
@@ -24,13 +24,13 @@ from typing import Any
 
 import torch
 
-from fedfm_flower.aggregation import weighted_average
-from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.config.experiment import ExperimentConfig
+from fedfm_flower.config.overrides import parse_overrides
 from fedfm_flower.data import load_client_data
+from fedfm_flower.learners.aggregation import weighted_average
 from fedfm_flower.models import MODEL_CACHE, pick_device, prepare_foundation
-from fedfm_flower.overrides import parse_overrides
 from fedfm_flower.tasks.classification import ImageClassification
-from fedfm_flower.training import evaluate, round_seed, train
+from fedfm_flower.tasks.training import evaluate, round_seed, train
 
 SHARED = ("adapter", "head")  # what FedAvg sends both ways
 

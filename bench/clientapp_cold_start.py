@@ -45,8 +45,8 @@ def child(method: str, cache_dir: str, spawned: float) -> None:
     import torch  # noqa: F401
 
     from client_apps.app import app  # noqa: F401
-    from fedfm_flower.config import ExperimentConfig
-    from fedfm_flower.halves import client_class
+    from fedfm_flower.config.experiment import ExperimentConfig
+    from fedfm_flower.methods.halves import client_class
 
     config = ExperimentConfig.from_run_config(
         {**ExperimentConfig().to_run_config(), "method": method, "cache-dir": cache_dir}
@@ -57,8 +57,8 @@ def child(method: str, cache_dir: str, spawned: float) -> None:
 
     data = load_client_data(config, 0, 10)
     loaded = time.perf_counter()
+    from fedfm_flower.methods.registry import trains_backbone, tuner_of
     from fedfm_flower.models import MODEL_CACHE, pick_device
-    from fedfm_flower.registry import trains_backbone, tuner_of
 
     device = pick_device(config.device)
     whole = trains_backbone(config)
@@ -121,9 +121,9 @@ def measure(method: str, cache_dir: str) -> dict[str, float]:
 def runnable_methods(methods: list[str] | None) -> tuple[list[str], dict[str, str]]:
     """``methods`` (None: every registered one) split into those the default run config can
     run and, for the others, why not."""
-    from fedfm_flower.config import ExperimentConfig
-    from fedfm_flower.registry import METHODS
-    from fedfm_flower.settings import ConfigError
+    from fedfm_flower.config.experiment import ExperimentConfig
+    from fedfm_flower.methods.registry import METHODS
+    from fedfm_flower.methods.settings import ConfigError
 
     defaults = ExperimentConfig().to_run_config()
     usable: list[str] = []
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
         "--out", type=Path, default=ROOT / "bench" / "results" / "clientapp_cold_start"
     )
     args = parser.parse_args(argv)
-    from fedfm_flower.config import ExperimentConfig
+    from fedfm_flower.config.experiment import ExperimentConfig
     from fedfm_flower.models.foundation import foundation_card
 
     usable, refused = runnable_methods(args.methods)

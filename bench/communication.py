@@ -24,7 +24,7 @@ import statistics
 import sys
 from typing import Any
 
-from fedfm_flower.overrides import parse_overrides
+from fedfm_flower.config.overrides import parse_overrides
 
 METHODS = ("fedavg", "fedrep", "pfedseq", "pfedpg", "fedvpt", "fedvpt-deep", "local")
 
@@ -38,8 +38,8 @@ def wire_bytes(message: Any) -> int:
 
 def parameter_bytes(message: Any) -> int:
     """numel x itemsize of the tensors in the message's arrays record."""
-    from fedfm_flower import protocol as P
-    from fedfm_flower.records import numpy_arrays
+    from fedfm_flower.records import protocol as P
+    from fedfm_flower.records.messages import numpy_arrays
 
     record = message.content.array_records.get(P.ARRAYS)
     if record is None:
@@ -52,9 +52,9 @@ def measure_method(method: str, overrides: dict[str, Any]) -> dict[str, Any]:
     from flwr.app import ArrayRecord, ConfigRecord
 
     from client_apps.app import app
-    from fedfm_flower.config import ExperimentConfig
+    from fedfm_flower.config.experiment import ExperimentConfig
     from fedfm_flower.models.build import prepare_foundation
-    from fedfm_flower.records import record_dict_nbytes
+    from fedfm_flower.records.messages import record_dict_nbytes
     from server_apps.inprocess import InProcessGrid, simulation_node_configs
     from server_apps.runner import build_strategy
 

@@ -24,9 +24,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fedfm_flower import cells, sweep
-from fedfm_flower.overrides import parse_overrides
-from fedfm_flower.results import RunDirectory
+from fedfm_flower.config.overrides import parse_overrides
+from fedfm_flower.records.results import RunDirectory
+from fedfm_flower.study import cells, sweep
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -41,7 +41,8 @@ def cell_config(
     overrides: dict | None = None,
     tag: str = "",
 ) -> dict[str, Any]:
-    """The run config of one (method, setup, seed) cell of the grid (``fedfm_flower.sweep``)."""
+    """The run config of one (method, setup, seed) cell of the grid
+    (``fedfm_flower.study.sweep``)."""
     fixed = {"num-server-rounds": rounds, "num-clients": clients}
     return sweep.cell_config(method, setup, seed, out, {**(overrides or {}), **fixed}, tag)
 
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--tag", default="", help="suffix for setup names when using --set")
     args = parser.parse_args(argv)
-    from fedfm_flower.logs import configure_logging
+    from fedfm_flower.records.logs import configure_logging
 
     configure_logging()
     try:

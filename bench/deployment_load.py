@@ -33,10 +33,10 @@ from typing import Any
 
 from bench.process_cpu import CpuByRole
 from bench.process_memory import PeakMemory
+from fedfm_flower.config.overrides import parse_overrides
 from fedfm_flower.deploy import DeployOptions, LocalDeployment
-from fedfm_flower.overrides import parse_overrides
-from fedfm_flower.processes import exit_on_sigterm, proc_cmdline, proc_stat
-from fedfm_flower.results import RunDirectory
+from fedfm_flower.records.results import RunDirectory
+from fedfm_flower.simulation.processes import exit_on_sigterm, proc_cmdline, proc_stat
 
 MB = 2**20
 FORKSERVER = "fedfm_flower.deploy.forkserver"

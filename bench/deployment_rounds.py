@@ -39,10 +39,10 @@ from pathlib import Path
 from typing import Any
 
 from bench.simulation_overhead import run_flower_simulation, steady, usable_cpus
+from fedfm_flower.config.overrides import parse_overrides
 from fedfm_flower.deploy import DeployOptions, LocalDeployment
 from fedfm_flower.deploy.supernode import DEFAULT_POLL_INTERVAL
-from fedfm_flower.overrides import parse_overrides
-from fedfm_flower.results import RunDirectory
+from fedfm_flower.records.results import RunDirectory
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -31,9 +31,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def fedavg_payload() -> dict[str, np.ndarray]:
     """What FedAvg sends on the default setup: the model's trainable tensors (no weights read)."""
-    from fedfm_flower.config import ExperimentConfig
+    from fedfm_flower.config.experiment import ExperimentConfig
+    from fedfm_flower.methods.registry import tuner_of
     from fedfm_flower.models.build import build_model
-    from fedfm_flower.registry import tuner_of
 
     config = ExperimentConfig(method="fedavg")
     model = build_model(config, tuner_of(config), 10, load_weights=False)
@@ -48,7 +48,7 @@ def measure(messages: int, warmup: int, nodes: int = 100) -> dict[str, float]:
     from flwr.server.superlink.fleet.vce.backend.raybackend import RayBackend
     from flwr.supercore.task_identity import TaskIdentity
 
-    from fedfm_flower.config import ExperimentConfig
+    from fedfm_flower.config.experiment import ExperimentConfig
 
     app = ClientApp()
 

@@ -52,7 +52,7 @@ import torch
 if TYPE_CHECKING:
     from torch.utils.data import TensorDataset
 
-    from fedfm_flower.config import ExperimentConfig
+    from fedfm_flower.config.experiment import ExperimentConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "bench" / "results" / "feddpa_inference"
@@ -77,8 +77,8 @@ BASE_CONFIG: dict[str, Any] = {
 
 def experiment_config(args: argparse.Namespace) -> ExperimentConfig:
     """The run config of the benchmark's models and data (``ExperimentConfig``)."""
-    from fedfm_flower.config import ExperimentConfig
-    from fedfm_flower.overrides import parse_overrides
+    from fedfm_flower.config.experiment import ExperimentConfig
+    from fedfm_flower.config.overrides import parse_overrides
 
     run_config = {
         **ExperimentConfig().to_run_config(),

@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, default=Path("bench/work/large-messages"))
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
-    from fedfm_flower.processes import exit_on_sigterm
+    from fedfm_flower.simulation.processes import exit_on_sigterm
 
     exit_on_sigterm()  # a killed bench stops its deployment (finally) instead of leaving it
     if args.supernodes < 1 or args.rank < 1:

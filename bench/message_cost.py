@@ -57,9 +57,9 @@ ROOT = Path(__file__).resolve().parent.parent
 # exclusive of nested timed calls, except inside an absorbing one, which keeps its nested time.
 PHASES: tuple[tuple[str, str, str, bool], ...] = (
     ("decode received", "client_apps.app", "_received", True),
-    ("config parsing", "fedfm_flower.config", "ExperimentConfig.from_run_config", True),
+    ("config parsing", "fedfm_flower.config.experiment", "ExperimentConfig.from_run_config", True),
     ("runtime set-up", "client_apps.base", "ClientRuntime.from_context", False),
-    ("runtime set-up", "fedfm_flower.halves", "client_class", True),
+    ("runtime set-up", "fedfm_flower.methods.halves", "client_class", True),
     ("runtime set-up", "client_apps.faults", "parse_faults", True),
     ("task and data lookup", "client_apps.base", "task_of", True),
     (
@@ -73,12 +73,12 @@ PHASES: tuple[tuple[str, str, str, bool], ...] = (
     ("load received", "fedfm_flower.models.groups", "TunedModel.load_tensors", True),
     ("parameter selection", "client_apps.split", "SplitClient.split", True),
     ("parameter selection", "fedfm_flower.models.groups", "TunedModel.parameters_named", True),
-    ("state load/save", "fedfm_flower.client_state", "ClientStateStore.load", True),
-    ("state load/save", "fedfm_flower.client_state", "ClientStateStore.save", True),
-    ("compute: train", "fedfm_flower.training", "train", True),
-    ("compute: evaluate", "fedfm_flower.training", "evaluate", True),
+    ("state load/save", "fedfm_flower.records.client_state", "ClientStateStore.load", True),
+    ("state load/save", "fedfm_flower.records.client_state", "ClientStateStore.save", True),
+    ("compute: train", "fedfm_flower.tasks.training", "train", True),
+    ("compute: evaluate", "fedfm_flower.tasks.training", "evaluate", True),
     ("reply encoding", "fedfm_flower.models.groups", "TunedModel.tensors_named", True),
-    ("reply encoding", "fedfm_flower.records", "to_message_record", True),
+    ("reply encoding", "fedfm_flower.records.messages", "to_message_record", True),
 )
 COMPUTE = ("compute: train", "compute: evaluate")
 ORDER = tuple(dict.fromkeys(p for p, *_ in PHASES)) + ("other",)
@@ -263,7 +263,7 @@ def commit(tree: Path) -> str:
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     """Record the messages, replay them warm, and return the result (summary and rows)."""
-    from fedfm_flower.overrides import parse_overrides
+    from fedfm_flower.config.overrides import parse_overrides
 
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()

@@ -22,13 +22,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.config.experiment import ExperimentConfig
 from fedfm_flower.data import multitask as mt
 from fedfm_flower.data.images import normalize
 from fedfm_flower.models.backbones import offline_vit
 from fedfm_flower.models.foundation import foundation_card, load_foundation_weights
 from fedfm_flower.models.multimodal import image_foundation_config
-from fedfm_flower.sweep import cell_config
+from fedfm_flower.study.sweep import cell_config
 
 
 def setup_config(seed: int, cache_dir: str, setup: str) -> ExperimentConfig:

@@ -3,8 +3,8 @@
     python -m bench.parallel_sweep [--methods fedavg local fedrep fedavg-ft] [--seeds 0 1]
         [--rounds 5] [--clients 10] [--out bench/results/parallel_sweep]
 
-Both runs build the same cells (``fedfm_flower.sweep.build_cells``) into fresh directories: the
-serial pool in this process (torch's default threads), then a Ray instance started here with one
+Both runs build the same cells (``fedfm_flower.study.sweep.build_cells``) into fresh directories:
+the serial pool in this process (torch's default threads), then a Ray instance started here with one
 CPU per cell (Ray gives each cell one thread) and as many cells at once as the machine has
 cores. The Ray time includes starting Ray and its workers. The record also says whether every
 run's per-round metrics (wall-clock values aside) are equal between the two.
@@ -21,10 +21,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fedfm_flower.durable import atomic_write_text
-from fedfm_flower.pools import RayPool, RayResources, SerialPool
-from fedfm_flower.results import RunDirectory
-from fedfm_flower.sweep import build_cells, run_sweep
+from fedfm_flower.records.durable import atomic_write_text
+from fedfm_flower.records.results import RunDirectory
+from fedfm_flower.study.pools import RayPool, RayResources, SerialPool
+from fedfm_flower.study.sweep import build_cells, run_sweep
 
 
 def _metrics(run: Path) -> list[Any]:
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-dir", default=str(Path(tempfile.gettempdir()) / "fedfm-cache"))
     parser.add_argument("--out", type=Path, default=Path("bench/results/parallel_sweep"))
     args = parser.parse_args(argv)
-    from fedfm_flower.logs import configure_logging
+    from fedfm_flower.records.logs import configure_logging
 
     configure_logging()
     # the foundation model is built once, before either timing

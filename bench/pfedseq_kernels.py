@@ -50,7 +50,7 @@ import torch
 from torch import nn
 
 from bench.pfedseq_server_step import count, load_earlier, machine_info, merged
-from fedfm_flower.durable import atomic_write_text
+from fedfm_flower.records.durable import atomic_write_text
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "bench" / "results" / "pfedseq_kernels"

@@ -23,9 +23,9 @@ from pathlib import Path
 
 from safetensors import safe_open
 
-from fedfm_flower.results import RunDirectory
-from fedfm_flower.statistics import mean_ci, paired_test
-from fedfm_flower.sweep import run_name
+from fedfm_flower.records.results import RunDirectory
+from fedfm_flower.study.statistics import mean_ci, paired_test
+from fedfm_flower.study.sweep import run_name
 
 ROOT = Path(__file__).resolve().parent.parent
 RATIO_ROUNDS = (11, 12, 13, 15, 20, 30, 40, 60, 80)

@@ -86,8 +86,8 @@ from typing import Any
 
 import torch
 
-from fedfm_flower.durable import atomic_write_text
 from fedfm_flower.methods.pfedseq import SCAN_BACKENDS
+from fedfm_flower.records.durable import atomic_write_text
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "bench" / "results" / "pfedseq_server_step"

@@ -6,7 +6,7 @@ to its last sample.
 
 from __future__ import annotations
 
-from fedfm_flower.processes import cpu_seconds
+from fedfm_flower.simulation.processes import cpu_seconds
 
 
 class CpuByRole:

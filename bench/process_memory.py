@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Self
 
-from fedfm_flower.processes import pids_with_environment, proc_cmdline
+from fedfm_flower.simulation.processes import pids_with_environment, proc_cmdline
 
 TAG_VAR = "FEDFM_BENCH_ID"
 

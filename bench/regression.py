@@ -6,10 +6,10 @@
     python -m bench.regression run --out /tmp/new.json                # in this tree
     python -m bench.regression compare /tmp/old.json /tmp/new.json
 
-``run`` takes the methods of the tree's registry (``fedfm_flower.registry.METHODS``; ``--methods``
-picks some) and runs each (method, setup, seed) cell of ``--seeds`` in a fresh Python process
-(the real ServerApp loop and ClientApp in process, ``server_apps.inprocess``), so cells cannot
-leak state into each other. The setup follows the method's modalities: a method that serves
+``run`` takes the methods of the tree's registry (``fedfm_flower.methods.registry.METHODS``;
+``--methods`` picks some) and runs each (method, setup, seed) cell of ``--seeds`` in a fresh Python
+process (the real ServerApp loop and ClientApp in process, ``server_apps.inprocess``), so cells
+cannot leak state into each other. The setup follows the method's modalities: a method that serves
 images runs on digits-label-skew and digits-feature-skew (``configs/<method>/<setup>.toml``, else
 fedavg's file with the method replaced), a text-only one on ``instructions``
 (``configs/<method>/instructions.toml``), any other (multimodal only) on ``multitask-cpu``. Every
@@ -102,8 +102,8 @@ PATH_KEYS = ("output-dir", "client-state-dir", "cache-dir", "run-name")
 
 def registered_specs() -> list[tuple[str, Any]]:
     """(name, spec) of every registered method, for a registry that is a mapping or a sequence
-    of specs (old and new ``fedfm_flower.registry`` alike)."""
-    from fedfm_flower import registry
+    of specs (old and new ``fedfm_flower.methods.registry`` alike)."""
+    from fedfm_flower.methods import registry
 
     entries: Iterable[tuple[str, Any]]
     if isinstance(registry.METHODS, Mapping):
@@ -232,7 +232,7 @@ def run_cell(
 ) -> dict[str, Any]:
     """One cell in this process: its config and its per-round numbers (a privacy ``variant``
     with its randomness seeded, ``seed_privacy_randomness``)."""
-    from fedfm_flower.results import RunDirectory
+    from fedfm_flower.records.results import RunDirectory
     from server_apps.inprocess import run_in_process
 
     replaced = seed_privacy_randomness(seed) if variant else ""

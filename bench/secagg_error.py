@@ -26,10 +26,10 @@ import torch
 from flwr.app import ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 
 from client_apps.secagg import secagg_mod
-from fedfm_flower import protocol as P
-from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.config.experiment import ExperimentConfig
 from fedfm_flower.privacy.secagg import SecAggSettings, secure_exchange
-from fedfm_flower.records import from_array_record, to_array_record
+from fedfm_flower.records import protocol as P
+from fedfm_flower.records.messages import from_array_record, to_array_record
 from server_apps.inprocess import InProcessGrid
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from fedfm_flower.overrides import parse_overrides
+from fedfm_flower.config.overrides import parse_overrides
 
 METHODS = ("fedavg", "fedrep", "pfedseq", "pfedpg")
 PROMPT_METHODS = ("pfedpg", "fedvpt", "fedvpt-deep")
@@ -31,8 +31,8 @@ def synthetic_reply(message: Any, spec: dict, generator: torch.Generator) -> Any
     """A valid training reply to ``message`` with small random tensors of the given spec."""
     from flwr.app import Message, MetricRecord, RecordDict
 
-    from fedfm_flower import protocol as P
-    from fedfm_flower.records import to_message_record
+    from fedfm_flower.records import protocol as P
+    from fedfm_flower.records.messages import to_message_record
 
     tensors = {
         name: (0.01 * torch.randn(shape, generator=generator)).to(getattr(torch, dtype))
@@ -51,7 +51,7 @@ def measure_one(
     """Median server seconds per round of one (method, N, size, L) point."""
     from flwr.app import ArrayRecord, ConfigRecord
 
-    from fedfm_flower.config import ExperimentConfig
+    from fedfm_flower.config.experiment import ExperimentConfig
     from server_apps.inprocess import InProcessGrid, identity_app, simulation_node_configs
     from server_apps.runner import build_strategy, prepare_foundation
 

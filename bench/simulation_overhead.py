@@ -7,8 +7,8 @@ run config, seed and threads per client:
 
 * (a) ``bench.bare_loop``: one process, no Flower, clients trained and evaluated in sequence;
 * (b) ``python -m fedfm_flower.simulation`` (``flwr run``, N SuperNodes; on the CPU the
-  ClientApps run in forked workers, ``fedfm_flower.fork_engine``, else in Ray's actors) with
-  ``client-resources-num-cpus`` = all usable CPUs, so the simulation also runs one client at a
+  ClientApps run in forked workers, ``fedfm_flower.simulation.fork_engine``, else in Ray's actors)
+  with ``client-resources-num-cpus`` = all usable CPUs, so the simulation also runs one client at a
   time with the same number of torch threads; the framework adds messages, records, the
   ClientApp's per-message set-up, the strategy, checkpoints and results.
 
@@ -25,7 +25,7 @@ difference of the final mean accuracies).
 
 ``--engines prompt ray flower`` runs (b) once per engine per N, one after the other against the
 same bare loop: ``prompt``, the defaults (forked workers on the CPU, the prompt hand-offs of
-``fedfm_flower.prompt_engine``); ``ray``, Ray's actors with the prompt hand-offs
+``fedfm_flower.simulation.prompt_engine``); ``ray``, Ray's actors with the prompt hand-offs
 (``FEDFM_SIMULATION_ENGINE=ray``); ``flower``, Flower's engine as it is (Ray's actors, its 0.1 s
 hand-offs: ``FEDFM_PROMPT_ENGINE=0`` too).
 """
@@ -45,9 +45,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.process_memory import TAG_VAR, PeakMemory
-from fedfm_flower.overrides import parse_overrides, to_set_args
-from fedfm_flower.processes import exit_on_sigterm, stop_tagged
-from fedfm_flower.results import RunDirectory
+from fedfm_flower.config.overrides import parse_overrides, to_set_args
+from fedfm_flower.records.results import RunDirectory
+from fedfm_flower.simulation.processes import exit_on_sigterm, stop_tagged
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINES = ("prompt", "ray", "flower")

@@ -42,8 +42,8 @@ from pathlib import Path
 
 from bench.process_cpu import CpuByRole
 from bench.process_memory import pss_bytes
-from fedfm_flower.processes import pids_with_environment, proc_cmdline
-from fedfm_flower.results import RunDirectory
+from fedfm_flower.records.results import RunDirectory
+from fedfm_flower.simulation.processes import pids_with_environment, proc_cmdline
 
 ROOT = Path(__file__).resolve().parent.parent
 MARKS = {
@@ -57,7 +57,7 @@ MARKS = {
 
 # (marker in the command line, role), first match wins; Ray's workers are "ray::<what runs>".
 ROLES = (
-    ("fedfm_flower.simulation", "launcher"),
+    ("fedfm_flower.simulation ", "launcher"),
     ("bin/flwr ", "flwr cli"),
     ("flower-superlink", "superlink"),
     ("flower-superexec", "superexec"),

@@ -38,9 +38,9 @@ from pathlib import Path
 from typing import Any
 
 from bench import communication, deployment_rounds, server_cost, simulation_overhead
-from fedfm_flower.durable import atomic_write_text
-from fedfm_flower.overrides import parse_overrides
-from fedfm_flower.processes import exit_on_sigterm
+from fedfm_flower.config.overrides import parse_overrides
+from fedfm_flower.records.durable import atomic_write_text
+from fedfm_flower.simulation.processes import exit_on_sigterm
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "suite"

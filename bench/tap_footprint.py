@@ -80,12 +80,12 @@ PRELOAD: tuple[str, ...] = (
     "client_apps.base",
     "client_apps.split",
     "client_apps.tap",
-    "fedfm_flower.distillation",
+    "fedfm_flower.tasks.distillation",
     "fedfm_flower.models.footprint",
     "fedfm_flower.models.multimodal",
-    "fedfm_flower.registry",
+    "fedfm_flower.methods.registry",
     "fedfm_flower.tasks.multitask",
-    "fedfm_flower.training",
+    "fedfm_flower.tasks.training",
 )
 MIB = 1024 * 1024
 # Without a multi-task setup under configs/setups: the TAP command of docs/methods/tap.md.
@@ -125,10 +125,10 @@ def multitask_setups(setups: Path = SETUPS) -> list[str]:
 def base_run_config(setup: str, overrides: dict[str, Any], quick: bool, state_dir: str) -> dict:
     """The full run config of TAP's side (the setup's, or ``DEFAULT_CONFIG``, then ``QUICK``,
     then the overrides); the no-TAP side differs only in ``method``."""
-    from fedfm_flower.config import ExperimentConfig
+    from fedfm_flower.config.experiment import ExperimentConfig
 
     if setup:
-        from fedfm_flower.sweep import cell_config
+        from fedfm_flower.study.sweep import cell_config
 
         layered = cell_config("tap", setup, 0, Path(state_dir))
     else:
@@ -168,7 +168,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     from flwr.app import Context, RecordDict
 
     from client_apps.base import ClientRuntime
-    from fedfm_flower.halves import client_class
+    from fedfm_flower.methods.halves import client_class
     from fedfm_flower.models.footprint import client_footprint
 
     baseline = max_rss_bytes()
@@ -321,8 +321,8 @@ def summarize(rows: list[dict[str, Any]], copies: int, weights: dict[int, float]
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     """Every chosen client under both settings; the results as a JSON-able dict."""
-    from fedfm_flower.config import ExperimentConfig
-    from fedfm_flower.overrides import parse_overrides
+    from fedfm_flower.config.experiment import ExperimentConfig
+    from fedfm_flower.config.overrides import parse_overrides
     from fedfm_flower.tasks import task_of
 
     setup = args.setup

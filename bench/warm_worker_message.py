@@ -94,7 +94,7 @@ def build_message(method: str, cache_dir: str, out: Path) -> None:
     from flwr.common.serde import context_to_proto, message_to_proto
 
     from client_apps.app import app
-    from fedfm_flower.config import ExperimentConfig
+    from fedfm_flower.config.experiment import ExperimentConfig
     from server_apps.inprocess import InProcessGrid, simulation_node_configs
     from server_apps.runner import build_strategy
 
@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
         "--out", type=Path, default=ROOT / "bench" / "results" / "warm_worker_message"
     )
     args = parser.parse_args(argv)
-    from fedfm_flower.config import ExperimentConfig
+    from fedfm_flower.config.experiment import ExperimentConfig
     from fedfm_flower.models.foundation import foundation_card
 
     foundation_card(ExperimentConfig(cache_dir=args.cache_dir))  # build or find it once

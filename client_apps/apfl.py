@@ -31,7 +31,7 @@ from client_apps.stepwise import (
 from fedfm_flower.methods.apfl import APFLSettings
 from fedfm_flower.models import TunedModel
 from fedfm_flower.tasks.base import Batch, StepResult, Task
-from fedfm_flower.training import EvalStats, TrainStats
+from fedfm_flower.tasks.training import EvalStats, TrainStats
 
 ALPHA_KEY = "apfl-alpha"  # alpha's key in the client state (no parameter name lacks a dot)
 

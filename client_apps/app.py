@@ -31,14 +31,17 @@ from flwr.clientapp import ClientApp
 
 from client_apps.secagg import secagg_mod
 from client_apps.warm import warm_worker_mod
-from fedfm_flower import actor_preload, fork_engine, prompt_engine
-from fedfm_flower import protocol as P
+from fedfm_flower.config.experiment import ExperimentConfig, NodeIdentity
+from fedfm_flower.methods import halves
+from fedfm_flower.privacy import accountant
+from fedfm_flower.records import protocol as P
+from fedfm_flower.simulation import actor_preload, fork_engine, prompt_engine
 
 if TYPE_CHECKING:
     import torch
 
     from client_apps.base import ClientLogic, ClientRuntime
-    from fedfm_flower.training import EvalStats
+    from fedfm_flower.tasks.training import EvalStats
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +57,6 @@ fork_engine.install()
 
 def _runtime_and_logic(message: Message, context: Context):  # noqa: ANN202
     from client_apps.base import ClientRuntime
-    from fedfm_flower.halves import client_class
 
     config_record = message.content.config_records.get(P.CONFIG, ConfigRecord())
     run_name = str(config_record.get(P.RUN_NAME, ""))
@@ -66,11 +68,11 @@ def _runtime_and_logic(message: Message, context: Context):  # noqa: ANN202
             f"{runtime.identity.client_id}; the server will re-learn the node mapping"
         )
     server_round = int(config_record.get(P.SERVER_ROUND, 0))
-    return runtime, client_class(runtime.method.spec)(), server_round
+    return runtime, halves.client_class(runtime.method.spec)(), server_round
 
 
 def _received(message: Message) -> dict:
-    from fedfm_flower.records import from_array_record
+    from fedfm_flower.records.messages import from_array_record
 
     record = message.content.array_records.get(P.ARRAYS, ArrayRecord())
     return from_array_record(record)
@@ -156,7 +158,7 @@ def _train_content(
         parse_faults,
         stall_state_write,
     )
-    from fedfm_flower.records import to_message_record
+    from fedfm_flower.records.messages import to_message_record
 
     server_round = int(config_record.get(P.SERVER_ROUND, 0))
     faults = parse_faults(context.node_config)  # before training: a bad value fails fast
@@ -202,7 +204,7 @@ def _privatized(
         return sent
     import torch
 
-    from fedfm_flower.privacy import accountant, mechanism
+    from fedfm_flower.privacy import mechanism
 
     base = {n: torch.zeros_like(t) for n, t in sent.items()} if logic.sends_updates else received
     if config.dp == "central":
@@ -235,7 +237,6 @@ def evaluate(message: Message, context: Context) -> Message:
 @app.query()
 def query(message: Message, context: Context) -> Message:
     """Tell the server this node's stable client id and partition (no data is loaded)."""
-    from fedfm_flower.config import ExperimentConfig, NodeIdentity
 
     config = ExperimentConfig.from_run_config(context.run_config)
     identity = NodeIdentity.from_node_config(context.node_config, config)

@@ -20,7 +20,7 @@ from client_apps.stepwise import WithTensors, local_schedule
 from fedfm_flower.methods.apple import AppleSettings, parse_core_key
 from fedfm_flower.models import TunedModel
 from fedfm_flower.tasks.base import Batch, StepResult
-from fedfm_flower.training import EvalStats, TrainStats, make_optimizer
+from fedfm_flower.tasks.training import EvalStats, TrainStats, make_optimizer
 
 P_KEY = "apple-p"  # p_i's key in the client state (no parameter name lacks a dot)
 

@@ -9,6 +9,7 @@ tensors; the ClientApp wraps them into Flower messages.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -17,20 +18,21 @@ from typing import Any, ClassVar
 import torch
 from flwr.app import Context
 
-from fedfm_flower.client_state import ClientStateStore
-from fedfm_flower.config import ExperimentConfig, NodeIdentity
+from fedfm_flower.config.experiment import ExperimentConfig, NodeIdentity
+from fedfm_flower.data.sealed import SealedSplit
+from fedfm_flower.methods.registry import ResolvedMethod, resolve
 from fedfm_flower.models import MODEL_CACHE, TunedModel, pick_device
-from fedfm_flower.registry import ResolvedMethod, resolve
-from fedfm_flower.tasks import task_of
+from fedfm_flower.records.client_state import ClientStateStore
+from fedfm_flower.tasks import task_of, training
 from fedfm_flower.tasks.base import Task
-from fedfm_flower.training import EvalStats, TrainStats, round_seed
+from fedfm_flower.tasks.training import EvalStats, TrainStats, round_seed
 
 
 @dataclass
 class ClientRuntime:
     """Everything a client method needs to handle one message.
 
-    ``method`` is ``config``'s method resolved (``fedfm_flower.registry.resolve``).
+    ``method`` is ``config``'s method resolved (``fedfm_flower.methods.registry.resolve``).
     """
 
     config: ExperimentConfig
@@ -53,7 +55,7 @@ class ClientRuntime:
             identity.client_id,
             run_name,
             identity.state_dir,
-            keep=config.keep_checkpoints + 1,  # see fedfm_flower.client_state
+            keep=config.keep_checkpoints + 1,  # see fedfm_flower.records.client_state
         )
         return cls(config, identity, store, pick_device(config.device), method)
 
@@ -70,10 +72,6 @@ class ClientRuntime:
             self.config, self.identity.partition_id, self.identity.num_partitions
         )
         if self.config.evaluation_split == "val":
-            import dataclasses
-
-            from fedfm_flower.data.sealed import SealedSplit
-
             data = dataclasses.replace(data, test=SealedSplit("test", "evaluation-split = val"))
         return data
 
@@ -120,10 +118,9 @@ class ClientRuntime:
         """Train the parameters called ``names`` of ``model`` on this client's train split (or
         ``data``) with the task's loss, or ``task``'s (``epochs``/``steps`` default to the
         config's local schedule; ``penalty`` is added to every batch's loss)."""
-        from fedfm_flower.training import train
 
         params = model.parameters_named(names).values()
-        return train(
+        return training.train(  # by module: benchmarks and tests time and spy on it
             task or self.task,
             model,
             self.data.train if data is None else data,
@@ -151,10 +148,9 @@ class ClientRuntime:
     def evaluate(self, model: TunedModel) -> EvalStats:
         """The task's loss and metrics of ``model`` on this client's evaluation split (test,
         or validation with ``evaluation-split = val``)."""
-        from fedfm_flower.training import evaluate
 
         split = self.data.val if self.config.evaluation_split == "val" else self.data.test
-        return evaluate(self.task, model, split, device=self.device)
+        return training.evaluate(self.task, model, split, device=self.device)
 
     def seed(self, server_round: int, salt: int = 0) -> int:
         """The seed of this client's work in ``server_round``."""

@@ -4,7 +4,7 @@
 training: same seed, same batches, bit for bit); the result is sent. (b) The personal model
 v (every trainable tensor, kept in client state) trains for Ditto's personal schedule with the
 run's optimizer on the loss plus ``ditto-lambda``/2 ||v - w^t||^2, anchored at the tensors
-RECEIVED this round (``fedfm_flower.training.proximal_term``), so each SGD step is
+RECEIVED this round (``fedfm_flower.tasks.training.proximal_term``), so each SGD step is
 v <- v - lr (grad F(v) + lambda (v - w^t)). v is saved; evaluation loads the latest v and
 ignores the received global model. A client with no saved v starts from (and evaluates) the
 model's seeded initial values, the server's w^0. The choices are in ``fedfm_flower.methods.ditto``.
@@ -20,7 +20,7 @@ from client_apps.base import ClientRuntime
 from client_apps.split import SplitClient
 from fedfm_flower.methods.ditto import DittoSettings
 from fedfm_flower.models import TunedModel
-from fedfm_flower.training import EvalStats, TrainStats, proximal_term, train
+from fedfm_flower.tasks.training import EvalStats, TrainStats, proximal_term, train
 
 
 class DittoClient(SplitClient):

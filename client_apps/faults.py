@@ -16,7 +16,7 @@ clients of one ``flwr run``, or every SuperNode started with it. Kinds (``FAULT_
 * ``missing-key`` / ``extra-key``: the first tensor is dropped / an unexpected tensor is added;
 * ``client-id``: the reply claims the next client id;
 * ``oversize``: the first tensor keeps its declared shape and dtype but carries 100x the bytes;
-* ``torn-pack``: the packed tensors (``fedfm_flower.packed_arrays``) lose their last byte;
+* ``torn-pack``: the packed tensors (``fedfm_flower.records.packed_arrays``) lose their last byte;
 * ``metric-type``: ``num-examples`` is sent as a float (12.5), not an int;
 * ``no-metrics``: the reply has no metrics record;
 * ``crash``: the ClientApp raises instead of replying (Flower turns it into an error reply; in
@@ -51,12 +51,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from flwr.app import Array, ArrayRecord, RecordDict
 
-from fedfm_flower import protocol as P
-from fedfm_flower.config import ConfigError
-from fedfm_flower.packed_arrays import pack
-from fedfm_flower.records import numpy_arrays
+from fedfm_flower.config.experiment import ConfigError
+from fedfm_flower.records import protocol as P
+from fedfm_flower.records.durable import atomic_path, save_tensors
+from fedfm_flower.records.messages import numpy_arrays
+from fedfm_flower.records.packed_arrays import pack
 
 log = logging.getLogger(__name__)
 
@@ -166,10 +168,7 @@ def stall_state_write(store: Any, seconds: float = STALL_S) -> None:
     ``stall-save`` fault); it then raises, and the temporary file is removed. Once per file: a
     mark beside it (``.stalled-<name>``) makes a replay of the round, after the node was killed
     and started again, write normally."""
-    import torch
     from safetensors.torch import save_file
-
-    from fedfm_flower.durable import atomic_path, save_tensors
 
     def stalled(path: Path, tensors: dict[str, torch.Tensor]) -> str:
         once = path.parent / f".stalled-{path.name}"  # a restarted node writes it normally

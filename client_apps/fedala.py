@@ -14,12 +14,13 @@ the received model with the kept W, untrained.
 from __future__ import annotations
 
 import torch
+from torch.utils.data import TensorDataset
 
 from client_apps.base import ClientRuntime
 from client_apps.split import SplitClient
 from fedfm_flower.methods.fedala import FedALASettings
 from fedfm_flower.models import TunedModel
-from fedfm_flower.training import EvalStats, StepTally, TrainStats
+from fedfm_flower.tasks.training import EvalStats, StepTally, TrainStats
 
 W_PREFIX = "fedala-w/"  # W's tensors in client state, next to theta's by parameter name
 
@@ -27,7 +28,6 @@ W_PREFIX = "fedala-w/"  # W's tensors in client state, next to theta's by parame
 def consecutive_sample(data, ratio: float, generator: torch.Generator):  # noqa: ANN001, ANN201
     """``int(ratio * N)`` consecutive rows of ``data`` (a ``TensorDataset``) from a random start
     in [0, N - n], as the authors' ``train_data[rand_idx:rand_idx + rand_num]``."""
-    from torch.utils.data import TensorDataset
 
     if not isinstance(data, TensorDataset):
         raise TypeError(f"FedALA samples rows of a TensorDataset, got {type(data).__name__}")

@@ -11,7 +11,7 @@ import torch
 
 from client_apps.base import ClientRuntime
 from client_apps.split import SplitClient
-from fedfm_flower.training import EvalStats
+from fedfm_flower.tasks.training import EvalStats
 
 
 class FedAvgFineTuneClient(SplitClient):

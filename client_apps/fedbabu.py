@@ -19,7 +19,7 @@ import torch
 from client_apps.base import ClientRuntime
 from client_apps.split import SplitClient
 from fedfm_flower.models import TunedModel
-from fedfm_flower.training import EvalStats, TrainStats
+from fedfm_flower.tasks.training import EvalStats, TrainStats
 
 
 class FedBABUClient(SplitClient):

@@ -47,7 +47,8 @@ DAT with the personal ``adapter_0`` and ``adapter_2`` restored over the averaged
   parameters, so the loop steps their sum once: for a per-parameter optimizer that is the
   official's two optimizer steps. The optimizer, learning rate and local schedule are the run
   config's (the official: AdamW, lr 1e-4, linear warm-up and decay, one local epoch).
-* *Multi-task KD.* The KD term of a pair is ``fedfm_flower.distillation.distillation_loss``: KL over
+* *Multi-task KD.* The KD term of a pair is ``fedfm_flower.tasks.distillation.distillation_loss``:
+KL over
   the classes, KL per scored target token (text generation and VQA), and, for generated images
   (no logits), the mean squared difference; T^2 scales the KL terms only. Pairs are weighted by
   their share of the batch, lambda_o = n_o / B, as the task loss (TAP's eq. 2);
@@ -73,10 +74,14 @@ import torch
 from torch import nn
 
 from client_apps.base import ClientLogic, ClientRuntime
+from fedfm_flower.data.multitask import IMAGE_GENERATION, PAIRS
 from fedfm_flower.methods.feddat import FedDATSettings
 from fedfm_flower.models import TunedModel
+from fedfm_flower.models.multimodal import LoRALinear
 from fedfm_flower.tasks.base import Batch, StepResult, Task, TrainingObjective
-from fedfm_flower.training import EvalStats, TrainStats
+from fedfm_flower.tasks.distillation import distillation_loss
+from fedfm_flower.tasks.multitask import task_outputs
+from fedfm_flower.tasks.training import EvalStats, TrainStats
 
 if TYPE_CHECKING:
     from fedfm_flower.tasks.multitask import TaskOutput
@@ -114,7 +119,6 @@ def dual_adapter_teacher(
     copies = dict(dat.named_parameters())
     for name in own:
         copies[name].requires_grad_(False)
-    from fedfm_flower.models.multimodal import LoRALinear
 
     modules = dict(dat.named_modules())
     for name in client:
@@ -163,8 +167,6 @@ def mutual_distillation(
     """MKD on one batch's per-pair outputs (``TaskOutput``s of A_s and of the DAT): (L_s, L_c,
     statistic sums); L = sum_o (n_o / B) (loss_o + weight * c_o * KD_o) / 2 with c_o = T^2 for
     the KL terms and 1 for images, the other side's outputs detached."""
-    from fedfm_flower.data.multitask import IMAGE_GENERATION, PAIRS
-    from fedfm_flower.distillation import distillation_loss
 
     loss_s = loss_c = torch.zeros(())
     sums: dict[str, float] = {}
@@ -194,7 +196,6 @@ class MutualDistillationTask(TrainingObjective):
 
     def step(self, model: nn.Module, batch: Batch) -> StepResult:
         """L_s + L_c of ``model`` (a ``MutualPair``) on one batch: one forward of each side."""
-        from fedfm_flower.tasks.multitask import task_outputs
 
         size = len(batch[0])
         shared = task_outputs(model.shared, batch)

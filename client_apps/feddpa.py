@@ -30,8 +30,9 @@ from client_apps.base import ClientRuntime
 from client_apps.split import SplitClient
 from fedfm_flower.methods.feddpa import FedDPASettings
 from fedfm_flower.models import TunedModel
+from fedfm_flower.models.dynamic_mix import InstanceWeightedLM
 from fedfm_flower.models.tuners.dual_lora import GLOBAL, GLOBAL_ONLY, LOCAL, adapter_mix
-from fedfm_flower.training import EvalStats, TrainStats, proximal_term
+from fedfm_flower.tasks.training import EvalStats, TrainStats, proximal_term
 
 
 def local_name(global_name: str) -> str:
@@ -80,7 +81,6 @@ class FedDPAClient(SplitClient):
         self, runtime: ClientRuntime, received: dict[str, torch.Tensor], server_round: int
     ) -> EvalStats:
         """The received global adapter mixed with the latest local one (dynamic or fixed)."""
-        from fedfm_flower.models.dynamic_mix import InstanceWeightedLM
 
         settings = self.settings(runtime)
         model = self.prepare(runtime, received, {"at_most": server_round})

@@ -1,7 +1,7 @@
 """FedProx's client: FedAvg's local training with the proximal term towards the received model.
 
 Every batch's loss gets ``fedprox-mu``/2 times the squared distance of the shared parameters
-from the global tensors received this round (``fedfm_flower.training.proximal_term``), so the
+from the global tensors received this round (``fedfm_flower.tasks.training.proximal_term``), so the
 gradient of the shared parameters gains ``mu (w - w_global)``. The term is applied at every
 ``mu``, 0 included: it adds exact zeros, so ``mu = 0`` trains as FedAvg bit for bit
 (``tests/test_fedprox.py``).
@@ -17,7 +17,7 @@ from client_apps.base import ClientRuntime
 from client_apps.split import SplitClient
 from fedfm_flower.methods.fedprox import FedProxSettings
 from fedfm_flower.models import TunedModel
-from fedfm_flower.training import proximal_term
+from fedfm_flower.tasks.training import proximal_term
 
 
 class FedProxClient(SplitClient):

@@ -11,7 +11,7 @@ import torch
 from client_apps.base import ClientRuntime
 from client_apps.split import SplitClient
 from fedfm_flower.models import TunedModel
-from fedfm_flower.training import TrainStats
+from fedfm_flower.tasks.training import TrainStats
 
 
 class FedRepClient(SplitClient):

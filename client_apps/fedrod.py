@@ -24,7 +24,7 @@ from client_apps.base import ClientLogic, ClientRuntime
 from fedfm_flower.methods.fedrod import FedRoDSettings
 from fedfm_flower.models import TunedModel
 from fedfm_flower.tasks.base import Batch, StepResult, Task, TrainingObjective
-from fedfm_flower.training import EvalStats, TrainStats, train
+from fedfm_flower.tasks.training import EvalStats, TrainStats, train
 
 # h_P's keys in the client state (no model parameter's name lacks a dot).
 PERSONAL_WEIGHT = "fedrod-personal-weight"

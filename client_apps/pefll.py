@@ -30,7 +30,7 @@ from client_apps.updates import UpdateClient
 from fedfm_flower.learners import pefll as L
 from fedfm_flower.learners.embedding_network import EmbeddingNetwork
 from fedfm_flower.methods.pefll import PeFLLSettings
-from fedfm_flower.training import EvalStats, TrainStats
+from fedfm_flower.tasks.training import EvalStats, TrainStats
 
 KEPT = "pefll.kept."  # client state: psi of the round whose descriptor was sent
 KEPT_ROUND = "pefll.kept-round"

@@ -17,7 +17,7 @@ from client_apps.base import ClientRuntime
 from client_apps.ditto import DittoClient
 from fedfm_flower.methods.perada import PerAdaSettings
 from fedfm_flower.models import TunedModel
-from fedfm_flower.training import TrainStats, proximal_term
+from fedfm_flower.tasks.training import TrainStats, proximal_term
 
 
 class PerAdaClient(DittoClient):

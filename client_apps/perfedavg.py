@@ -38,7 +38,7 @@ from client_apps.stepwise import (
 from fedfm_flower.methods.perfedavg import PerFedAvgSettings
 from fedfm_flower.models import TunedModel
 from fedfm_flower.tasks.base import Batch, StepResult, Task
-from fedfm_flower.training import EvalStats, TrainStats
+from fedfm_flower.tasks.training import EvalStats, TrainStats
 
 
 def gradients(loss: torch.Tensor, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:

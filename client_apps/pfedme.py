@@ -21,7 +21,7 @@ from client_apps.stepwise import local_schedule, sgd_
 from fedfm_flower.methods.pfedme import PFedMeSettings
 from fedfm_flower.models import TunedModel
 from fedfm_flower.tasks.base import Batch, StepResult, Task
-from fedfm_flower.training import EvalStats, TrainStats
+from fedfm_flower.tasks.training import EvalStats, TrainStats
 
 
 def pfedme_batch(

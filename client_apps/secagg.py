@@ -19,9 +19,10 @@ from __future__ import annotations
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord
 from flwr.clientapp.typing import ClientAppCallable
+from flwr.compat.common.recorddict_compat import fitres_to_recorddict
 
-from fedfm_flower import protocol as P
 from fedfm_flower.privacy.secagg import SECAGG_RECORD
+from fedfm_flower.records import protocol as P
 
 LEGACY_PREFIX = "fitres."
 
@@ -36,7 +37,7 @@ def secagg_mod(message: Message, context: Context, call_next: ClientAppCallable)
         return call_next(message, context)
     from flwr.client.mod import secaggplus_mod
 
-    from fedfm_flower.records import numpy_arrays
+    from fedfm_flower.records.messages import numpy_arrays
 
     received = numpy_arrays(content.array_records.get(P.ARRAYS, ArrayRecord()))
 
@@ -64,9 +65,8 @@ def _reply_as_fitres(
     the count of weighted update values beyond the clipping range (what the mod clips) in the
     reply's metrics."""
     from flwr.common import Code, FitRes, Status, ndarrays_to_parameters
-    from flwr.compat.common.recorddict_compat import fitres_to_recorddict
 
-    from fedfm_flower.records import numpy_arrays
+    from fedfm_flower.records.messages import numpy_arrays
 
     if reply.has_error():
         raise RuntimeError(f"training failed: {reply.error.reason}")

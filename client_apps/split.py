@@ -24,7 +24,7 @@ import torch
 
 from client_apps.base import ClientLogic, ClientRuntime
 from fedfm_flower.models import TunedModel
-from fedfm_flower.training import EvalStats, TrainStats
+from fedfm_flower.tasks.training import EvalStats, TrainStats
 
 
 class SplitClient(ClientLogic):

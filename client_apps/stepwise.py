@@ -1,7 +1,7 @@
 """Hand-written local loops for methods whose step is not one optimizer step (APFL, Per-FedAvg,
 pFedMe).
 
-``fedfm_flower.training.train`` steps one set of parameters with the configured optimizer;
+``fedfm_flower.tasks.training.train`` steps one set of parameters with the configured optimizer;
 APFL and Per-FedAvg take gradients at other points than the model's own parameters (a mixture
 of two models, a model after an inner step) and apply them by hand with plain SGD, as their
 papers and the FedPerfix authors' code do. What they share is here: the model called with
@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from fedfm_flower.tasks.base import Batch, StepResult, Task
-from fedfm_flower.training import StepTally, TrainStats
+from fedfm_flower.tasks.training import StepTally, TrainStats
 
 if TYPE_CHECKING:
     from client_apps.base import ClientRuntime

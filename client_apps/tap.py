@@ -28,7 +28,7 @@ weight of eq. 1 (``ClientLogic.data_size``).
 
 **Stage 2, the post-training round** (sec. 3.3): W~ := the final received components, trained for
 P iterations (``tap-distill-steps``), then frozen as the teacher; X trains P iterations on eq. 6
-(``fedfm_flower.distillation``) and is kept. Evaluation always uses X (W~ before X exists).
+(``fedfm_flower.tasks.distillation``) and is kept. Evaluation always uses X (W~ before X exists).
 """
 
 from __future__ import annotations
@@ -44,7 +44,9 @@ from client_apps.base import ClientLogic, ClientRuntime
 from fedfm_flower.data.multitask import PAIRS
 from fedfm_flower.methods.tap import REPLACEMENTS, TAPSettings
 from fedfm_flower.models import TunedModel
-from fedfm_flower.training import EvalStats, TrainStats
+from fedfm_flower.tasks.distillation import DistillationTask
+from fedfm_flower.tasks.multitask import task_losses
+from fedfm_flower.tasks.training import EvalStats, TrainStats
 
 HISTORY = "tap.history."  # client-state key prefix of h^(p)_o (scalar tensors)
 
@@ -116,7 +118,6 @@ class TAPClient(ClientLogic):
         self, runtime: ClientRuntime, received: dict[str, torch.Tensor], server_round: int
     ) -> tuple[dict[str, torch.Tensor], TrainStats]:
         """Stage 1: train W~ and send it; replace parts of X (eq. 3-4); train X and keep it."""
-        from fedfm_flower.tasks.multitask import task_losses
 
         settings, model, names, initial = self.start(runtime, received)
         w_stats = runtime.train(model, names, runtime.seed(server_round))
@@ -155,7 +156,6 @@ class TAPClient(ClientLogic):
         self, runtime: ClientRuntime, received: dict[str, torch.Tensor], server_round: int
     ) -> tuple[dict[str, torch.Tensor], TrainStats]:
         """Stage 2: W~ trained P iterations becomes the teacher; X trains P on eq. 6."""
-        from fedfm_flower.distillation import DistillationTask
 
         settings, model, names, initial = self.start(runtime, received)
         steps = settings.distill_steps

@@ -14,7 +14,7 @@ import torch
 
 from client_apps.base import ClientRuntime
 from client_apps.split import SplitClient
-from fedfm_flower.training import TrainStats
+from fedfm_flower.tasks.training import TrainStats
 
 
 class UpdateClient(SplitClient):

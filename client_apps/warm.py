@@ -59,8 +59,8 @@ Choices (each with its reason):
   (seconds > 0, default 900), validated in every mode: a bad value fails the message with
   ``node config 'warm-worker' = 'yes' is invalid: ...``.
 
-This module imports only the standard library and ``fedfm_flower.settings`` (and flwr's serde
-where it forwards), never torch: it runs in every ``flwr-clientapp`` process, before anything
+This module imports only the standard library and ``fedfm_flower.methods.settings`` (and flwr's
+serde where it forwards), never torch: it runs in every ``flwr-clientapp`` process, before anything
 knows whether it will forward.
 """
 
@@ -84,8 +84,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fedfm_flower.processes import pid_alive, proc_cmdline, proc_stat
-from fedfm_flower.settings import ConfigError, coerce
+from fedfm_flower.methods.settings import ConfigError, coerce
+from fedfm_flower.simulation.processes import pid_alive, proc_cmdline, proc_stat
 
 if TYPE_CHECKING:
     from flwr.app import Context, Message

@@ -29,6 +29,7 @@ import argparse
 import contextlib
 import fcntl
 import hmac
+import importlib
 import logging
 import os
 import queue
@@ -58,7 +59,7 @@ from client_apps.warm import (
     recv_frame,
     send_frames,
 )
-from fedfm_flower.processes import pid_alive
+from fedfm_flower.simulation.processes import pid_alive
 
 log = logging.getLogger("client_apps.warm_worker")
 
@@ -67,8 +68,8 @@ PRELOAD = (  # what every message of the ViT and LLM families imports (~90% of a
     "client_apps.app",
     "client_apps.base",
     "client_apps.faults",
-    "fedfm_flower.records",
-    "fedfm_flower.training",
+    "fedfm_flower.records.messages",
+    "fedfm_flower.tasks.training",
     "timm",
     "peft",
 )
@@ -345,7 +346,6 @@ class Worker:
 
 def preload() -> None:
     """Import what every message needs, so that the first one is warm too."""
-    import importlib
 
     for name in PRELOAD:
         try:

@@ -39,7 +39,7 @@ part() {
 if [ -d "$WHEELS" ] && ! "$PY" -c "import flwr, ray, datasets" 2> /dev/null; then
     part install 120 "$PY" -m pip install --no-index --no-deps "$WHEELS"/*.whl
 fi
-if ! "$PY" -c "import fedfm_flower.config" 2> /dev/null; then
+if ! "$PY" -c "import fedfm_flower.config.experiment" 2> /dev/null; then
     part install-project 60 "$PY" -m pip install --no-deps --no-build-isolation -e .
 fi
 # pip --target or a user site puts Flower's commands elsewhere: put them on PATH

@@ -5,15 +5,16 @@ from __future__ import annotations
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
+from fedfm_flower.config.experiment import ExperimentConfig
+from fedfm_flower.deploy.object_pushes import retry_grid_object_pushes
+from fedfm_flower.records.logs import configure_logging
+
 app = ServerApp()
 
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     """Validate the run config, then run (or resume) the experiment."""
-    from fedfm_flower.config import ExperimentConfig
-    from fedfm_flower.deploy.object_pushes import retry_grid_object_pushes
-    from fedfm_flower.logs import configure_logging
     from server_apps.polling import PromptGrid
     from server_apps.runner import run_experiment
 

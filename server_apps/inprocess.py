@@ -17,8 +17,11 @@ from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, Record
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid
 
+from fedfm_flower.config.experiment import ExperimentConfig
+from fedfm_flower.records import protocol as P
+
 if TYPE_CHECKING:
-    from fedfm_flower.pruning import EarlyStop
+    from server_apps.runner import EarlyStop
 
 ReplyHook = Callable[[int, Message], Message | None]
 
@@ -43,7 +46,6 @@ def crash_in_round(server_round: int) -> ReplyHook:
 def identity_app() -> ClientApp:
     """A ClientApp that only answers the identity query, from the node config (strategy tests
     and benchmarks that need the node mapping but no training)."""
-    from fedfm_flower import protocol as P
 
     app = ClientApp()
 
@@ -202,7 +204,6 @@ def run_in_process(
     """Run a full experiment in this process (``early_stop``: ``run_experiment``'s); returns
     (summary, grid)."""
     from client_apps.app import app as client_app
-    from fedfm_flower.config import ExperimentConfig
     from server_apps.runner import run_experiment
 
     full = {**ExperimentConfig().to_run_config(), **run_config}

@@ -10,8 +10,8 @@ reaching the SuperLink. A pull that brings replies starts the pauses over: repli
 after another (clients share the cores, or finish at similar times), so once one is in the
 next is likely near, and the round's last reply is seen within a short pause rather than a
 grown one. A pull is one small request to the SuperLink on the ServerApp's own machine.
-In simulation the engine's prompt hand-offs (``fedfm_flower.prompt_engine``) cut both waits
-short: a push sets ``PUSHED`` (the engine picks the messages up at once) and a pause ends when
+In simulation the engine's prompt hand-offs (``fedfm_flower.simulation.prompt_engine``) cut both
+waits short: a push sets ``PUSHED`` (the engine picks the messages up at once) and a pause ends when
 the engine stores a reply (``REPLIED``). Everything else is the wrapped grid's.
 """
 
@@ -25,8 +25,8 @@ from flwr.proto.node_pb2 import NodeInfo  # pylint: disable=E0611
 from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 
-from fedfm_flower.prompt_engine import PUSHED, REPLIED
-from fedfm_flower.waits import GrowingWait
+from fedfm_flower.simulation.prompt_engine import PUSHED, REPLIED
+from fedfm_flower.simulation.waits import GrowingWait
 
 FIRST_PAUSE_S = 0.01
 MAX_PAUSE_S = 0.1
@@ -40,7 +40,7 @@ def pauses(first: float = FIRST_PAUSE_S, limit: float = MAX_PAUSE_S) -> GrowingW
 
 def until_replied(seconds: float) -> None:
     """Wait ``seconds``, or less when the simulation engine stores a reply meanwhile
-    (``fedfm_flower.prompt_engine``; elsewhere nothing sets it and this is a sleep)."""
+    (``fedfm_flower.simulation.prompt_engine``; elsewhere nothing sets it and this is a sleep)."""
     REPLIED.wait(seconds)
 
 

@@ -47,33 +47,40 @@ import math
 import platform
 import time
 import traceback
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord
 from flwr.serverapp import Grid
 
 from fedfm_flower import __version__
-from fedfm_flower import protocol as P
-from fedfm_flower.config import ExperimentConfig
-from fedfm_flower.foundation_cards import describe, model_difference
+from fedfm_flower.config.experiment import ExperimentConfig
+from fedfm_flower.data import check_client_sizes
+from fedfm_flower.methods.halves import strategy_class
+from fedfm_flower.methods.registry import resolve
+from fedfm_flower.models import initial_trainable
 from fedfm_flower.models.build import prepare_foundation
+from fedfm_flower.models.foundation_cards import describe, model_difference
 from fedfm_flower.privacy.accountant import privacy_spent
 from fedfm_flower.privacy.ledger import LedgerFile
-from fedfm_flower.records import record_dict_nbytes
-from fedfm_flower.registry import resolve
-from fedfm_flower.results import CLIENT_PARTITIONS, RunDirectory, progress_line
+from fedfm_flower.records import protocol as P
+from fedfm_flower.records.messages import record_dict_nbytes
+from fedfm_flower.records.results import CLIENT_PARTITIONS, RunDirectory, progress_line
+from fedfm_flower.records.trackers.run import Trackers, open_trackers
+from fedfm_flower.simulation.waits import GrowingWait
 from fedfm_flower.tasks import task_of
-from fedfm_flower.waits import GrowingWait
 from strategies.base import PersonalizedStrategy
 from strategies.parts.context import NO_CONTEXT, RunContext
 from strategies.parts.outcome import PhaseOutcome
 
 if TYPE_CHECKING:
-    from fedfm_flower.pruning import EarlyStop
-    from fedfm_flower.trackers.run import Trackers
+    from fedfm_flower.records.trackers.run import Trackers
 
 log = logging.getLogger("fedfm_flower")
+
+# Called with (round, mean validation value) when a round's evaluation is complete; True stops
+# the run after that round (a tuning trial's pruner: ``fedfm_flower.study.pruning``).
+EarlyStop = Callable[[int, float], bool]
 
 NODE_WAIT_FIRST_S, NODE_WAIT_LONGEST_S = 0.05, 1.0  # growing looks for the nodes at launch
 MAX_REASONS = 3  # rejection reasons quoted in a failure message
@@ -89,8 +96,6 @@ def build_strategy(
     """The configured method's strategy for the run ``context``, initialised from the seeded
     trainable tensors; the method is resolved here once (unless ``context`` brings it) and
     given to the strategy with the context."""
-    from fedfm_flower.halves import strategy_class
-    from fedfm_flower.models import initial_trainable
 
     method = context.method or resolve(config)
     outputs = task_of(config).num_outputs(config)
@@ -133,7 +138,6 @@ def run_experiment(
     ``stopped-at-round`` (a pruned tuning trial). Any exception is also recorded in the run
     directory's ``failure.json`` before it propagates.
     """
-    from fedfm_flower.trackers.run import Trackers, open_trackers
 
     run = RunDirectory.open(config)
     trackers, failed = Trackers({}), True
@@ -381,7 +385,6 @@ def awaiting_evaluation(rounds: list[dict[str, Any]], server_round: int) -> dict
 
 def check_partitions(config: ExperimentConfig, num_clients: int) -> dict[str, dict[str, int]]:
     """Every client's example counts by client id; fails when one is below the minimum."""
-    from fedfm_flower.data import check_client_sizes
 
     counts = check_client_sizes(config, task_of(config).example_counts(config, num_clients))
     return {str(client): c.as_dict() for client, c in enumerate(counts)}

@@ -16,10 +16,10 @@ import logging
 
 import torch
 
-from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.config.experiment import ExperimentConfig
 from fedfm_flower.methods.apple import core_key
 from fedfm_flower.models import TrainableTensors
-from fedfm_flower.records import tensor_spec
+from fedfm_flower.records.messages import tensor_spec
 from strategies.client_slots import ClientSlotStrategy
 from strategies.parts.context import NO_CONTEXT, RunContext
 from strategies.parts.exchange import PLAIN_ROUND, RoundInputs

@@ -36,9 +36,9 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.config.experiment import ExperimentConfig
+from fedfm_flower.methods.registry import ResolvedMethod, resolve
 from fedfm_flower.models import TrainableTensors
-from fedfm_flower.registry import ResolvedMethod, resolve
 from strategies.parts.accounting import accounting_for
 from strategies.parts.context import NO_CONTEXT, RunContext
 from strategies.parts.exchange import (

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from flwr.serverapp import Grid
 
-from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.config.experiment import ExperimentConfig
 from fedfm_flower.models import TrainableTensors
 from strategies.base import PersonalizedStrategy
 from strategies.parts.context import NO_CONTEXT, RunContext

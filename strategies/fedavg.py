@@ -7,8 +7,8 @@ that own it (TAP's component-wise FedAvg, eq. 1).
 
 What is shared and what stays on the clients is the method's split (``MethodSpec.split`` in
 ``fedfm_flower/methods/<method>.py``, resolved once per run: ``self.method``, a
-``fedfm_flower.registry.ResolvedMethod``, as the clients read it); subclasses choose how clients
-are weighted (``weighting``: example counts, or equal as FedDPA's eq. 2) and add phases.
+``fedfm_flower.methods.registry.ResolvedMethod``, as the clients read it); subclasses choose how
+clients are weighted (``weighting``: example counts, or equal as FedDPA's eq. 2) and add phases.
 
 How the global tensors follow from a round's replies is a part chosen at build from the run
 config (``strategies.parts.averaging``): the weighted average in float64 (the result does not
@@ -23,9 +23,9 @@ from typing import ClassVar
 
 import torch
 
-from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.config.experiment import ExperimentConfig
 from fedfm_flower.models import TrainableTensors
-from fedfm_flower.records import tensor_spec
+from fedfm_flower.records.messages import tensor_spec
 from strategies.base import PersonalizedStrategy
 from strategies.parts.averaging import averaging_parts
 from strategies.parts.context import NO_CONTEXT, RunContext
@@ -56,7 +56,7 @@ class FedAvgStrategy(PersonalizedStrategy):
         return {n: self.global_tensors[n] for n in names if n in self.global_tensors}
 
     def client_weighting(self) -> str:
-        """How replies are weighted (``fedfm_flower.aggregation.WEIGHTINGS``): the class's
+        """How replies are weighted (``fedfm_flower.learners.aggregation.WEIGHTINGS``): the class's
         ``weighting`` unless a method's setting chooses."""
         return self.weighting
 

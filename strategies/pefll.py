@@ -13,16 +13,16 @@ import logging
 
 import torch
 
-from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.config.experiment import ExperimentConfig
 from fedfm_flower.learners import pefll as L
+from fedfm_flower.methods import descriptor_size
 from fedfm_flower.methods.pefll import (
     IMAGE_CHANNELS,
     PeFLLSettings,
-    descriptor_size,
     generated_split,
 )
 from fedfm_flower.models import TrainableTensors, pick_device
-from fedfm_flower.records import tensor_spec
+from fedfm_flower.records.messages import tensor_spec
 from strategies.client_slots import ClientSlotStrategy, brief
 from strategies.parts.context import NO_CONTEXT, RunContext
 from strategies.parts.exchange import PLAIN_ROUND, RoundInputs
@@ -68,7 +68,7 @@ class PeFLLStrategy(ClientSlotStrategy):
             "PeFLL: %d clients, descriptors of %d, %d generated tensors (%d values, head %s), "
             "embedding network of %d parameters",
             num_clients,
-            descriptor_size(self.settings, num_clients),
+            descriptor_size(self.settings.embedding_dim, num_clients),
             len(self.initial_generated),
             sum(t.numel() for t in self.initial_generated.values()),
             self.settings.head,

@@ -18,11 +18,12 @@ import logging
 
 import torch
 
-from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.config.experiment import ExperimentConfig
 from fedfm_flower.learners.perada import AuxiliarySet, EnsembleDistiller, auxiliary_set
 from fedfm_flower.methods.perada import PerAdaSettings
-from fedfm_flower.models import TrainableTensors, TunedModel, pick_device
-from fedfm_flower.training import round_seed
+from fedfm_flower.models import TrainableTensors, TunedModel, build_model, pick_device
+from fedfm_flower.tasks import task_of
+from fedfm_flower.tasks.training import round_seed
 from strategies.fedavg import FedAvgStrategy
 from strategies.parts.context import NO_CONTEXT, RunContext
 from strategies.parts.exchange import PLAIN_ROUND, RoundInputs
@@ -53,8 +54,6 @@ class PerAdaStrategy(FedAvgStrategy):
 
     def distillation_model(self) -> TunedModel:
         """The run's model on the server: the clients' frozen backbone, tuner and head."""
-        from fedfm_flower.models import build_model
-        from fedfm_flower.tasks import task_of
 
         outputs = task_of(self.config).num_outputs(self.config)
         model = build_model(

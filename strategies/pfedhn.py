@@ -11,11 +11,12 @@ import logging
 
 import torch
 
-from fedfm_flower.config import ExperimentConfig
-from fedfm_flower.learners.pfedhn import PFedHNServer, PFedHNSettings, descriptor_size
+from fedfm_flower.config.experiment import ExperimentConfig
+from fedfm_flower.learners.pfedhn import PFedHNServer, PFedHNSettings
+from fedfm_flower.methods import descriptor_size
 from fedfm_flower.methods.pfedhn import generated_split
 from fedfm_flower.models import TrainableTensors, pick_device
-from fedfm_flower.records import tensor_spec
+from fedfm_flower.records.messages import tensor_spec
 from strategies.client_slots import ClientSlotStrategy, brief
 from strategies.parts.context import NO_CONTEXT, RunContext
 from strategies.parts.exchange import PLAIN_ROUND, RoundInputs
@@ -50,7 +51,7 @@ class PFedHNStrategy(ClientSlotStrategy):
             "pFedHN: %d clients, descriptors of %d, MLP %d x %d, %d generated tensors "
             "(%d values, head %s)",
             num_clients,
-            descriptor_size(self.settings, num_clients),
+            descriptor_size(self.settings.embedding_dim, num_clients),
             self.settings.layers,
             self.settings.hidden,
             len(self.initial_generated),

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.config.experiment import ExperimentConfig
 from fedfm_flower.methods.pfedme import PFedMeSettings
 from fedfm_flower.models import TrainableTensors
 from strategies.fedavg import FedAvgStrategy

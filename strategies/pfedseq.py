@@ -10,10 +10,10 @@ import logging
 
 import torch
 
-from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.config.experiment import ExperimentConfig
 from fedfm_flower.learners.pfedseq import PFedSeqServer, PFedSeqSettings
 from fedfm_flower.models import TrainableTensors, pick_device
-from fedfm_flower.records import tensor_spec
+from fedfm_flower.records.messages import tensor_spec
 from strategies.client_slots import ClientSlotStrategy, brief
 from strategies.parts.context import NO_CONTEXT, RunContext
 from strategies.parts.exchange import PLAIN_ROUND, RoundInputs

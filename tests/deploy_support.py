@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from fedfm_flower.deploy import HOST, tagged_pids
-from fedfm_flower.processes import pid_alive
+from fedfm_flower.simulation.processes import pid_alive
 
 ROOT = Path(__file__).resolve().parent.parent
 

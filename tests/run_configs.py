@@ -12,7 +12,7 @@ MODALITY_BASES: dict[str, dict[str, str]] = {
 
 def method_base(method: str) -> dict[str, str]:
     """A run config that ``method`` validates with: its name and a dataset of its modality."""
-    from fedfm_flower.registry import method_spec
+    from fedfm_flower.methods.registry import method_spec
 
     modalities = method_spec(method).modalities
     return {"method": method, **MODALITY_BASES[modalities[0] if modalities else "image"]}

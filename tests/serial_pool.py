@@ -57,7 +57,7 @@ class RunPool(QueuePool):
         self._seeded = seeded
 
     def finish(self, cell) -> dict:  # noqa: ANN001
-        from fedfm_flower.cells import cell_record, cell_state, failed_record
+        from fedfm_flower.study.cells import cell_record, cell_state, failed_record
 
         if cell_state(cell) != "done":
             try:
@@ -101,7 +101,7 @@ def tune_pools(
 ) -> list[RunPool]:
     """The pools ``tune.main`` makes from now on, one ``RunPool(curve, card, seeded)`` per
     command."""
-    from fedfm_flower import tune
+    from fedfm_flower.study import tune
 
     pools: list[RunPool] = []
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from fedfm_flower import protocol as P
+from fedfm_flower.records import protocol as P
 
 
 def _records(run_dir: Path) -> list[dict]:

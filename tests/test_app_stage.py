@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fedfm_flower.app_stage import app_files, fab_paths, stage_app
+from fedfm_flower.simulation.app_stage import app_files, fab_paths, stage_app
 
 
 def _app(root: Path, gitignore: str) -> Path:

@@ -13,14 +13,14 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 from safetensors.torch import load_file, save_file
 
 from client_apps.apple import P_KEY, AppleClient
-from fedfm_flower import protocol as P
-from fedfm_flower.config import ExperimentConfig, NodeIdentity
+from fedfm_flower.config.experiment import ExperimentConfig, NodeIdentity
 from fedfm_flower.methods.apple import AppleSettings
+from fedfm_flower.methods.registry import method_spec
+from fedfm_flower.methods.settings import ConfigError
 from fedfm_flower.models import TrainableTensors
-from fedfm_flower.records import from_array_record, to_array_record
-from fedfm_flower.registry import method_spec
-from fedfm_flower.results import RunDirectory
-from fedfm_flower.settings import ConfigError
+from fedfm_flower.records import protocol as P
+from fedfm_flower.records.messages import from_array_record, to_array_record
+from fedfm_flower.records.results import RunDirectory
 from fedfm_flower.tasks.classification import ImageClassification
 from server_apps.inprocess import InProcessGrid, identity_app, run_in_process
 from strategies.apple import AppleStrategy

@@ -11,9 +11,9 @@ from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 
 from bench.bare_loop import run_bare_fedavg
 from bench.communication import parameter_bytes, wire_bytes
-from fedfm_flower.config import ExperimentConfig
-from fedfm_flower.overrides import parse_overrides, to_set_args
-from fedfm_flower.records import to_array_record
+from fedfm_flower.config.experiment import ExperimentConfig
+from fedfm_flower.config.overrides import parse_overrides, to_set_args
+from fedfm_flower.records.messages import to_array_record
 from server_apps.inprocess import run_in_process
 
 
@@ -409,7 +409,7 @@ def test_cpu_by_role_sums_roles_and_keeps_what_an_exited_process_used() -> None:
     import time
 
     from bench.process_cpu import CpuByRole
-    from fedfm_flower.processes import cpu_seconds
+    from fedfm_flower.simulation.processes import cpu_seconds
 
     # The child burns past 0.4 s: /proc counts in clock ticks, so a child that stopped at its
     # precise 0.3 s could read 0.29 there forever.

@@ -16,7 +16,6 @@ import torch
 from flwr.app import RecordDict
 
 from client_apps.faults import InjectedCrash, parse_faults, stall_state_write
-from fedfm_flower.client_state import ClientStateStore, state_digest
 from fedfm_flower.deploy.chaos import (
     ChaosEvent,
     check_chaos,
@@ -24,8 +23,9 @@ from fedfm_flower.deploy.chaos import (
     plan_chaos,
     stall_overrides,
 )
-from fedfm_flower.durable import save_tensors
-from fedfm_flower.results import RunDirectory
+from fedfm_flower.records.client_state import ClientStateStore, state_digest
+from fedfm_flower.records.durable import save_tensors
+from fedfm_flower.records.results import RunDirectory
 
 
 def _tensors(value: float) -> dict[str, torch.Tensor]:

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from flwr.app import RecordDict
 
-from fedfm_flower.client_state import ClientStateStore
+from fedfm_flower.records.client_state import ClientStateStore
 
 
 def tensors(value: float) -> dict[str, torch.Tensor]:

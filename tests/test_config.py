@@ -16,7 +16,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from fedfm_flower.config import (
+from fedfm_flower.config.experiment import (
     METHODS,
     ConfigError,
     ExperimentConfig,
@@ -24,9 +24,9 @@ from fedfm_flower.config import (
 )
 from fedfm_flower.methods.pfedpg import PFedPGSettings
 from fedfm_flower.methods.pfedseq import PFedSeqSettings
-from fedfm_flower.registry import METHODS as REGISTRY
-from fedfm_flower.registry import settings_class, settings_classes
-from fedfm_flower.settings import MethodSettings, allowed_values
+from fedfm_flower.methods.registry import METHODS as REGISTRY
+from fedfm_flower.methods.registry import settings_class, settings_classes
+from fedfm_flower.methods.settings import MethodSettings, allowed_values
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -173,12 +173,12 @@ def test_method_settings_import_neither_torch_nor_flwr() -> None:
     """The ClientApp parses the run config in a fresh process per message."""
     script = (
         "import sys, json\n"
-        "from fedfm_flower.config import ExperimentConfig\n"
-        "from fedfm_flower.registry import settings_classes\n"
+        "from fedfm_flower.config.experiment import ExperimentConfig\n"
+        "from fedfm_flower.methods.registry import settings_classes\n"
         "kinds = settings_classes()\n"
         "assert kinds and [k.from_run_config({}) for k in kinds]\n"
         "c = ExperimentConfig(method_values=(('pfedpg-lr', 0.1),))\n"
-        "from fedfm_flower.registry import settings_class\n"
+        "from fedfm_flower.methods.registry import settings_class\n"
         "pg = c.settings_of(settings_class('pfedpg'))\n"
         "assert c.method_settings.lr == 0.001 and pg.lr == 0.1\n"
         "print(json.dumps(sorted(m for m in ('torch', 'flwr') if m in sys.modules)))\n"
@@ -371,7 +371,7 @@ def test_every_config_file_in_the_repository_parses(tmp_path: Path) -> None:
 def test_the_launchers_check_refuses_a_path_with_a_nul_by_its_key() -> None:
     """Found by tests/test_properties_config.py: making the path absolute raised ValueError
     ("embedded null byte") before the config's check could name the key."""
-    from fedfm_flower.preflight import PreflightError, resolve_config
+    from fedfm_flower.simulation.preflight import PreflightError, resolve_config
 
     root = Path(__file__).resolve().parent.parent
     with pytest.raises(PreflightError, match="'output-dir' = 'runs\\\\x00' is invalid: must not"):

@@ -16,7 +16,7 @@ import pytest
 import torch
 from PIL import Image
 
-from fedfm_flower.config import ConfigError, ExperimentConfig
+from fedfm_flower.config.experiment import ConfigError, ExperimentConfig
 from fedfm_flower.data import (
     DATASETS,
     DOMAINS,
@@ -447,7 +447,7 @@ def test_warm_partition_cache_spares_a_fresh_process_the_datasets_imports(tmp_pa
 
     script = (
         "import sys, json\n"
-        "from fedfm_flower.config import ExperimentConfig\n"
+        "from fedfm_flower.config.experiment import ExperimentConfig\n"
         "from fedfm_flower.data import load_client_data\n"
         f"c = ExperimentConfig().replace(cache_dir={str(tmp_path)!r})\n"
         "d = load_client_data(c, 3, 10)\n"

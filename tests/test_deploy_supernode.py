@@ -20,7 +20,7 @@ from fedfm_flower.deploy import DeployOptions, LocalDeployment, object_pushes, s
 from fedfm_flower.deploy import supernode as launcher
 from fedfm_flower.deploy.cli import build_parser
 from fedfm_flower.deploy.known_flower import flower_version, is_known
-from fedfm_flower.processes import pid_alive
+from fedfm_flower.simulation.processes import pid_alive
 
 
 @pytest.fixture

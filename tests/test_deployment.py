@@ -243,7 +243,7 @@ def test_the_fab_holds_the_apps_code_and_configs_and_the_staged_app_builds_it_ex
     from flwr.cli.build import build_fab_from_disk
     from flwr.common.constant import FAB_MAX_SIZE
 
-    from fedfm_flower.app_stage import stage_app
+    from fedfm_flower.simulation.app_stage import stage_app
 
     fab = build_fab_from_disk(ROOT)
     names = zipfile.ZipFile(io.BytesIO(fab)).namelist()

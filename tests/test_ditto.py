@@ -7,27 +7,26 @@ from pathlib import Path
 
 import pytest
 import torch
-from flwr.app import RecordDict
 
 from client_apps.ditto import DittoClient
 from client_apps.split import SplitClient
-from fedfm_flower import protocol as P
-from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.config.experiment import ExperimentConfig
 from fedfm_flower.methods import AVERAGE_ONLY, ResourceProfile
 from fedfm_flower.methods.ditto import DittoSettings
-from fedfm_flower.ranges import LogUniform
-from fedfm_flower.records import numpy_arrays
-from fedfm_flower.registry import method_spec
-from fedfm_flower.results import RunDirectory
-from fedfm_flower.settings import ConfigError
+from fedfm_flower.methods.ranges import LogUniform
+from fedfm_flower.methods.registry import method_spec
+from fedfm_flower.methods.settings import ConfigError
+from fedfm_flower.records import protocol as P
+from fedfm_flower.records.messages import numpy_arrays
+from fedfm_flower.records.results import RunDirectory
 from fedfm_flower.tasks.classification import ImageClassification
 from server_apps.inprocess import run_in_process
 from tests.tiny_clients import (
     TWO_LAYER_NAMES,
     TwoLayerModel,
-    capture_evaluated,
     client_runtime,
     data,
+    kept_personal_model,
     offset,
     two_layer_grads,
 )
@@ -150,27 +149,7 @@ def test_lambda_zero_is_plain_local_training_and_a_large_lambda_pulls_v_to_w(
 
 def test_v_is_kept_restored_after_a_restart_and_evaluated_alone(tmp_path: Path) -> None:
     config = _config(ditto_lambda=0.1)
-    model = TwoLayerModel()
-    runtime = client_runtime(model, config, tmp_path / "state")
-    initial = model.trainable().tensors
-    received = offset(initial, 6, 0.1)
-    # A client with no v yet evaluates v^0 = w^0, the model's initial values.
-    evaluated = capture_evaluated(runtime)
-    DittoClient().evaluate(runtime, received, 0)
-    assert all(torch.equal(evaluated[n], initial[n]) for n in NAMES)
-
-    sent, _ = DittoClient().train(runtime, received, 1)
-    assert runtime.store.rounds() == [1]
-    v = runtime.store.load(before=2)
-    assert not any(torch.equal(v[n], sent[n]) for n in NAMES)  # v is not w
-    assert (tmp_path / "state" / "run" / "client_0" / "round_00001.safetensors").is_file()
-
-    # A restart: a fresh context (empty memory state) reads v from disk and evaluates it,
-    # whatever global model arrives.
-    restarted = client_runtime(TwoLayerModel(), config, tmp_path / "state", state=RecordDict())
-    evaluated = capture_evaluated(restarted)
-    DittoClient().evaluate(restarted, offset(received, 7, 5.0), 1)
-    assert all(torch.equal(evaluated[n], v[n]) for n in NAMES)
+    _, _, sent, v, restarted = kept_personal_model(DittoClient, config, tmp_path / "state")
     # Round 2 starts from that v: its update equals the hand loop started there.
     DittoClient().train(restarted, sent, 2)
     expected = _hand_personal_update(v, sent, config, restarted.seed(2), 0.1)

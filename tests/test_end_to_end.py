@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from client_apps.faults import inject_fault
-from fedfm_flower import protocol as P
-from fedfm_flower import registry
-from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.config.experiment import ExperimentConfig
+from fedfm_flower.methods import registry
+from fedfm_flower.methods.registry import METHODS, tuner_of
 from fedfm_flower.models import MODEL_CACHE, backbone_fingerprint, build_model, initial_trainable
 from fedfm_flower.models.groups import TrainableTensors
-from fedfm_flower.records import from_array_record, record_names
-from fedfm_flower.registry import METHODS, tuner_of
+from fedfm_flower.records import protocol as P
+from fedfm_flower.records.messages import from_array_record, record_names
 from server_apps.inprocess import ServerCrash, crash_in_round, run_in_process
 
 # Methods that serve image models (FedDPA's are for causal LMs: tests/test_feddpa.py).

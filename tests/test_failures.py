@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedfm_flower.client_state import ClientStateStore, state_digest
-from fedfm_flower.config import ExperimentConfig
-from fedfm_flower.durable import DamagedFileError, load_tensors, save_tensors, tensor_sha256
-from fedfm_flower.results import RunDirectory
+from fedfm_flower.config.experiment import ExperimentConfig
+from fedfm_flower.records.client_state import ClientStateStore, state_digest
+from fedfm_flower.records.durable import DamagedFileError, load_tensors, save_tensors, tensor_sha256
+from fedfm_flower.records.results import RunDirectory
 
 
 def _truncate(path: Path, keep: float = 0.5) -> None:
@@ -398,13 +398,13 @@ RAY_ERROR = (
     ],
 )
 def test_original_exception(text: str, expected: str) -> None:
-    from fedfm_flower.tracebacks import original_exception
+    from fedfm_flower.records.tracebacks import original_exception
 
     assert original_exception(text) == expected
 
 
 def test_stream_filter_folds_tracebacks_and_debug_shows_them() -> None:
-    from fedfm_flower.tracebacks import StreamFilter
+    from fedfm_flower.records.tracebacks import StreamFilter
 
     stream = [
         "\x1b[92mINFO \x1b[0m:      Starting Flower Simulation",
@@ -444,7 +444,7 @@ def test_stream_filter_folds_tracebacks_and_debug_shows_them() -> None:
 
 
 def test_run_status_and_exit_codes() -> None:
-    from fedfm_flower.launch import (
+    from fedfm_flower.simulation.launch import (
         ExitCode,
         exit_code_for_status,
         parse_run_status,

@@ -36,9 +36,9 @@ from deploy_support import (
 from safetensors.torch import load_file
 
 from client_apps.faults import FAULT_KINDS, RELEASE_FILE
-from fedfm_flower.client_state import state_digest
 from fedfm_flower.deploy import DeployOptions, LocalDeployment
-from fedfm_flower.launch import ExitCode
+from fedfm_flower.records.client_state import state_digest
+from fedfm_flower.simulation.launch import ExitCode
 
 pytestmark = [pytest.mark.slow]
 

@@ -11,14 +11,14 @@ from flwr.app import RecordDict
 
 from client_apps.fedala import W_PREFIX, FedALAClient, consecutive_sample
 from client_apps.split import SplitClient
-from fedfm_flower import protocol as P
-from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.config.experiment import ExperimentConfig
 from fedfm_flower.methods import AVERAGE_ONLY, ResourceProfile
 from fedfm_flower.methods.fedala import FedALASettings
-from fedfm_flower.ranges import LogUniform
-from fedfm_flower.records import numpy_arrays
-from fedfm_flower.registry import method_spec
-from fedfm_flower.settings import ConfigError
+from fedfm_flower.methods.ranges import LogUniform
+from fedfm_flower.methods.registry import method_spec
+from fedfm_flower.methods.settings import ConfigError
+from fedfm_flower.records import protocol as P
+from fedfm_flower.records.messages import numpy_arrays
 from tests.tiny_clients import (
     TWO_LAYER_NAMES,
     TwoLayerModel,

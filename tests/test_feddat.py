@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedfm_flower import protocol as P
 from fedfm_flower.models.groups import GroupPattern, TunedModel
 from fedfm_flower.models.multimodal import LoRALinear
-from fedfm_flower.records import numpy_arrays
+from fedfm_flower.records import protocol as P
+from fedfm_flower.records.messages import numpy_arrays
 
 
 def _layer(seed: int = 0, dropout: float = 0.0) -> LoRALinear:
@@ -202,8 +202,8 @@ def test_feddat_end_to_end_the_client_adapter_stays_home_and_survives_a_restart(
     from safetensors.torch import load_file
 
     from client_apps.feddat import CLIENT, GLOBAL, lora_names
-    from fedfm_flower.aggregation import average_over_owners
-    from fedfm_flower.records import from_array_record
+    from fedfm_flower.learners.aggregation import average_over_owners
+    from fedfm_flower.records.messages import from_array_record
     from server_apps.inprocess import ServerCrash, crash_in_round, run_in_process
 
     sent: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # (round, client) -> A_s sent

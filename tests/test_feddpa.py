@@ -14,10 +14,10 @@ import torch
 from test_language_task import LANGUAGE as BASE_LANGUAGE
 from torch import nn
 
-from fedfm_flower import protocol as P
-from fedfm_flower.config import ExperimentConfig
-from fedfm_flower.records import record_names
-from fedfm_flower.settings import ConfigError
+from fedfm_flower.config.experiment import ExperimentConfig
+from fedfm_flower.methods.settings import ConfigError
+from fedfm_flower.records import protocol as P
+from fedfm_flower.records.messages import record_names
 
 # The tiny-LLaMA run config of the language task's tests, with fewer generated tokens.
 LANGUAGE = {**BASE_LANGUAGE, "max-new-tokens": 4}
@@ -372,7 +372,7 @@ def test_table1_baselines_run_on_the_instruction_task(feddpa_config: dict, metho
 
 
 def test_proximal_term_is_fedprox() -> None:
-    from fedfm_flower.training import proximal_term
+    from fedfm_flower.tasks.training import proximal_term
 
     w = nn.Parameter(torch.tensor([1.0, 2.0]))
     term = proximal_term({"w": w}, {"w": torch.tensor([0.0, 4.0])}, mu=0.2)

@@ -10,16 +10,16 @@ import pytest
 import torch
 from torch import nn
 
-from fedfm_flower import protocol as P
-from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.config.experiment import ExperimentConfig
+from fedfm_flower.methods.registry import tuner_of
+from fedfm_flower.methods.settings import ConfigError
 from fedfm_flower.models import build_model, initial_trainable
 from fedfm_flower.models.groups import TrainableTensors, select_names, split_names
 from fedfm_flower.models.tuners.mlp_adapter import BottleneckAdapter
 from fedfm_flower.models.tuners.prefix import LinearPrefix, PrefixAdapter, PrefixedAttention
 from fedfm_flower.models.vit_parts import VIT_PARTS
-from fedfm_flower.records import record_names
-from fedfm_flower.registry import tuner_of
-from fedfm_flower.settings import ConfigError
+from fedfm_flower.records import protocol as P
+from fedfm_flower.records.messages import record_names
 
 WIDTH, HEADS, TOKENS = 8, 2, 5
 
@@ -146,7 +146,7 @@ def test_personal_parts_by_group_or_pattern_and_unknown_ones_are_refused() -> No
 def test_shared_parts_are_the_independent_weighted_average_and_personal_parts_stay() -> None:
     from flwr.app import Message, MetricRecord, RecordDict
 
-    from fedfm_flower.records import to_array_record
+    from fedfm_flower.records.messages import to_array_record
     from server_apps.inprocess import InProcessGrid, identity_app
     from strategies.fedavg import FedAvgStrategy
 
@@ -300,7 +300,7 @@ def test_paper_setups_build_vit_s_from_random_init_as_the_authors_presets(
     """The authors' presets build ViT-S/16 with ``pretrained=False`` (``no_pt``) and lr 0.01;
     the setup files follow them, so FedPerfix's model builds offline (no Hub download: the
     suite runs with HF_HUB_OFFLINE) from seeded random weights."""
-    from fedfm_flower.sweep import cell_config
+    from fedfm_flower.study.sweep import cell_config
 
     raw = cell_config("fedperfix", setup, 0, tmp_path)
     config = ExperimentConfig.from_run_config({**ExperimentConfig().to_run_config(), **raw})

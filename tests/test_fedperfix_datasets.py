@@ -14,7 +14,7 @@ import pytest
 import torch
 from PIL import Image
 
-from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.config.experiment import ExperimentConfig
 from fedfm_flower.data import (
     DATASETS,
     DataUnavailableError,
@@ -28,7 +28,7 @@ from fedfm_flower.data import (
 from fedfm_flower.data.loaders import load_source
 from fedfm_flower.data.medmnist import medmnist_file
 from fedfm_flower.data.settings import DataSettings
-from fedfm_flower.settings import ConfigError
+from fedfm_flower.methods.settings import ConfigError
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from client_apps.fedprox import FedProxClient
-from fedfm_flower import protocol as P
-from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.config.experiment import ExperimentConfig
 from fedfm_flower.methods.fedprox import FedProxSettings
-from fedfm_flower.records import numpy_arrays
-from fedfm_flower.results import RunDirectory
-from fedfm_flower.settings import ConfigError
+from fedfm_flower.methods.settings import ConfigError
+from fedfm_flower.records import protocol as P
+from fedfm_flower.records.messages import numpy_arrays
+from fedfm_flower.records.results import RunDirectory
 from server_apps.inprocess import run_in_process
 from tests.tiny_clients import LinearModel, ce_grads, client_runtime
 

@@ -23,14 +23,14 @@ from client_apps.fedrod import (
     class_counts,
     generic_head,
 )
-from fedfm_flower import protocol as P
-from fedfm_flower import registry
-from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.config.experiment import ExperimentConfig
+from fedfm_flower.methods import registry
 from fedfm_flower.methods.fedrod import FedRoDSettings
-from fedfm_flower.records import record_names
-from fedfm_flower.settings import ConfigError
+from fedfm_flower.methods.settings import ConfigError
+from fedfm_flower.records import protocol as P
+from fedfm_flower.records.messages import record_names
 from fedfm_flower.tasks.classification import ImageClassification
-from fedfm_flower.training import evaluate
+from fedfm_flower.tasks.training import evaluate
 from server_apps.inprocess import run_in_process
 from strategies.fedavg import FedAvgStrategy
 from tests.tiny_clients import CLASSES, IN, TwoLayerModel, client_runtime, data

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.config.experiment import ExperimentConfig
 from fedfm_flower.data.flan import flan_client_split, flan_client_task, flan_num_clients
 from fedfm_flower.data.instructions import Example
-from fedfm_flower.settings import ConfigError
+from fedfm_flower.methods.settings import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 

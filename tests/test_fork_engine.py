@@ -1,5 +1,5 @@
 """The fork engine: Flower's simulation backend over workers forked from one process
-(``fedfm_flower.fork_engine``), against a real fork server with the ClientApps of
+(``fedfm_flower.simulation.fork_engine``), against a real fork server with the ClientApps of
 ``tests/fork_apps.py``; its choice between itself and Ray; its guard over Flower's code."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import pytest
 from flwr.app import ConfigRecord, Context, Message, Metadata, RecordDict
 from flwr.clientapp.client_app import ClientAppException, LoadClientAppError
 
-from fedfm_flower import fork_engine
-from fedfm_flower.fork_engine import (
+from fedfm_flower.simulation import fork_engine
+from fedfm_flower.simulation.fork_engine import (
     ForkBackend,
     ForkEngineError,
     app_reference,
@@ -25,7 +25,7 @@ from fedfm_flower.fork_engine import (
     eligible,
     slots,
 )
-from fedfm_flower.processes import pid_alive
+from fedfm_flower.simulation.processes import pid_alive
 
 ROOT = Path(__file__).resolve().parent.parent
 CPU_ONLY = {"client_resources": {"num_cpus": 1, "num_gpus": 0.0}}
@@ -214,7 +214,7 @@ def test_terminate_leaves_no_process(tmp_path: Path) -> None:
 
 def test_the_fork_server_stops_with_the_process_that_started_it(tmp_path: Path) -> None:
     script = (
-        "import sys; from fedfm_flower.fork_engine import ForkServerProcess\n"
+        "import sys; from fedfm_flower.simulation.fork_engine import ForkServerProcess\n"
         "s = ForkServerProcess(dict(__import__('os').environ), preload=('json',))\n"
         "s.wait_ready(); print(s.process.pid, flush=True)\n"
     )
@@ -337,7 +337,7 @@ def test_frames_carry_large_values_whole_and_a_cut_frame_is_a_closed_channel() -
 
     import numpy as np
 
-    from fedfm_flower.fork_worker import ChannelClosed, receive_frame, send_frame
+    from fedfm_flower.simulation.fork_worker import ChannelClosed, receive_frame, send_frame
 
     ours, theirs = socket.socketpair()
     big = np.arange(6_000_000, dtype=np.float64)  # 48 MB, more than a socket buffer holds

@@ -20,7 +20,7 @@ import pytest
 
 from fedfm_flower.deploy import forkserver
 from fedfm_flower.deploy import supernode as launcher
-from fedfm_flower.processes import pid_alive
+from fedfm_flower.simulation.processes import pid_alive
 
 TARGET = textwrap.dedent(
     """

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from fedfm_flower import protocol as P
-from fedfm_flower.results import RunDirectory, progress_line
+from fedfm_flower.records import protocol as P
+from fedfm_flower.records.results import RunDirectory, progress_line
 from server_apps.inprocess import (
     InProcessGrid,
     ServerCrash,
@@ -256,8 +256,8 @@ def test_eval_every_and_a_strategy_that_opts_out(
 
 
 def test_which_strategies_fuse(small_run_config: dict) -> None:
-    from fedfm_flower.config import ExperimentConfig
-    from fedfm_flower.registry import METHODS
+    from fedfm_flower.config.experiment import ExperimentConfig
+    from fedfm_flower.methods.registry import METHODS
     from server_apps.runner import build_strategy
     from strategies.fedavg import FedAvgStrategy
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.config.experiment import ExperimentConfig
 from fedfm_flower.data import glyphs
 from fedfm_flower.data.federated import client_sample_ids, public_sample_ids
 from fedfm_flower.data.partition import partition_plan

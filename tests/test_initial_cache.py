@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.config.experiment import ExperimentConfig
 from fedfm_flower.models.build import build_model, initial_trainable
 from fedfm_flower.models.groups import TrainableTensors
 from fedfm_flower.models.initial_cache import (
@@ -215,7 +215,7 @@ def test_a_serverapp_with_a_warm_cache_imports_neither_timm_nor_peft(tmp_path: P
     build_strategy(ExperimentConfig.from_run_config(config))  # the first run fills the cache
     code = (
         "import json, sys\n"
-        "from fedfm_flower.config import ExperimentConfig\n"
+        "from fedfm_flower.config.experiment import ExperimentConfig\n"
         "from server_apps.runner import build_strategy\n"
         f"build_strategy(ExperimentConfig.from_run_config({config!r}))\n"
         "print(json.dumps([m for m in ('timm', 'peft', 'transformers') if m in sys.modules]))\n"

@@ -28,7 +28,6 @@ from fedfm_flower.data.instructions import (  # noqa: E402
     public_split,
     task_kind,
 )
-from fedfm_flower.metrics.rouge import rouge_scores  # noqa: E402
 from fedfm_flower.models.language import foundation  # noqa: E402
 from fedfm_flower.models.language.encoding import (  # noqa: E402
     IGNORE_INDEX,
@@ -44,6 +43,7 @@ from fedfm_flower.models.language.tokenizer import (  # noqa: E402
     load_tokenizer,
     save_tokenizer,
 )
+from fedfm_flower.tasks.metrics.rouge import rouge_scores  # noqa: E402
 
 SEED = 0
 PUBLIC, TEST = 0.3, 0.2
@@ -328,7 +328,7 @@ def test_load_pretrained_causal_lm_names_a_missing_path(tmp_path):
 def test_the_language_foundation_is_pretrained_on_the_data_seeds_corpus() -> None:
     """Its public split must come from the corpus the clients' data are cut from: at seed 1
     with data-seed 0 (a tuned table's final run) the foundation is data seed 0's."""
-    from fedfm_flower.config import ExperimentConfig
+    from fedfm_flower.config.experiment import ExperimentConfig
     from fedfm_flower.models.causal_lm import foundation_args
 
     base = ExperimentConfig(dataset="instructions", backbone="tiny-llama", seed=1)

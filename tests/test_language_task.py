@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedfm_flower import protocol as P
-from fedfm_flower.config import ExperimentConfig
-from fedfm_flower.records import record_names
+from fedfm_flower.config.experiment import ExperimentConfig
+from fedfm_flower.records import protocol as P
+from fedfm_flower.records.messages import record_names
 
 LANGUAGE = {
     "dataset": "instructions",

@@ -6,15 +6,15 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.config.experiment import ExperimentConfig
 from fedfm_flower.models import backbone_fingerprint
 from fedfm_flower.models import build_model as build_tuned
 from fedfm_flower.models import initial_trainable as initial_tuned
 from fedfm_flower.models.groups import BACKBONE
 from fedfm_flower.tasks.classification import ImageClassification
-from fedfm_flower.training import evaluate as evaluate_task
-from fedfm_flower.training import round_seed
-from fedfm_flower.training import train as train_task
+from fedfm_flower.tasks.training import evaluate as evaluate_task
+from fedfm_flower.tasks.training import round_seed
+from fedfm_flower.tasks.training import train as train_task
 
 CONFIG = ExperimentConfig(pretrained=False, lr=0.01)
 TASK = ImageClassification()

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.config.experiment import ExperimentConfig
 
 WIDTH = 32
 WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]

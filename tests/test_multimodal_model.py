@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.config.experiment import ExperimentConfig
 
 
 @pytest.fixture(scope="module")
@@ -234,10 +234,10 @@ def test_component_wise_fedavg_averages_each_tensor_over_its_owners() -> None:
 def test_only_owned_components_travel_on_the_multitask_federation(
     multitask_run_config: dict,
 ) -> None:
-    from fedfm_flower import protocol as P
     from fedfm_flower.data.multitask import client_tasks
     from fedfm_flower.models import build_model
-    from fedfm_flower.records import record_names
+    from fedfm_flower.records import protocol as P
+    from fedfm_flower.records.messages import record_names
     from server_apps.inprocess import run_in_process
 
     config = {**multitask_run_config, "method": "fedavg", "num-server-rounds": 1}

@@ -10,15 +10,15 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from fedfm_flower.config import ConfigError, ExperimentConfig
+from fedfm_flower.config.experiment import ConfigError, ExperimentConfig
 from fedfm_flower.data import multitask as mt
 from fedfm_flower.data.glyphs import DOMAINS, GlyphSizes
 from fedfm_flower.data.instructions import build_corpus, format_prompt, public_split
-from fedfm_flower.metrics import text_generation as tg
 from fedfm_flower.tasks import get_task, task_of
 from fedfm_flower.tasks import multitask as mtask
+from fedfm_flower.tasks.metrics import text_generation as tg
 from fedfm_flower.tasks.registry import task_modality
-from fedfm_flower.training import StepTally, train
+from fedfm_flower.tasks.training import StepTally, train
 
 SIZES = mt.MultitaskSizes(
     image_cls=24,

@@ -12,8 +12,7 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
-from fedfm_flower.packed_arrays import MAGIC, MalformedPack, header_of, pack, unpack
-from fedfm_flower.records import (
+from fedfm_flower.records.messages import (
     InvalidRecord,
     decode_checked,
     from_array_record,
@@ -23,6 +22,7 @@ from fedfm_flower.records import (
     to_array_record,
     to_message_record,
 )
+from fedfm_flower.records.packed_arrays import MAGIC, MalformedPack, header_of, pack, unpack
 from strategies.parts.messages import alike, per_node_messages
 
 ARRAYS = {

@@ -9,26 +9,27 @@ from __future__ import annotations
 import json
 import re
 import tomllib
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import numpy as np
 import pytest
 from scipy import stats
 
-from fedfm_flower.config_files import CONFIG_ROOT
+from fedfm_flower.config.files import CONFIG_ROOT
 from fedfm_flower.data.flan import flan_client_task
 from fedfm_flower.data.instructions import client_task
-from fedfm_flower.paper_tables import (
+from fedfm_flower.methods.registry import method_spec
+from fedfm_flower.report.build import main as report_main
+from fedfm_flower.study.paper_tables import (
     PaperTable,
     load_table,
     read_table,
     record_table,
     table_names,
 )
-from fedfm_flower.registry import method_spec
-from fedfm_flower.report.build import main as report_main
-from fedfm_flower.sweep import build_cells, cell_config
-from fedfm_flower.sweep import main as sweep_main
+from fedfm_flower.study.sweep import build_cells, cell_config
+from fedfm_flower.study.sweep import main as sweep_main
 from tests.report_runs import write_run_dir
 
 TABLES = table_names()
@@ -386,6 +387,29 @@ def _by_hand(values: list[float]) -> tuple[float, float]:
     return float(np.mean(scaled)), (high - low) / 2
 
 
+def _reported_rows(
+    tmp_path: Path,
+    table: PaperTable,
+    labels: Iterable[str],
+    write_run: Callable,
+    setup: str,
+    heading: str,
+) -> tuple[str, list[str]]:
+    """Runs of every label at seeds 0 and 1 (``write_run``) recorded as ``table``'s under
+    ``tmp_path/runs``, reported to ``tmp_path/report``: the report's section under ``heading``
+    and its table rows."""
+    runs = tmp_path / "runs"
+    for label in labels:
+        for seed in (0, 1):
+            write_run(runs, label, seed, setup)
+    record_table(runs, table, stand_in=False)
+    out = tmp_path / "report"
+    assert report_main([str(runs), "--out", str(out)]) == 0
+    text = (out / "report.md").read_text()
+    section = text[text.index(heading) :].split("\n## ")[0]
+    return section, [line for line in section.splitlines() if line.startswith("| ")]
+
+
 def test_report_lays_a_task_column_table_out_as_the_paper(tmp_path: Path) -> None:
     """Each cell is the per-task table's (block, method, task) of the column's setup, computed
     here by hand from the runs' per-client metrics; rows under their block; a declared task no
@@ -393,16 +417,10 @@ def test_report_lays_a_task_column_table_out_as_the_paper(tmp_path: Path) -> Non
     _declare(tmp_path / "configs", TASKS)
     table = load_table("t", tmp_path / "configs")
     assert table.labels() == ["local", "fedavg"]
-    runs = tmp_path / "runs"
-    for label in ROUGE:
-        for seed in (0, 1):
-            _write_task_run(runs, label, seed, "sa")
-    record_table(runs, table, stand_in=False)
     out = tmp_path / "report"
-    assert report_main([str(runs), "--out", str(out)]) == 0
-    text = (out / "report.md").read_text()
-    section = text[text.index("## P, Table 7: tasks") :].split("\n## ")[0]
-    lines = [line for line in section.splitlines() if line.startswith("| ")]
+    section, lines = _reported_rows(
+        tmp_path, table, ROUGE, _write_task_run, "sa", "## P, Table 7: tasks"
+    )
     assert lines[0] == (
         "| row | method | QA (`qa`) | paper | Summaries (`sum`) | paper | Average | paper |"
     )
@@ -548,16 +566,10 @@ def test_report_lays_a_pair_column_table_out_as_the_paper(tmp_path: Path) -> Non
     table = load_table("t", tmp_path / "configs")
     assert [c.pair_of(True) for c in table.columns] == ["mse image-gen", "accuracy text-cls"]
     assert all(r.block is None for r in table.rows)
-    runs = tmp_path / "runs"
-    for label in PAIR_VALUES:
-        for seed in (0, 1):
-            _write_pair_run(runs, label, seed, "mv")
-    record_table(runs, table, stand_in=False)
     out = tmp_path / "report"
-    assert report_main([str(runs), "--out", str(out)]) == 0
-    text = (out / "report.md").read_text()
-    section = text[text.index("## Q, Table 1: pairs") :].split("\n## ")[0]
-    lines = [line for line in section.splitlines() if line.startswith("| ")]
+    section, lines = _reported_rows(
+        tmp_path, table, PAIR_VALUES, _write_pair_run, "mv", "## Q, Table 1: pairs"
+    )
     assert lines[0] == (
         "| row | method | FMNIST (`mse image-gen`) | paper | AG (`accuracy text-cls`) | paper |"
     )

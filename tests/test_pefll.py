@@ -16,16 +16,16 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from client_apps.pefll import DESCRIPTOR_SALT, PeFLLClient
-from fedfm_flower import protocol as P
-from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.config.experiment import ExperimentConfig
 from fedfm_flower.learners import pefll as L
 from fedfm_flower.learners.embedding_network import EmbeddingNetwork
 from fedfm_flower.methods.pefll import IMAGE_CHANNELS, PeFLLSettings, embedding_parameters
+from fedfm_flower.methods.ranges import LogUniform
+from fedfm_flower.methods.registry import method_spec
+from fedfm_flower.methods.settings import ConfigError
 from fedfm_flower.models.groups import GroupPattern, TunedModel
-from fedfm_flower.ranges import LogUniform
-from fedfm_flower.records import numpy_arrays
-from fedfm_flower.registry import method_spec
-from fedfm_flower.settings import ConfigError
+from fedfm_flower.records import protocol as P
+from fedfm_flower.records.messages import numpy_arrays
 from fedfm_flower.tasks.classification import ImageClassification
 from server_apps.inprocess import run_in_process
 from tests.tiny_clients import client_runtime, hand_adam

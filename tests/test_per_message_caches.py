@@ -11,9 +11,14 @@ import torch
 from flwr.app import Array, ArrayRecord
 
 from client_apps.base import parsed_run_config
-from fedfm_flower.config import ConfigError, ExperimentConfig
+from fedfm_flower.config.experiment import ConfigError, ExperimentConfig
 from fedfm_flower.models.groups import GroupPattern, TunedModel
-from fedfm_flower.records import decode_array, encode_array, from_array_record, to_array_record
+from fedfm_flower.records.messages import (
+    decode_array,
+    encode_array,
+    from_array_record,
+    to_array_record,
+)
 
 ARRAYS = [
     np.arange(12, dtype=np.float32).reshape(3, 4),

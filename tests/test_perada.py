@@ -13,23 +13,22 @@ import torch
 from flwr.app import RecordDict
 from safetensors.numpy import load_file
 
-import fedfm_flower.data
-import fedfm_flower.data.loaders
+import fedfm_flower.learners.perada
 from client_apps.perada import PerAdaClient
 from client_apps.split import SplitClient
-from fedfm_flower import protocol as P
-from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.config.experiment import ExperimentConfig
 from fedfm_flower.data import client_sample_ids, load_public_split, public_sample_ids
 from fedfm_flower.learners.perada import AuxiliarySet, auxiliary_set
 from fedfm_flower.methods import ResourceProfile
 from fedfm_flower.methods.perada import PerAdaSettings
-from fedfm_flower.ranges import LogUniform
-from fedfm_flower.records import numpy_arrays
-from fedfm_flower.registry import method_spec
-from fedfm_flower.results import RunDirectory
-from fedfm_flower.settings import ConfigError
+from fedfm_flower.methods.ranges import LogUniform
+from fedfm_flower.methods.registry import method_spec
+from fedfm_flower.methods.settings import ConfigError
+from fedfm_flower.records import protocol as P
+from fedfm_flower.records.messages import numpy_arrays
+from fedfm_flower.records.results import RunDirectory
 from fedfm_flower.tasks.classification import ImageClassification
-from fedfm_flower.training import round_seed
+from fedfm_flower.tasks.training import round_seed
 from server_apps.inprocess import run_in_process
 from strategies.parts.replies import ClientReply
 from strategies.perada import KD_SALT, SERVER, PerAdaStrategy
@@ -289,9 +288,9 @@ def test_the_glyphs_auxiliary_set_is_glyph_domains_public_split(
             return torch.tensor(ids, dtype=torch.float32)[:, None].repeat(1, 2)
 
     settings_seen = []
-    monkeypatch.setattr(fedfm_flower.data, "public_sample_ids", public_ids)
+    monkeypatch.setattr(fedfm_flower.learners.perada, "public_sample_ids", public_ids)
     monkeypatch.setattr(
-        fedfm_flower.data.loaders, "load_source", lambda s: settings_seen.append(s) or Source()
+        fedfm_flower.learners.perada, "load_source", lambda s: settings_seen.append(s) or Source()
     )
     config = ExperimentConfig(method="perada").replace(
         dataset="digits-domains", partitioner="iid", perada_aux_data="glyphs"

@@ -13,15 +13,15 @@ from flwr.app import ArrayRecord, ConfigRecord
 from safetensors.torch import load_file, save_file
 
 from client_apps.updates import UpdateClient
-from fedfm_flower import protocol as P
-from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.config.experiment import ExperimentConfig
 from fedfm_flower.learners.pfedhn import PFedHNServer
 from fedfm_flower.methods.pfedhn import PFedHNSettings
+from fedfm_flower.methods.ranges import LogUniform
+from fedfm_flower.methods.registry import method_spec, resolve
+from fedfm_flower.methods.settings import ConfigError
 from fedfm_flower.models import TrainableTensors
-from fedfm_flower.ranges import LogUniform
-from fedfm_flower.records import from_array_record, numpy_arrays
-from fedfm_flower.registry import method_spec, resolve
-from fedfm_flower.settings import ConfigError
+from fedfm_flower.records import protocol as P
+from fedfm_flower.records.messages import from_array_record, numpy_arrays
 from fedfm_flower.tasks.classification import ImageClassification
 from server_apps.inprocess import InProcessGrid, identity_app, run_in_process
 from tests.tiny_clients import (

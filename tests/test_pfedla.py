@@ -10,16 +10,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from fedfm_flower import protocol as P
-from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.config.experiment import ExperimentConfig
 from fedfm_flower.learners.pfedla import PFedLAServer, layer_groups
 from fedfm_flower.methods.pfedla import PFedLASettings
+from fedfm_flower.methods.ranges import LogUniform
+from fedfm_flower.methods.registry import method_spec, split_parameters
+from fedfm_flower.methods.settings import ConfigError
 from fedfm_flower.models import TrainableTensors, initial_trainable
-from fedfm_flower.ranges import LogUniform
-from fedfm_flower.records import numpy_arrays
-from fedfm_flower.registry import method_spec, split_parameters
-from fedfm_flower.results import RunDirectory
-from fedfm_flower.settings import ConfigError
+from fedfm_flower.records import protocol as P
+from fedfm_flower.records.messages import numpy_arrays
+from fedfm_flower.records.results import RunDirectory
 from server_apps.inprocess import run_in_process
 from strategies.pfedla import PFedLAStrategy
 

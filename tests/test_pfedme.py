@@ -8,17 +8,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from flwr.app import RecordDict
 
 from client_apps.pfedme import PFedMeClient
-from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.config.experiment import ExperimentConfig
 from fedfm_flower.methods import AVERAGE_ONLY, ResourceProfile
 from fedfm_flower.methods.pfedme import PFedMeSettings
+from fedfm_flower.methods.ranges import LogUniform, Uniform
+from fedfm_flower.methods.registry import method_spec
+from fedfm_flower.methods.settings import ConfigError
 from fedfm_flower.models import TrainableTensors
-from fedfm_flower.ranges import LogUniform, Uniform
-from fedfm_flower.registry import method_spec
-from fedfm_flower.results import RunDirectory
-from fedfm_flower.settings import ConfigError
+from fedfm_flower.records.results import RunDirectory
 from fedfm_flower.tasks.classification import ImageClassification
 from server_apps.inprocess import run_in_process
 from strategies.fedavg import FedAvgStrategy
@@ -30,6 +29,7 @@ from tests.tiny_clients import (
     capture_evaluated,
     client_runtime,
     data,
+    kept_personal_model,
     offset,
     two_layer_grads,
 )
@@ -121,27 +121,9 @@ def test_lambda_zero_leaves_w_at_the_received_model_and_theta_plain_sgd(tmp_path
 
 def test_theta_is_kept_for_that_client_restored_and_evaluated_alone(tmp_path: Path) -> None:
     config = _config(pfedme_lambda=5.0)
-    model = TwoLayerModel()
-    initial = model.trainable().tensors
-    runtime = client_runtime(model, config, tmp_path / "state")
-    received = offset(initial, 6, 0.1)
-    # A client with no theta yet evaluates theta^0 = w^0, the model's initial values.
-    evaluated = capture_evaluated(runtime)
-    PFedMeClient().evaluate(runtime, received, 0)
-    assert all(torch.equal(evaluated[n], initial[n]) for n in NAMES)
-
-    sent, _ = PFedMeClient().train(runtime, received, 1)
-    assert runtime.store.rounds() == [1]
-    theta = runtime.store.load(before=2)
-    assert not any(torch.equal(theta[n], sent[n]) for n in NAMES)  # theta is not w
-    assert (tmp_path / "state" / "run" / "client_0" / "round_00001.safetensors").is_file()
-
-    # A restart (empty memory state) reads theta from disk and evaluates it, whatever global
-    # model arrives.
-    restarted = client_runtime(TwoLayerModel(), config, tmp_path / "state", state=RecordDict())
-    evaluated = capture_evaluated(restarted)
-    PFedMeClient().evaluate(restarted, offset(received, 7, 5.0), 1)
-    assert all(torch.equal(evaluated[n], theta[n]) for n in NAMES)
+    initial, received, sent, _, restarted = kept_personal_model(
+        PFedMeClient, config, tmp_path / "state"
+    )
     # Another client's store holds nothing: it evaluates w^0, not this client's theta.
     other = client_runtime(TwoLayerModel(), config, tmp_path / "other")
     evaluated = capture_evaluated(other)

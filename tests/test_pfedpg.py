@@ -7,13 +7,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from fedfm_flower.config import ConfigError, ExperimentConfig
+from fedfm_flower.config.experiment import ConfigError, ExperimentConfig
 from fedfm_flower.learners.pfedpg import PFedPGServer, PFedPGSettings
 from fedfm_flower.methods.pfedpg import GENERATORS, QUERIES
 from fedfm_flower.models import backbone_fingerprint, build_model
 from fedfm_flower.models.backbones import tiny_vit
 from fedfm_flower.models.tuners.prompts import VisualPrompts
-from fedfm_flower.training import train
+from fedfm_flower.tasks.training import train
 
 K, WIDTH, N = 3, 8, 4
 
@@ -80,7 +80,7 @@ def test_without_prompts_the_output_is_the_plain_vit(deep: bool) -> None:
 @pytest.mark.parametrize("method", ["fedvpt", "fedvpt-deep", "pfedpg"])
 def test_prompt_training_leaves_the_backbone_bit_identical(method: str) -> None:
     config = ExperimentConfig(method=method, pretrained=False, local_steps=3, local_epochs=0)
-    from fedfm_flower.registry import method_spec
+    from fedfm_flower.methods.registry import method_spec
     from fedfm_flower.tasks.classification import ImageClassification
 
     model = build_model(config, method_spec(method).tuner, 10, load_weights=False)

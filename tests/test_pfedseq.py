@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from fedfm_flower.config import ConfigError, ExperimentConfig
+from fedfm_flower.config.experiment import ConfigError, ExperimentConfig
 from fedfm_flower.learners import fused_scan, triton_scan
 from fedfm_flower.learners import selective_scan as scan
 from fedfm_flower.learners import stacked as stacked_module

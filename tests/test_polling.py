@@ -105,7 +105,7 @@ def test_the_server_app_runs_through_a_prompt_grid_to_the_same_records(
     from flwr.app import Context, RecordDict
 
     from client_apps.app import app as client_app
-    from fedfm_flower.config import ExperimentConfig
+    from fedfm_flower.config.experiment import ExperimentConfig
     from server_apps import polling
     from server_apps.app import main
     from server_apps.inprocess import InProcessGrid, run_in_process, simulation_node_configs

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from client_apps import faults
-from fedfm_flower import actor_preload, fork_engine, pools, prompt_engine
+from fedfm_flower.simulation import actor_preload, fork_engine, prompt_engine
+from fedfm_flower.study import pools
 
 
 def test_cell_settings_are_the_variables_the_cell_reads() -> None:

@@ -16,15 +16,15 @@ from flwr.app import Message, RecordDict
 from run_configs import method_base
 from tiny_strategy import TINY, TINY_SPLITS, play, tiny_strategy
 
-from fedfm_flower import protocol as P
-from fedfm_flower.config import ExperimentConfig
-from fedfm_flower.durable import json_sha256
+from fedfm_flower.config.experiment import ExperimentConfig
 from fedfm_flower.methods import MECHANISMS, UNDECLARED
+from fedfm_flower.methods.registry import METHODS, method_spec
+from fedfm_flower.methods.settings import ConfigError
 from fedfm_flower.privacy import accountant, mechanism, noise
 from fedfm_flower.privacy.support import central_dp_refusal
-from fedfm_flower.records import from_array_record, to_array_record
-from fedfm_flower.registry import METHODS, method_spec
-from fedfm_flower.settings import ConfigError
+from fedfm_flower.records import protocol as P
+from fedfm_flower.records.durable import json_sha256
+from fedfm_flower.records.messages import from_array_record, to_array_record
 
 
 def tensors(seed: int, scale: float = 1.0) -> dict[str, torch.Tensor]:
@@ -259,7 +259,7 @@ def test_every_method_declares_its_capabilities_and_refusals_say_why() -> None:
 @pytest.mark.parametrize("method", _declaring("central-dp", True))
 def test_a_method_that_declares_central_dp_has_the_noised_average(method: str) -> None:
     """Its strategy is FedAvg's, the one with the clipped, noised average."""
-    from fedfm_flower.halves import strategy_class
+    from fedfm_flower.methods.halves import strategy_class
     from strategies.fedavg import FedAvgStrategy
 
     assert issubclass(strategy_class(method), FedAvgStrategy)
@@ -626,8 +626,8 @@ def test_resuming_a_dp_run_without_a_fresh_noise_ledger_is_refused_before_start(
     """The launcher's preflight (exit 2): a DP checkpoint without a ledger of fresh noise (its
     releases could be regenerated from the seed), or an unreadable privacy.json, stops a
     resume; a checkpoint and ledger written by a DP run pass."""
-    from fedfm_flower.preflight import PreflightError, check_run
-    from fedfm_flower.results import RunDirectory
+    from fedfm_flower.records.results import RunDirectory
+    from fedfm_flower.simulation.preflight import PreflightError, check_run
 
     config = ExperimentConfig().replace(
         method="fedavg",
@@ -689,7 +689,7 @@ def test_every_method_that_takes_dp_is_composed_of_its_part(method: str, mechani
     """Derived from ``MethodSpec.capabilities``: a method that takes central DP runs
     DP-FedAvg's update (on FedAvg's strategy), one that takes local DP counts local releases
     (the base's part, whatever the strategy; SecAgg+: ``tests/test_secagg.py``)."""
-    from fedfm_flower.halves import strategy_class
+    from fedfm_flower.methods.halves import strategy_class
     from strategies.fedavg import FedAvgStrategy
     from strategies.parts.accounting import LocalReleases, accounting_for
     from strategies.parts.averaging import DPFedAvg

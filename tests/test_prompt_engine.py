@@ -1,4 +1,5 @@
-"""The simulation engine's prompt hand-offs (``fedfm_flower.prompt_engine``) on Flower's own
+"""The simulation engine's prompt hand-offs (``fedfm_flower.simulation.prompt_engine``) on Flower's
+own
 in-memory LinkState and grid: the same messages, in the same order, as Flower's extractor; the
 replies stored and signalled; installed only over the Flower code it knows."""
 
@@ -11,8 +12,8 @@ from queue import Empty, Queue
 import pytest
 from flwr.app import ConfigRecord, Message, RecordDict
 
-from fedfm_flower import prompt_engine
-from fedfm_flower.prompt_engine import (
+from fedfm_flower.simulation import prompt_engine
+from fedfm_flower.simulation.prompt_engine import (
     PUSHED,
     REPLIED,
     install,

@@ -9,7 +9,7 @@ non-integral float for an int, NaN and infinities, a string that is no number, a
 does not exist) and, for free-form strings, any text (only the rules across keys decide).
 
 The target is what both launchers run before anything starts,
-``fedfm_flower.preflight.resolve_config`` on the app's ``pyproject.toml`` (the declared
+``fedfm_flower.simulation.preflight.resolve_config`` on the app's ``pyproject.toml`` (the declared
 defaults merged with the overrides, as ``flwr run`` will); a refusal there is the launcher's
 exit 2 with ``error: <message>`` on one line (``tests/test_simulation.py`` checks that end to
 end, in a subprocess: exit 2, one line, no traceback). The properties:
@@ -34,11 +34,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fedfm_flower.config import GROUPS
-from fedfm_flower.preflight import PreflightError, parse_overrides, resolve_config
-from fedfm_flower.registry import settings_classes
-from fedfm_flower.schema import toml_value
-from fedfm_flower.settings import allowed_values, coerce
+from fedfm_flower.config.experiment import GROUPS
+from fedfm_flower.config.schema import toml_value
+from fedfm_flower.methods.registry import settings_classes
+from fedfm_flower.methods.settings import allowed_values, coerce
+from fedfm_flower.simulation.preflight import PreflightError, parse_overrides, resolve_config
 from tests.properties import examples
 
 APP = Path(__file__).resolve().parent.parent
@@ -48,7 +48,7 @@ APP = Path(__file__).resolve().parent.parent
 def defaults_read_once() -> Iterator[None]:
     """``pyproject.toml``'s declared defaults parsed once, not on every example (1.2 ms each);
     ``resolve_config`` is otherwise what the launchers run."""
-    from fedfm_flower import preflight
+    from fedfm_flower.simulation import preflight
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(preflight, "app_defaults", functools.cache(preflight.app_defaults))

@@ -37,10 +37,10 @@ from flwr.app import RecordDict
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fedfm_flower.client_state import ClientStateStore
-from fedfm_flower.durable import DamagedFileError, load_tensors, save_tensors, tensor_sha256
 from fedfm_flower.privacy.ledger import LedgerFile, ReleaseLedger
-from fedfm_flower.results import RunDirectory
+from fedfm_flower.records.client_state import ClientStateStore
+from fedfm_flower.records.durable import DamagedFileError, load_tensors, save_tensors, tensor_sha256
+from fedfm_flower.records.results import RunDirectory
 from tests.properties import examples
 
 ROUNDS = 3
@@ -292,14 +292,14 @@ def client_state(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[P
 
 @pytest.fixture(scope="module")
 def quiet_state_warnings() -> Iterator[list[str]]:
-    """The warnings of ``fedfm_flower.client_state``, collected instead of logged."""
+    """The warnings of ``fedfm_flower.records.client_state``, collected instead of logged."""
     seen: list[str] = []
 
     class Collect(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
             seen.append(record.getMessage())
 
-    logger = logging.getLogger("fedfm_flower.client_state")
+    logger = logging.getLogger("fedfm_flower.records.client_state")
     handler, propagate = Collect(logging.WARNING), logger.propagate
     logger.addHandler(handler)
     logger.propagate = False

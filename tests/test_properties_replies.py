@@ -1,7 +1,7 @@
 """Property-based tests: generated replies against every registered strategy's validation.
 
-Every method of the registry (``fedfm_flower.registry.METHODS``) builds its strategy once per
-module, over a few small tensors of its modality's parameter groups (an image model's adapter,
+Every method of the registry (``fedfm_flower.methods.registry.METHODS``) builds its strategy once
+per module, over a few small tensors of its modality's parameter groups (an image model's adapter,
 prompts, prefixes, ViT and head; a language model's global and local LoRA; a multi-modal
 model's encoders and decoder, each owned by the clients that hold its modality or task), with
 four identified clients of which three are sampled. Each generated round answers the
@@ -48,13 +48,13 @@ from flwr.common.constant import SUPERLINK_NODE_ID
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fedfm_flower import protocol as P
-from fedfm_flower.config import ExperimentConfig
-from fedfm_flower.halves import strategy_class
+from fedfm_flower.config.experiment import ExperimentConfig
+from fedfm_flower.methods.halves import strategy_class
+from fedfm_flower.methods.registry import METHODS
 from fedfm_flower.models import TrainableTensors
-from fedfm_flower.packed_arrays import pack
-from fedfm_flower.records import decode_array, encode_array
-from fedfm_flower.registry import METHODS
+from fedfm_flower.records import protocol as P
+from fedfm_flower.records.messages import decode_array, encode_array
+from fedfm_flower.records.packed_arrays import pack
 from server_apps.inprocess import InProcessGrid, identity_app
 from strategies.parts.context import RunContext
 from strategies.parts.exchange import Exchanged
@@ -706,7 +706,7 @@ RECORD_SPEC = {
 def declared_or_rejected(record: ArrayRecord) -> None:
     """``records.decode_checked`` on ``record`` raises ``InvalidRecord`` with a reason, or gives
     tensors of exactly ``RECORD_SPEC``'s names, shapes and dtypes, all finite."""
-    from fedfm_flower.records import InvalidRecord, decode_checked
+    from fedfm_flower.records.messages import InvalidRecord, decode_checked
 
     try:
         tensors = decode_checked(record, RECORD_SPEC)

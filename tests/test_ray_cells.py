@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from client_apps.faults import RELEASE_FILE
-from fedfm_flower import sweep
-from fedfm_flower.processes import pid_alive, proc_stat
-from fedfm_flower.results import RunDirectory
+from fedfm_flower.records.results import RunDirectory
+from fedfm_flower.simulation.processes import pid_alive, proc_stat
+from fedfm_flower.study import sweep
 
 ray = pytest.importorskip("ray")
 

@@ -10,7 +10,7 @@ import pytest
 
 from fedfm_flower.report.privacy import main, privacy_points
 from fedfm_flower.report.runs import load_runs
-from fedfm_flower.statistics import mean_ci
+from fedfm_flower.study.statistics import mean_ci
 
 
 def write_run(root: Path, label: str, seed: int, accuracy: list[float], dp: dict | None) -> None:

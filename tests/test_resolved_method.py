@@ -1,4 +1,5 @@
-"""A run's method is resolved once (``fedfm_flower.registry.ResolvedMethod``): once per run on the
+"""A run's method is resolved once (``fedfm_flower.methods.registry.ResolvedMethod``): once per run
+on the
 server, given to the strategy; once per run config in a client process, given to every message's
 runtime; and a client computes its split once per message."""
 
@@ -18,12 +19,12 @@ from torch.utils.data import TensorDataset
 
 from client_apps.base import ClientRuntime, resolved_run_config
 from client_apps.split import SplitClient
-from fedfm_flower import registry
-from fedfm_flower.client_state import ClientStateStore
-from fedfm_flower.config import ExperimentConfig, NodeIdentity
-from fedfm_flower.halves import client_class, strategy_class
+from fedfm_flower.config.experiment import ExperimentConfig, NodeIdentity
+from fedfm_flower.methods import registry
+from fedfm_flower.methods.halves import client_class, strategy_class
 from fedfm_flower.models import TrainableTensors
 from fedfm_flower.models.groups import GroupPattern, TunedModel
+from fedfm_flower.records.client_state import ClientStateStore
 from fedfm_flower.tasks.classification import ImageClassification
 from strategies.fedavg import FedAvgStrategy
 from strategies.parts.context import RunContext
@@ -140,7 +141,7 @@ def _initial() -> TrainableTensors:
 def test_building_a_strategy_looks_the_method_up_once(
     lookups: CountingMethods, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from fedfm_flower import models
+    from server_apps import runner
     from server_apps.runner import build_strategy
 
     config = CONFIGS["fedrep"]
@@ -152,7 +153,7 @@ def test_building_a_strategy_looks_the_method_up_once(
         built.append((tuner, train_backbone))
         return _initial()
 
-    monkeypatch.setattr(models, "initial_trainable", initial_trainable)
+    monkeypatch.setattr(runner, "initial_trainable", initial_trainable)
     lookups.lookups = 0
     strategy = build_strategy(config)
     assert lookups.lookups == 1

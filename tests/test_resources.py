@@ -12,9 +12,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fedfm_flower.config import ExperimentConfig
-from fedfm_flower.registry import METHODS
-from fedfm_flower.resources import forward_macs, main, method_resources
+from fedfm_flower.config.experiment import ExperimentConfig
+from fedfm_flower.methods.registry import METHODS
+from fedfm_flower.study.resources import forward_macs, main, method_resources
 
 # tiny-vit (fedfm_flower.models.backbones.TINY_VIT) on 16 px digits, 10 classes, prefix b = 16.
 D, DEPTH, HIDDEN, PATCH, IMAGE, CLASSES, B = 64, 4, 128, 4, 16, 10, 16
@@ -131,9 +131,9 @@ IMAGE_METHODS = sorted(m for m, s in METHODS.items() if not s.modalities or "ima
 
 @pytest.mark.parametrize("method", IMAGE_METHODS)
 def test_the_upload_counted_is_what_the_strategy_sends(method: str) -> None:
-    from fedfm_flower.halves import strategy_class
+    from fedfm_flower.methods.halves import strategy_class
+    from fedfm_flower.methods.registry import trains_backbone, tuner_of
     from fedfm_flower.models import initial_trainable
-    from fedfm_flower.registry import trains_backbone, tuner_of
 
     config = _tiny(method, tuner="auto", **{"train-backbone": False, "num-clients": 2})
     row = method_resources(config)

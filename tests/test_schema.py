@@ -11,10 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from fedfm_flower.config import GROUPS, ExperimentConfig
-from fedfm_flower.keys import QUANTIZATION_LEVELS
-from fedfm_flower.registry import settings_classes
-from fedfm_flower.schema import (
+from fedfm_flower.config.experiment import GROUPS, ExperimentConfig
+from fedfm_flower.config.keys import QUANTIZATION_LEVELS
+from fedfm_flower.config.schema import (
     TABLE_HEADER,
     WRITE_COMMAND,
     docs_table,
@@ -26,7 +25,8 @@ from fedfm_flower.schema import (
     with_docs_tables,
     with_pyproject_table,
 )
-from fedfm_flower.settings import ConfigError, allowed_values, check_value, setting
+from fedfm_flower.methods.registry import settings_classes
+from fedfm_flower.methods.settings import ConfigError, allowed_values, check_value, setting
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -124,8 +124,8 @@ def test_intervals_include_the_ends_their_bounds_say(
 
 def test_choices_from_a_registry_are_read_when_checked() -> None:
     from fedfm_flower.data.registry import DATASETS
+    from fedfm_flower.methods.registry import METHODS
     from fedfm_flower.models.families import BACKBONES
-    from fedfm_flower.registry import METHODS
 
     fields = {f.name: f for f in dataclasses.fields(ExperimentConfig)}
     assert allowed_values(fields["dataset"]) == tuple(DATASETS)
@@ -147,7 +147,7 @@ def test_the_schema_imports_neither_torch_nor_flwr() -> None:
     """The ClientApp parses the run config per message: the declarations stay light."""
     script = (
         "import sys, json\n"
-        "from fedfm_flower.schema import key_groups, pyproject_table\n"
+        "from fedfm_flower.config.schema import key_groups, pyproject_table\n"
         "assert len(key_groups()) > 10 and pyproject_table()\n"
         "print(json.dumps(sorted(m for m in ('torch', 'flwr', 'numpy') if m in sys.modules)))\n"
     )

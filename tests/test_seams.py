@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from fedfm_flower.aggregation import average_over_owners, client_weights, weighted_average
-from fedfm_flower.config import ConfigError, ExperimentConfig
+from fedfm_flower.config.experiment import ConfigError, ExperimentConfig
+from fedfm_flower.learners.aggregation import average_over_owners, client_weights, weighted_average
 from fedfm_flower.models import TrainableTensors, build_model
 from fedfm_flower.models.groups import GroupPattern, check_group_name, group_of, in_groups
 
@@ -124,7 +124,7 @@ def test_trainable_tensors_select_in_model_order_and_copy() -> None:
 
 
 def test_families_registry_agrees_with_config_and_checks_modality() -> None:
-    from fedfm_flower.config import BACKBONES
+    from fedfm_flower.config.experiment import BACKBONES
     from fedfm_flower.data.registry import DATASETS
     from fedfm_flower.models.families import FAMILIES, family_of
     from fedfm_flower.tasks.registry import TASKS
@@ -178,9 +178,9 @@ def test_the_model_layer_does_not_import_the_method_registry() -> None:
     for path in root.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom):
-                assert node.module != "fedfm_flower.registry", path
+                assert node.module != "fedfm_flower.methods.registry", path
             if isinstance(node, ast.Import):
-                assert all(a.name != "fedfm_flower.registry" for a in node.names), path
+                assert all(a.name != "fedfm_flower.methods.registry" for a in node.names), path
 
 
 # ------------------------------------------------------------------ the task seam
@@ -230,8 +230,8 @@ def _fedavg_with_heads(num_clients: int = 2):
 def test_components_owned_by_some_clients_are_averaged_over_their_owners() -> None:
     from flwr.app import Message, MetricRecord, RecordDict
 
-    from fedfm_flower import protocol as P
-    from fedfm_flower.records import to_array_record
+    from fedfm_flower.records import protocol as P
+    from fedfm_flower.records.messages import to_array_record
 
     strategy, grid = _fedavg_with_heads()
     messages = list(strategy.configure_train(1, None, {}, grid))
@@ -259,8 +259,8 @@ def _post_training_method(monkeypatch: pytest.MonkeyPatch, rounds: int = 1) -> N
     """Make 'fedavg' a FedAvg with ``rounds`` post-training rounds of local head tuning."""
     import dataclasses
 
-    import fedfm_flower.halves as halves
-    import fedfm_flower.registry as registry
+    import fedfm_flower.methods.halves as halves
+    import fedfm_flower.methods.registry as registry
     import server_apps.runner as runner
     from client_apps.split import SplitClient
     from fedfm_flower.methods import Split
@@ -341,7 +341,7 @@ def test_parsing_the_run_config_imports_no_torch() -> None:
 
     code = (
         "import sys\n"
-        "from fedfm_flower.config import ExperimentConfig\n"
+        "from fedfm_flower.config.experiment import ExperimentConfig\n"
         "ExperimentConfig.from_run_config(ExperimentConfig().to_run_config())\n"
         "ExperimentConfig(dataset='instructions', backbone='tiny-llama').validate()\n"
         "print(sorted(m for m in ('torch', 'transformers', 'flwr') if m in sys.modules))\n"

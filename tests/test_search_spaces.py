@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 
-from fedfm_flower import search
-from fedfm_flower.registry import METHODS
+from fedfm_flower.methods.registry import METHODS
 from fedfm_flower.report.tuning import EDGE_SHARE
-from fedfm_flower.search import describe, edge_limit, resolve_space, space_position
-from fedfm_flower.sweep import cell_config
+from fedfm_flower.study import search
+from fedfm_flower.study.search import describe, edge_limit, resolve_space, space_position
+from fedfm_flower.study.sweep import cell_config
 
 ROOT = Path(__file__).resolve().parent.parent
 TABLES = (

@@ -23,8 +23,9 @@ from run_configs import method_base
 from tiny_strategy import TINY_SPLITS, tiny_strategy
 
 from client_apps.secagg import secagg_mod
-from fedfm_flower import protocol as P
-from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.config.experiment import ExperimentConfig
+from fedfm_flower.methods.registry import METHODS
+from fedfm_flower.methods.settings import ConfigError
 from fedfm_flower.privacy.secagg import (
     SecAggSettings,
     SecureMean,
@@ -32,9 +33,8 @@ from fedfm_flower.privacy.secagg import (
     secure_exchange,
 )
 from fedfm_flower.privacy.support import secagg_refusal
-from fedfm_flower.records import from_array_record, numpy_arrays, to_array_record
-from fedfm_flower.registry import METHODS
-from fedfm_flower.settings import ConfigError
+from fedfm_flower.records import protocol as P
+from fedfm_flower.records.messages import from_array_record, numpy_arrays, to_array_record
 from server_apps.inprocess import InProcessGrid
 
 SETTINGS = SecAggSettings(

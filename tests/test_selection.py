@@ -1,4 +1,4 @@
-"""Choosing a study's values (``fedfm_flower.selection``, ``tune``): top trials re-run at more
+"""Choosing a study's values (``fedfm_flower.study.selection``, ``tune``): top trials re-run at more
 seeds, a diverging run never chosen, the re-runs in the budget; final runs on a transfer setup.
 
 The runs are ``RunPool``'s (no training): each round's validation value is a known function of
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from fedfm_flower.selection import diverged, tail_mean
-from fedfm_flower.sweep import CONFIG_ROOT
+from fedfm_flower.study.selection import diverged, tail_mean
+from fedfm_flower.study.sweep import CONFIG_ROOT
 from tests.serial_pool import tune_pools
 
 ROUNDS, CLIENTS = 3, 2
@@ -67,7 +67,7 @@ def test_a_study_whose_best_single_seed_trial_diverges_at_another_seed_does_not_
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pytest.importorskip("optuna")
-    from fedfm_flower import tune
+    from fedfm_flower.study import tune
 
     pools = tune_pools(monkeypatch, _edge_of_stability, seeded=True)
     top2 = ("--select-top", "2", "--select-seeds", "1", "2")
@@ -128,7 +128,7 @@ def test_a_trial_whose_own_run_collapsed_is_passed_over_and_an_unstable_wave_ope
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pytest.importorskip("optuna")
-    from fedfm_flower import tune
+    from fedfm_flower.study import tune
 
     def curve(trial: int, r: int, seed: int) -> float:
         if trial == 0:
@@ -154,7 +154,7 @@ def test_no_stable_trial_leaves_the_study_without_a_choice_and_the_command_faile
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     pytest.importorskip("optuna")
-    from fedfm_flower import tune
+    from fedfm_flower.study import tune
 
     def curve(trial: int, r: int, seed: int) -> float:
         return [0.9, 0.5, 0.5][r - 1] if seed == 1 else 0.6
@@ -175,7 +175,7 @@ def test_a_client_round_budget_leaves_room_for_the_selections_re_runs(
     2 candidates x 2 seeds keeps 24 for the re-runs, so the study draws 6 trials (36), past its
     trial budget of 1, and spends 60 in all."""
     pytest.importorskip("optuna")
-    from fedfm_flower import tune
+    from fedfm_flower.study import tune
 
     tune_pools(monkeypatch, lambda trial, r, seed: 0.5 + 0.01 * trial, seeded=True)
     extra = ("--client-rounds", "60", "--select-top", "2", "--select-seeds", "1", "2")
@@ -203,7 +203,7 @@ def test_bad_selection_options_are_refused_before_any_run(
     message: str,
 ) -> None:
     pytest.importorskip("optuna")
-    from fedfm_flower import tune
+    from fedfm_flower.study import tune
 
     pools = tune_pools(monkeypatch, lambda trial, r, seed: 0.5, seeded=True)
     assert tune.main(_argv(tmp_path / "out", tmp_path / "out", 1, *bad)) == 2
@@ -224,7 +224,7 @@ def test_the_chosen_values_run_unchanged_on_a_transfer_setup_at_every_seed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     pytest.importorskip("optuna")
-    from fedfm_flower import tune
+    from fedfm_flower.study import tune
 
     pools = tune_pools(monkeypatch, lambda trial, r, seed: 0.5 + 0.01 * trial, seeded=True)
     configs = _configs_with_transfer(tmp_path / "configs", "dirichlet-alpha = 0.1\n")

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from fedfm_flower.processes import pids_with_environment
-from fedfm_flower.results import RunDirectory
-from fedfm_flower.simulation import local_superlink_pids
+from fedfm_flower.records.results import RunDirectory
+from fedfm_flower.simulation.launcher import local_superlink_pids
+from fedfm_flower.simulation.processes import pids_with_environment
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -116,7 +116,7 @@ def test_loading_the_clientapp_in_the_simulation_process_installs_the_prompt_han
         [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.split() == ["fedfm_flower.prompt_engine"] * 2
+    assert result.stdout.split() == ["fedfm_flower.simulation.prompt_engine"] * 2
 
 
 def test_sigterm_runs_the_clean_ups(tmp_path: Path) -> None:
@@ -127,7 +127,7 @@ def test_sigterm_runs_the_clean_ups(tmp_path: Path) -> None:
     marker = tmp_path / "cleaned-up"
     script = (
         "import sys, time\n"
-        "from fedfm_flower.processes import exit_on_sigterm\n"
+        "from fedfm_flower.simulation.processes import exit_on_sigterm\n"
         "exit_on_sigterm()\n"
         "try:\n"
         "    print('ready', flush=True)\n"
@@ -261,7 +261,7 @@ def test_launcher_refuses_bad_input_in_one_line_before_starting(
 def test_launcher_refuses_an_app_whose_fab_cannot_be_built_in_one_line(
     cache_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
 ) -> None:
-    from fedfm_flower import simulation
+    from fedfm_flower.simulation import launcher as simulation
 
     def refuse(app: Path, stage: Path) -> Path:
         raise ValueError('Pattern in "fab-include" did not match any files: "/nothing/**"')
@@ -279,7 +279,7 @@ def test_launcher_refuses_an_app_whose_fab_cannot_be_built_in_one_line(
 def test_flower_commands_are_found_beside_the_interpreter_then_on_path(
     flowerless_interpreter: Path,
 ) -> None:
-    from fedfm_flower.processes import FlowerCommandNotFound, flower_command
+    from fedfm_flower.simulation.processes import FlowerCommandNotFound, flower_command
 
     scripts = flowerless_interpreter
     fake = scripts / "flwr"
@@ -297,7 +297,7 @@ def test_flower_commands_are_found_beside_the_interpreter_then_on_path(
 def test_launcher_without_flwr_says_where_it_looked_in_one_line_and_exits_2(
     flowerless_interpreter: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
 ) -> None:
-    from fedfm_flower import simulation
+    from fedfm_flower.simulation import launcher as simulation
 
     scripts = flowerless_interpreter
     monkeypatch.setenv("FLWR_HOME", str(tmp_path / "flwr-home"))
@@ -314,7 +314,7 @@ def test_launcher_without_flwr_says_where_it_looked_in_one_line_and_exits_2(
 
 
 def test_launcher_takes_a_run_config_file_relative_to_the_app(tmp_path: Path) -> None:
-    from fedfm_flower.simulation import preflight, run_config_items
+    from fedfm_flower.simulation.launcher import preflight, run_config_items
 
     args = ["--stream", "-c", "configs/fedavg/digits-label-skew.toml"]
     assert run_config_items(args) == ["configs/fedavg/digits-label-skew.toml"]
@@ -356,8 +356,8 @@ def test_launcher_exits_1_when_every_client_fails(cache_dir: Path, tmp_path: Pat
 def test_launcher_timeout_stops_the_run_and_returns_124(tmp_path: Path, monkeypatch) -> None:
     """Past --timeout the launcher asks the SuperLink to stop the run and returns 124; its
     ``finally`` then stops everything, as test_launcher_stopped_with_sigterm_... checks."""
-    from fedfm_flower import simulation
-    from fedfm_flower.launch import ExitCode
+    from fedfm_flower.simulation import launcher as simulation
+    from fedfm_flower.simulation.launch import ExitCode
 
     calls: list[list[str]] = []
     monkeypatch.setattr(simulation.subprocess, "run", lambda command, **_: calls.append(command))
@@ -444,9 +444,9 @@ def test_launcher_refuses_while_a_local_superlink_of_another_flwr_home_runs(
     stops."""
     from types import SimpleNamespace
 
-    from fedfm_flower import simulation
-    from fedfm_flower.launch import ExitCode
-    from fedfm_flower.processes import pid_alive
+    from fedfm_flower.simulation import launcher as simulation
+    from fedfm_flower.simulation.launch import ExitCode
+    from fedfm_flower.simulation.processes import pid_alive
 
     ours, theirs = tmp_path / "ours", tmp_path / "theirs"
     monkeypatch.setenv("FLWR_HOME", str(ours))

@@ -1,6 +1,6 @@
 """What a launch does before round 1: the launcher's checks load no torch, the simulation's Ray
-actors preload the ClientApp's imports (``fedfm_flower.actor_preload``) only over the Flower
-code they know, and a simulation starts a Ray of its own."""
+actors preload the ClientApp's imports (``fedfm_flower.simulation.actor_preload``) only over the
+Flower code they know, and a simulation starts a Ray of its own."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from fedfm_flower import actor_preload
-from fedfm_flower.actor_preload import _actor_init, install, preload, with_preload
-from fedfm_flower.processes import flower_environment
+from fedfm_flower.simulation import actor_preload
+from fedfm_flower.simulation.actor_preload import _actor_init, install, preload, with_preload
+from fedfm_flower.simulation.processes import flower_environment
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -47,8 +47,8 @@ def test_the_actor_init_travels_by_reference_and_skips_what_fails_to_import() ->
     assert len(pickle.dumps(_actor_init)) < 200 and pickle.loads(pickle.dumps(_actor_init)) is (
         _actor_init
     )
-    seconds = preload(("json", "fedfm_flower.no_such_module", "fedfm_flower.waits"))
-    assert set(seconds) == {"json", "fedfm_flower.waits"}
+    seconds = preload(("json", "fedfm_flower.no_such_module", "fedfm_flower.simulation.waits"))
+    assert set(seconds) == {"json", "fedfm_flower.simulation.waits"}
     assert all(s >= 0 for s in seconds.values())
 
 
@@ -109,7 +109,7 @@ def test_the_launchers_checks_load_no_torch(dataset: str, tmp_path: Path) -> Non
     code = (
         "import json, sys\n"
         "from pathlib import Path\n"
-        "from fedfm_flower.simulation import preflight\n"
+        "from fedfm_flower.simulation.launcher import preflight\n"
         f"checked = preflight(Path({str(ROOT)!r}), ['-c', \"dataset='{dataset}' "
         f"output-dir='{tmp_path}'\"], 10)\n"
         "print(json.dumps({'notes': checked.notes, 'torch': 'torch' in sys.modules}))\n"

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from fedfm_flower.statistics import mean_ci, paired_test
+from fedfm_flower.study.statistics import mean_ci, paired_test
 
 T_975 = {2: 4.302652729749464, 29: 2.045229642132703}  # Student-t quantiles (tables)
 

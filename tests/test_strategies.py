@@ -21,12 +21,12 @@ from flwr.app import (
 from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
 
 from client_apps.faults import FAULT_KINDS, InjectedCrash, inject_fault, parse_faults
-from fedfm_flower import protocol as P
-from fedfm_flower.aggregation import weighted_average
-from fedfm_flower.config import ConfigError, ExperimentConfig
-from fedfm_flower.halves import strategy_class
+from fedfm_flower.config.experiment import ConfigError, ExperimentConfig
+from fedfm_flower.learners.aggregation import weighted_average
+from fedfm_flower.methods.halves import strategy_class
 from fedfm_flower.models import TrainableTensors
-from fedfm_flower.records import from_array_record, record_names, to_array_record
+from fedfm_flower.records import protocol as P
+from fedfm_flower.records.messages import from_array_record, record_names, to_array_record
 from server_apps.inprocess import InProcessGrid, identity_app
 from strategies.fedavg import FedAvgStrategy
 from strategies.parts.context import RunContext

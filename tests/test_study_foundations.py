@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from fedfm_flower import foundation_cards as cards
+from fedfm_flower.models import foundation_cards as cards
 from fedfm_flower.report.runs import load_runs
 from fedfm_flower.report.tables import build_cells
-from fedfm_flower.study_state import StateError, StudyState
+from fedfm_flower.study.state import StateError, StudyState
 
 NAME = "small-vit-c0ffee"
 WEIGHTS = f"foundation/{NAME}.safetensors"
@@ -62,7 +62,7 @@ def test_a_card_names_its_build_by_the_weights_digest(tmp_path: Path) -> None:
 def test_the_offline_vits_hook_records_the_digest_of_the_weights_it_cached(
     cache_dir: Path,
 ) -> None:
-    from fedfm_flower.config import ExperimentConfig
+    from fedfm_flower.config.experiment import ExperimentConfig
     from fedfm_flower.models.foundation import foundation_path, prepare_offline_vit
 
     config = ExperimentConfig(backbone="tiny-vit", dataset="digits", cache_dir=str(cache_dir))

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fedfm_flower.study_status import main
+from fedfm_flower.study.status import main
 
 optuna = pytest.importorskip("optuna")
 
@@ -16,7 +16,7 @@ def _tuning_directory(root: Path) -> bytes:
     """A tuning directory: two studies in a journal (one with every trial state), a budget in
     tuning.json for one of them, final runs done, started and of no study; the journal's
     bytes, a record cut short at the end."""
-    from fedfm_flower.pruning import journal_storage
+    from fedfm_flower.study.pruning import journal_storage
 
     journal = root / "tuning" / "journal.log"
     storage = journal_storage(journal)

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from fedfm_flower import sweep
 from fedfm_flower.report.build import main as report_main
+from fedfm_flower.study import sweep
 from tests.serial_pool import QueuePool
 
 
@@ -244,7 +244,7 @@ def test_a_sweep_stops_at_a_run_on_another_foundation_model_and_refuses_to_go_on
     (exit 2), and once that run is moved away it runs again on the first build."""
     import shutil
 
-    from fedfm_flower.foundation_cards import WEIGHTS_SHA256
+    from fedfm_flower.models.foundation_cards import WEIGHTS_SHA256
 
     first = {"key": "abc", WEIGHTS_SHA256: "1" * 64}
     now = [first]
@@ -273,8 +273,8 @@ def test_a_sweep_stops_at_a_run_on_another_foundation_model_and_refuses_to_go_on
 
 
 def test_a_run_names_seed_and_a_study_names_parts_are_read_back() -> None:
-    from fedfm_flower.sweep import run_name, seed_of_run
-    from fedfm_flower.tune import study_name, study_parts
+    from fedfm_flower.study.sweep import run_name, seed_of_run
+    from fedfm_flower.study.tune import study_name, study_parts
 
     for label, setup, tag, seed in (("fedavg", "toy", "", 0), ("fedvpt:deep", "glyphs", "-x", 12)):
         name = run_name(label, setup, tag, seed)

@@ -18,12 +18,12 @@ from client_apps.apfl import ALPHA_KEY, APFLClient, apfl_step
 from client_apps.fedbabu import FedBABUClient
 from client_apps.perfedavg import PerFedAvgClient, perfedavg_step
 from client_apps.stepwise import halves, trainable_only
-from fedfm_flower import registry
-from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.config.experiment import ExperimentConfig
+from fedfm_flower.methods import registry
 from fedfm_flower.methods.apfl import APFLSettings
 from fedfm_flower.methods.perfedavg import PerFedAvgSettings
+from fedfm_flower.methods.settings import ConfigError
 from fedfm_flower.models import build_model
-from fedfm_flower.settings import ConfigError
 from fedfm_flower.tasks.classification import ImageClassification
 from strategies.fedavg import FedAvgStrategy
 from tests.tiny_clients import (

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from fedfm_flower import protocol as P
-from fedfm_flower.records import record_names
+from fedfm_flower.records import protocol as P
+from fedfm_flower.records.messages import record_names
 
 
 def test_eq3_replaces_where_the_federated_loss_beats_the_personal_by_the_margin() -> None:
@@ -103,7 +103,7 @@ def test_eq4_rules_against_the_union_of_the_asking_pairs_parts_for_every_assignm
 
 
 def test_eq5_kd_is_the_softened_kl_for_classes_tokens_and_mse_for_images() -> None:
-    from fedfm_flower.distillation import distillation_loss, softened_kl
+    from fedfm_flower.tasks.distillation import distillation_loss, softened_kl
     from fedfm_flower.tasks.multitask import TaskOutput
 
     rng = np.random.default_rng(0)
@@ -161,7 +161,7 @@ def _records(run_dir: Path) -> list[dict]:
 def test_tap_end_to_end_x_stays_home_and_survives_a_restart(tap_config: dict) -> None:
     from safetensors.torch import load_file
 
-    from fedfm_flower.records import from_array_record
+    from fedfm_flower.records.messages import from_array_record
     from server_apps.inprocess import ServerCrash, crash_in_round, run_in_process
 
     replies = []
@@ -218,11 +218,11 @@ def test_tap_end_to_end_x_stays_home_and_survives_a_restart(tap_config: dict) ->
 def test_each_tap_baseline_runs_and_sends_only_its_clients_components(
     method: str, tap_config: dict
 ) -> None:
-    from fedfm_flower.config import ExperimentConfig
+    from fedfm_flower.config.experiment import ExperimentConfig
     from fedfm_flower.data.multitask import client_tasks
+    from fedfm_flower.methods.registry import trains_backbone, tuner_of
     from fedfm_flower.models.build import initial_trainable
-    from fedfm_flower.records import from_array_record
-    from fedfm_flower.registry import trains_backbone, tuner_of
+    from fedfm_flower.records.messages import from_array_record
     from server_apps.inprocess import run_in_process
 
     replies = []
@@ -254,7 +254,7 @@ def test_eq1_averages_each_component_over_its_owners_by_the_chosen_weights(
 ) -> None:
     """data-size: sum_i |D_i| x_i / sum_i |D_i| over a component's owners (eq. 1); uniform:
     1 / K_r each (App. B). The decoder has two owners, the encoder three."""
-    from fedfm_flower.config import ExperimentConfig
+    from fedfm_flower.config.experiment import ExperimentConfig
     from fedfm_flower.models import TrainableTensors
     from strategies.parts.replies import ClientReply
     from strategies.tap import TAPStrategy

@@ -92,7 +92,7 @@ def test_a_model_without_component_users_is_held_whole() -> None:
 @pytest.fixture(scope="module")
 def multitask_model(tmp_path_factory: pytest.TempPathFactory) -> TunedModel:
     """TAP's ``mm-offline`` model with random weights (only the tokenizer is built)."""
-    from fedfm_flower.config import ExperimentConfig
+    from fedfm_flower.config.experiment import ExperimentConfig
     from fedfm_flower.models.multimodal import build_multimodal
 
     cache = os.environ.get("FEDFM_TEST_CACHE_DIR") or str(tmp_path_factory.mktemp("cache"))

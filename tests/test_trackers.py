@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from fedfm_flower.trackers.base import round_scalars
-from fedfm_flower.trackers.run import Trackers, open_trackers
+from fedfm_flower.records.trackers.base import round_scalars
+from fedfm_flower.records.trackers.run import Trackers, open_trackers
 
 WANDB_BLOCK = 32768  # the .wandb file is a LevelDB-style log of 32 KiB blocks
 
@@ -170,7 +170,7 @@ def test_a_tracker_that_fails_mid_run_is_switched_off_and_the_others_go_on(caplo
 def test_a_missing_tracker_package_fails_at_start_naming_the_key(monkeypatch, tmp_path) -> None:
     import importlib.util
 
-    from fedfm_flower.config import ExperimentConfig
+    from fedfm_flower.config.experiment import ExperimentConfig
 
     real = importlib.util.find_spec
     monkeypatch.setattr(
@@ -182,8 +182,8 @@ def test_a_missing_tracker_package_fails_at_start_naming_the_key(monkeypatch, tm
 
 
 def test_bad_tracker_settings_name_the_key() -> None:
-    from fedfm_flower.config import ExperimentConfig
-    from fedfm_flower.settings import ConfigError
+    from fedfm_flower.config.experiment import ExperimentConfig
+    from fedfm_flower.methods.settings import ConfigError
 
     with pytest.raises(ConfigError, match="'wandb-mode'"):
         ExperimentConfig.from_run_config({"wandb-mode": "cloud"})
@@ -192,17 +192,16 @@ def test_bad_tracker_settings_name_the_key() -> None:
 
 
 def test_a_tracker_that_cannot_start_closes_the_ones_already_open(monkeypatch, tmp_path) -> None:
-    import fedfm_flower.trackers.tensorboard as tensorboard_module
-    import fedfm_flower.trackers.wandb as wandb_module
-    from fedfm_flower.config import ExperimentConfig
+    import fedfm_flower.records.trackers.run as run_module
+    from fedfm_flower.config.experiment import ExperimentConfig
 
     board = Recorder()
 
     def no_login(*args: Any) -> None:
         raise PermissionError("wandb: not logged in")
 
-    monkeypatch.setattr(tensorboard_module, "TensorBoardLog", lambda path: board)
-    monkeypatch.setattr(wandb_module, "WandbLog", no_login)
+    monkeypatch.setattr(run_module, "TensorBoardLog", lambda path: board)
+    monkeypatch.setattr(run_module, "WandbLog", no_login)
     config = ExperimentConfig().replace(tensorboard=True, wandb=True)
     with pytest.raises(PermissionError, match="not logged in"):
         open_trackers(config, tmp_path, "run")

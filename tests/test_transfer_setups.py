@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from fedfm_flower.sweep import CONFIG_ROOT, cell_config, check_configs
-from fedfm_flower.tune import DEFAULT_SEEDS, TRANSFER_ROOT, transfer_settings, val_share
+from fedfm_flower.study.sweep import CONFIG_ROOT, cell_config, check_configs
+from fedfm_flower.study.tune import DEFAULT_SEEDS, TRANSFER_ROOT, transfer_settings, val_share
 
 RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results"
 TABLES = {  # the setup of each tuned table with transfer setups -> its committed state
@@ -42,9 +42,9 @@ def test_every_glyph_table_has_two_transfer_setups_and_nothing_else_is_declared(
 def test_a_transfer_setup_is_a_valid_run_of_every_method_and_of_enough_examples(
     setup: str, cache_dir: Path, tmp_path: Path
 ) -> None:
-    from fedfm_flower.config import ExperimentConfig
+    from fedfm_flower.config.experiment import ExperimentConfig
     from fedfm_flower.data import check_client_sizes
-    from fedfm_flower.search import method_space
+    from fedfm_flower.study.search import method_space
     from fedfm_flower.tasks import task_of
 
     defaults = ExperimentConfig().to_run_config()

@@ -1,5 +1,5 @@
 """Tuning: declared search spaces, evaluation on validation data with the test split sealed,
-and ``fedfm_flower.tune`` end to end (trials, choice, final runs, report, resume)."""
+and ``fedfm_flower.study.tune`` end to end (trials, choice, final runs, report, resume)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedfm_flower import search
-from fedfm_flower.config import ConfigError, ExperimentConfig
+from fedfm_flower.config.experiment import ConfigError, ExperimentConfig
 from fedfm_flower.data.sealed import SealedSplit, SealedSplitError
-from fedfm_flower.registry import METHODS
-from fedfm_flower.search import (
+from fedfm_flower.methods.registry import METHODS
+from fedfm_flower.study import search
+from fedfm_flower.study.search import (
     Around,
     Choice,
     IntRange,
@@ -26,7 +26,7 @@ from fedfm_flower.search import (
     When,
     resolve_space,
 )
-from fedfm_flower.sweep import CONFIG_ROOT, cell_config
+from fedfm_flower.study.sweep import CONFIG_ROOT, cell_config
 from tests.serial_pool import RunPool, tune_pools
 
 BASE = {"method": "fedprox", "dataset": "digits", "lr": 0.02, "local-epochs": 1}
@@ -175,8 +175,8 @@ def test_evaluation_on_val_needs_a_validation_split(monkeypatch: pytest.MonkeyPa
 def test_a_val_run_evaluates_the_validation_rows_only(
     small_run_config: dict, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from fedfm_flower import training
     from fedfm_flower.data.federated import load_client_data
+    from fedfm_flower.tasks import training
     from server_apps.inprocess import run_in_process
 
     evaluated: list[torch.Tensor] = []
@@ -250,7 +250,7 @@ def study_test_fraction(out: Path) -> float:
 
 
 def test_a_validation_share_of_the_training_examples_becomes_the_configs_share() -> None:
-    from fedfm_flower.tune import val_share
+    from fedfm_flower.study.tune import val_share
 
     assert val_share(0.15, {"test-fraction": 0.8}) == pytest.approx(0.03)  # glyph feature skew
     assert val_share(0.15, {}) == pytest.approx(0.15 * (1 - ExperimentConfig().test_fraction))
@@ -262,8 +262,9 @@ def test_a_validation_share_of_the_training_examples_becomes_the_configs_share()
 def test_tune_selects_on_validation_then_runs_the_choice_on_test(
     tmp_path: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from fedfm_flower import training, tune
     from fedfm_flower.report.build import main as report_main
+    from fedfm_flower.study import tune
+    from fedfm_flower.tasks import training
 
     splits_read: list[str] = []
     real = training.evaluate
@@ -300,8 +301,8 @@ def test_tune_selects_on_validation_then_runs_the_choice_on_test(
     share = pytest.approx(0.15 * (1 - study_test_fraction(out)))
     import optuna
 
-    from fedfm_flower.pruning import journal_storage
-    from fedfm_flower.results import RunDirectory
+    from fedfm_flower.records.results import RunDirectory
+    from fedfm_flower.study.pruning import journal_storage
 
     journal = journal_storage(out / "tuning" / "journal.log")
     reported = optuna.load_study(study_name=study["study"], storage=journal).get_trials()
@@ -352,7 +353,7 @@ def test_tune_selects_on_validation_then_runs_the_choice_on_test(
 def test_a_run_ends_after_the_round_its_early_stop_answers_true(
     small_run_config: dict, tmp_path: Path
 ) -> None:
-    from fedfm_flower.results import RunDirectory
+    from fedfm_flower.records.results import RunDirectory
     from server_apps.inprocess import run_in_process
 
     heard: list[tuple[int, float]] = []
@@ -371,7 +372,7 @@ def test_a_run_ends_after_the_round_its_early_stop_answers_true(
 
 
 def test_tune_refuses_a_bad_space_before_any_trial(tmp_path: Path, capsys) -> None:
-    from fedfm_flower import tune
+    from fedfm_flower.study import tune
 
     argv = ["--methods", "fedprox", "--setups", "digits-label-skew", "--trials", "2"]
     assert tune.main([*argv, "--out", str(tmp_path / "o"), "--set", "lr=0", "num-clients=2"]) == 2
@@ -414,7 +415,7 @@ class _OutOfOrderPool:
 
 
 def _studies(tmp_path: Path, trials: int):  # noqa: ANN202
-    from fedfm_flower import tune
+    from fedfm_flower.study import tune
 
     args = _tune_args(tmp_path, trials)
     return tune.open_studies(["fedavg", "fedprox"], ["digits-label-skew"], args, {"num-clients": 2})
@@ -438,7 +439,7 @@ def _tune_args(out: Path, trials: int, **options):  # noqa: ANN003, ANN202
 
 def test_parallel_trials_keep_the_budget_and_score_every_trial(tmp_path: Path) -> None:
     pytest.importorskip("optuna")
-    from fedfm_flower import tune
+    from fedfm_flower.study import tune
 
     def score(config: dict) -> float:  # best at lr = 0.02, whatever else
         return -abs(math.log(config["lr"] / 0.02))
@@ -460,8 +461,8 @@ def test_parallel_trials_keep_the_budget_and_score_every_trial(tmp_path: Path) -
 
 def test_a_studys_final_runs_start_while_other_studies_still_run_trials(tmp_path: Path) -> None:
     pytest.importorskip("optuna")
-    from fedfm_flower import tune
-    from fedfm_flower.sweep import SweepLog
+    from fedfm_flower.study import tune
+    from fedfm_flower.study.sweep import SweepLog
 
     studies = _studies(tmp_path, trials=2)
     pool = _OutOfOrderPool(capacity=3, score=lambda config: config["lr"])
@@ -503,7 +504,7 @@ def test_ctrl_c_closes_the_pool_and_says_how_to_resume(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
 ) -> None:
     pytest.importorskip("optuna")
-    from fedfm_flower import tune
+    from fedfm_flower.study import tune
 
     class Interrupted(_OutOfOrderPool):
         closed = False
@@ -532,7 +533,7 @@ def test_ctrl_c_closes_the_pool_and_says_how_to_resume(
 
 def test_tuning_json_keeps_the_studies_of_earlier_commands(tmp_path: Path) -> None:
     pytest.importorskip("optuna")
-    from fedfm_flower import tune
+    from fedfm_flower.study import tune
 
     fedavg, fedprox = _studies(tmp_path, trials=2)
     tune.run_trials([fedavg, fedprox], _OutOfOrderPool(capacity=2, score=lambda c: c["lr"]))
@@ -548,7 +549,7 @@ def test_a_resumed_studys_time_left_starts_from_the_seconds_its_ended_trials_ran
     tmp_path: Path,
 ) -> None:
     optuna = pytest.importorskip("optuna")
-    from fedfm_flower import tune
+    from fedfm_flower.study import tune
 
     fedavg, fedprox = _studies(tmp_path, trials=2)
     tune.run_trials([fedavg, fedprox], _OutOfOrderPool(capacity=2, score=lambda c: c["lr"]))
@@ -580,7 +581,7 @@ def test_a_resumed_studys_time_left_starts_from_the_seconds_its_ended_trials_ran
 
 def test_a_trial_left_running_is_rerun_with_its_values(tmp_path: Path) -> None:
     pytest.importorskip("optuna")
-    from fedfm_flower import search, tune
+    from fedfm_flower.study import search, tune
 
     (first, _) = _studies(tmp_path, trials=2)
     orphan = first.optuna_study.ask()  # a command died while this trial ran
@@ -598,7 +599,7 @@ def test_a_trial_left_running_is_rerun_with_its_values(tmp_path: Path) -> None:
 
 def test_a_final_run_made_with_other_values_is_refused(tmp_path: Path) -> None:
     pytest.importorskip("optuna")
-    from fedfm_flower import tune
+    from fedfm_flower.study import tune
 
     studies = _studies(tmp_path, trials=2)
     tune.run_trials(studies, _OutOfOrderPool(capacity=1, score=lambda config: config["lr"]))
@@ -615,7 +616,7 @@ def test_a_final_run_made_with_other_values_is_refused(tmp_path: Path) -> None:
 
 def test_a_resumed_study_draws_new_values_not_those_of_the_first_command(tmp_path: Path) -> None:
     pytest.importorskip("optuna")
-    from fedfm_flower import tune
+    from fedfm_flower.study import tune
 
     def lrs(study: tune.Study) -> list[float]:
         return [t.params["lr"] for t in study.optuna_study.get_trials()]
@@ -638,7 +639,7 @@ def test_a_resumed_study_draws_new_values_not_those_of_the_first_command(tmp_pat
 
 
 def test_a_samplers_seed_depends_on_the_tuning_seed_the_method_and_the_draws() -> None:
-    from fedfm_flower.tune import sampler_seed
+    from fedfm_flower.study.tune import sampler_seed
 
     seeds = {
         sampler_seed(tune_seed, label, drawn)
@@ -662,9 +663,9 @@ def _variant_configs(root: Path) -> Path:
 
 def test_a_variant_runs_at_its_methods_chosen_values_without_a_study(tmp_path: Path) -> None:
     pytest.importorskip("optuna")
-    from fedfm_flower import tune
     from fedfm_flower.report.tuning import markdown_tuning
-    from fedfm_flower.sweep import SweepLog
+    from fedfm_flower.study import tune
+    from fedfm_flower.study.sweep import SweepLog
 
     configs = _variant_configs(tmp_path / "c")
     args = _tune_args(tmp_path, 2, configs=configs, variants_at_parent=True, seeds=[0, 1])
@@ -719,7 +720,7 @@ def test_a_variant_whose_method_is_not_named_is_refused_before_any_run(
     tmp_path: Path, capsys
 ) -> None:
     pytest.importorskip("optuna")
-    from fedfm_flower import tune
+    from fedfm_flower.study import tune
 
     argv = ["--methods", "fedavg", "tap:all-pairs", "--setups", "digits-label-skew"]
     argv += ["--trials", "2", "--variants-at-parent", "--out", str(tmp_path / "o")]
@@ -735,7 +736,7 @@ def test_a_trial_worst_at_its_first_report_is_pruned_and_its_rounds_count(
     tmp_path: Path,
 ) -> None:
     pytest.importorskip("optuna")
-    from fedfm_flower import tune
+    from fedfm_flower.study import tune
 
     args = _tune_args(tmp_path, 3, pruner="halving", prune_min_rounds=1, prune_reduction=2)
     overrides = {"num-clients": 2, "num-server-rounds": 3}
@@ -777,8 +778,8 @@ def test_a_trial_worst_at_its_first_report_is_pruned_and_its_rounds_count(
 def test_pruner_settings_default_to_the_setups_eval_every_and_refuse_bad_values(
     tmp_path: Path, capsys
 ) -> None:
-    from fedfm_flower.pruning import PrunerSettings
-    from fedfm_flower.tune import main, setup_pruner
+    from fedfm_flower.study.pruning import PrunerSettings
+    from fedfm_flower.study.tune import main, setup_pruner
 
     bases = [{"eval-every": 5}, {"eval-every": 10}, {}]
     assert setup_pruner(_tune_args(tmp_path, 1, pruner="halving"), bases).min_rounds == 10
@@ -796,7 +797,7 @@ def test_pruner_settings_default_to_the_setups_eval_every_and_refuse_bad_values(
 
 def test_each_methods_study_draws_its_own_points_and_draws_them_again(tmp_path: Path) -> None:
     pytest.importorskip("optuna")
-    from fedfm_flower import tune
+    from fedfm_flower.study import tune
 
     def drawn(out: Path) -> dict[str, list[float]]:
         studies = _studies(out, trials=4)  # fedavg and fedprox, the setup's values first
@@ -866,7 +867,7 @@ def test_a_choice_at_an_end_of_its_space_is_flagged_on_the_spaces_scale() -> Non
     import math
 
     from fedfm_flower.report.tuning import EDGE_SHARE, edge_flags, markdown_tuning
-    from fedfm_flower.search import space_position
+    from fedfm_flower.study.search import space_position
 
     assert space_position(1e-4, "log-uniform [1e-05, 0.01]") == pytest.approx(1 / 3)
     top = (math.log(0.0098) - math.log(1e-5)) / (math.log(0.01) - math.log(1e-5))
@@ -906,7 +907,7 @@ def test_a_study_copied_to_a_fresh_directory_resumes_without_repeating_a_trial(
     pytest.importorskip("optuna")
     import shutil
 
-    from fedfm_flower import tune
+    from fedfm_flower.study import tune
 
     pools = tune_pools(monkeypatch, lambda trial, r: 0.9 if trial in (0, -1) else 0.3)
     argv = _copied_study_argv
@@ -936,7 +937,7 @@ def test_a_client_round_budget_draws_trials_past_the_trial_budget_until_it_is_sp
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pytest.importorskip("optuna")
-    from fedfm_flower import tune
+    from fedfm_flower.study import tune
 
     # trial 0 runs both rounds (4 client-rounds); the halving pruner stops every other trial
     # after round 1 (2 client-rounds)
@@ -968,7 +969,7 @@ def test_studies_with_different_client_round_budgets_state_each_their_own() -> N
     Centralized at 16 trials beside the others at 1,024): the report does not claim the last
     command's budget for every study; each row says spent / budget."""
     from fedfm_flower.report.tuning import markdown_tuning
-    from fedfm_flower.study_state import client_round_budgets
+    from fedfm_flower.study.state import client_round_budgets
 
     spent = {"trials": 2, "pruned": 1, "rounds": 3, "client-rounds": 24, "seconds": 6.0}
     pooled = {
@@ -1004,7 +1005,7 @@ def test_a_failed_trials_rounds_still_count_once_its_study_is_copied_elsewhere(
     pytest.importorskip("optuna")
     import shutil
 
-    from fedfm_flower import tune
+    from fedfm_flower.study import tune
 
     # trial 1 crashes in round 3 of 3: it ran 2 rounds of 2 clients, and wrote no summary
     pools = tune_pools(monkeypatch, lambda trial, r: None if (trial, r) == (1, 3) else 0.9)
@@ -1043,7 +1044,7 @@ def test_a_journal_record_cut_short_is_dropped_and_the_study_resumes_twice(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pytest.importorskip("optuna")
-    from fedfm_flower import tune
+    from fedfm_flower.study import tune
 
     pools = tune_pools(monkeypatch, lambda trial, r: 0.9 if trial in (0, -1) else 0.3)
     state = tmp_path / "state"
@@ -1087,7 +1088,7 @@ def test_a_damaged_state_file_is_refused_by_name_before_anything_runs(
     line: int,
 ) -> None:
     pytest.importorskip("optuna")
-    from fedfm_flower import tune
+    from fedfm_flower.study import tune
 
     pools = tune_pools(monkeypatch, lambda trial, r: 0.5)
     state = tmp_path / "state"
@@ -1117,8 +1118,8 @@ def test_final_runs_draw_their_data_per_seed_or_on_the_data_seeds_asked(
     refused at the seed where it differs and reused where it does not; the trials keep the
     tuning seed's data (or the command's ``data-seed``)."""
     pytest.importorskip("optuna")
-    from fedfm_flower import tune
-    from fedfm_flower.grid_foundations import run_data_seed
+    from fedfm_flower.study import tune
+    from fedfm_flower.study.grid_foundations import run_data_seed
 
     pools = tune_pools(monkeypatch, lambda trial, r: 0.5)
     argv = [*_copied_study_argv(tmp_path / "out", tmp_path / "out", 1), "--seeds", "0", "1"]
@@ -1162,7 +1163,7 @@ def test_the_setups_own_values_are_never_pruned_even_when_a_drawn_trial_reports_
     trial 0, the enqueued setup values, then reports 0.55 there. A drawn trial would be
     pruned; trial 0 goes on, so the choice is never worse than the untuned run."""
     pytest.importorskip("optuna")
-    from fedfm_flower import tune
+    from fedfm_flower.study import tune
 
     args = _tune_args(tmp_path, 4, pruner="halving", prune_min_rounds=5, prune_reduction=3)
     overrides = {"num-clients": 2, "num-server-rounds": 20}
@@ -1182,8 +1183,8 @@ def test_a_pruning_decided_before_a_crash_stops_the_resumed_run() -> None:
     pytest.importorskip("optuna")
     import tempfile
 
-    from fedfm_flower import tune
-    from fedfm_flower.pruning import PRUNED_AT
+    from fedfm_flower.study import tune
+    from fedfm_flower.study.pruning import PRUNED_AT
 
     with tempfile.TemporaryDirectory() as tmp:
         args = _tune_args(Path(tmp), 3, pruner="halving", prune_min_rounds=5, prune_reduction=3)
@@ -1205,7 +1206,7 @@ def test_a_report_the_journal_cannot_take_leaves_the_run_going_and_the_next_one_
     drops out) costs that round's judgement, not the trial: the run goes on, the warning names
     the trial, the round and the journal, and the next report is judged as usual."""
     pytest.importorskip("optuna")
-    from fedfm_flower import tune
+    from fedfm_flower.study import tune
 
     args = _tune_args(tmp_path, 3, pruner="halving", prune_min_rounds=5, prune_reduction=3)
     overrides = {"num-clients": 2, "num-server-rounds": 20}
@@ -1216,7 +1217,7 @@ def test_a_report_the_journal_cannot_take_leaves_the_run_going_and_the_next_one_
     stop = links[1].early_stop()
     journal = Path(links[1].journal)
     journal.rename(journal.with_suffix(".away"))
-    with caplog.at_level("WARNING", logger="fedfm_flower.pruning"):
+    with caplog.at_level("WARNING", logger="fedfm_flower.study.pruning"):
         assert not stop(5, 0.5)  # would be pruned: 0.5 < 0.8 at the first rung
     assert f"trial 1 of {links[1].study}: round 5's value 0.5 not reported to {journal}" in (
         caplog.text
@@ -1233,7 +1234,7 @@ def test_a_copied_study_installs_its_foundation_builds_before_any_run(
     """On a new machine the kept build goes into the runs' cache; a cache holding another build
     of it stops the command (exit 2) before any run."""
     pytest.importorskip("optuna")
-    from fedfm_flower import tune
+    from fedfm_flower.study import tune
 
     pools = tune_pools(monkeypatch, lambda trial, r: 0.9)
     kept = tmp_path / "state" / "foundations" / "foundation"
@@ -1260,8 +1261,8 @@ def test_a_study_stops_at_a_run_on_another_foundation_model_and_resumes_once_it_
     pytest.importorskip("optuna")
     import shutil
 
-    from fedfm_flower import tune
-    from fedfm_flower.foundation_cards import WEIGHTS_SHA256
+    from fedfm_flower.models.foundation_cards import WEIGHTS_SHA256
+    from fedfm_flower.study import tune
 
     first = {"key": "abc", WEIGHTS_SHA256: "1" * 64, "public_test_accuracy": 0.95}
     other = {"key": "abc", WEIGHTS_SHA256: "2" * 64, "public_test_accuracy": 0.94}

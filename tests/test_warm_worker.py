@@ -24,11 +24,11 @@ from flwr.common.serde import context_from_proto, context_to_proto, recorddict_t
 
 from client_apps import warm
 from client_apps.app import app
-from fedfm_flower import protocol as P
-from fedfm_flower.config import ExperimentConfig
-from fedfm_flower.durable import save_tensors
-from fedfm_flower.processes import pid_alive
-from fedfm_flower.settings import ConfigError
+from fedfm_flower.config.experiment import ExperimentConfig
+from fedfm_flower.methods.settings import ConfigError
+from fedfm_flower.records import protocol as P
+from fedfm_flower.records.durable import save_tensors
+from fedfm_flower.simulation.processes import pid_alive
 from server_apps.inprocess import InProcessGrid, simulation_node_configs
 from server_apps.runner import run_experiment
 

@@ -13,12 +13,12 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from client_apps.base import ClientRuntime
-from fedfm_flower import registry
-from fedfm_flower.client_state import ClientStateStore
-from fedfm_flower.config import ExperimentConfig, NodeIdentity
+from fedfm_flower.config.experiment import ExperimentConfig, NodeIdentity
+from fedfm_flower.methods import registry
 from fedfm_flower.models.groups import GroupPattern, TunedModel
+from fedfm_flower.records.client_state import ClientStateStore
 from fedfm_flower.tasks.classification import ImageClassification
-from fedfm_flower.training import EvalStats
+from fedfm_flower.tasks.training import EvalStats
 
 IN, HIDDEN, CLASSES = 4, 5, 3
 TWO_LAYER_NAMES = ("body.weight", "body.bias", "head.weight", "head.bias")
@@ -137,3 +137,28 @@ def hand_adam(value: torch.Tensor, grad: torch.Tensor, state: dict, lr: float) -
     v = (0.999 * state["exp_avg_sq"] if state else 0) + 0.001 * grad * grad
     m_hat, v_hat = m / (1 - 0.9**t), v / (1 - 0.999**t)
     return value - lr * m_hat / (v_hat.sqrt() + 1e-8)
+
+
+def kept_personal_model(client: type, config: ExperimentConfig, state_dir: Path) -> tuple:
+    """One round of ``client`` (a client half that keeps a personal model in its client state:
+    Ditto's v, pFedMe's theta), checked as every such half must behave: before its first round
+    it evaluates the model's initial values; after it, its store holds on disk a personal model
+    that is not what it sent; a restarted runtime (empty memory) evaluates that stored model
+    whatever global model arrives. Returns (initial, received, sent, personal, restarted)."""
+    model = TwoLayerModel()
+    runtime = client_runtime(model, config, state_dir)
+    initial = model.trainable().tensors
+    received = offset(initial, 6, 0.1)
+    evaluated = capture_evaluated(runtime)
+    client().evaluate(runtime, received, 0)
+    assert all(torch.equal(evaluated[n], initial[n]) for n in TWO_LAYER_NAMES)
+    sent, _ = client().train(runtime, received, 1)
+    assert runtime.store.rounds() == [1]
+    personal = runtime.store.load(before=2)
+    assert not any(torch.equal(personal[n], sent[n]) for n in TWO_LAYER_NAMES)
+    assert (state_dir / "run" / "client_0" / "round_00001.safetensors").is_file()
+    restarted = client_runtime(TwoLayerModel(), config, state_dir, state=RecordDict())
+    evaluated = capture_evaluated(restarted)
+    client().evaluate(restarted, offset(received, 7, 5.0), 1)
+    assert all(torch.equal(evaluated[n], personal[n]) for n in TWO_LAYER_NAMES)
+    return initial, received, sent, personal, restarted

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 from flwr.app import Message, RecordDict
 
-from fedfm_flower import protocol as P
-from fedfm_flower.config import ExperimentConfig
-from fedfm_flower.records import from_array_record, to_array_record
+from fedfm_flower.config.experiment import ExperimentConfig
+from fedfm_flower.records import protocol as P
+from fedfm_flower.records.messages import from_array_record, to_array_record
 
 TINY = {"adapter.a": (4, 3), "head.w": (2,)}
 # Settings that fit a method's split to the tiny adapter and head.
@@ -17,7 +17,7 @@ TINY_SPLITS: dict[str, dict[str, str]] = {"fedperfix": {"fedperfix-personal": "h
 
 def tiny_strategy(config: ExperimentConfig):  # noqa: ANN201
     """A FedAvg-family strategy over a tiny adapter and head, and a grid of 3 identity nodes."""
-    from fedfm_flower.halves import strategy_class
+    from fedfm_flower.methods.halves import strategy_class
     from fedfm_flower.models import TrainableTensors
     from server_apps.inprocess import InProcessGrid, identity_app
 

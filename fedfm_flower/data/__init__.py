@@ -17,7 +17,7 @@ first prepared; the names below resolve on first use, so importing this package 
 
 from __future__ import annotations
 
-from fedfm_flower.lazy import lazy_getattr
+from fedfm_flower import lazy_getattr
 
 _EXPORTS = {
     "DOMAINS": "fedfm_flower.data.domains",

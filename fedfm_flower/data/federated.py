@@ -18,10 +18,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.config.experiment import ExperimentConfig
+from fedfm_flower.data import digits, loaders, partition
+from fedfm_flower.data.domains import DOMAINS
 from fedfm_flower.data.images import normalize
+from fedfm_flower.data.loaders import load_source
+from fedfm_flower.data.partition import partition_plan, public_and_private
 from fedfm_flower.data.registry import dataset_spec
 from fedfm_flower.data.settings import DataSettings
+from fedfm_flower.data.splits import client_split, pretrain_split
 
 if TYPE_CHECKING:  # torch loads with the first tensors: partition checks need none
     from torch.utils.data import TensorDataset
@@ -54,7 +59,6 @@ def num_classes_of(config: ExperimentConfig) -> int:
     spec = dataset_spec(config.dataset)
     if spec.embedded or not config.data_dir:
         return spec.num_classes
-    from fedfm_flower.data.loaders import load_source
 
     return load_source(DataSettings.from_config(config)).num_classes
 
@@ -94,9 +98,6 @@ def _check_partition(partition_id: int, num_partitions: int) -> None:
 
 @functools.lru_cache(maxsize=256)
 def _client_ids(settings: DataSettings, partition_id: int, num_partitions: int) -> ClientSampleIds:
-    from fedfm_flower.data.loaders import load_source
-    from fedfm_flower.data.partition import partition_plan
-    from fedfm_flower.data.splits import client_split
 
     ids = partition_plan(settings, num_partitions).partitions[partition_id]
     labels = load_source(settings).labels[ids]
@@ -108,9 +109,6 @@ def _client_ids(settings: DataSettings, partition_id: int, num_partitions: int) 
 
 @functools.lru_cache(maxsize=64)
 def _client_data(settings: DataSettings, partition_id: int, num_partitions: int) -> ClientData:
-    from fedfm_flower.data.domains import DOMAINS
-    from fedfm_flower.data.loaders import load_source
-    from fedfm_flower.data.partition import partition_plan
 
     ids = _client_ids(settings, partition_id, num_partitions)
     source = load_source(settings)
@@ -130,9 +128,6 @@ def _client_data(settings: DataSettings, partition_id: int, num_partitions: int)
 
 @functools.lru_cache(maxsize=8)
 def _public_ids(settings: DataSettings) -> tuple[np.ndarray, np.ndarray]:
-    from fedfm_flower.data.loaders import load_source
-    from fedfm_flower.data.partition import public_and_private
-    from fedfm_flower.data.splits import pretrain_split
 
     public, _ = public_and_private(settings)
     train, test = pretrain_split(load_source(settings).labels[public], settings.seed)
@@ -141,7 +136,6 @@ def _public_ids(settings: DataSettings) -> tuple[np.ndarray, np.ndarray]:
 
 @functools.lru_cache(maxsize=4)
 def _public_data(settings: DataSettings) -> tuple[TensorDataset, TensorDataset, int]:
-    from fedfm_flower.data.loaders import load_source
 
     source = load_source(settings)
     train, test = _public_ids(settings)
@@ -164,7 +158,6 @@ def _tensor_dataset(
 
 def clear_caches() -> None:
     """Forget every prepared source, split and client dataset held in this process."""
-    from fedfm_flower.data import digits, loaders, partition
 
     for cached in (
         _client_ids,

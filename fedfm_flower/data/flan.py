@@ -40,18 +40,13 @@ from pathlib import Path
 from typing import Any
 
 from fedfm_flower.data.instructions import Example
+from fedfm_flower.data.registry import looks_like_hub_name
 
 TRAIN_FILE = "local_training_{}.json"
 TEST_FILES = ("local_test_{}.json", "local_testing_{}.json")
 POOLED_TEST_GLOB = "flan_test*.json*"
 TASK_KEYS = ("category", "task")  # the record's Flan task, first found wins
 _TRAIN_PATTERN = re.compile(r"local_training_(\d+)\.jsonl?")
-
-
-def looks_like_hub_name(data_dir: str) -> bool:
-    """Whether ``data_dir`` reads as a Hub dataset id (``owner/name``) rather than a path."""
-    owner, slash, name = data_dir.partition("/")
-    return bool(slash and owner and name) and "/" not in name and owner[0] not in ".~"
 
 
 def flan_num_clients(data_dir: str) -> int:

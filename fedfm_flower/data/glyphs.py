@@ -42,8 +42,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from fedfm_flower.data.digits import digits_arrays
 from fedfm_flower.data.source import Source
-from fedfm_flower.durable import atomic_path, atomic_write_text, exclusive_lock
+from fedfm_flower.records.durable import atomic_path, atomic_write_text, exclusive_lock
 
 if TYPE_CHECKING:  # torch loads with the first pixels: partition checks read labels only
     import torch
@@ -268,7 +269,6 @@ def _photos() -> list[np.ndarray]:
 
 def _digit_scans() -> tuple[np.ndarray, np.ndarray]:
     """scikit-learn's handwritten digits: [1797, 8, 8] scans in [0, 1] and their labels."""
-    from fedfm_flower.data.digits import digits_arrays
 
     images, labels = digits_arrays()
     return images.numpy(), labels

@@ -37,6 +37,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from fedfm_flower.data.digits import digits_source
+from fedfm_flower.data.glyphs import glyph_source
 from fedfm_flower.data.images import pil_to_tensor
 from fedfm_flower.data.registry import DatasetSpec, dataset_spec
 from fedfm_flower.data.settings import DataSettings
@@ -74,10 +76,7 @@ def _cached_source(
                 f"is {spec.natural_id_column or 'absent'!r}"
             )
         if name == "glyph-domains":
-            from fedfm_flower.data.glyphs import glyph_source
-
             return glyph_source(Path(cache_dir), image_size)
-        from fedfm_flower.data.digits import digits_source
 
         return digits_source(name, image_size, with_domains=bool(spec.natural_id_column))
     if spec.medmnist_flag:

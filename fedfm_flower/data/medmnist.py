@@ -31,7 +31,7 @@ import torch
 
 from fedfm_flower.data.images import pil_to_tensor
 from fedfm_flower.data.source import DataUnavailableError, Source
-from fedfm_flower.durable import atomic_path
+from fedfm_flower.records.durable import atomic_path
 
 SPLITS = ("train", "val", "test")
 SIZES = (28, 64, 128, 224)  # MedMNIST+ sizes; 28 has no suffix in the file name

@@ -74,7 +74,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from fedfm_flower.data.glyphs import DOMAINS, NATIVE_SIZE, NUM_CLASSES, GlyphArrays, GlyphSizes
+from fedfm_flower.data.glyphs import (
+    DOMAINS,
+    NATIVE_SIZE,
+    NUM_CLASSES,
+    GlyphArrays,
+    GlyphSizes,
+    cached_arrays,
+)
 from fedfm_flower.data.instructions import (
     DEFAULT_EXAMPLES_PER_TASK,
     build_corpus,
@@ -85,7 +92,7 @@ from fedfm_flower.data.instructions import (
 if TYPE_CHECKING:
     import torch
 
-    from fedfm_flower.config import ExperimentConfig
+    from fedfm_flower.config.experiment import ExperimentConfig
     from fedfm_flower.data.instructions import Corpus
 
 CLASSIFICATION = "classification"
@@ -372,7 +379,6 @@ def glyph_pixels(arrays: GlyphArrays, sample_ids: np.ndarray, image_size: int) -
 @functools.lru_cache(maxsize=2)
 def _glyph_arrays(cache_dir: str, sizes: GlyphSizes) -> GlyphArrays:
     """The glyph benchmark (cached on disk under ``cache_dir``, read once per process)."""
-    from fedfm_flower.data.glyphs import cached_arrays
 
     return cached_arrays(Path(cache_dir), sizes)
 

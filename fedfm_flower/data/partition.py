@@ -65,7 +65,7 @@ from fedfm_flower.data.splits import (
     public_split,
     rng_for,
 )
-from fedfm_flower.durable import atomic_path
+from fedfm_flower.records.durable import atomic_path
 
 LABEL = "label"
 SAMPLE_ID = "sample_id"

@@ -1,6 +1,6 @@
 """The dataset registry: dataset name -> where it comes from and how its columns are named.
 
-The config's ``dataset`` key allows exactly these names (``fedfm_flower.keys``). Two entries
+The config's ``dataset`` key allows exactly these names (``fedfm_flower.config.keys``). Two entries
 are embedded and offline (scikit-learn's digits, as label-skew ``digits`` and feature-skew
 ``digits-domains``); the others are the papers' benchmarks, loaded from a local copy
 (``data-dir``) or, where a public copy is known, from the Hugging Face Hub by name.
@@ -174,3 +174,9 @@ def dataset_spec(name: str) -> DatasetSpec:
     if name not in DATASETS:
         raise ValueError(f"dataset '{name}' unknown; known: {', '.join(DATASETS)}")
     return DATASETS[name]
+
+
+def looks_like_hub_name(data_dir: str) -> bool:
+    """Whether ``data_dir`` reads as a Hub dataset id (``owner/name``) rather than a path."""
+    owner, slash, name = data_dir.partition("/")
+    return bool(slash and owner and name) and "/" not in name and owner[0] not in ".~"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.config.experiment import ExperimentConfig
 
 
 @dataclass(frozen=True)

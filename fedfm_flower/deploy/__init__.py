@@ -47,11 +47,12 @@ share the cores. Logs (with wall-clock and elapsed-time stamps) go to ``<workdir
 127.0.0.1 is ever used.
 
 Before anything starts, the merged run config is validated and checked
-(``fedfm_flower.preflight``: resume target, existing results, weights file, partition sizes);
-a problem is one line on stderr. The run's stream is shown with tracebacks folded (``--debug``
-shows them; the logs keep them). Exit status (``fedfm_flower.launch.ExitCode``): 0 run
-completed, 1 run failed or stopped, 2 bad arguments or run config, 3 the deployment could not
-start, 124 ``--run-timeout`` reached, 130 interrupted.
+(``fedfm_flower.simulation.preflight``: resume target, existing results, weights file, partition
+sizes); a problem is one line on stderr. The run's stream is shown with tracebacks folded
+(``--debug`` shows them; the logs keep them). Exit status
+(``fedfm_flower.simulation.launch.ExitCode``): 0 run completed, 1 run failed or stopped, 2 bad
+arguments or run config, 3 the deployment could not start, 124 ``--run-timeout`` reached, 130
+interrupted.
 
 Importing this package loads no torch and no Flower: ``tomli_w`` and ``cryptography`` are
 imported when first needed, and Flower runs in the processes the launcher starts. Its exports
@@ -61,7 +62,7 @@ load their module on first use, so ``python -m fedfm_flower.deploy.superlink`` (
 
 from __future__ import annotations
 
-from fedfm_flower.lazy import lazy_getattr
+from fedfm_flower import lazy_getattr
 
 _EXPORTS = {
     "CERT_FILES": "fedfm_flower.deploy.certificates",

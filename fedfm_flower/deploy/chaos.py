@@ -25,9 +25,9 @@ The kinds of event (``ChaosEvent.kind``):
 ``check_chaos`` then asks of the run directory and the nodes' state directories: the last run
 completed; every round is recorded once, in order; no temporary file is left (but the leftover
 of a mid-write kill whose client has not saved a later round since); every checkpoint and every
-client state file reads and verifies (``fedfm_flower.durable``); every training reply started
-from a state saved after the client's previous recorded training (or that one) and before the
-round, whose digest is the file's on disk (no state lost, none torn; the run keeps every state
+client state file reads and verifies (``fedfm_flower.records.durable``); every training reply
+started from a state saved after the client's previous recorded training (or that one) and before
+the round, whose digest is the file's on disk (no state lost, none torn; the run keeps every state
 for this: ``keep-checkpoints`` = the rounds; a reply that came too late is not recorded, but
 its state was saved); every client never killed is evaluated in the last round; and, given an
 uninterrupted reference run, every client never killed reported exactly the reference's metrics
@@ -49,10 +49,13 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from fedfm_flower.config.overrides import parse_overrides
 from fedfm_flower.deploy.local import LocalDeployment
 from fedfm_flower.deploy.options import CONNECTION, DeploymentError, DeployOptions
 from fedfm_flower.deploy.processes import ManagedProcess
-from fedfm_flower.deploy.runs import RunResult
+from fedfm_flower.deploy.runs import RunResult, resolve_run_config
+from fedfm_flower.records.durable import DamagedFileError, load_tensors
+from fedfm_flower.records.results import RunDirectory
 
 KINDS = ("node-mid-training", "node-mid-write", "serverapp", "superlink")
 NODE_KINDS = KINDS[:2]
@@ -407,9 +410,7 @@ def check_chaos(
     client_<id>``); ``killed``: clients whose node was killed at least once; ``stalled``:
     (client, round) of the kills mid-write, whose temporary file stays until the client saves
     a later round."""
-    from fedfm_flower.client_state import state_digest
-    from fedfm_flower.durable import DamagedFileError, load_tensors
-    from fedfm_flower.results import RunDirectory
+    from fedfm_flower.records.client_state import state_digest
 
     problems: list[str] = []
     if final is not None and not final.ok:
@@ -548,8 +549,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--out", type=Path, required=True, help="directory for runs and report")
     args = parser.parse_args(argv)
-    from fedfm_flower.deploy.runs import resolve_run_config
-    from fedfm_flower.overrides import parse_overrides
 
     out = args.out.resolve()
     try:  # everything that can be refused before a process starts

@@ -47,7 +47,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from fedfm_flower.processes import pid_alive
+from fedfm_flower.simulation.processes import pid_alive
 
 FORKSERVER_VAR = "FEDFM_EXECUTOR_FORKSERVER"  # the socket a SuperNode's keeper asks for forks
 # What a warm SuperExec imports before its first task (by weight: torch 281 MB, timm 135 MB,
@@ -61,7 +61,7 @@ DEFAULT_PRELOAD = (
     "flwr.supercore.superexec.run_superexec",
     "flwr.supernode.runtime.run_clientapp",
     "fedfm_flower.deploy.superexec",
-    "fedfm_flower.training",
+    "fedfm_flower.tasks.training",
     "fedfm_flower.models",
     "fedfm_flower.data",
 )

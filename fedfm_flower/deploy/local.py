@@ -29,7 +29,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from fedfm_flower.app_stage import stage_app
 from fedfm_flower.deploy.certificates import ensure_certificates, ensure_supernode_keys
 from fedfm_flower.deploy.connection import (
     choose_base_port,
@@ -59,14 +58,15 @@ from fedfm_flower.deploy.runs import (
     write_toml,
 )
 from fedfm_flower.deploy.supernode import SUPEREXEC_POLL_VAR
-from fedfm_flower.launch import final_run_status, run_id_from_lines
-from fedfm_flower.processes import (
+from fedfm_flower.records.tracebacks import StreamFilter
+from fedfm_flower.simulation.app_stage import stage_app
+from fedfm_flower.simulation.launch import final_run_status, run_id_from_lines
+from fedfm_flower.simulation.processes import (
     flower_command,
     flower_environment,
     pid_alive,
     signal_process,
 )
-from fedfm_flower.tracebacks import StreamFilter
 
 # Flower's commands a local deployment runs (each found by ``processes.flower_command``).
 FLOWER_COMMANDS = ("flwr", "flower-superlink", "flower-supernode")

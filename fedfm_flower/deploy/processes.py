@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
-from fedfm_flower.processes import pids_with_environment
+from fedfm_flower.simulation.processes import pids_with_environment
 
 TAG_VAR = "FEDFM_DEPLOY_ID"  # environment variable marking every process of one deployment
 NODE_VAR = "FEDFM_DEPLOY_NODE"  # ... and the processes of one SuperNode (its index)

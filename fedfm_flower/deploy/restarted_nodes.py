@@ -33,6 +33,7 @@ from datetime import datetime
 from typing import Any
 
 from fedfm_flower.deploy.known_flower import flower_version, is_known, refuse
+from fedfm_flower.simulation.prompt_engine import source_digest
 
 UTILS_MODULE = "flwr.server.superlink.linkstate.utils"
 STATE_CLASSES = {
@@ -157,7 +158,6 @@ def _answering_for_restarted_nodes(
 def answer_for_restarted_nodes() -> bool:
     """Install the change of the module doc on Flower's state classes; False, changing nothing,
     on a Flower whose code this was not written against."""
-    from fedfm_flower.prompt_engine import source_digest
 
     if not is_known(flower_version()):
         return refuse(WHO, "LinkState", "a restarted node's lost messages wait out the round")

@@ -13,8 +13,15 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from fedfm_flower.launch import COMPLETED_STATUS, ExitCode, exit_code_for_status
-from fedfm_flower.preflight import PreflightError, absolute_paths, parse_item, resolve_config
+import tomli_w
+
+from fedfm_flower.simulation.launch import COMPLETED_STATUS, ExitCode, exit_code_for_status
+from fedfm_flower.simulation.preflight import (
+    PreflightError,
+    absolute_paths,
+    parse_item,
+    resolve_config,
+)
 
 
 class RunConfigError(ValueError):
@@ -92,7 +99,6 @@ def resolve_run_config(
 
 def write_toml(path: Path, data: Mapping[str, Any]) -> Path:
     """Write a flat or nested mapping as TOML."""
-    import tomli_w
 
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(tomli_w.dumps(dict(data)))

@@ -90,9 +90,10 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from fedfm_flower.deploy import wake
 from fedfm_flower.deploy.known_flower import flower_version, is_known, known_versions
-from fedfm_flower.processes import flower_command
-from fedfm_flower.waits import GrowingWait
+from fedfm_flower.simulation.processes import flower_command
+from fedfm_flower.simulation.waits import GrowingWait
 
 REFUSED = (401, 403)  # a task's token or run no longer valid: the task ends, not the process
 TASKS_DIR_VAR = "FEDFM_TASKS_DIR"  # where the running tasks are marked (LocalDeployment sets it)
@@ -630,7 +631,6 @@ def hear_wakes(polls: TaskPolls, name: str) -> bool:
     """Poll at once whenever the SuperNode wakes this process on channel ``name``
     (``fedfm_flower.deploy.wake``) or a task ends, and otherwise every ``WOKEN_LONGEST_POLL_S``
     only; False, polls unchanged, when the channel cannot be opened."""
-    from fedfm_flower.deploy import wake
 
     if not wake.listen(name, polls.poll_now):
         return False

@@ -41,6 +41,7 @@ from typing import Any
 
 from fedfm_flower.deploy.known_flower import flower_version, is_known, refuse
 from fedfm_flower.deploy.restarted_nodes import answer_for_restarted_nodes
+from fedfm_flower.simulation.prompt_engine import source_digest
 
 PRAGMAS_MODULE = "flwr.supercore.sql_mixin"
 STATE_MODULE = "flwr.supercore.corestate.sql_corestate"
@@ -99,7 +100,6 @@ def _sweeping_at_most_every(sweep: Callable[[Any], None], seconds: float) -> Cal
 def sweep_tokens_at_most_every(seconds: float = SWEEP_EVERY_S) -> bool:
     """Let the SQLite state sweep expired task tokens at most once every ``seconds`` (module
     doc); False, changing nothing, on a Flower whose sweep this was not written against."""
-    from fedfm_flower.prompt_engine import source_digest
 
     state = getattr(importlib.import_module(STATE_MODULE), "SqlCoreState", None)
     sweep = getattr(state, SWEEP, None)

@@ -119,9 +119,9 @@ from fedfm_flower.deploy.known_flower import (
     wrap_flower_factory,
 )
 from fedfm_flower.deploy.object_pushes import FIRST_PAUSE_S, FLEET_MODULE, RETRIES
-from fedfm_flower.deploy.superexec import MAX_POLL_VAR
-from fedfm_flower.processes import descendants, flower_command, stop_processes
-from fedfm_flower.waits import GrowingWait
+from fedfm_flower.deploy.superexec import MAX_POLL_VAR, unsupported_flower
+from fedfm_flower.simulation.processes import descendants, flower_command, stop_processes
+from fedfm_flower.simulation.waits import GrowingWait
 
 if TYPE_CHECKING:
     from fedfm_flower.deploy.forkserver import ForkedProcess
@@ -431,7 +431,6 @@ def push_stranded_replies() -> bool:
 def warm_executor_refusal(arguments: Sequence[str]) -> str | None:
     """Why the node must keep Flower's subprocess isolation, or None when it can run the warm
     SuperExec."""
-    from fedfm_flower.deploy.superexec import unsupported_flower
 
     if any(a.startswith("--isolation") for a in arguments):
         return "the command line sets --isolation itself"

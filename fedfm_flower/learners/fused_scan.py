@@ -59,7 +59,9 @@ from pathlib import Path
 
 import torch
 
-from fedfm_flower.durable import atomic_path
+from fedfm_flower.config.experiment import default_cache_path
+from fedfm_flower.learners import triton_scan
+from fedfm_flower.records.durable import atomic_path
 
 log = logging.getLogger(__name__)
 
@@ -299,7 +301,6 @@ _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 def cache_directory() -> Path:
     """Where built kernels are kept: ``kernels`` under the default cache directory
     (``$XDG_CACHE_HOME/fedfm-flower``)."""
-    from fedfm_flower.config import default_cache_path
 
     return default_cache_path() / "kernels"
 
@@ -486,7 +487,6 @@ def fused_conv_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -
 def usable(*tensors: torch.Tensor) -> bool:
     """Whether the fused scan can take these tensors: on the CPU the C loop (float32 or 64,
     one dtype), on a CUDA device the Triton kernels."""
-    from fedfm_flower.learners import triton_scan
 
     if tensors and all(t.is_cuda for t in tensors):
         return all(triton_scan.available(t) for t in tensors)
@@ -512,9 +512,7 @@ def fused_scan(
     if A.shape[-1] > MAX_STATE:
         raise ValueError(f"the fused scan takes states of <= {MAX_STATE}, got {A.shape[-1]}")
     if u.is_cuda:
-        from fedfm_flower.learners.triton_scan import triton_scan
-
-        return triton_scan(u, delta, A, B, C, last_only, softplus)
+        return triton_scan.triton_scan(u, delta, A, B, C, last_only, softplus)
     return FusedScan.apply(u, delta, A, B, C, last_only, softplus)
 
 

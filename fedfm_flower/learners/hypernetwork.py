@@ -23,9 +23,12 @@ pFedHN's gradient proxy, a vector-Jacobian product that one backward pass comput
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import ClassVar, Protocol
 
 import torch
 from torch import nn
+
+from fedfm_flower.methods import descriptor_size
 
 
 class HyperNetwork(nn.Module):
@@ -107,3 +110,52 @@ def clip_and_norm(parameters: list[nn.Parameter], max_norm: float) -> float:
     if max_norm > 0:
         return float(torch.nn.utils.clip_grad_norm_(with_grad, max_norm))
     return float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in with_grad])))
+
+
+class HyperNetworkSettings(Protocol):
+    """The keys a hypernetwork server reads (``pfedhn-*``, ``pefll-*``)."""
+
+    embedding_dim: int
+    hidden: int
+    layers: int
+    lr: float
+
+
+class HyperNetworkServer:
+    """What the servers of pFedHN and PeFLL share: h(.; phi) over descriptors of
+    ``descriptor_size``, the networks a method adds beside it (``descriptor_networks``, drawn
+    right after phi from the run's seed, without touching the global generator), both on
+    ``device``, and Adam over ``parameters()``."""
+
+    method: ClassVar[str]
+
+    def __init__(
+        self,
+        settings: HyperNetworkSettings,
+        initial: dict[str, torch.Tensor],
+        num_clients: int,
+        seed: int = 0,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if num_clients < 1:
+            raise ValueError(f"{self.method} needs at least one client, got {num_clients}")
+        self.settings = settings
+        self.num_clients = num_clients
+        self.device = torch.device(device)
+        self.dim = descriptor_size(settings.embedding_dim, num_clients)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            self.hypernetwork = HyperNetwork(self.dim, initial, settings.hidden, settings.layers)
+            beside = self.descriptor_networks(self.dim)
+        self.hypernetwork.to(self.device)
+        beside.to(self.device)
+        self.optimizer = torch.optim.Adam(self.parameters(), lr=settings.lr)
+        self.round = 0
+
+    def descriptor_networks(self, dim: int) -> nn.Module:
+        """The method's learnt networks beside phi (descriptors, an embedding network)."""
+        raise NotImplementedError
+
+    def parameters(self) -> list[nn.Parameter]:
+        """Adam's parameters, in its order."""
+        raise NotImplementedError

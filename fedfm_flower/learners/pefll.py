@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from fedfm_flower.learners.embedding_network import EmbeddingNetwork
-from fedfm_flower.learners.hypernetwork import HyperNetwork, clip_and_norm, update_surrogate
+from fedfm_flower.learners.hypernetwork import HyperNetworkServer, clip_and_norm, update_surrogate
 from fedfm_flower.learners.state import (
     check_client,
     load_optimizer_tensors,
@@ -28,7 +28,7 @@ from fedfm_flower.learners.state import (
     prefixed,
     unprefixed,
 )
-from fedfm_flower.methods.pefll import MESSAGE_PREFIX, PeFLLSettings, descriptor_size
+from fedfm_flower.methods.pefll import MESSAGE_PREFIX, PeFLLSettings
 
 # Down: psi by parameter name, the round of the descriptor theta was generated from, the
 # Jacobian of each generated tensor. Up: the new descriptor, the psi gradient, and whether the
@@ -41,8 +41,11 @@ EMBEDDING_GRAD = f"{MESSAGE_PREFIX}embedding-grad."
 HAS_GRADIENT = f"{MESSAGE_PREFIX}has-gradient"
 
 
-class PeFLLServer:
+class PeFLLServer(HyperNetworkServer):
     """Hypernetwork, embedding network, Adam and the clients' last descriptors of one run."""
+
+    method = "PeFLL"
+    settings: PeFLLSettings
 
     def __init__(
         self,
@@ -54,25 +57,23 @@ class PeFLLServer:
         seed: int = 0,
         device: torch.device | str = "cpu",
     ) -> None:
-        if num_clients < 1:
-            raise ValueError(f"PeFLL needs at least one client, got {num_clients}")
-        self.settings = settings
-        self.num_clients = num_clients
-        self.device = torch.device(device)
-        dim = descriptor_size(settings, num_clients)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            self.hypernetwork = HyperNetwork(dim, initial, settings.hidden, settings.layers)
-            self.embedding = EmbeddingNetwork(
-                image_channels, classes, dim, settings.kernels, settings.embed_labels
-            )
-        self.hypernetwork.to(self.device)
-        self.embedding.to(self.device)
-        self.optimizer = torch.optim.Adam(self.parameters(), lr=settings.lr)
-        self.descriptors = torch.zeros(num_clients, dim)
+        self.classes, self.image_channels = classes, image_channels
+        super().__init__(settings, initial, num_clients, seed, device)
+        self.descriptors = torch.zeros(num_clients, self.dim)
         self.descriptor_rounds = torch.zeros(num_clients, dtype=torch.int64)  # 0: none yet
         self.normalization = torch.tensor([0.0, 1.0, 0.0])  # shift m, scale s, whether set
         self.round = 0
+
+    def descriptor_networks(self, dim: int) -> nn.Module:
+        """The embedding network E(.; psi) that computes a client's descriptor."""
+        self.embedding = EmbeddingNetwork(
+            self.image_channels,
+            self.classes,
+            dim,
+            self.settings.kernels,
+            self.settings.embed_labels,
+        )
+        return self.embedding
 
     def parameters(self) -> list[nn.Parameter]:
         """phi, then psi: Adam's parameters, in its order."""

@@ -16,13 +16,18 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from fedfm_flower.config import ExperimentConfig
-from fedfm_flower.distillation import softened_kl
+from fedfm_flower.config.experiment import ExperimentConfig
+from fedfm_flower.data import public_sample_ids
+from fedfm_flower.data.images import normalize
+from fedfm_flower.data.loaders import load_source
+from fedfm_flower.data.settings import DataSettings
 from fedfm_flower.methods.perada import PerAdaSettings
+from fedfm_flower.methods.settings import ConfigError
 from fedfm_flower.models import TunedModel
-from fedfm_flower.settings import ConfigError
+from fedfm_flower.tasks.distillation import softened_kl
 
 
 @dataclass(frozen=True)
@@ -37,12 +42,6 @@ def auxiliary_set(config: ExperimentConfig) -> AuxiliarySet:
     """The auxiliary set ``perada-aux-data`` names: a public split (pretraining and test parts
     together, labels dropped), normalized as the clients' inputs; its pixels are decoded on
     demand. An empty one is a ConfigError naming the key."""
-    import numpy as np
-
-    from fedfm_flower.data import public_sample_ids
-    from fedfm_flower.data.images import normalize
-    from fedfm_flower.data.loaders import load_source
-    from fedfm_flower.data.settings import DataSettings
 
     choice = config.settings_of(PerAdaSettings).aux_data
     # glyph-domains' public split is fixed by the dataset, whatever the run's partitioner; the

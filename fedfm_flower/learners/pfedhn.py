@@ -16,7 +16,7 @@ import time
 import torch
 from torch import nn
 
-from fedfm_flower.learners.hypernetwork import HyperNetwork, clip_and_norm, update_surrogate
+from fedfm_flower.learners.hypernetwork import HyperNetworkServer, clip_and_norm, update_surrogate
 from fedfm_flower.learners.state import (
     check_client,
     load_optimizer_tensors,
@@ -27,38 +27,18 @@ from fedfm_flower.learners.state import (
 from fedfm_flower.methods.pfedhn import PFedHNSettings
 
 
-def descriptor_size(settings: PFedHNSettings, num_clients: int) -> int:
-    """``pfedhn-embedding-dim``, or the authors' int(1 + N / 4) when it is 0."""
-    return settings.embedding_dim or int(1 + num_clients / 4)
-
-
-class PFedHNServer:
+class PFedHNServer(HyperNetworkServer):
     """Descriptors, hypernetwork and Adam of one pFedHN run."""
 
-    def __init__(
-        self,
-        settings: PFedHNSettings,
-        initial: dict[str, torch.Tensor],
-        num_clients: int,
-        seed: int = 0,
-        device: torch.device | str = "cpu",
-    ) -> None:
-        if num_clients < 1:
-            raise ValueError(f"pFedHN needs at least one client, got {num_clients}")
-        self.settings = settings
-        self.num_clients = num_clients
-        self.device = torch.device(device)
-        dim = descriptor_size(settings, num_clients)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            self.hypernetwork = HyperNetwork(dim, initial, settings.hidden, settings.layers)
-            self.descriptors = nn.ParameterList(
-                nn.Parameter(torch.randn(dim)) for _ in range(num_clients)
-            )
-        self.hypernetwork.to(self.device)
-        self.descriptors.to(self.device)
-        self.optimizer = torch.optim.Adam(self.parameters(), lr=settings.lr)
-        self.round = 0
+    method = "pFedHN"
+    settings: PFedHNSettings
+
+    def descriptor_networks(self, dim: int) -> nn.Module:
+        """The clients' descriptors v_0..v_{N-1}, drawn from N(0, I)."""
+        self.descriptors = nn.ParameterList(
+            nn.Parameter(torch.randn(dim)) for _ in range(self.num_clients)
+        )
+        return self.descriptors
 
     def parameters(self) -> list[nn.Parameter]:
         """phi, then the descriptors v_0..v_{N-1}: Adam's parameters, in its order."""
@@ -66,7 +46,9 @@ class PFedHNServer:
 
     def generated_for(self, client: int) -> dict[str, torch.Tensor]:
         """theta_client = h(v_client; phi) as detached CPU tensors."""
-        return self.hypernetwork.generate(self.descriptors[self._check_client(client)])
+        return self.hypernetwork.generate(
+            self.descriptors[check_client(client, self.num_clients, "pFedHN")]
+        )
 
     def accumulate_gradient(self, updates: dict[int, dict[str, torch.Tensor]]) -> float:
         """Zero the grads and backpropagate the mean over ``updates``' clients of
@@ -74,7 +56,9 @@ class PFedHNServer:
         self.optimizer.zero_grad(set_to_none=True)
         total = torch.zeros((), device=self.device)
         for client, update in updates.items():
-            generated = self.hypernetwork(self.descriptors[self._check_client(client)])
+            generated = self.hypernetwork(
+                self.descriptors[check_client(client, self.num_clients, "pFedHN")]
+            )
             total = total + update_surrogate(generated, update)
         mean = total / len(updates)
         mean.backward()
@@ -121,6 +105,3 @@ class PFedHNServer:
         self.descriptors.load_state_dict(unprefixed(tensors, "descriptors"))
         load_optimizer_tensors(self.optimizer, tensors)
         self.round = int(tensors["round"])
-
-    def _check_client(self, client: int) -> int:
-        return check_client(client, self.num_clients, "pFedHN")

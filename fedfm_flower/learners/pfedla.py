@@ -119,7 +119,7 @@ class PFedLAServer:
 
     def alpha(self, client: int) -> torch.Tensor:
         """alpha_client (L, N), each row non-negative and summing to 1; with autograd."""
-        raw = self.hypernetworks[self._check_client(client)]()
+        raw = self.hypernetworks[check_client(client, self.num_clients, "pFedLA")]()
         return normalize(raw, client)
 
     def mix(self, alpha: torch.Tensor, client: int) -> dict[str, torch.Tensor]:
@@ -163,7 +163,7 @@ class PFedLAServer:
             raise ValueError("pFedLA step needs at least one client update")
         started = time.perf_counter()
         for client, update in updates.items():
-            self._check_client(client)
+            check_client(client, self.num_clients, "pFedLA")
             if set(update) != set(self.models):
                 missing = sorted(set(self.models) - set(update))[:3]
                 raise KeyError(f"client {client}'s update lacks {missing} or has other tensors")
@@ -208,9 +208,6 @@ class PFedLAServer:
         self.hypernetworks.load_state_dict(unprefixed(dict(tensors), "hypernetworks"))
         load_optimizer_tensors(self.optimizer, dict(tensors))
         self.round = int(tensors["round"])
-
-    def _check_client(self, client: int) -> int:
-        return check_client(client, self.num_clients, "pFedLA")
 
 
 def num_clients_in(tensors: Mapping[str, torch.Tensor]) -> int:

@@ -143,7 +143,9 @@ class PFedPGServer:
     def prompts_for(self, client: int) -> torch.Tensor:
         """P_client (K, l) as the generator makes it now."""
         with torch.no_grad():
-            prompts = self.generator(self._check_client(client)).expand_as(self.generator.base)
+            prompts = self.generator(check_client(client, self.num_clients, "pFedPG")).expand_as(
+                self.generator.base
+            )
             return prompts.detach().cpu().clone()
 
     def accumulate_surrogate_gradient(self, updates: dict[int, torch.Tensor]) -> float:
@@ -151,7 +153,9 @@ class PFedPGServer:
         self.optimizer.zero_grad(set_to_none=True)
         total = torch.zeros((), device=self.device)
         for client, delta in updates.items():
-            prompts = self.generator(self._check_client(client)).expand_as(self.generator.base)
+            prompts = self.generator(check_client(client, self.num_clients, "pFedPG")).expand_as(
+                self.generator.base
+            )
             total = total + (prompts * delta.to(self.device, prompts.dtype)).sum()
         (-total).backward()
         return float(total.detach())
@@ -188,6 +192,3 @@ class PFedPGServer:
         self.generator.load_state_dict(unprefixed(tensors, "generator"))
         load_optimizer_tensors(self.optimizer, tensors)
         self.round = int(tensors["round"])
-
-    def _check_client(self, client: int) -> int:
-        return check_client(client, self.num_clients, "pFedPG")

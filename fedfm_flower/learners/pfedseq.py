@@ -160,7 +160,9 @@ class PFedSeqServer:
     # ----------------------------------------------------------------- what clients get
     def adapter_for(self, client: int) -> dict[str, torch.Tensor]:
         """theta_client of the last completed round, as named tensors."""
-        return self.layout.unflatten(self.personal[self._check_client(client)])
+        return self.layout.unflatten(
+            self.personal[check_client(client, self.num_clients, "pFedSeq")]
+        )
 
     def num_learner_parameters(self) -> int:
         """Learnable parameters of all learners (independent of the adapter size D)."""
@@ -468,7 +470,7 @@ class PFedSeqServer:
         started = time.perf_counter()
         if not updates:
             raise ValueError("pFedSeq step needs at least one client update")
-        reported = sorted(self._check_client(c) for c in updates)
+        reported = sorted(check_client(c, self.num_clients, "pFedSeq") for c in updates)
         columns = torch.tensor(reported)
         received = torch.stack([updates[c].float() for c in reported])  # (R, D)
         update_matrix = torch.zeros(self.layout.size, self.num_clients)
@@ -563,9 +565,6 @@ class PFedSeqServer:
         self.held = None
         self.learners.load_state_dict(unprefixed(tensors, "learner"))
         load_optimizer_tensors(self.optimizer, tensors)
-
-    def _check_client(self, client: int) -> int:
-        return check_client(client, self.num_clients, "pFedSeq")
 
 
 def weighted_sum(

@@ -46,6 +46,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from fedfm_flower.learners import fused_scan
+from fedfm_flower.learners.fused_scan import fused_grouped_scan
 from fedfm_flower.methods.pfedseq import SCAN_BACKENDS as BACKENDS
 
 
@@ -88,7 +90,6 @@ def use_fused(tensor: torch.Tensor, backend: str) -> bool:
     """Whether the fused recurrence runs for ``tensor`` under ``backend``: always for
     ``fused`` (an error where it cannot), for ``auto`` on a CPU where the C loop builds and on
     a CUDA device with Triton where mamba-ssm's kernel is not installed (it goes first)."""
-    from fedfm_flower.learners import fused_scan
 
     if backend == "fused":
         if not fused_scan.usable(tensor):
@@ -248,8 +249,6 @@ def _grouped_scan(
     decay = A.reshape(groups, dim // groups, A.shape[-1])
     u, delta = u.reshape(*channels, steps), delta.reshape(*channels, steps)
     if fused:
-        from fedfm_flower.learners.fused_scan import fused_grouped_scan
-
         dtype = functools.reduce(torch.promote_types, (t.dtype for t in (u, delta, A, B, C)))
         inputs = (t.to(dtype) for t in (u, delta, decay, B, C))  # A is float32 in the mixers
         out = fused_grouped_scan(*inputs, last_only=last_only, softplus=softplus)

@@ -5,8 +5,8 @@ variants that share its settings (``feddpa-t``/``feddpa-f``), as ``SPECS``: a tu
 ``MethodSpec``. A spec names the method's server and client halves by import path, its tuner and
 modalities, its settings class (declared in the same module), what its clients share with the
 server and what they keep (``Split``, or a function of the run config), and its resource profile
-(``ResourceProfile``). The registry (``fedfm_flower.registry``) is built from every module of this
-package that has ``SPECS``, so adding a method adds a module here and edits no list.
+(``ResourceProfile``). The registry (``fedfm_flower.methods.registry``) is built from every module
+of this package that has ``SPECS``, so adding a method adds a module here and edits no list.
 
 Modules here import neither torch nor flwr: the ClientApp parses the run config, and with it
 every method's settings, in a fresh process per message.
@@ -19,8 +19,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from fedfm_flower.ranges import Range
-    from fedfm_flower.settings import MethodSettings, RunConfig
+    from fedfm_flower.methods.ranges import Range
+    from fedfm_flower.methods.settings import MethodSettings, RunConfig
+
+
+def descriptor_size(embedding_dim: int, num_clients: int) -> int:
+    """A client descriptor's size in a hypernetwork method (pFedHN, PeFLL): ``embedding_dim``,
+    or the pFedHN authors' int(1 + N / 4) when it is 0."""
+    return embedding_dim or int(1 + num_clients / 4)
 
 
 @dataclass(frozen=True)
@@ -116,7 +122,7 @@ class MethodSpec:
     # Names of the method's own message entries beside the model's tensors start with this
     # (APPLE's other clients' cores, PeFLL's networks); "": its messages hold model tensors only.
     message_prefix: str = ""
-    # What tuning searches besides the common training keys (fedfm_flower.search): run-config
+    # What tuning searches besides the common training keys (fedfm_flower.study.search): run-config
     # key -> range; an entry for a common key (lr) replaces the common range.
     search: Mapping[str, Range] = field(default_factory=dict, compare=False)
     # Ends of those ranges that are the limit of the key, not a choice (a chosen value there

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from fedfm_flower.methods import AVERAGE_ONLY, MethodSpec, ResourceProfile
-from fedfm_flower.ranges import Uniform
-from fedfm_flower.settings import MethodSettings, setting
+from fedfm_flower.methods.ranges import Uniform
+from fedfm_flower.methods.settings import MethodSettings, setting
 
 
 @dataclass(frozen=True)
@@ -45,8 +45,8 @@ class APFLSettings(MethodSettings):
         return self.alpha_lr or lr
 
 
-# Tuned besides the common training keys (fedfm_flower.search): the mixing weight's whole range
-# (APFL, Deng et al. 2020), whose both ends are the weight's bounds.
+# Tuned besides the common training keys (fedfm_flower.study.search): the mixing weight's whole
+# range (APFL, Deng et al. 2020), whose both ends are the weight's bounds.
 SEARCH = {"apfl-alpha": Uniform(0.0, 1.0)}
 SEARCH_LIMITS = {
     ("apfl-alpha", "bottom"): "a mixing weight: 0 evaluates the shared model w alone",

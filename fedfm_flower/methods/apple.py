@@ -89,8 +89,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from fedfm_flower.methods import Capabilities, MethodSpec, ResourceProfile, Split
-from fedfm_flower.ranges import LogUniform
-from fedfm_flower.settings import MethodSettings, RunConfig, setting
+from fedfm_flower.methods.ranges import LogUniform
+from fedfm_flower.methods.settings import MethodSettings, RunConfig, setting
 
 SCHEDULES: tuple[str, ...] = ("cosine", "exponential")
 EXPONENTIAL_END = 1e-3  # the exponential scheduler's lambda at r = L (the authors' epsilon)
@@ -170,9 +170,9 @@ class AppleSettings(MethodSettings):
         return EXPONENTIAL_END ** (r / span)
 
 
-# Tuned besides the common training keys (fedfm_flower.search): p's learning rate over pFedSeq's
-# grid {0.001, 0.01, 0.1, 1.0} (its Appendix B) and two decades below it: pFedSeq chose the
-# grid's bottom, and its PFLlib step is the exact gradient's divided by about the core's size.
+# Tuned besides the common training keys (fedfm_flower.study.search): p's learning rate over
+# pFedSeq's grid {0.001, 0.01, 0.1, 1.0} (its Appendix B) and two decades below it: pFedSeq chose
+# the grid's bottom, and its PFLlib step is the exact gradient's divided by about the core's size.
 SEARCH = {"apple-p-lr": LogUniform(1e-5, 1.0)}
 
 CAPABILITIES = Capabilities(

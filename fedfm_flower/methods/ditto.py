@@ -29,7 +29,7 @@ Hyper-parameters and the choices made here:
   ``plocal_epochs`` defaults to 1 as its local epochs do. v's pass draws the same batches in the
   same order as w's (the same round seed), as the authors' code steps both on each batch.
 * v's solver: the run's optimizer (fresh each round, as w's) on the loss plus
-  lambda/2 ||v - w^t||^2 (``fedfm_flower.training.proximal_term``), at ``ditto-personal-lr``
+  lambda/2 ||v - w^t||^2 (``fedfm_flower.tasks.training.proximal_term``), at ``ditto-personal-lr``
   (0: the run's ``lr``). Algorithm 1, the authors' code and PFLlib step w and v with the same
   solver at the same step size; w must be FedAvg's client update here, i.e. the run's
   optimizer, so v takes it too. With ``optimizer = sgd``, ``momentum = 0`` and
@@ -50,8 +50,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from fedfm_flower.methods import AVERAGE_ONLY, MethodSpec, ResourceProfile, Split
-from fedfm_flower.ranges import LogUniform
-from fedfm_flower.settings import MethodSettings, setting
+from fedfm_flower.methods.ranges import LogUniform
+from fedfm_flower.methods.settings import MethodSettings, setting
 
 
 @dataclass(frozen=True)
@@ -103,9 +103,9 @@ class DittoSettings(MethodSettings):
         return self.personal_lr or lr
 
 
-# Tuned besides the common training keys (fedfm_flower.search): lambda over the ends of pFedSeq's
-# grid {0.01, 0.1, 1, 10} (its Appendix B, the table this row belongs to), which holds the Ditto
-# paper's per-device choices {0.05, 0.1, 0.2} and {0.1, 1, 2}.
+# Tuned besides the common training keys (fedfm_flower.study.search): lambda over the ends of
+# pFedSeq's grid {0.01, 0.1, 1, 10} (its Appendix B, the table this row belongs to), which holds
+# the Ditto paper's per-device choices {0.05, 0.1, 0.2} and {0.1, 1, 2}.
 SEARCH = {"ditto-lambda": LogUniform(0.01, 10.0)}
 
 SPECS = (

@@ -72,8 +72,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from fedfm_flower.methods import AVERAGE_ONLY, MethodSpec, ResourceProfile, Split
-from fedfm_flower.ranges import LogUniform
-from fedfm_flower.settings import MethodSettings, setting
+from fedfm_flower.methods.ranges import LogUniform
+from fedfm_flower.methods.settings import MethodSettings, setting
 
 
 @dataclass(frozen=True)
@@ -139,9 +139,9 @@ class FedALASettings(MethodSettings):
         return (sum((x - mean) ** 2 for x in recent) / len(recent)) ** 0.5 < self.threshold
 
 
-# Tuned besides the common training keys (fedfm_flower.search): W's step size over pFedSeq's grid
-# {0.001, 0.01, 0.1, 1.0} (its Appendix B, the table this row belongs to), which holds the FedALA
-# paper's 1.0.
+# Tuned besides the common training keys (fedfm_flower.study.search): W's step size over pFedSeq's
+# grid {0.001, 0.01, 0.1, 1.0} (its Appendix B, the table this row belongs to), which holds the
+# FedALA paper's 1.0.
 SEARCH = {"fedala-eta": LogUniform(0.001, 1.0)}
 
 SPECS = (

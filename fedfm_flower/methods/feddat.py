@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from fedfm_flower.methods import Capabilities, MethodSpec, ResourceProfile
-from fedfm_flower.ranges import LogUniform
-from fedfm_flower.settings import MethodSettings, setting
+from fedfm_flower.methods.ranges import LogUniform
+from fedfm_flower.methods.settings import MethodSettings, setting
 
 
 @dataclass(frozen=True)
@@ -59,8 +59,8 @@ class FedDATSettings(MethodSettings):
 # The shared adapter A_s travels; A_c and the frozen global copy A_g stay on the client.
 _THREE_ADAPTERS = ResourceProfile(copies=3)
 
-# Tuned besides the common training keys (fedfm_flower.search): a decade each way of the mutual
-# distillation's weight.
+# Tuned besides the common training keys (fedfm_flower.study.search): a decade each way of the
+# mutual distillation's weight.
 SEARCH = {"feddat-distill-weight": LogUniform(0.1, 10.0)}
 
 CAPABILITIES = Capabilities(

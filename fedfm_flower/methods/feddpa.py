@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from fedfm_flower.methods import Capabilities, MethodSpec, Split
-from fedfm_flower.ranges import Uniform, When
-from fedfm_flower.settings import ConfigError, MethodSettings, setting
+from fedfm_flower.methods.ranges import Uniform, When
+from fedfm_flower.methods.settings import ConfigError, MethodSettings, setting
 
 WEIGHTINGS: tuple[str, ...] = ("dynamic", "fixed")
 SIMILARITIES: tuple[str, ...] = ("cosine", "neg-l2", "pearson")  # Table 9
@@ -118,7 +118,7 @@ class FedDPASettings(MethodSettings):
 # The global adapter travels; the local one never leaves the client.
 _ADAPTERS = Split(shared=("adapter.global",), local=("adapter.local",))
 
-# Tuned besides the common training keys (fedfm_flower.search): the local adapter's weight in
+# Tuned besides the common training keys (fedfm_flower.study.search): the local adapter's weight in
 # training (FedDPA eq. 6). FedDPA-F mixes nothing in training and its dynamic weighting's lambda
 # is 1, so there alpha only matters as the fixed inference weight.
 ALPHA = Uniform(0.1, 0.9)

@@ -13,12 +13,13 @@ plugs its ``v_i`` into the received ``u``, trains both, and sends ``u_i``).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import ClassVar
 
 from fedfm_flower.methods import AVERAGE_ONLY, MethodSpec, Split
-from fedfm_flower.ranges import Uniform
-from fedfm_flower.settings import ConfigError, MethodSettings, RunConfig, setting
+from fedfm_flower.methods.ranges import Uniform
+from fedfm_flower.methods.settings import ConfigError, MethodSettings, RunConfig, setting
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,6 @@ class FedPerfixSettings(MethodSettings):
 
     def check(self) -> None:
         """Every entry is a group name or a regular expression."""
-        import re
 
         for entry in self.personal_parts:
             try:
@@ -62,8 +62,8 @@ def personal_split(config: RunConfig) -> Split:
     return Split(shared=None, local=personal, strict=True, key=FedPerfixSettings.key_of("personal"))
 
 
-# Tuned besides the common training keys (fedfm_flower.search): s of eq. 5: the authors' argparse
-# default 0.8 and preset 1.5 lie inside.
+# Tuned besides the common training keys (fedfm_flower.study.search): s of eq. 5: the authors'
+# argparse default 0.8 and preset 1.5 lie inside.
 SEARCH = {"prefix-scale": Uniform(0.5, 2.0)}
 
 SPECS = (

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from fedfm_flower.methods import AVERAGE_ONLY, MethodSpec, Split
-from fedfm_flower.ranges import LogUniform
-from fedfm_flower.settings import MethodSettings, setting
+from fedfm_flower.methods.ranges import LogUniform
+from fedfm_flower.methods.settings import MethodSettings, setting
 
 
 @dataclass(frozen=True)
@@ -36,8 +36,8 @@ class FedProxSettings(MethodSettings):
     )
 
 
-# Tuned besides the common training keys (fedfm_flower.search): FedProx's grid of mu spans 0.001-1
-# (Li et al. 2020, Sec. 5).
+# Tuned besides the common training keys (fedfm_flower.study.search): FedProx's grid of mu spans
+# 0.001-1 (Li et al. 2020, Sec. 5).
 SEARCH = {"fedprox-mu": LogUniform(1e-3, 1.0)}
 
 SPECS = (

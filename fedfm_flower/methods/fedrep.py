@@ -4,10 +4,10 @@ head epochs with the adapter fixed, then adapter epochs with the head fixed."""
 from __future__ import annotations
 
 from fedfm_flower.methods import AVERAGE_ONLY, MethodSpec, Split
-from fedfm_flower.ranges import IntRange
+from fedfm_flower.methods.ranges import IntRange
 
-# Tuned besides the common training keys (fedfm_flower.search): head epochs before the adapter's
-# (FedRep trains the head longest).
+# Tuned besides the common training keys (fedfm_flower.study.search): head epochs before the
+# adapter's (FedRep trains the head longest).
 SEARCH = {"head-epochs": IntRange(1, 5)}
 
 SPECS = (

@@ -61,7 +61,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from fedfm_flower.methods import AVERAGE_ONLY, MethodSpec, Split
-from fedfm_flower.settings import MethodSettings, setting
+from fedfm_flower.methods.settings import MethodSettings, setting
 
 PERSONAL_INITS: tuple[str, ...] = ("initial", "zeros")
 
@@ -83,7 +83,7 @@ class FedRoDSettings(MethodSettings):
     )
 
 
-# Tuned besides the common training keys (fedfm_flower.search): nothing. Fed-RoD (linear) has
+# Tuned besides the common training keys (fedfm_flower.study.search): nothing. Fed-RoD (linear) has
 # no continuous hyper-parameter of its own (the personal head shares the run's optimizer).
 SEARCH: dict = {}
 

@@ -81,9 +81,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from fedfm_flower.methods import Capabilities, MethodSpec, ResourceProfile, Split
-from fedfm_flower.ranges import LogUniform
-from fedfm_flower.settings import MethodSettings, RunConfig, setting
+from fedfm_flower.methods import Capabilities, MethodSpec, ResourceProfile, Split, descriptor_size
+from fedfm_flower.methods.ranges import LogUniform
+from fedfm_flower.methods.settings import MethodSettings, RunConfig, setting
 
 HEADS: tuple[str, ...] = ("local", "generated")  # pfedhn-head's (a method imports no method)
 
@@ -154,11 +154,6 @@ IMAGE_CHANNELS = 3  # the embedding network sees the ViT's RGB input
 MESSAGE_PREFIX = "pefll."  # the method's message entries beside the generated tensors
 
 
-def descriptor_size(settings: PeFLLSettings, num_clients: int) -> int:
-    """``pefll-embedding-dim``, or the authors' int(1 + N / 4) when it is 0."""
-    return settings.embedding_dim or int(1 + num_clients / 4)
-
-
 def embedding_parameters(settings: PeFLLSettings, classes: int, dim: int) -> int:
     """Parameters of ``learners.embedding_network.EmbeddingNetwork`` (its LeNet layout: two 5x5
     convs of k and 2k channels, 5x5 maps, then 120, 84 and dim units), counted without torch."""
@@ -172,12 +167,12 @@ def pefll_traffic(config: RunConfig, shared: int, classes: int) -> tuple[int, in
     """A round of a client that took part before: up Delta_i, v_i, the psi gradient and its
     flag; down theta_i, psi, the descriptor's round and d theta_i / d v_i (d x theta)."""
     settings = config.settings_of(PeFLLSettings)
-    dim = descriptor_size(settings, config.num_clients)
+    dim = descriptor_size(settings.embedding_dim, config.num_clients)
     psi = embedding_parameters(settings, classes, dim)
     return shared + dim + psi + 1, shared + psi + 1 + dim * shared
 
 
-# Tuned besides the common training keys (fedfm_flower.search): the Adam step of both networks
+# Tuned besides the common training keys (fedfm_flower.study.search): the Adam step of both networks
 # over the ends of pFedSeq's grid {0.0001, 0.0005, 0.001, 0.005, 0.01} (its Appendix B).
 SEARCH = {"pefll-lr": LogUniform(1e-4, 1e-2)}
 

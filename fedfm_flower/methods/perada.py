@@ -16,7 +16,7 @@ Round t, clients S^t (the authors' code: github.com/NVlabs/PerAda, ``optim/our.p
    steps on batches of the auxiliary set x of
    ``KL(softmax(mean_i f(x; w_i^t) / T) || softmax(f(x; w) / T))`` over w (the student), the
    teacher being the mean LOGITS of the reporting clients' returned models w_i^t
-   (``fedfm_flower.distillation.softened_kl``, no T^2 factor). The result is w^{t+1}.
+   (``fedfm_flower.tasks.distillation.softened_kl``, no T^2 factor). The result is w^{t+1}.
 
 Hyper-parameters: ``perada-lambda`` 0.1 (pFedSeq's Appendix B, tuned over {0.01, 0.1, 1, 10});
 ``perada-kd-steps`` 100 and ``perada-kd-lr`` 0.005 (pFedSeq, the latter tuned over {0.001,
@@ -34,9 +34,9 @@ Choices, and why:
   adapter + v_i's head, and distillation trains the global adapter and the global head (the
   student must own the logits it is distilled on).
 * **The proximal term** is lambda/2 ||v_i - w^t||^2 (the paper's objective, as Ditto's here:
-  ``fedfm_flower.training.proximal_term``). The authors' code adds ``lmbda * ||v - w||^2`` (twice
-  the gradient), so their ``lmbda`` is our lambda / 2. v's schedule, optimizer and step size are
-  the run's (``local-epochs``/``local-steps``, ``lr``), on w's batches in w's order: the authors
+  ``fedfm_flower.tasks.training.proximal_term``). The authors' code adds ``lmbda * ||v - w||^2``
+  (twice the gradient), so their ``lmbda`` is our lambda / 2. v's schedule, optimizer and step size
+  are the run's (``local-epochs``/``local-steps``, ``lr``), on w's batches in w's order: the authors
   train both with the same SGD, epochs and lr. The order (v, then w in the authors' code; w,
   then v here, as Ditto) does not matter: v's anchor is the received w^t.
 * **The teacher** is the plain mean of the logits of the clients that replied this round (the
@@ -84,8 +84,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from fedfm_flower.methods import Capabilities, MethodSpec, ResourceProfile, Split
-from fedfm_flower.ranges import LogUniform
-from fedfm_flower.settings import MethodSettings, setting
+from fedfm_flower.methods.ranges import LogUniform
+from fedfm_flower.methods.settings import MethodSettings, setting
 
 # Where the server's unlabelled auxiliary images come from (module docstring).
 AUX_DATA: tuple[str, ...] = ("public", "glyphs")
@@ -156,7 +156,7 @@ class PerAdaSettings(MethodSettings):
         return self.kd_steps > 0 and (self.kd_rounds == 0 or server_round <= self.kd_rounds)
 
 
-# Tuned besides the common training keys (fedfm_flower.search): the ends of pFedSeq's grids
+# Tuned besides the common training keys (fedfm_flower.study.search): the ends of pFedSeq's grids
 # (its Appendix B, the table this row belongs to): lambda over {0.01, 0.1, 1, 10}, the KD step
 # size over {0.001, 0.005, 0.01, 0.05}.
 SEARCH = {

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from fedfm_flower.methods import AVERAGE_ONLY, MethodSpec, ResourceProfile
-from fedfm_flower.ranges import LogUniform
-from fedfm_flower.settings import MethodSettings, setting
+from fedfm_flower.methods.ranges import LogUniform
+from fedfm_flower.methods.settings import MethodSettings, setting
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ class PerFedAvgSettings(MethodSettings):
 # The meta-model w travels; a step takes two forward-backward passes (at w, then at temp).
 _TWO_PASSES = ResourceProfile(passes=2)
 
-# Tuned besides the common training keys (fedfm_flower.search): the inner and outer steps
+# Tuned besides the common training keys (fedfm_flower.study.search): the inner and outer steps
 # themselves, over absolute ranges. They are plain SGD without momentum whatever the setup's
 # optimizer, so a range relative to the setup's lr misses where they train (multitask-cpu's
 # AdamW lr 3e-4: 4 trials of lr 6e-5..1.9e-3 all left Per-FedAvg at validation 28-34; on

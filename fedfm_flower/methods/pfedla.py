@@ -79,8 +79,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from fedfm_flower.methods import Capabilities, MethodSpec, Split
-from fedfm_flower.ranges import LogUniform
-from fedfm_flower.settings import MethodSettings, RunConfig, setting
+from fedfm_flower.methods.ranges import LogUniform
+from fedfm_flower.methods.settings import MethodSettings, RunConfig, setting
 
 LAYERINGS: tuple[str, ...] = ("block", "tensor")  # learners.pfedla.layer_groups
 HEADS: tuple[str, ...] = ("mixed", "local")
@@ -136,8 +136,8 @@ def pfedla_split(config: RunConfig) -> Split:
     return Split(shared=None, local=())
 
 
-# Tuned besides the common training keys (fedfm_flower.search): the hypernetworks' Adam step over
-# the ends of pFedSeq's grid {0.0001, 0.0005, 0.001, 0.005, 0.01} (its Appendix B).
+# Tuned besides the common training keys (fedfm_flower.study.search): the hypernetworks' Adam step
+# over the ends of pFedSeq's grid {0.0001, 0.0005, 0.001, 0.005, 0.01} (its Appendix B).
 SEARCH = {"pfedla-lr": LogUniform(1e-4, 1e-2)}
 
 CAPABILITIES = Capabilities(

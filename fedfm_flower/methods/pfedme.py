@@ -59,8 +59,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from fedfm_flower.methods import AVERAGE_ONLY, MethodSpec, ResourceProfile, Split
-from fedfm_flower.ranges import LogUniform, Uniform
-from fedfm_flower.settings import MethodSettings, setting
+from fedfm_flower.methods.ranges import LogUniform, Uniform
+from fedfm_flower.methods.settings import MethodSettings, setting
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,7 @@ class PFedMeSettings(MethodSettings):
         return self.personal_lr or lr
 
 
-# Tuned besides the common training keys (fedfm_flower.search; lr is pFedSeq's one tuned key
+# Tuned besides the common training keys (fedfm_flower.study.search; lr is pFedSeq's one tuned key
 # for this row): lambda around the paper's values (15 and 20, studied up to 30), beta over the
 # paper's two settings {1, 2}.
 SEARCH = {"pfedme-lambda": LogUniform(5.0, 50.0), "pfedme-beta": Uniform(1.0, 2.0)}

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from fedfm_flower.methods import Capabilities, MethodSpec, Split
-from fedfm_flower.ranges import LogUniform
-from fedfm_flower.settings import MethodSettings, setting
+from fedfm_flower.methods.ranges import LogUniform
+from fedfm_flower.methods.settings import MethodSettings, setting
 
 GENERATORS: tuple[str, ...] = ("cross-attention", "basis", "mlp", "adain")
 QUERIES: tuple[str, ...] = ("per-prompt", "single")
@@ -64,8 +64,8 @@ class PFedPGSettings(MethodSettings):
     )
 
 
-# Tuned besides the common training keys (fedfm_flower.search): the generator's Adam step, a decade
-# below the default (the paper's 0.001) and 30x above (glyphs-many-clients chose 0.008 of the
+# Tuned besides the common training keys (fedfm_flower.study.search): the generator's Adam step, a
+# decade below the default (the paper's 0.001) and 30x above (glyphs-many-clients chose 0.008 of the
 # decade's 0.01).
 SEARCH = {"pfedpg-lr": LogUniform(1e-4, 3e-2)}
 

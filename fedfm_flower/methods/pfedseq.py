@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from fedfm_flower.methods import Capabilities, MethodSpec, Split
-from fedfm_flower.ranges import LogUniform
-from fedfm_flower.settings import MethodSettings, setting
+from fedfm_flower.methods.ranges import LogUniform
+from fedfm_flower.methods.settings import MethodSettings, setting
 
 LEARNERS: tuple[str, ...] = ("mamba", "lstm", "mlp")  # sequence.SequenceLearner
 SCAN_BACKENDS: tuple[str, ...] = ("auto", "torch", "cuda", "compiled", "fused")  # selective_scan
@@ -143,8 +143,8 @@ class PFedSeqSettings(MethodSettings):
     )
 
 
-# Tuned besides the common training keys (fedfm_flower.search): the sequential learner's Adam step,
-# a decade each way of the paper's.
+# Tuned besides the common training keys (fedfm_flower.study.search): the sequential learner's Adam
+# step, a decade each way of the paper's.
 SEARCH = {"pfedseq-lr": LogUniform(1e-4, 1e-2)}
 
 CAPABILITIES = Capabilities(

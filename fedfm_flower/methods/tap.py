@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from fedfm_flower.methods import Capabilities, MethodSpec, ResourceProfile
-from fedfm_flower.ranges import LogUniform
-from fedfm_flower.settings import MethodSettings, setting
+from fedfm_flower.methods.ranges import LogUniform
+from fedfm_flower.methods.settings import MethodSettings, setting
 
 REPLACEMENTS: tuple[str, ...] = ("paper", "all-pairs")
 HISTORIES: tuple[str, ...] = ("share-weighted", "pair-mean")
@@ -128,7 +128,7 @@ class TAPSettings(MethodSettings):
         return getattr(self, f"distill_{pair_type.replace('-', '_')}")
 
 
-# Tuned besides the common training keys (fedfm_flower.search): the margins of Table 22
+# Tuned besides the common training keys (fedfm_flower.study.search): the margins of Table 22
 # (0.005-0.01) with room each way: down to 3e-4 (multitask-cpu chose 0.001 of text generation's
 # 0.001-0.05; the bound, 0, is out of a log range's reach).
 SEARCH = {f"tap-margin-{pair}": LogUniform(3e-4, 0.05) for pair in PAIR_TYPES}

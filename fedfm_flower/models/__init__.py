@@ -6,7 +6,7 @@ the config reads) does not import torch.
 
 from __future__ import annotations
 
-from fedfm_flower.lazy import lazy_getattr
+from fedfm_flower import lazy_getattr
 
 _EXPORTS = {
     "MODEL_CACHE": "fedfm_flower.models.build",

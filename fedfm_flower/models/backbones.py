@@ -11,13 +11,14 @@ internet only).
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.config.experiment import ExperimentConfig
 from fedfm_flower.models.families import FAMILIES
 
 
@@ -130,7 +131,6 @@ def freeze(module: nn.Module) -> nn.Module:
 
 def backbone_fingerprint(module: nn.Module) -> str:
     """A hash of every frozen (non-LoRA) tensor: equal fingerprints mean bit-identical weights."""
-    import hashlib
 
     digest = hashlib.sha256()
     for name, tensor in sorted(module.state_dict().items()):

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.config.experiment import ExperimentConfig
 from fedfm_flower.models.families import family_of
 from fedfm_flower.models.groups import TrainableTensors, TunedModel
 from fedfm_flower.models.initial_cache import cached_initial

@@ -25,9 +25,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.config.experiment import ExperimentConfig
 from fedfm_flower.models.backbones import freeze
+from fedfm_flower.models.foundation_cards import identified
 from fedfm_flower.models.groups import BACKBONE, TunedModel
+from fedfm_flower.models.language import foundation, language_foundation_card
+from fedfm_flower.models.language.foundation import (
+    dtype_keyword,
+    language_foundation_path,
+    tokenizer_dir,
+)
+from fedfm_flower.models.language.tokenizer import load_tokenizer
 from fedfm_flower.models.tuners import get_tuner
 
 log = logging.getLogger(__name__)
@@ -86,8 +94,6 @@ def foundation_args(config: ExperimentConfig) -> dict[str, Any]:
 
 def tokenizer_of(config: ExperimentConfig) -> Any:
     """The tokenizer of the configured causal LM (the cached one for tiny-llama)."""
-    from fedfm_flower.models.language import foundation
-    from fedfm_flower.models.language.tokenizer import load_tokenizer
 
     if config.backbone == "tiny-llama":
         path = foundation.ensure_language_foundation(**foundation_args(config))
@@ -103,7 +109,6 @@ def tokenizer_of(config: ExperimentConfig) -> Any:
 def causal_lm_backbone(config: ExperimentConfig, *, load_weights: bool = True) -> tuple[Any, Any]:
     """(model, tokenizer) of the configured causal LM; random weights when not ``load_weights``
     (the tuner's parts do not depend on the backbone's values, only on its shapes)."""
-    from fedfm_flower.models.language import foundation
 
     if config.backbone == "tiny-llama":
         if load_weights and config.pretrained:
@@ -144,7 +149,6 @@ def load_dtype(config: ExperimentConfig) -> str:
 
 def _checkpoint_dtype(architecture: Any) -> torch.dtype:
     """The dtype a checkpoint's config names (float32 when it names none)."""
-    from fedfm_flower.models.language.foundation import dtype_keyword
 
     named = getattr(architecture, dtype_keyword(), None)
     if isinstance(named, str):
@@ -187,7 +191,6 @@ def build_causal_lm(
 
 def tiny_llama_card(config: ExperimentConfig) -> dict[str, Any]:
     """The card (ROUGE on the public hold-out, seconds) of the cached tiny-llama; builds it."""
-    from fedfm_flower.models.language import language_foundation_card
 
     return language_foundation_card(**foundation_args(config))
 
@@ -197,8 +200,6 @@ def prepare_tiny_llama(config: ExperimentConfig) -> dict[str, Any]:
     build's identity (``foundation_cards``), {} for checkpoints loaded from model-name-or-path."""
     if config.backbone != "tiny-llama":
         return {}
-    from fedfm_flower.foundation_cards import identified
-    from fedfm_flower.models.language.foundation import language_foundation_path, tokenizer_dir
 
     card = tiny_llama_card(config)
     log.info(

@@ -17,8 +17,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.config.experiment import ExperimentConfig
 from fedfm_flower.models.backbones import OFFLINE_VITS, VISION_BACKBONES, freeze, offline_vit
+from fedfm_flower.models.foundation import load_foundation_weights
 from fedfm_flower.models.groups import GroupPattern, TunedModel
 from fedfm_flower.models.tuners import get_tuner
 from fedfm_flower.models.vit_parts import VIT_PART_PATTERNS
@@ -33,8 +34,6 @@ def vision_backbone(config: ExperimentConfig, *, load_weights: bool = True) -> n
     if config.backbone in OFFLINE_VITS:
         backbone = offline_vit(config)
         if config.pretrained:
-            from fedfm_flower.models.foundation import load_foundation_weights
-
             backbone.load_state_dict(load_foundation_weights(config))
         return backbone
     return VISION_BACKBONES[config.backbone](config)

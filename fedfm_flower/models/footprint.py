@@ -12,7 +12,7 @@ one (a final norm) serves every holder. A model whose groups serve everyone (``g
 empty, every ViT here) is held whole.
 
 A method that keeps personal copies of the trainable parameters (TAP's X beside W~; APFL's
-personal model) holds them ``1 + copies`` times, as ``fedfm_flower.resources`` counts storage.
+personal model) holds them ``1 + copies`` times, as ``fedfm_flower.study.resources`` counts storage.
 """
 
 from __future__ import annotations

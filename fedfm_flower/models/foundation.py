@@ -24,22 +24,28 @@ import hashlib
 import json
 import logging
 import math
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from fedfm_flower.config import ExperimentConfig
-from fedfm_flower.durable import (
+from fedfm_flower.config.experiment import ExperimentConfig
+from fedfm_flower.data import load_public_split
+from fedfm_flower.models.backbones import OFFLINE_VITS, offline_vit, pick_device
+from fedfm_flower.models.families import OFFLINE_VIT_NAMES
+from fedfm_flower.models.foundation_cards import identified, weights_file_name
+from fedfm_flower.models.threads import PRETRAIN_THREADS, pinned_threads
+from fedfm_flower.records.durable import (
     DamagedFileError,
     atomic_write_text,
     exclusive_lock,
     load_tensors,
     save_tensors,
 )
-from fedfm_flower.foundation_cards import identified, weights_file_name
-from fedfm_flower.models.threads import PRETRAIN_THREADS, pinned_threads
+from fedfm_flower.tasks.classification import ImageClassification
+from fedfm_flower.tasks.training import evaluate, train
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +57,6 @@ PRETRAIN_BATCH = 64
 
 def foundation_key(config: ExperimentConfig) -> str:
     """Hash of every setting that changes the pretrained weights of an offline ViT."""
-    from fedfm_flower.models.backbones import OFFLINE_VITS
 
     if config.backbone not in OFFLINE_VITS:
         raise ValueError(
@@ -103,7 +108,6 @@ def foundation_card(config: ExperimentConfig) -> dict:
 def prepare_offline_vit(config: ExperimentConfig) -> dict:
     """The vit family's foundation hook: the card of an offline ViT (built if missing) with its
     build's identity (``foundation_cards``), {} for the timm hub backbones."""
-    from fedfm_flower.models.families import OFFLINE_VIT_NAMES
 
     if config.backbone not in OFFLINE_VIT_NAMES:
         return {}
@@ -131,12 +135,6 @@ def ensure_foundation(config: ExperimentConfig) -> Path:
 @pinned_threads()
 def pretrain_foundation(config: ExperimentConfig) -> tuple[dict[str, torch.Tensor], dict]:
     """Pretrain the offline ViT on the public split; returns its state dict and a card."""
-    import time
-
-    from fedfm_flower.data import load_public_split
-    from fedfm_flower.models.backbones import OFFLINE_VITS, offline_vit, pick_device
-    from fedfm_flower.tasks.classification import ImageClassification
-    from fedfm_flower.training import evaluate, train
 
     started = time.perf_counter()
     train_set, test_set, num_classes = load_public_split(config)

@@ -33,16 +33,16 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-from fedfm_flower.config import ExperimentConfig
-from fedfm_flower.durable import (
+from fedfm_flower.config.experiment import ExperimentConfig
+from fedfm_flower.config.keys import OutputKeys, PrivacyKeys, SecAggKeys, TrackerKeys, TrainingKeys
+from fedfm_flower.models.groups import TrainableTensors
+from fedfm_flower.records.durable import (
     DamagedFileError,
     atomic_write_text,
     exclusive_lock,
     load_tensors,
     save_tensors,
 )
-from fedfm_flower.keys import OutputKeys, PrivacyKeys, SecAggKeys, TrackerKeys, TrainingKeys
-from fedfm_flower.models.groups import TrainableTensors
 
 log = logging.getLogger(__name__)
 

@@ -53,10 +53,16 @@ from fedfm_flower.data.images import normalize
 from fedfm_flower.data.multitask import (
     CLASSIFICATION,
     IMAGE_GENERATION,
+    PAIRS,
     TEXT_GENERATION,
     PairSpec,
 )
+from fedfm_flower.models.causal_lm import foundation_args, prepare_tiny_llama, tokenizer_of
+from fedfm_flower.models.classifier import vision_backbone
+from fedfm_flower.models.foundation import prepare_offline_vit
+from fedfm_flower.models.foundation_cards import composite
 from fedfm_flower.models.groups import GroupPattern, TunedModel
+from fedfm_flower.models.language import foundation
 
 
 class LoRABranch(nn.Module):
@@ -351,7 +357,6 @@ class MultiModalMultiTask(TunedModel):
         tokenizer: Any,
     ) -> MultiModalMultiTask:
         """The model with every pair of the multi-task data, LoRA and sizes from the run config."""
-        from fedfm_flower.data.multitask import PAIRS
 
         return cls(
             image_encoder,
@@ -575,9 +580,6 @@ def image_foundation_config(config: Any) -> Any:
 def prepare_mm_offline(config: Any) -> dict[str, Any]:
     """The multimodal family's foundation hook: the two offline foundations ``mm-offline`` is
     built from (built if missing), as one composite card (``foundation_cards.composite``)."""
-    from fedfm_flower.foundation_cards import composite
-    from fedfm_flower.models.causal_lm import prepare_tiny_llama
-    from fedfm_flower.models.foundation import prepare_offline_vit
 
     return composite(
         {
@@ -610,9 +612,6 @@ def build_multimodal(
     """TAP's model (``mm-offline``) from the offline ViT (glyph-domains public split) and tiny
     LLaMA (the instruction corpus' public split), with every modality-task pair of the dataset
     (``mm-flava``/``mm-vilt``: ``multimodal_hf.build_hf_multimodal``)."""
-    from fedfm_flower.models.causal_lm import foundation_args
-    from fedfm_flower.models.classifier import vision_backbone
-    from fedfm_flower.models.language import foundation
 
     check_tuning(config, tuner, train_backbone)
     image_config = image_foundation_config(config)
@@ -623,8 +622,6 @@ def build_multimodal(
         if load_weights and config.pretrained:
             lm, tokenizer = foundation.load_language_foundation(**foundation_args(text_config))
         else:
-            from fedfm_flower.models.causal_lm import tokenizer_of
-
             tokenizer = tokenizer_of(text_config)
             lm = foundation.tiny_llama(tokenizer)
         torch.manual_seed(config.seed)

@@ -73,7 +73,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.config.experiment import ExperimentConfig
+from fedfm_flower.models.causal_lm import model_source
+from fedfm_flower.models.language.foundation import dtype_keyword, pretrained_source
 from fedfm_flower.models.multimodal import LoRALinear, MultiModalMultiTask, check_tuning
 
 # backbone -> (the foundation's name in messages, its transformers model type)
@@ -333,8 +335,6 @@ class ViltTextEncoder(nn.Module):
 def checkpoint_source(config: ExperimentConfig) -> str:
     """What ``from_pretrained`` reads for the configured backbone: ``model-name-or-path``,
     checked as for ``hf-causal-lm`` (set; a local path holds a saved model)."""
-    from fedfm_flower.models.causal_lm import model_source
-    from fedfm_flower.models.language.foundation import pretrained_source
 
     name = HF_MULTIMODAL[config.backbone][0]
     return pretrained_source(model_source(config, f"{name} model"), f"{name} model")
@@ -374,8 +374,6 @@ def load_foundation(
     """The configured ``FlavaModel`` / ``ViltModel`` of ``architecture`` in eval mode: the
     checkpoint's weights in float32, or (not ``load_weights``) random weights."""
     from transformers import FlavaModel, ViltModel
-
-    from fedfm_flower.models.language.foundation import dtype_keyword
 
     kind = FlavaModel if architecture.model_type == "flava" else ViltModel
     if not load_weights:

@@ -27,7 +27,7 @@ import functools
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from fedfm_flower.config import ExperimentConfig
+    from fedfm_flower.config.experiment import ExperimentConfig
 
 # L2 sensitivity of one release in units of C, and the neighbouring relation it holds for
 SENSITIVITY: dict[str, float] = {"central": 1.0, "local": 2.0}

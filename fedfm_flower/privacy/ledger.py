@@ -25,8 +25,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fedfm_flower.durable import DamagedFileError, atomic_write_text, read_sealed_json, sealed_json
 from fedfm_flower.privacy.noise import NOISE_SOURCE
+from fedfm_flower.records.durable import (
+    DamagedFileError,
+    atomic_write_text,
+    read_sealed_json,
+    sealed_json,
+)
 
 LEDGER_FILE = "privacy.json"
 LEDGER_SEAL = "sha256"  # privacy.json's seal (durable.sealed_json)

@@ -41,12 +41,14 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
+from fedfm_flower.records import protocol as P
+
 if TYPE_CHECKING:
     import torch
     from flwr.app import Message
     from flwr.serverapp import Grid
 
-    from fedfm_flower.config import ExperimentConfig
+    from fedfm_flower.config.experiment import ExperimentConfig
 
 log = logging.getLogger(__name__)
 
@@ -220,8 +222,7 @@ def secure_exchange(
 def _layout(training: Sequence[Message]) -> tuple[list[str], list[tuple[int, ...]]]:
     """Names (sorted, the order the clients use) and shapes of the shared tensors; every
     training message must carry the same ones."""
-    from fedfm_flower import protocol as P
-    from fedfm_flower.records import numpy_arrays
+    from fedfm_flower.records.messages import numpy_arrays
 
     layouts = {
         tuple(
@@ -357,8 +358,6 @@ def _collect(
     from flwr.app import ConfigRecord
     from flwr.common import bytes_to_ndarray
     from flwr.common.secure_aggregation.secaggplus_constants import Key, Stage
-
-    from fedfm_flower import protocol as P
 
     sent = list(others)
     for message in training:

@@ -16,10 +16,15 @@ them and renders docs/privacy.md's table from them. Light: the config reads it i
 
 from __future__ import annotations
 
+import argparse
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+from fedfm_flower.methods import MECHANISMS
+from fedfm_flower.methods.registry import METHODS, method_spec
+
 if TYPE_CHECKING:
-    from fedfm_flower.settings import RunConfig
+    from fedfm_flower.methods.settings import RunConfig
 
 DP_MODES: tuple[str, ...] = ("none", "central", "local")
 
@@ -35,21 +40,18 @@ def dp_refusal(config: RunConfig) -> str | None:
 
 def local_dp_refusal(config: RunConfig) -> str | None:
     """Why ``config``'s method cannot take local DP, or None when it can."""
-    from fedfm_flower.registry import method_spec
 
     return method_spec(config.method).capabilities.local_dp
 
 
 def central_dp_refusal(config: RunConfig) -> str | None:
     """Why ``config``'s method cannot take central DP, or None when it can."""
-    from fedfm_flower.registry import method_spec
 
     return method_spec(config.method).capabilities.central_dp
 
 
 def secagg_refusal(config: RunConfig) -> str | None:
     """Why ``config``'s run cannot take SecAgg+, or None when it can."""
-    from fedfm_flower.registry import method_spec
 
     refusal = method_spec(config.method).capabilities.secagg
     if refusal is not None:
@@ -70,8 +72,6 @@ TABLE_BEGIN, TABLE_END = "<!-- capabilities:begin -->", "<!-- capabilities:end -
 def capability_table() -> str:
     """The methods' capabilities as a markdown table, methods that declare the same in one row
     (docs/privacy.md holds it between ``TABLE_BEGIN`` and ``TABLE_END``)."""
-    from fedfm_flower.methods import MECHANISMS
-    from fedfm_flower.registry import METHODS
 
     rows: dict[tuple[str | None, ...], list[str]] = {}
     for name, spec in METHODS.items():
@@ -102,8 +102,6 @@ def with_table(text: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     """``python -m fedfm_flower.privacy.support [--write FILE]``: print the table, or replace
     it in FILE (docs/privacy.md)."""
-    import argparse
-    from pathlib import Path
 
     parser = argparse.ArgumentParser(description="the methods' privacy capabilities")
     parser.add_argument("--write", type=Path, help="replace the table's block in this file")

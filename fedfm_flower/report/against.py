@@ -23,7 +23,7 @@ from fedfm_flower.report.tables import (
     interval_text,
     pooled_text,
 )
-from fedfm_flower.statistics import PairedTest
+from fedfm_flower.study.statistics import PairedTest
 
 
 @dataclass(frozen=True)

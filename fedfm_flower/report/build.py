@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fedfm_flower.durable import atomic_write_text
+from fedfm_flower.records.durable import atomic_write_text
 from fedfm_flower.report import (
     against,
     conclusions,

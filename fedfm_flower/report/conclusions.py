@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from fedfm_flower.report.tables import ALPHA, Cell, verdict_of
-from fedfm_flower.statistics import paired_test
+from fedfm_flower.study.statistics import paired_test
 
 
 @dataclass(frozen=True)

@@ -7,10 +7,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+from scipy.stats import gaussian_kde
 
 from fedfm_flower.report.runs import RunResult
 from fedfm_flower.report.tables import paired_units
-from fedfm_flower.statistics import mean_ci
+from fedfm_flower.study.statistics import mean_ci
 
 
 def _pyplot():  # noqa: ANN202 - matplotlib.pyplot
@@ -91,7 +92,6 @@ def client_gains(
 def gain_density(runs: Sequence[RunResult], setup: str, reference: str, path: Path) -> Path:
     """Density over (seed, client) of each method's gain over ``reference`` (Gaussian KDE;
     a rug of the values where they are too few or all equal)."""
-    from scipy.stats import gaussian_kde
 
     plt = _pyplot()
     figure, axes = plt.subplots(figsize=(6.4, 4.2))

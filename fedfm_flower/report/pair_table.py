@@ -7,7 +7,7 @@ present, pairs in ``MULTITASK_TASKS`` order, and one column per method (the refe
 
 A seed's value of a row is the mean over that run's clients that hold the pair (those whose
 final evaluation reports the key); a cell is the mean over seeds with the half-width of its
-Student-t 95% interval (``fedfm_flower.statistics.mean_ci``), as in the main table: x 100 for
+Student-t 95% interval (``fedfm_flower.study.statistics.mean_ci``), as in the main table: x 100 for
 accuracy, BERTScore F1 and METEOR, raw for MSE (lower is better). A seed whose run has no
 client of the pair does not count in the cell.
 
@@ -34,10 +34,10 @@ from typing import Any
 
 from scipy import stats
 
-from fedfm_flower import protocol as P
 from fedfm_flower.data.multitask import MULTITASK_TASKS
+from fedfm_flower.records import protocol as P
 from fedfm_flower.report.runs import RunResult
-from fedfm_flower.statistics import PairedTest, mean_ci, paired_test
+from fedfm_flower.study.statistics import PairedTest, mean_ci, paired_test
 
 ALPHA = 0.05
 PAIR_METRICS: tuple[str, ...] = ("accuracy", "mse", "bertscore", "meteor")

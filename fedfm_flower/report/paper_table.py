@@ -1,5 +1,5 @@
 """A paper's table as the paper lays it out: its rows and columns in its order, ours beside its
-figures (``fedfm_flower.paper_tables``; the sweep's ``--table`` leaves ``table.json``).
+figures (``fedfm_flower.study.paper_tables``; the sweep's ``--table`` leaves ``table.json``).
 
 A cell is ours (mean ± 95% CI over seeds, the mark against the report's reference) and, on the
 paper's own setting, the paper's figure. On the offline stand-ins the paper's figures measure
@@ -27,10 +27,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from fedfm_flower.paper_tables import read_table
 from fedfm_flower.report.pair_table import RAW, PairTable, row_name
 from fedfm_flower.report.tables import Cell
 from fedfm_flower.report.task_table import AVERAGE, TaskTable
+from fedfm_flower.study.paper_tables import read_table
 
 Cells = dict[tuple[str, str], Cell]
 TaskTables = Mapping[str, TaskTable | None]

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fedfm_flower.report.runs import RunResult, load_runs
-from fedfm_flower.statistics import mean_ci
+from fedfm_flower.study.statistics import mean_ci
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedfm_flower.durable import atomic_write_text
+from fedfm_flower.records.durable import atomic_write_text
 from fedfm_flower.report.conclusions import RECORDED, Difference, from_recorded
 
 

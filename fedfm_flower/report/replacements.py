@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from fedfm_flower import protocol as P
 from fedfm_flower.data.multitask import MULTITASK_TASKS
+from fedfm_flower.records import protocol as P
 from fedfm_flower.report.figures import _pyplot
 from fedfm_flower.report.runs import RunResult
 

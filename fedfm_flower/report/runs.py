@@ -1,6 +1,6 @@
 """Reading finished run directories into ``RunResult`` values, the input of every report.
 
-A run directory (``fedfm_flower.results``) is recognised by its ``config.json`` and
+A run directory (``fedfm_flower.records.results``) is recognised by its ``config.json`` and
 ``metrics.jsonl``; only runs with a ``summary.json`` (finished) are reported, the others are
 listed as skipped. A run's method label is its ``label`` config key (``method:variant`` in
 sweeps), else its method; its setup is the ``setup`` key, else its dataset. Per-client values
@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fedfm_flower import protocol as P
-from fedfm_flower.grid_foundations import run_data_seed
+from fedfm_flower.records import protocol as P
+from fedfm_flower.study.grid_foundations import run_data_seed
 
 
 @dataclass(frozen=True)

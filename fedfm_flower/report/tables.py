@@ -25,9 +25,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fedfm_flower.grid_foundations import SetupFoundations
 from fedfm_flower.report.runs import RunResult
-from fedfm_flower.statistics import PairedTest, mean_ci, paired_test
+from fedfm_flower.study.grid_foundations import SetupFoundations
+from fedfm_flower.study.statistics import PairedTest, mean_ci, paired_test
 
 ALPHA = 0.05
 

@@ -18,7 +18,7 @@ several clients share a task (FedDPA's 40-client setting), a seed's value of the
 mean over that task's clients. ``Average`` is a seed's mean over the task columns (each task
 weighs the same, as in the paper's Average), only for seeds whose run has every task. A cell
 is the mean over seeds, in percent, with the half-width of its Student-t 95% interval
-(``fedfm_flower.statistics.mean_ci``), as in the main table; a seed whose run has no client of
+(``fedfm_flower.study.statistics.mean_ci``), as in the main table; a seed whose run has no client of
 that task does not count in the cell.
 """
 
@@ -31,11 +31,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedfm_flower import protocol as P
+from fedfm_flower.data.instructions import client_task
+from fedfm_flower.records import protocol as P
+from fedfm_flower.records.results import CLIENT_PARTITIONS
 from fedfm_flower.report.runs import RunResult
 from fedfm_flower.report.tables import Cell
-from fedfm_flower.results import CLIENT_PARTITIONS
-from fedfm_flower.statistics import mean_ci
+from fedfm_flower.study.statistics import mean_ci
 
 PERSONALIZATION = "rouge-1"
 TEST_TIME = "ttp-rouge-1"
@@ -86,8 +87,6 @@ def client_tasks(path: Path, clients: Sequence[int]) -> dict[int, str]:
         if str(partition) in stored:
             tasks[client] = stored[str(partition)]
         elif dataset == "instructions":
-            from fedfm_flower.data.instructions import client_task
-
             tasks[client] = client_task(partition)
         else:
             tasks[client] = f"client {client}"

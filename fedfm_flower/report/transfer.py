@@ -17,7 +17,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fedfm_flower.cells import TRANSFER_MARK
 from fedfm_flower.report.conclusions import (
     Difference,
     difference_numbers,
@@ -26,6 +25,7 @@ from fedfm_flower.report.conclusions import (
 )
 from fedfm_flower.report.tables import ALPHA, Cell
 from fedfm_flower.report.variance import Draws
+from fedfm_flower.study.cells import TRANSFER_MARK
 
 HOLDING = ("holds", "level")  # outcomes that keep the base setup's verdict
 

@@ -2,10 +2,10 @@
 trials and the values chosen, the comparisons whose choice lies outside a rival's trials, and
 the choices at an end of their own space (within ``EDGE_SHARE`` of its span, on its scale:
 the best value may lie beyond what the space lets the study try, unless that end is the key's
-stated limit: ``search.edge_limit``), and how each choice was made (``fedfm_flower.selection``:
-the candidates re-run at more seeds, those that diverged).
+stated limit: ``search.edge_limit``), and how each choice was made
+(``fedfm_flower.study.selection``: the candidates re-run at more seeds, those that diverged).
 
-Reads ``tuning.json`` (``fedfm_flower.tune``) of a tuning directory given to the report.
+Reads ``tuning.json`` (``fedfm_flower.study.tune``) of a tuning directory given to the report.
 """
 
 from __future__ import annotations
@@ -15,14 +15,14 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from fedfm_flower.search import (
+from fedfm_flower.study.search import (
     describe_tried,
     edge_limit,
     outside_tried,
     space_position,
     tried_ranges,
 )
-from fedfm_flower.study_state import client_round_budgets
+from fedfm_flower.study.state import client_round_budgets
 
 EDGE_SHARE = 0.05  # a chosen value this close to an end of its space (share of its span) is flagged
 

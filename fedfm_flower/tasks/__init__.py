@@ -11,10 +11,11 @@ import functools
 import importlib
 from typing import TYPE_CHECKING
 
+from fedfm_flower.data.registry import dataset_spec
 from fedfm_flower.tasks.registry import task_entry
 
 if TYPE_CHECKING:
-    from fedfm_flower.config import ExperimentConfig
+    from fedfm_flower.config.experiment import ExperimentConfig
     from fedfm_flower.tasks.base import Task
 
 
@@ -27,6 +28,5 @@ def get_task(name: str) -> Task:
 
 def task_of(config: ExperimentConfig) -> Task:
     """The task of the configured dataset."""
-    from fedfm_flower.data.registry import dataset_spec
 
     return get_task(dataset_spec(config.dataset).task)

@@ -3,8 +3,8 @@
 A ``Task`` owns a client's data (loading and batching), the training loss, the evaluation and
 its metrics (a dict, with one ``primary_metric`` that the progress line, the summary and the
 benchmarks report), and the example counts the run checks at start. The training and
-evaluation loops (``fedfm_flower.training``), the ClientApp, the strategies and the runner only
-see tensors, losses and metric dicts; nothing above this layer mentions labels, argmax,
+evaluation loops (``fedfm_flower.tasks.training``), the ClientApp, the strategies and the runner
+only see tensors, losses and metric dicts; nothing above this layer mentions labels, argmax,
 accuracy or ROUGE.
 """
 
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from fedfm_flower.config import ExperimentConfig
+    from fedfm_flower.config.experiment import ExperimentConfig
     from fedfm_flower.data.sizes import ClientExamples
 
 Batch = tuple["torch.Tensor", ...]

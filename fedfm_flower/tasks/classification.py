@@ -10,13 +10,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from fedfm_flower.data import client_example_counts, load_client_data, num_classes_of
 from fedfm_flower.tasks.base import Batch, EvalStats, StepResult, Task
 
 if TYPE_CHECKING:  # torch loads in the methods: the launcher's partition checks need none
     import torch
     from torch import nn
 
-    from fedfm_flower.config import ExperimentConfig
+    from fedfm_flower.config.experiment import ExperimentConfig
     from fedfm_flower.data.sizes import ClientExamples
 
 
@@ -43,13 +44,11 @@ class ImageClassification(Task):
 
     def client_data(self, config: ExperimentConfig, partition_id: int, num_partitions: int) -> Any:
         """The client's image/label splits (``fedfm_flower.data.load_client_data``)."""
-        from fedfm_flower.data import load_client_data
 
         return load_client_data(config, partition_id, num_partitions)
 
     def example_counts(self, config: ExperimentConfig, num_clients: int) -> list[ClientExamples]:
         """Split sizes of every client from the partition plan (no pixels decoded)."""
-        from fedfm_flower.data import client_example_counts
 
         return client_example_counts(config, num_clients)
 
@@ -57,7 +56,6 @@ class ImageClassification(Task):
         """The number of classes (of the loaded data when given, else of the dataset)."""
         if data is not None:
             return data.num_classes
-        from fedfm_flower.data import num_classes_of
 
         return num_classes_of(config)
 

@@ -7,7 +7,7 @@ response tokens (and EOS) given the prompt; the prompt and the padding carry no 
 (``fedfm_flower.models.language.encoding``). Evaluation generates a greedy response of at most
 ``max-new-tokens`` tokens for every test prompt, in batches of ``batch-size`` with left
 padding, and scores it against the reference with ROUGE-1/2/L F-measures in [0, 1]
-(``fedfm_flower.metrics.rouge``); ROUGE-1 is the primary metric, FedDPA's headline (its Tables
+(``fedfm_flower.tasks.metrics.rouge``); ROUGE-1 is the primary metric, FedDPA's headline (its Tables
 1-2). The test loss is the same response cross-entropy as in training, per response token.
 
 With ``test-time-evaluation`` a client also answers the test examples of every other task in
@@ -30,11 +30,17 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from fedfm_flower.data.flan import flan_client_split, flan_client_task
+from fedfm_flower.data.instructions import build_corpus, client_split, client_task
+from fedfm_flower.models.causal_lm import tokenizer_of
+from fedfm_flower.models.language.encoding import encode_for_training, encode_prompts, references
+from fedfm_flower.models.language.generate import generate
 from fedfm_flower.tasks.base import Batch, EvalStats, StepResult, Task
 from fedfm_flower.tasks.classification import tensor_batches
+from fedfm_flower.tasks.metrics.rouge import rouge_scores
 
 if TYPE_CHECKING:
-    from fedfm_flower.config import ExperimentConfig
+    from fedfm_flower.config.experiment import ExperimentConfig
     from fedfm_flower.data.instructions import Corpus, Example
     from fedfm_flower.data.sizes import ClientExamples
 
@@ -75,7 +81,6 @@ def trimmed_batches(
 @functools.lru_cache(maxsize=2)
 def _corpus(seed: int) -> Corpus:
     """The instruction corpus of ``seed``, built once per process (read-only by its users)."""
-    from fedfm_flower.data.instructions import build_corpus
 
     return build_corpus(seed)
 
@@ -108,10 +113,7 @@ class InstructionFollowing(Task):
         self, config: ExperimentConfig, partition_id: int, num_partitions: int
     ) -> tuple[tuple[Example, ...], tuple[Example, ...]]:
         if config.dataset == "flan":  # FedDPA's Flan files under data-dir (or a Hub id)
-            from fedfm_flower.data.flan import flan_client_split
-
             return flan_client_split(config.data_dir, partition_id, num_partitions)
-        from fedfm_flower.data.instructions import client_split
 
         return client_split(
             _corpus(config.effective_data_seed),
@@ -126,8 +128,6 @@ class InstructionFollowing(Task):
         self, config: ExperimentConfig, partition_id: int, num_partitions: int
     ) -> InstructionData:
         """The client's examples, encoded with the configured model's tokenizer."""
-        from fedfm_flower.models.causal_lm import tokenizer_of
-        from fedfm_flower.models.language.encoding import encode_for_training
 
         train, test, val = self._splits(config, partition_id, num_partitions)
         tokenizer = tokenizer_of(config)
@@ -150,10 +150,7 @@ class InstructionFollowing(Task):
 
     def _client_task(self, config: ExperimentConfig, partition_id: int) -> str:
         if config.dataset == "flan":  # the category of the client's file
-            from fedfm_flower.data.flan import flan_client_task
-
             return flan_client_task(config.data_dir, partition_id)
-        from fedfm_flower.data.instructions import client_task
 
         return client_task(partition_id)
 
@@ -204,9 +201,6 @@ class InstructionFollowing(Task):
         self, model: nn.Module, data: Any, device: torch.device, batch_size: int
     ) -> EvalStats:
         """Response cross-entropy per token and ROUGE-1/2/L of greedy generations."""
-        from fedfm_flower.metrics.rouge import rouge_scores
-        from fedfm_flower.models.language.encoding import encode_prompts, references
-        from fedfm_flower.models.language.generate import generate
 
         model.eval()
         test: InstructionTest = data

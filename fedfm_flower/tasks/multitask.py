@@ -40,7 +40,7 @@ or the authors' share-weighted loss (``fedfm_flower/methods/tap.py``).
 Evaluation, per pair the client holds: ``accuracy-<pair>`` (classification), ``mse-<pair>``
 (image generation, mean over pixels), ``bertscore-<pair>`` (F1) and ``meteor-<pair>`` (text
 generation, VQA included: greedy generation of at most ``max-new-tokens`` tokens, cut at
-``</s>``; ``fedfm_flower.metrics.text_generation``, whose ``meteor-wordnet`` flag says whether
+``</s>``; ``fedfm_flower.tasks.metrics.text_generation``, whose ``meteor-wordnet`` flag says whether
 WordNet synonyms took part), and ``loss-<pair>``. The loss is the mean of the pairs' losses. The
 primary metric ``task-score`` is *our* one-number summary for the progress line and the run
 summary: the mean over the client's pairs of accuracy, 1 - MSE and BERTScore F1 (all in
@@ -60,6 +60,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from fedfm_flower.config.experiment import ExperimentConfig
 from fedfm_flower.data.multitask import (
     CLASSIFICATION,
     IMAGE_GENERATION,
@@ -72,14 +73,25 @@ from fedfm_flower.data.multitask import (
     client_splits,
     client_tasks,
 )
+from fedfm_flower.data.sizes import ClientExamples
 from fedfm_flower.methods.tap import HISTORIES
+from fedfm_flower.models.causal_lm import tokenizer_of
+from fedfm_flower.models.families import family_of
+from fedfm_flower.models.multimodal import text_foundation_config
+from fedfm_flower.models.multimodal_hf import HF_MULTIMODAL, load_tokenizer
 from fedfm_flower.tasks.base import Batch, EvalStats, StepResult, Task, TrainStats
 from fedfm_flower.tasks.classification import tensor_batches
+from fedfm_flower.tasks.metrics.text_generation import (
+    METEOR_WORDNET,
+    bertscore,
+    meteor,
+    meteor_variant,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from fedfm_flower.config import ExperimentConfig
+    from fedfm_flower.config.experiment import ExperimentConfig
     from fedfm_flower.data.sizes import ClientExamples
 
 NO_LABEL = -1
@@ -136,15 +148,12 @@ class TaskOutput:
 
 @functools.lru_cache(maxsize=2)
 def _foundation_tokenizer(text_config: ExperimentConfig) -> Any:
-    from fedfm_flower.models.causal_lm import tokenizer_of
 
     return tokenizer_of(text_config)
 
 
 @functools.lru_cache(maxsize=2)
 def _checkpoint_tokenizer(backbone: str, model_name_or_path: str) -> Any:
-    from fedfm_flower.config import ExperimentConfig
-    from fedfm_flower.models.multimodal_hf import load_tokenizer
 
     where = ExperimentConfig(
         dataset="multitask", backbone=backbone, model_name_or_path=model_name_or_path
@@ -156,17 +165,12 @@ def text_tokenizer(config: ExperimentConfig) -> PreTrainedTokenizerBase:
     """The tokenizer of the model's text: the configured causal LM's, the FLAVA/ViLT
     checkpoint's for ``mm-flava``/``mm-vilt``, else that of the tiny LLaMA the multi-modal
     model's text parts come from (once per process)."""
-    from fedfm_flower.models.families import family_of
 
     if family_of(config.backbone).name == "causal-lm":
-        from fedfm_flower.models.causal_lm import tokenizer_of
-
         return tokenizer_of(config)
-    from fedfm_flower.models.multimodal_hf import HF_MULTIMODAL
 
     if config.backbone in HF_MULTIMODAL:
         return _checkpoint_tokenizer(config.backbone, config.model_name_or_path)
-    from fedfm_flower.models.multimodal import text_foundation_config
 
     return _foundation_tokenizer(text_foundation_config(config))
 
@@ -411,7 +415,6 @@ class MultimodalMultitask(Task):
 
     def example_counts(self, config: ExperimentConfig, num_clients: int) -> list[ClientExamples]:
         """Train/test sizes of every client (summed over its pairs; nothing decoded)."""
-        from fedfm_flower.data.sizes import ClientExamples
 
         settings = MultitaskSettings.of(config)
         counts = []
@@ -457,12 +460,6 @@ class MultimodalMultitask(Task):
         self, model: nn.Module, data: Any, device: torch.device, batch_size: int
     ) -> EvalStats:
         """Per-pair loss and metrics, their mean loss and ``task-score`` (module docstring)."""
-        from fedfm_flower.metrics.text_generation import (
-            METEOR_WORDNET,
-            bertscore,
-            meteor,
-            meteor_variant,
-        )
 
         model.eval()
         test: MultitaskTest = data

@@ -5,8 +5,8 @@ the update of ``FedAvgStrategy``, as Flower composes DP as a strategy wrapper an
 workflow:
 
 * ``WeightedAverage``: each tensor averaged over the clients that sent it, weighted by examples
-  or uniformly (``fedfm_flower.aggregation``), in float64 and cast back, so the result does not
-  depend on the order replies arrive in; it reports the median norm of the clients' updates
+  or uniformly (``fedfm_flower.learners.aggregation``), in float64 and cast back, so the result
+  does not depend on the order replies arrive in; it reports the median norm of the clients' updates
   (``update-norm-median``, what a ``dp-clipping-norm`` is chosen against).
 * ``DPFedAvg`` (``dp = central``): the updates (reply - global) clipped to ``dp-clipping-norm``
   (again here, so the bound does not rest on the clients), summed with equal weights, divided
@@ -31,8 +31,8 @@ from typing import Protocol
 
 import torch
 
-from fedfm_flower.aggregation import average_over_owners, client_weights
-from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.config.experiment import ExperimentConfig
+from fedfm_flower.learners.aggregation import average_over_owners, client_weights
 from fedfm_flower.privacy import accountant, mechanism
 from strategies.parts.accounting import CentralReleases, ReleaseAccounting
 from strategies.parts.exchange import Exchange, RoundInputs, exchange_for

@@ -1,8 +1,9 @@
 """The run's facts a strategy is built with (``PersonalizedStrategy(config, initial, context)``).
 
 The runner gathers them before it builds the strategy (the run's name, what the task says of
-every client, and the run's method resolved once: ``fedfm_flower.registry.ResolvedMethod``), so
-no fact reaches a strategy by an attribute write after it was built.
+every client, and the run's method resolved once:
+``fedfm_flower.methods.registry.ResolvedMethod``), so no fact reaches a strategy by an attribute
+write after it was built.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from fedfm_flower.registry import ResolvedMethod
+    from fedfm_flower.methods.registry import ResolvedMethod
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from flwr.app import Message
     from flwr.serverapp import Grid
 
-    from fedfm_flower.config import ExperimentConfig
+    from fedfm_flower.config.experiment import ExperimentConfig
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from flwr.app import Message
 
-from fedfm_flower import protocol as P
+from fedfm_flower.records import protocol as P
 from strategies.parts.outcome import RoundReport
 from strategies.parts.replies import ReplyPart, evaluation_part, reply_part
 

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from flwr.app import ConfigRecord, Message, RecordDict
 
-from fedfm_flower import protocol as P
-from fedfm_flower.records import to_message_record
+from fedfm_flower.records import protocol as P
+from fedfm_flower.records.messages import to_message_record
 
 Payload = Callable[[int, int], dict[str, torch.Tensor]]  # (client id, round) -> tensors
 

@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 from flwr.app import ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 
-from fedfm_flower import protocol as P
+from fedfm_flower.records import protocol as P
 
 log = logging.getLogger(__name__)
 

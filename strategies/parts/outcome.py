@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from flwr.app import MetricRecord
 
-from fedfm_flower import protocol as P
+from fedfm_flower.records import protocol as P
 
 
 @dataclass

@@ -24,9 +24,9 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.common.constant import ErrorCode
 
-from fedfm_flower import protocol as P
-from fedfm_flower.records import InvalidRecord, decode_checked
-from fedfm_flower.tracebacks import original_exception
+from fedfm_flower.records import protocol as P
+from fedfm_flower.records.messages import InvalidRecord, decode_checked
+from fedfm_flower.records.tracebacks import original_exception
 from strategies.parts.outcome import RoundReport
 
 log = logging.getLogger(__name__)

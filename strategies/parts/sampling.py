@@ -12,8 +12,8 @@ import math
 import random
 from collections.abc import Callable, Mapping
 
-from fedfm_flower.config import ExperimentConfig
-from fedfm_flower.training import round_seed
+from fedfm_flower.config.experiment import ExperimentConfig
+from fedfm_flower.tasks.training import round_seed
 
 
 class ClientSampler:

@@ -7,8 +7,8 @@ import time
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from fedfm_flower import protocol as P
-from fedfm_flower.records import decode_checked, tensor_spec, to_array_record
+from fedfm_flower.records import protocol as P
+from fedfm_flower.records.messages import decode_checked, tensor_spec, to_array_record
 from large_message_probe.payload import adapter, peak_rss_mb
 
 app = ClientApp()

@@ -9,8 +9,8 @@ from pathlib import Path
 from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
-from fedfm_flower import protocol as P
-from fedfm_flower.records import decode_checked, tensor_spec, to_array_record
+from fedfm_flower.records import protocol as P
+from fedfm_flower.records.messages import decode_checked, tensor_spec, to_array_record
 from large_message_probe.payload import adapter, nbytes, peak_rss_mb
 from server_apps.polling import PromptGrid
 

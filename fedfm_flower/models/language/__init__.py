@@ -9,7 +9,7 @@ transformers and tokenizers load when a function that needs them is first called
 
 from __future__ import annotations
 
-from fedfm_flower.lazy import lazy_getattr
+from fedfm_flower import lazy_getattr
 
 _EXPORTS = {
     "build_tokenizer": "fedfm_flower.models.language.tokenizer",

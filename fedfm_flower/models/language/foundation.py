@@ -23,7 +23,7 @@ of the public split, seconds) and the tokenizer in ``tiny-llama-<key>.tokenizer/
 hashes everything that changes the weights (architecture, tokenizer and corpus versions, corpus
 size, public fraction, epochs, seed, optimiser settings). As for the tiny ViT
 (``fedfm_flower.models.foundation``), builders serialise on an ``fcntl`` lock and write
-atomically with ``fedfm_flower.durable``: tokenizer, then card, then weights, whose presence
+atomically with ``fedfm_flower.records.durable``: tokenizer, then card, then weights, whose presence
 says the rest is there. The tokenizer and the model are built on the CPU by default, at one
 torch thread whatever the builder's count (``models.threads``), so that the cached weights do
 not depend on the machine's cores.
@@ -48,15 +48,40 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fedfm_flower.data.instructions import CORPUS_VERSION, DEFAULT_EXAMPLES_PER_TASK
-from fedfm_flower.durable import (
+import torch
+from packaging.version import Version
+
+from fedfm_flower.data.instructions import (
+    CORPUS_VERSION,
+    DEFAULT_EXAMPLES_PER_TASK,
+    build_corpus,
+    public_split,
+)
+from fedfm_flower.methods.settings import ConfigError, require_package
+from fedfm_flower.models.language.encoding import (
+    encode_for_training,
+    encode_prompts,
+    encoded_length,
+    references,
+)
+from fedfm_flower.models.language.generate import generate
+from fedfm_flower.models.language.tokenizer import (
+    MODEL_MAX_LENGTH,
+    VOCAB_SIZE,
+    build_tokenizer,
+    load_tokenizer,
+    save_tokenizer,
+)
+from fedfm_flower.models.threads import pinned_threads
+from fedfm_flower.records.durable import (
     DamagedFileError,
     atomic_write_text,
     exclusive_lock,
+    fsync_directory,
     load_tensors,
     save_tensors,
 )
-from fedfm_flower.models.threads import pinned_threads
+from fedfm_flower.tasks.metrics.rouge import rouge_scores
 
 if TYPE_CHECKING:
     import torch
@@ -96,7 +121,6 @@ def language_foundation_key(
     seed: int, public_fraction: float, pretrain_epochs: int, examples_per_task: int
 ) -> str:
     """Hash of every setting that changes the pretrained weights or the tokenizer."""
-    from fedfm_flower.models.language.tokenizer import MODEL_MAX_LENGTH, VOCAB_SIZE
 
     fields = {
         "version": LANGUAGE_FOUNDATION_VERSION,
@@ -167,7 +191,6 @@ def load_language_foundation(
 
     A damaged cache (weights or tokenizer) is pretrained again.
     """
-    from fedfm_flower.models.language.tokenizer import load_tokenizer
 
     args = (cache_dir, seed, public_fraction, pretrain_epochs, examples_per_task, device)
     path = ensure_language_foundation(*args)
@@ -201,7 +224,6 @@ def language_foundation_card(
 
 def tiny_llama(tokenizer: PreTrainedTokenizerBase, seed: int | None = None) -> LlamaForCausalLM:
     """A freshly initialised ``TINY_LLAMA`` sized to ``tokenizer`` (seeded when ``seed`` given)."""
-    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -226,13 +248,6 @@ def pretrain_language_foundation(
 ) -> tuple[PreTrainedTokenizerBase, dict[str, torch.Tensor], dict]:
     """Build the tokenizer and pretrain the tiny LLaMA on the public split: (tokenizer, state,
     card)."""
-    import torch
-
-    from fedfm_flower.data.instructions import build_corpus, public_split
-    from fedfm_flower.metrics.rouge import rouge_scores
-    from fedfm_flower.models.language.encoding import encode_prompts, references
-    from fedfm_flower.models.language.generate import generate
-    from fedfm_flower.models.language.tokenizer import build_tokenizer
 
     started = time.perf_counter()
     corpus = build_corpus(seed, examples_per_task)
@@ -313,9 +328,6 @@ def causal_lm_pretrain(
 ) -> float:
     """AdamW on the causal-LM loss of the responses of ``examples`` (prompts masked), with a
     linear warm-up and decay; returns the last epoch's mean loss."""
-    import torch
-
-    from fedfm_flower.models.language.encoding import encode_for_training, encoded_length
 
     input_ids, attention_mask, labels = encode_for_training(
         tokenizer, examples, encoded_length(tokenizer, examples)
@@ -408,9 +420,6 @@ def load_pretrained_causal_lm(
 def pretrained_loading_options(dtype: str, device_map: str, load_in_4bit: bool) -> dict[str, Any]:
     """``from_pretrained`` keyword arguments for run-config keys ``model-dtype`` (resolved),
     ``device-map`` and ``load-in-4bit``; an error naming the key when a need is missing."""
-    import torch
-
-    from fedfm_flower.settings import ConfigError, require_package
 
     if dtype not in PRETRAINED_DTYPES:
         raise ConfigError("model-dtype", dtype, f"allowed: {', '.join(PRETRAINED_DTYPES)}")
@@ -444,7 +453,6 @@ def dtype_keyword() -> str:
     """The name of transformers' dtype argument and config attribute: ``dtype``, or
     ``torch_dtype`` before transformers 4.56 (the old name warns in 5.x)."""
     import transformers
-    from packaging.version import Version
 
     return "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
 
@@ -461,8 +469,6 @@ def _build_once(path: Path, build: Callable[[], None]) -> None:
 
 def _save_tokenizer_atomically(tokenizer: PreTrainedTokenizerBase, directory: Path) -> None:
     """Save ``tokenizer`` to a temporary directory and rename it onto ``directory``."""
-    from fedfm_flower.durable import fsync_directory
-    from fedfm_flower.models.language.tokenizer import save_tokenizer
 
     staging = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}."))
     try:

@@ -26,6 +26,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from fedfm_flower.data.instructions import format_prompt
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
@@ -39,7 +41,6 @@ MODEL_MAX_LENGTH = 256
 
 def corpus_texts(examples: Iterable[Example]) -> list[str]:
     """The texts the tokenizer is trained on: every prompt with its response."""
-    from fedfm_flower.data.instructions import format_prompt
 
     return [format_prompt(e.instruction, e.input) + e.output for e in examples]
 

@@ -17,7 +17,7 @@ from fedfm_flower.models.tuners.registry import TUNERS
 if TYPE_CHECKING:
     from torch import nn
 
-    from fedfm_flower.config import ExperimentConfig
+    from fedfm_flower.config.experiment import ExperimentConfig
     from fedfm_flower.models.groups import GroupPattern
 
 

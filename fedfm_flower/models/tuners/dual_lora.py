@@ -25,7 +25,7 @@ from collections.abc import Iterator, Mapping
 import torch
 from torch import nn
 
-from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.config.experiment import ExperimentConfig
 from fedfm_flower.models.tuners import TunedParts
 from fedfm_flower.models.tuners.lora import inject_lora, lora_patterns
 

@@ -1,4 +1,5 @@
-"""The tuners' run-config keys, declared beside the tuners (``fedfm_flower.keys`` has the rest).
+"""The tuners' run-config keys, declared beside the tuners (``fedfm_flower.config.keys`` has the
+rest).
 
 Plain data like the tuner registry: no torch, so the config reads it in every process.
 """
@@ -8,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from fedfm_flower.methods.settings import setting
 from fedfm_flower.models.tuners.registry import TUNERS
-from fedfm_flower.settings import setting
 
 TUNER_CHOICES: tuple[str, ...] = ("auto", *TUNERS)
 PREFIX_FORMS: tuple[str, ...] = ("parallel", "concat")  # fedfm_flower.models.tuners.prefix

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.config.experiment import ExperimentConfig
 from fedfm_flower.models.groups import GroupPattern
 from fedfm_flower.models.tuners import TunedParts
 

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.config.experiment import ExperimentConfig
 from fedfm_flower.models.groups import GroupPattern
 from fedfm_flower.models.tuners import TunedParts
 from fedfm_flower.models.tuners.keys import PREFIX_FORMS

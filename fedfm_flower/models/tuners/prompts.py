@@ -19,7 +19,7 @@ import math
 import torch
 from torch import nn
 
-from fedfm_flower.config import ExperimentConfig
+from fedfm_flower.config.experiment import ExperimentConfig
 from fedfm_flower.models.groups import GroupPattern
 from fedfm_flower.models.tuners import TunedParts
 

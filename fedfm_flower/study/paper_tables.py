@@ -1,0 +1,368 @@
+"""The papers' tables by name: which method, variant and setup reproduce each row.
+
+A table is declared once, in ``configs/tables/<name>.toml`` (``pfedseq-t1`` is pFedSeq's
+Table 1): the paper and table it reproduces, its columns, each with the **paper's setting**
+(``setup``: ``configs/setups/<setup>.toml`` plus ``configs/<method>/<setup>.toml`` where a
+method sets keys of its own, as in any sweep) and an **offline stand-in** (``stand-in``: a
+setup that runs on a CPU with nothing downloaded; a column without one is left out of
+``--stand-in`` runs), and its rows in the paper's order, each a
+method label (``method`` or ``method:variant``) or a ``missing`` reason for a row the
+framework cannot run. A row may carry the paper's reported figures (``paper``, one per column,
+blank where the paper has none) so that the report sets ours beside them.
+
+A cell is the report's main metric of (column setup, row method), unless the table's columns
+are **client tasks** of one federation (FedDPA's Table 1, ``feddpa-t1``): then every column
+names its ``task``, as the report's per-task table (``fedfm_flower.report.task_table``) names
+its columns: a client task's name, or ``Average``. The task table of an instruction run names
+a client by its task (the offline ``instructions`` data's task, ``client_task``; a ``flan``
+client's most common record category), so a column's task differs between the paper's data
+and the offline stand-in's; ``stand-in-task`` names the stand-in's (default: ``task``). Every
+row then names its ``block``, the task table's block its cells come from (``Personalization``
+or ``Test-time personalization``, ``task_table.BLOCKS``). The block is a row's, not the
+table's, because the paper's two blocks are one table of the same runs (every test-time row's
+method is also a personalization row): one sweep and one report give both, where two tables
+would need two run folders (a folder records one table) of the same runs. A method label may
+then appear once per block. Columns are matched to tasks by name, not by client order: the
+task table orders its columns by client, the paper by its own choice.
+
+Likewise a table whose columns are **modality-task pairs** of the multi-task federation (TAP's
+Table 1, ``tap-t1``): every column names its ``pair``, a row of the report's per-pair table
+(``fedfm_flower.report.pair_table``) by that table's row name, ``<metric> <pair>`` (``metric``
+one of ``pair_table.PAIR_METRICS``, ``pair`` one of ``data.multitask.MULTITASK_TASKS``: ``mse
+image-gen``), and a cell is that table's cell of (pair, row method): the mean over seeds of each
+seed's mean over the clients holding the pair, ± its 95% half-width. ``stand-in-pair`` names
+the stand-in's (default: ``pair``). A pair column's rows name no block. A table's columns are
+all tasks, all pairs or all setups.
+
+    python -m fedfm_flower.sweep --table pfedseq-t1 --seeds 0 1 2 --out runs/pfedseq-t1
+    python -m fedfm_flower.sweep --table pfedseq-t1 --stand-in --out runs/pfedseq-t1-offline
+    python -m fedfm_flower.report runs/pfedseq-t1 --out reports/pfedseq-t1
+
+The sweep writes the table it ran to ``<out>/table.json``; the report then adds the table in
+the paper's row and column order with the paper's figures beside ours.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fedfm_flower.config.files import CONFIG_ROOT
+from fedfm_flower.records.durable import atomic_write_text
+
+TABLE_FILE = "table.json"
+
+
+@dataclass(frozen=True)
+class Column:
+    """One column: the paper's setting and the offline setup standing in for it (None: the
+    column has no offline stand-in); for a task-column table, the client task it shows on
+    each (None: the column is a setup, its cells the main metric)."""
+
+    name: str
+    setup: str
+    stand_in: str | None
+    task: str | None = None
+    stand_in_task: str | None = None
+    pair: str | None = None  # the pair table's row, ``<metric> <pair>`` (pair-column tables)
+    stand_in_pair: str | None = None
+
+    def setup_of(self, stand_in: bool) -> str | None:
+        """The setup this column runs on: the paper's, or its stand-in (None: none)."""
+        return self.stand_in if stand_in else self.setup
+
+    def task_of(self, stand_in: bool) -> str | None:
+        """The client task this column shows on that setting (None: not a task column)."""
+        return (self.stand_in_task or self.task) if stand_in else self.task
+
+    def pair_of(self, stand_in: bool) -> str | None:
+        """The pair-table row this column shows on that setting (None: not a pair column)."""
+        return (self.stand_in_pair or self.pair) if stand_in else self.pair
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row: the method label that reproduces it, or why the framework lacks it."""
+
+    name: str
+    label: str | None
+    missing: str
+    paper: tuple[float | None, ...]
+    block: str | None = None  # the task table's block of its cells (task-column tables only)
+
+
+@dataclass(frozen=True)
+class PaperTable:
+    """A declared table of a paper."""
+
+    key: str
+    paper: str
+    table: str
+    title: str
+    reference: str
+    metric: str
+    columns: tuple[Column, ...]
+    rows: tuple[Row, ...]
+
+    def labels(self) -> list[str]:
+        """The method labels of the rows the framework runs, in the paper's order (each once,
+        though a task-column table may list one in two blocks)."""
+        return list(dict.fromkeys(row.label for row in self.rows if row.label is not None))
+
+    def setups(self, stand_in: bool = False) -> list[str]:
+        """The columns' setups: the paper's, or the offline stand-ins (columns without one
+        left out)."""
+        setups = (c.setup_of(stand_in) for c in self.columns)
+        return list(dict.fromkeys(s for s in setups if s is not None))
+
+    def missing(self) -> list[Row]:
+        """The rows the framework cannot run."""
+        return [row for row in self.rows if row.label is None]
+
+    def to_json(self, stand_in: bool) -> dict[str, Any]:
+        """What a sweep records in ``table.json``: the table and the setting it ran."""
+        return {
+            "key": self.key,
+            "paper": self.paper,
+            "table": self.table,
+            "title": self.title,
+            "metric": self.metric,
+            "reference": self.reference,
+            "setting": "stand-in" if stand_in else "paper",
+            "columns": [
+                {
+                    "name": c.name,
+                    "setup": c.setup_of(stand_in),
+                    "task": c.task_of(stand_in),
+                    "pair": c.pair_of(stand_in),
+                }
+                for c in self.columns
+            ],
+            "rows": [
+                {
+                    "name": r.name,
+                    "label": r.label,
+                    "missing": r.missing,
+                    "paper": list(r.paper),
+                    "block": r.block,
+                }
+                for r in self.rows
+            ],
+        }
+
+
+def tables_dir(configs: Path = CONFIG_ROOT) -> Path:
+    """Where the tables are declared."""
+    return configs / "tables"
+
+
+def table_names(configs: Path = CONFIG_ROOT) -> list[str]:
+    """Every declared table's name, sorted."""
+    return sorted(p.stem for p in tables_dir(configs).glob("*.toml"))
+
+
+def _text(data: dict[str, Any], key: str, where: str, default: str | None = None) -> str:
+    value = data.get(key, default)
+    if not isinstance(value, str) or (default is None and not value):
+        raise ValueError(f"{where}: '{key}' must be a non-empty string, got {value!r}")
+    return value
+
+
+def _paper_values(value: Any, columns: int, where: str) -> tuple[float | None, ...]:
+    if value is None:
+        return (None,) * columns
+    if not isinstance(value, list) or len(value) != columns:
+        raise ValueError(f"{where}: 'paper' must list one figure per column ({columns})")
+    out: list[float | None] = []
+    for item in value:
+        if item == "":
+            out.append(None)
+        elif isinstance(item, int | float) and not isinstance(item, bool) and math.isfinite(item):
+            out.append(float(item))
+        else:
+            raise ValueError(f"{where}: 'paper' holds {item!r}; a number, or \"\" for none")
+    return tuple(out)
+
+
+def _pair(data: dict[str, Any], key: str, where: str) -> str | None:
+    """A column's ``pair`` or ``stand-in-pair``: a pair-table row name, ``<metric> <pair>``."""
+    from fedfm_flower.data.multitask import MULTITASK_TASKS
+    from fedfm_flower.report.pair_table import PAIR_METRICS
+
+    if key not in data:
+        return None
+    value = _text(data, key, where)
+    metric, _, pair = value.partition(" ")
+    if metric not in PAIR_METRICS or pair not in MULTITASK_TASKS:
+        raise ValueError(
+            f"{where}: '{key}' = {value!r} is no row of the pair table: '<metric> <pair>', "
+            f"metric one of {', '.join(PAIR_METRICS)}, pair one of {', '.join(MULTITASK_TASKS)}"
+        )
+    return value
+
+
+def _column(data: dict[str, Any], where: str) -> Column:
+    stand_in = _text(data, "stand-in", where) if "stand-in" in data else None
+    task = _text(data, "task", where) if "task" in data else None
+    stand_in_task = _text(data, "stand-in-task", where) if "stand-in-task" in data else None
+    if stand_in_task is not None and (task is None or stand_in is None):
+        raise ValueError(f"{where}: 'stand-in-task' needs the column's 'task' and 'stand-in'")
+    pair, stand_in_pair = _pair(data, "pair", where), _pair(data, "stand-in-pair", where)
+    if stand_in_pair is not None and (pair is None or stand_in is None):
+        raise ValueError(f"{where}: 'stand-in-pair' needs the column's 'pair' and 'stand-in'")
+    if task is not None and pair is not None:
+        raise ValueError(f"{where}: a column names a client 'task' or a 'pair', not both")
+    return Column(
+        _text(data, "name", where),
+        _text(data, "setup", where),
+        stand_in,
+        task,
+        stand_in_task,
+        pair,
+        stand_in_pair,
+    )
+
+
+def _task_columns(columns: tuple[Column, ...], path: Path) -> bool:
+    """Whether the columns are client tasks (every one names its task, or none does; the same
+    for pairs)."""
+    for key in ("task", "pair"):
+        named = [c.name for c in columns if getattr(c, key) is not None]
+        if named and len(named) != len(columns):
+            bare = ", ".join(c.name for c in columns if getattr(c, key) is None)
+            raise ValueError(
+                f"{path}: columns {bare} name no '{key}' while others do; a table's columns "
+                "are all client tasks, all pairs or all setups"
+            )
+    return columns[0].task is not None
+
+
+def _block(data: dict[str, Any], by_task: bool, where: str) -> str | None:
+    """A row's ``block``: required, and one of the task table's, when the columns are tasks."""
+    from fedfm_flower.report.task_table import BLOCKS
+
+    known = [title for title, _ in BLOCKS]
+    if "block" not in data:
+        if by_task:
+            raise ValueError(
+                f"{where}: the columns are client tasks; give the row's 'block' "
+                f"({' or '.join(known)}): which block of the task table its cells come from"
+            )
+        return None
+    block = _text(data, "block", where)
+    if not by_task:
+        raise ValueError(
+            f"{where}: 'block' = {block!r} needs columns that name their client 'task'"
+        )
+    if block not in known:
+        raise ValueError(f"{where}: unknown 'block' {block!r}; known: {', '.join(known)}")
+    return block
+
+
+def load_table(name: str, configs: Path = CONFIG_ROOT) -> PaperTable:
+    """The declared table ``name``; ``ValueError`` names an unknown table or a bad entry."""
+    path = tables_dir(configs) / f"{name}.toml"
+    if not path.is_file():
+        known = ", ".join(table_names(configs)) or "none"
+        raise ValueError(f"no table '{name}' (declared: {known})")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as err:
+        raise ValueError(f"{path}: {err}") from err
+    columns = tuple(_column(c, f"{path} column {i}") for i, c in enumerate(data.get("columns", [])))
+    if not columns:
+        raise ValueError(f"{path}: no [[columns]]")
+    by_task = _task_columns(columns, path)
+    rows = []
+    for i, r in enumerate(data.get("rows", [])):
+        where = f"{path} row {i} ({r.get('name', '?')})"
+        label, missing = r.get("method"), r.get("missing", "")
+        if (label is None) == (not missing):
+            raise ValueError(f"{where}: give either 'method' or 'missing' (why it is not here)")
+        rows.append(
+            Row(
+                _text(r, "name", where),
+                None if label is None else _text(r, "method", where),
+                missing,
+                _paper_values(r.get("paper"), len(columns), where),
+                _block(r, by_task, where),
+            )
+        )
+    if not rows:
+        raise ValueError(f"{path}: no [[rows]]")
+    keys = [(row.block, row.label) for row in rows if row.label is not None]
+    if len(set(keys)) != len(keys):
+        where = "two rows of one block" if by_task else "two rows"
+        raise ValueError(f"{path}: a method label appears in {where}")
+    labels = [label for _, label in keys]
+    reference = _text(data, "reference", str(path))
+    if reference not in labels:
+        raise ValueError(f"{path}: reference '{reference}' is not a row's method")
+    return PaperTable(
+        key=name,
+        paper=_text(data, "paper", str(path)),
+        table=_text(data, "table", str(path)),
+        title=_text(data, "title", str(path)),
+        reference=reference,
+        metric=_text(data, "metric", str(path)),
+        columns=columns,
+        rows=tuple(rows),
+    )
+
+
+def table_plan(table: PaperTable, stand_in: bool) -> str:
+    """What a sweep of ``table`` runs, and which of its rows it cannot, for the user."""
+    setting = "offline stand-ins" if stand_in else "the paper's settings"
+    if table.columns[0].pair is not None:
+        pairs = ", ".join(f"{c.name} = {c.pair_of(stand_in)}" for c in table.columns)
+        columns = f"the pairs of {', '.join(table.setups(stand_in)) or 'none'}: {pairs}"
+    elif table.columns[0].task is None:
+        columns = ", ".join(f"{c.name} = {c.setup_of(stand_in) or 'none'}" for c in table.columns)
+    else:
+        tasks = ", ".join(f"{c.name} = {c.task_of(stand_in)}" for c in table.columns)
+        columns = f"the client tasks of {', '.join(table.setups(stand_in)) or 'none'}: {tasks}"
+    lines = [
+        f"{table.paper}, {table.table} ({table.title}): {len(table.labels())} methods on "
+        f"{setting}: {columns}"
+    ]
+    lines += [
+        f"  not run: {row.name}{f' ({row.block})' if row.block else ''}: {row.missing}"
+        for row in table.missing()
+    ]
+    return "\n".join(lines)
+
+
+def record_table(out: Path, table: PaperTable, stand_in: bool) -> None:
+    """Write ``out/table.json``; ``ValueError`` when ``out`` holds another table or setting."""
+    document = table.to_json(stand_in)
+    earlier = read_table(out)
+    if earlier is not None and (earlier["key"], earlier["setting"]) != (
+        document["key"],
+        document["setting"],
+    ):
+        raise ValueError(
+            f"{out} holds table {earlier['key']} ({earlier['setting']} setting); give a new --out "
+            f"for {document['key']} ({document['setting']})"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / TABLE_FILE, json.dumps(document, indent=2))
+
+
+def read_table(folder: Path) -> dict[str, Any] | None:
+    """The ``table.json`` a table sweep left in ``folder``, or None; ``ValueError`` when it is
+    unreadable."""
+    path = Path(folder) / TABLE_FILE
+    if not path.is_file():
+        return None
+    try:
+        document = json.loads(path.read_text())
+        document["key"], document["setting"], document["rows"], document["columns"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ValueError(
+            f"{path}: not a table record ({err}); remove it or rerun the sweep"
+        ) from err
+    return document
