@@ -18,6 +18,8 @@ the ClientApp's inner mod, ``warm_worker_mod``, hands train and evaluate message
 long-lived worker process, which runs these same handlers with everything loaded
 (``client_apps.warm``; node config ``warm-worker``). The outer mod, ``secagg_mod``, runs
 SecAgg+'s client side on the messages of a ``secagg = true`` run (``client_apps.secagg``).
+
+Imports inside functions keep ``torch`` out of this module's start-up.
 """
 
 from __future__ import annotations

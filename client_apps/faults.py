@@ -39,6 +39,8 @@ One kind only delays (``HOLD_KINDS``), so a test can order a round after an even
 * ``hold``: the training waits until a file ``release`` exists in the client's state directory
   (``<client-state-dir>/<run-name>/client_<id>/``; the test creates it), at most ``HOLD_S``,
   then runs as usual.
+
+Imports inside functions keep ``safetensors`` out of this module's start-up.
 """
 
 from __future__ import annotations

@@ -12,6 +12,9 @@ the reply keeps only its metrics and the masked vector. Any other message passes
 A training step that fails (an error reply, or ``train-error`` in a fused reply) raises here,
 so the node drops out of the round's sum and the server removes its masks (SecAgg+'s dropout
 path); a fused reply's evaluation is then lost with it.
+
+Imports inside functions keep ``flwr.client``, ``flwr.common`` and ``torch`` out of this
+module's start-up.
 """
 
 from __future__ import annotations

@@ -62,6 +62,8 @@ Choices (each with its reason):
 This module imports only the standard library and ``fedfm_flower.methods.settings`` (and flwr's
 serde where it forwards), never torch: it runs in every ``flwr-clientapp`` process, before anything
 knows whether it will forward.
+
+Imports inside functions keep ``flwr.common`` and ``flwr.proto`` out of this module's start-up.
 """
 
 from __future__ import annotations

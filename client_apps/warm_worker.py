@@ -21,6 +21,9 @@ nobody else needs to. In order, it:
    after it).
 6. exits after ``--idle-s`` seconds without a message. Whenever it exits by itself it removes
    its socket, token and lock file (after a SIGKILL the next worker replaces them).
+
+Imports inside functions keep ``flwr.app``, ``flwr.clientapp``, ``flwr.common``, ``flwr.proto``
+and ``numpy`` out of this module's start-up.
 """
 
 from __future__ import annotations

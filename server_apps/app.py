@@ -1,4 +1,8 @@
-"""The one ServerApp of the Flower App; the method comes from the run config."""
+"""The one ServerApp of the Flower App; the method comes from the run config.
+
+Imports inside functions keep ``flwr.common``, ``flwr.proto``, ``flwr.supercore``, ``numpy`` and
+``torch`` out of this module's start-up.
+"""
 
 from __future__ import annotations
 

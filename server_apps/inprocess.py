@@ -4,6 +4,9 @@ Used by the test suite and the benchmarks: no Ray, no SuperLink, deterministic, 
 keeps its own ``Context`` (so ``context.state`` persists across rounds as in simulation). Faults
 can be injected: ``reply_hook`` may alter or drop a reply, ``offline`` removes nodes, and
 ``restart_node`` gives a node a fresh id and an empty context, as a restarted SuperNode has.
+
+Imports inside functions keep ``flwr.common``, ``flwr.supercore``, ``numpy`` and ``torch`` out
+of this module's start-up.
 """
 
 from __future__ import annotations

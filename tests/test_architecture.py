@@ -21,6 +21,7 @@ but those it skips (``NOT_METHODS``).
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -493,13 +494,18 @@ def needless_function_imports(modules: dict[str, Path]) -> list[str]:
     found = []
     for module, path in sorted(modules.items()):
         for line, name in sorted(set(split_imports(module, path, modules)[1])):
-            if name in modules and runs_as_program(modules[name]):
-                continue
-            library = library_of(name)
-            brings = {library} if library else loaded.get(name, set())
-            if not brings - loaded[module]:
+            if not keeps_out(name, module, modules, loaded):
                 found.append(f"{module}:{line}: {name}")
     return found
+
+
+def keeps_out(name: str, module: str, modules: dict[str, Path], loaded: dict[str, set[str]]):
+    """What importing ``name`` inside a function of ``module`` keeps out of its start-up: the
+    program ``name`` itself, or the libraries it loads that ``module`` does not."""
+    if name in modules and runs_as_program(modules[name]):
+        return {name}
+    library = library_of(name)
+    return ({library} if library else loaded.get(name, set())) - loaded[module]
 
 
 def test_an_import_inside_a_function_that_keeps_nothing_out_is_found(tmp_path: Path):
@@ -526,4 +532,36 @@ def test_imports_inside_functions_keep_a_library_out():
     assert not found, (
         "imports inside functions that keep no heavy or optional library out of their module "
         "(move them to the top):\n" + "\n".join(found)
+    )
+
+
+REASON = re.compile(r"Imports inside functions (?:keep|load)(.*?)\.(?:\s|$)", re.S)
+
+
+def kept_out(module: str, path: Path, modules: dict[str, Path], loaded: dict[str, set[str]]):
+    """The libraries and programs ``module``'s imports inside functions keep out of its start-up."""
+    kept = set()
+    for _, name in split_imports(module, path, modules)[1]:
+        kept |= keeps_out(name, module, modules, loaded)
+    return kept
+
+
+def test_a_module_says_what_its_imports_inside_functions_keep_out():
+    """The module docstring's "Imports inside functions keep ``x`` ... out": every library and
+    program it names is one that they keep out, and it names at least one."""
+    modules = module_files()
+    loaded = libraries_at_start(modules)
+    wrong = []
+    for module, path in sorted(modules.items()):
+        kept = kept_out(module, path, modules, loaded)
+        if not kept:
+            continue
+        docstring = ast.get_docstring(ast.parse(path.read_text())) or ""
+        reason = REASON.search(docstring)
+        named = set(re.findall(r"``([\w.]+)``", reason.group(1))) if reason else set()
+        if not named or not named <= kept:
+            wrong.append(f"{module}: names {sorted(named)}, keeps out {sorted(kept)}")
+    assert not wrong, (
+        "module docstrings without a true reason for their imports inside functions:\n"
+        + "\n".join(wrong)
     )

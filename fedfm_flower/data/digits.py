@@ -10,6 +10,8 @@ message in deployment; each image is resized on its own, so the pixels are the s
 ``digits`` and ``digits-domains`` share these pixels and labels, hence the same public split
 and the same foundation model; ``digits-domains`` only adds synthetic domains (see
 ``fedfm_flower.data.domains``), assigned per sample when partitioning.
+
+Imports inside functions keep ``sklearn`` and ``torch`` out of this module's start-up.
 """
 
 from __future__ import annotations

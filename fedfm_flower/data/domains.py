@@ -9,6 +9,8 @@ with the ``natural-id`` partitioner the ``domain`` column makes client ``p`` hol
 samples of domain ``p`` (see ``fedfm_flower.data.partition``). There are ten domains, so the
 default ten clients each get a different one. The public split is never transformed: the
 foundation model only ever sees clean digits.
+
+Imports inside functions keep ``torch`` out of this module's start-up.
 """
 
 from __future__ import annotations

@@ -8,6 +8,8 @@ calls: treat them as read-only.
 Client ``p`` of ``digits-domains`` sees its partition through domain ``DOMAINS[p % 10]`` (with
 ``natural-id``, client ``p`` holds exactly domain ``p``'s samples, so it is the same rule).
 The public split is always the clean, untransformed data.
+
+Imports inside functions keep ``torch`` out of this module's start-up.
 """
 
 from __future__ import annotations

@@ -27,6 +27,8 @@ Hub. When ``data-dir`` is not an existing directory but looks like a Hub dataset
 ``datasets.load_dataset(name)``: splits ``train`` and ``test``, and a ``task`` or ``category``
 column whose values, in sorted order, are the clients (client ``i`` holds the ``i``-th task's
 records). Offline, the name must already be in the local Hugging Face cache.
+
+Imports inside functions keep ``datasets`` out of this module's start-up.
 """
 
 from __future__ import annotations

@@ -25,6 +25,9 @@ Generation is deterministic: one numpy generator per (domain, pool) from ``GENER
 pixels, labels and domains, seconds); the key hashes the generator version, the sizes and the
 versions of the packages whose files and rasteriser shape the pixels (Pillow, matplotlib,
 scikit-learn). The pixels are stored at their native 32x32 and resized on demand.
+
+Imports inside functions keep ``PIL``, ``matplotlib``, ``scipy``, ``sklearn`` and ``torch`` out
+of this module's start-up.
 """
 
 from __future__ import annotations

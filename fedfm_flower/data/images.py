@@ -5,6 +5,8 @@ Every source first produces images in ``[0, 1]`` (the range the domain transform
 ``mean = std = 0.5`` expect. Decoded images (PIL) are resized with PIL's bilinear filter,
 which antialiases when shrinking; the 8x8 digits are upscaled with
 ``torch.nn.functional.interpolate`` (bilinear), as resizing in PIL would first quantize them.
+
+Imports inside functions keep ``PIL`` and ``torch`` out of this module's start-up.
 """
 
 from __future__ import annotations

@@ -26,6 +26,8 @@ public, train and test splits. Rows with a negative label (unlabelled test split
 string labels become class indices in sorted order, and ``top_classes`` keeps the most
 frequent classes, renumbered in their original order. Image folders are converted into Arrow
 files under ``<cache-dir>/datasets``; images are decoded and resized only for the rows asked.
+
+Imports inside functions keep ``datasets`` and ``torch`` out of this module's start-up.
 """
 
 from __future__ import annotations

@@ -14,6 +14,8 @@ deployed ClientApp starts a fresh process: so the pooled images are written once
 uncompressed ``.npy`` under ``<cache-dir>/datasets/medmnist`` (keyed by the file's path, size
 and modification time) and memory-mapped from there; a process reads only the rows it asks for.
 A cache file that cannot be read is rewritten.
+
+Imports inside functions keep ``PIL`` out of this module's start-up.
 """
 
 from __future__ import annotations

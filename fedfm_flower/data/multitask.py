@@ -60,6 +60,8 @@ holder with 30 clients); the clients that hold a pair split them into disjoint, 
 near-equal shares (in rank order), and each client's share into test (a seeded
 ``test-fraction``, at least one example) and train. The experiment seed changes which examples
 and questions go where; the pixels are the benchmark's (fixed).
+
+Imports inside functions keep ``torch`` out of this module's start-up.
 """
 
 from __future__ import annotations

@@ -37,6 +37,8 @@ labels and natural ids, and the flwr-datasets version. In deployment every messa
 fresh ClientApp process; with the plan on disk it needs neither ``datasets`` nor
 ``flwr_datasets`` (about 1.5 s of imports per message). A file that cannot be read is
 recomputed and replaced.
+
+Imports inside functions keep ``datasets`` and ``flwr_datasets`` out of this module's start-up.
 """
 
 from __future__ import annotations

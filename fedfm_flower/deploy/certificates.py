@@ -4,6 +4,8 @@ The CA and the SuperLink certificate (for 127.0.0.1/localhost) come from
 ``scripts/generate_certs.sh``; each SuperNode gets an ECDSA P-384 key pair whose public half is
 registered with the SuperLink (``--enable-supernode-auth``). Both are created in the work
 directory when missing; directories given by the user are only checked.
+
+Imports inside functions keep ``cryptography`` out of this module's start-up.
 """
 
 from __future__ import annotations

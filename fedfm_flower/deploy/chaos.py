@@ -34,6 +34,9 @@ uninterrupted reference run, every client never killed reported exactly the refe
 (timings aside) wherever both runs have its reply. With a method whose clients are independent
 of one another (``local``, the command's default) that is exact: a killed client's later rounds
 differ (it missed rounds), the others' must not.
+
+Imports inside functions keep ``flwr.app``, ``numpy`` and ``torch`` out of this module's
+start-up.
 """
 
 from __future__ import annotations

@@ -7,6 +7,10 @@ waits until all are online. ``run`` submits one run (``fedfm_flower.deploy.runs`
 ends every process of the deployment, started here or tagged (``fedfm_flower.deploy.processes``).
 ``kill_supernode``, ``restart_supernode`` and ``kill_serverapp`` break it on purpose, for the
 fault tests.
+
+Imports inside functions keep ``flwr.app``, ``flwr.clientapp``, ``flwr.serverapp`` and ``torch``
+out of this module's start-up; they load ``fedfm_flower.deploy.forkserver`` and
+``fedfm_flower.deploy.superexec`` only when used (run as a program, ``python -m``).
 """
 
 from __future__ import annotations

@@ -8,6 +8,8 @@ its run (seen with 30 SuperNodes on 2 cores). Here such a push is tried again af
 back, so a retry stores the object once. The node's Fleet connection and the ServerApp's grid
 each make their push functions with Flower's ``make_push_object_fn_protobuf``, which is
 wrapped in that module only, on the Flower versions ``known_flower`` names.
+
+Imports inside functions keep ``flwr.supercore`` out of this module's start-up.
 """
 
 from __future__ import annotations

@@ -21,6 +21,9 @@ The change applies to the state classes and sources it was written against (``FL
 Flower 1.42's ``InMemoryLinkState`` and ``SqlLinkState``); elsewhere the SuperLink keeps
 Flower's behaviour and says so on stderr. What is remembered lives in the SuperLink process: a
 restarted SuperLink starts with nothing remembered, and Flower's behaviour, until nodes start.
+
+Imports inside functions keep ``flwr.server``, ``flwr.supercore`` and ``sqlalchemy`` out of this
+module's start-up.
 """
 
 from __future__ import annotations

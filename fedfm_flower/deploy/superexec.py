@@ -74,6 +74,10 @@ next. Other task types go to Flower's executor.
   the SuperNode dies.
 * **Tracking.** With ``FEDFM_TASKS_DIR`` set, a task in progress is a file
   ``<task id>.running`` there (``fedfm_flower.deploy.local`` uses it to see messages in flight).
+
+Imports inside functions keep ``flwr.app``, ``flwr.cli``, ``flwr.clientapp``, ``flwr.common``,
+``flwr.proto``, ``flwr.supercore``, ``flwr.supernode`` and ``httpx`` out of this module's
+start-up.
 """
 
 from __future__ import annotations

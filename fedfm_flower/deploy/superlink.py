@@ -24,6 +24,8 @@ expired is found at most that much later, against token lifetimes of tens of sec
 sweep does, and everything else, is Flower's. Both apply only to the Flower versions and the
 sweep's source this was written against (``FLOWER_SOURCES``); elsewhere the SuperLink runs
 with Flower's settings and says so on stderr.
+
+Imports inside functions keep ``flwr.superlink`` out of this module's start-up.
 """
 
 from __future__ import annotations

@@ -92,6 +92,10 @@ The node wakes that SuperExec when it has stored a message and all its objects (
 ``fedfm_flower.deploy.wake``; ``wake_on_stored_messages``, on the Flower versions above), so
 the SuperExec's idle polls of the node's runtime API can be minutes apart instead of
 ``--max-poll-interval`` without delaying a task, and its task finds the objects there.
+
+Imports inside functions keep ``flwr.supercore``, ``flwr.supernode`` and ``httpx`` out of this
+module's start-up; they load ``fedfm_flower.deploy.forkserver`` only when used (runs as a
+program, ``python -m``).
 """
 
 from __future__ import annotations

@@ -35,6 +35,8 @@ once per (groups, channels, state size), with the batch dimension marked dynamic
 any size reuse it; results equal the eager loop's within float32 rounding (the fused loop sums
 in another order). ``check_compiled`` compiles and runs the step on a tiny input, so a machine
 without a working compiler is refused at start and not mid-run.
+
+Imports inside functions keep ``causal_conv1d`` and ``mamba_ssm`` out of this module's start-up.
 """
 
 from __future__ import annotations

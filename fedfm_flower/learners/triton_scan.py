@@ -23,6 +23,8 @@ rounding).
 
 Runs on a CUDA device (``available``: Triton importable and a GPU); the tests run the same
 kernels on the CPU through Triton's interpreter (``TRITON_INTERPRET=1``).
+
+Imports inside functions keep ``triton`` out of this module's start-up.
 """
 
 from __future__ import annotations

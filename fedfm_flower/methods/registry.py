@@ -14,6 +14,8 @@ a client process resolves once per run config and gives it to every message's ru
 (``ClientRuntime.method``); the resource count resolves once per count. ``tuner_of``,
 ``trains_backbone`` and ``split_parameters`` answer one question each from the config, for code
 that needs only that (the config's checks, benchmarks, tests).
+
+Imports inside functions keep ``torch`` out of this module's start-up.
 """
 
 from __future__ import annotations

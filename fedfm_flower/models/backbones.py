@@ -7,6 +7,8 @@ Pretrained weights come from a local file when ``weights-file`` is set (timm's
 ``pretrained_cfg_overlay=dict(file=...)``) or, for the tiny ViT, from the offline foundation
 model cache; a timm ViT with ``pretrained=true`` and no file downloads from the Hub (users with
 internet only).
+
+Imports inside functions keep ``timm`` out of this module's start-up.
 """
 
 from __future__ import annotations

@@ -15,6 +15,8 @@ is not moved afterwards (``AdaptedCausalLM.placed``). The tuner's parts are kept
 whatever the backbone's dtype, as peft's ``autocast_adapter_dtype`` does: the exchanged tensors
 then have one dtype on every node and the optimizer steps in full precision (peft casts the
 activations to the adapter's dtype and back).
+
+Imports inside functions keep ``transformers`` out of this module's start-up.
 """
 
 from __future__ import annotations

@@ -60,6 +60,8 @@ Choices the paper leaves open (ours):
 * Weights are loaded in float32 (``model-dtype`` applies to ``hf-causal-lm`` only). With
   ``pretrained = false`` the architecture is built from the checkpoint's config with random
   weights (as ``mm-offline`` does).
+
+Imports inside functions keep ``transformers`` out of this module's start-up.
 """
 
 from __future__ import annotations

@@ -19,6 +19,8 @@ amplification by subsampling is claimed: each release counts with sampling rate 
 accountant does for its DP strategies (``SamplingMethod.NO_AMPLIFICATION``). The epsilon is
 then an upper bound for every client, sampled or not. The releases are counted by the run's
 ``ReleaseLedger`` (``privacy.ledger``).
+
+Imports inside functions keep ``numpy``, ``opacus`` and ``torch`` out of this module's start-up.
 """
 
 from __future__ import annotations

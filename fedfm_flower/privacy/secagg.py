@@ -29,6 +29,9 @@ take it (``fedfm_flower.privacy.support.secagg_refusal``); the evaluation messag
 round travel beside step 3 unchanged. A strategy runs it through its exchange part
 (``strategies.parts.exchange``, ``SecAggExchange``) and adds the mean with its update part
 (``strategies.parts.averaging``, ``SecureMeanUpdate``).
+
+Imports inside functions keep ``flwr.app``, ``flwr.common``, ``flwr.supercore`` and ``torch``
+out of this module's start-up.
 """
 
 from __future__ import annotations

@@ -17,6 +17,8 @@ written with the SHA-256 of its canonical form (sorted keys) under a key of its 
 flipped bit in a key, a number or a flag is then a ``DamagedFileError`` naming the file, not
 a silently different record. A document written before seals existed is accepted when its
 keys are the ones such documents had.
+
+Imports inside functions keep ``safetensors`` and ``torch`` out of this module's start-up.
 """
 
 from __future__ import annotations

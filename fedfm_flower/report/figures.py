@@ -1,5 +1,8 @@
 """The report's figures (PNG, matplotlib's Agg backend): learning curves, client-wise gain
-over the reference as a density (FedPerfix's Fig. 3), and bytes per round."""
+over the reference as a density (FedPerfix's Fig. 3), and bytes per round.
+
+Imports inside functions keep ``matplotlib`` out of this module's start-up.
+"""
 
 from __future__ import annotations
 

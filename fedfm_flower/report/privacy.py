@@ -13,6 +13,8 @@ no-DP level dashed).
 
 The runs come from sweeps with ``--set dp=... dp-noise-multiplier=...`` and a ``--tag`` per
 sigma into one sweep directory (docs/privacy.md has the commands).
+
+Imports inside functions keep ``matplotlib`` out of this module's start-up.
 """
 
 from __future__ import annotations

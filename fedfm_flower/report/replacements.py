@@ -8,6 +8,8 @@ federated rounds count (``phase`` "train"; the post-training round replaces noth
 seeds of a method, the count at a round is the mean over the seeds whose run trained that round,
 with their minimum and maximum as the band; the cumulative count (the paper's y axis) is the
 running sum of the per-round mean.
+
+Imports inside functions keep ``matplotlib`` out of this module's start-up.
 """
 
 from __future__ import annotations

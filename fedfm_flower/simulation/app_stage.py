@@ -11,6 +11,8 @@ app's ``fab-include``/``fab-exclude``), and copies exactly those files and ``pyp
 
 A pruned directory is one whose path ``.gitignore`` matches as a directory; every file under it
 is excluded by Flower too. With a negated pattern (``!``) in ``.gitignore`` nothing is pruned.
+
+Imports inside functions keep ``flwr.cli`` out of this module's start-up.
 """
 
 from __future__ import annotations

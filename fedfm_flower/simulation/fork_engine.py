@@ -38,6 +38,9 @@ is left as it is, for anything else that builds one. Guarded like
 was written against (``FLOWER_SOURCES``). What a ClientApp computes does not change: the same
 messages with the same contexts reach the same app (``tests/test_simulation.py`` compares every
 round with Ray's).
+
+Imports inside functions keep ``flwr.clientapp`` out of this module's start-up; they load
+``fedfm_flower.deploy.forkserver`` only when used (runs as a program, ``python -m``).
 """
 
 from __future__ import annotations

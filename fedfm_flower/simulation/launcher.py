@@ -17,6 +17,8 @@ on PATH: ``fedfm_flower.simulation.processes.flower_command``). The run's stream
 tracebacks folded into their last line (``--debug`` shows them) and is saved whole to
 ``<output-dir>/logs/``. The exit status is
 Flower's verdict on the run (``fedfm_flower.simulation.launch.ExitCode``): 0 only when it completed.
+
+Imports inside functions keep ``torch`` out of this module's start-up.
 """
 
 from __future__ import annotations

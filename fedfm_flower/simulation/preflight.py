@@ -11,6 +11,9 @@ partition sizes, the run directory).
 
 Relative paths in the run config are taken relative to the app directory, where the launchers
 run ``flwr run`` and hence where the ServerApp resolves them.
+
+Imports inside functions keep ``flwr.common``, ``numpy`` and ``torch`` out of this module's
+start-up.
 """
 
 from __future__ import annotations

@@ -2,6 +2,9 @@
 
 ``cell_record`` runs (or resumes, or reuses) a cell in this process and says how it went; the
 sweep, the tuning command and every pool (``fedfm_flower.study.pools``) run cells through it.
+
+Imports inside functions keep ``flwr.app``, ``flwr.clientapp`` and ``flwr.serverapp`` out of
+this module's start-up.
 """
 
 from __future__ import annotations

@@ -40,6 +40,8 @@ all tasks, all pairs or all setups.
 
 The sweep writes the table it ran to ``<out>/table.json``; the report then adds the table in
 the paper's row and column order with the paper's figures beside ours.
+
+Imports inside functions keep ``numpy`` and ``scipy`` out of this module's start-up.
 """
 
 from __future__ import annotations

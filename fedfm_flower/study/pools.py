@@ -13,6 +13,8 @@ shared file system): a cell writes its run there. A task whose worker dies is re
 sweep does. A Ray worker has its raylet's environment, not the driver's: the driver's
 settings that change how a cell runs (``CELL_SETTINGS``) go with each task, so a cell on Ray runs
 as it would in the serial sweep.
+
+Imports inside functions keep ``ray`` out of this module's start-up.
 """
 
 from __future__ import annotations

@@ -19,6 +19,8 @@ Pruners (``PrunerSettings.name``):
 - ``hyperband``: Hyperband (``HyperbandPruner``) over the same rungs, the largest resource being
   the rounds of the first trial that completed;
 - ``none``: every trial runs all its rounds.
+
+Imports inside functions keep ``optuna`` out of this module's start-up.
 """
 
 from __future__ import annotations

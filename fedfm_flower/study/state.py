@@ -26,6 +26,8 @@ installs the kept builds into the cache before it runs anything (where the cache
 a cache holding another build of one is refused, naming both), so a study resumed elsewhere
 runs on the models its earlier runs ran on; and it refuses a kept final run whose card names
 another build than the one kept, so no table pairs runs of one seed made on two models.
+
+Imports inside functions keep ``optuna`` out of this module's start-up.
 """
 
 from __future__ import annotations

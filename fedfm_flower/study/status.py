@@ -17,6 +17,8 @@ it). Final runs are matched to a study by their run name (``sweep.run_name``); t
 study (a method's variants at its values) are listed by name. Last, whether the finished runs
 of each setup and data seed share one foundation model (else ``tune`` refuses the directory:
 ``grid_foundations``). Light: no torch.
+
+Imports inside functions keep ``optuna`` out of this module's start-up.
 """
 
 from __future__ import annotations

@@ -47,6 +47,8 @@ differs from the method's final runs in the ablated part alone and costs no tria
 sampler is seeded from ``--tune-seed``, its method label and the count of trials it drew
 (``sampler_seed``): each method draws its own points, the same on every machine, and a resumed
 study draws new values instead of replaying the first command's.
+
+Imports inside functions keep ``optuna`` out of this module's start-up.
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ benchmarks report), and the example counts the run checks at start. The training
 evaluation loops (``fedfm_flower.tasks.training``), the ClientApp, the strategies and the runner
 only see tensors, losses and metric dicts; nothing above this layer mentions labels, argmax,
 accuracy or ROUGE.
+
+Imports inside functions keep ``torch`` out of this module's start-up.
 """
 
 from __future__ import annotations

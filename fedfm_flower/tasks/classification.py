@@ -3,6 +3,8 @@
 Data are ``fedfm_flower.data.ClientData``: images ``[N, 3, H, W]`` and int64 labels in
 ``TensorDataset``s. The model maps a batch of images to class logits; the family adds a linear
 head of ``num_outputs`` classes.
+
+Imports inside functions keep ``torch`` out of this module's start-up.
 """
 
 from __future__ import annotations

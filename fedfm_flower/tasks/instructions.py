@@ -15,6 +15,8 @@ the federation (all clients' test splits of that task) with its own model: FedDP
 personalization. ``ttp-rouge-1`` (and ``-2``, ``-l``) is the mean over all tasks, the client's
 own included, each task weighing the same, as the paper averages "all tasks including
 test-time tasks" (sec. 5.2).
+
+Imports inside functions keep ``numpy`` out of this module's start-up.
 """
 
 from __future__ import annotations

@@ -9,6 +9,8 @@ exactly on the prompt/response boundary (with byte-level BPE the prompt ends in 
 pre-token boundary, so this is the same as tokenizing the joined text; the tests check it).
 Sequences longer than ``max_length`` are cut at the right, as FedDPA's ``cutoff_len`` does
 (dropping the ``</s>``); shorter ones are padded on the right to exactly ``max_length``.
+
+Imports inside functions keep ``torch`` out of this module's start-up.
 """
 
 from __future__ import annotations

@@ -32,6 +32,8 @@ not depend on the machine's cores.
 directory, read with ``AutoModelForCausalLM`` / ``AutoTokenizer``, in a chosen dtype, optionally
 placed by accelerate (``device_map="auto"``) or quantized to 4 bits by bitsandbytes (run-config
 keys ``model-dtype``, ``device-map``, ``load-in-4bit``; ``pretrained_loading_options``).
+
+Imports inside functions keep ``transformers`` out of this module's start-up.
 """
 
 from __future__ import annotations

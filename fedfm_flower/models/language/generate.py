@@ -6,6 +6,8 @@ tokens of a batch are generated in lockstep; the attention mask hides the paddin
 Greedy search (``do_sample=False``, one beam) makes the output deterministic, like FedDPA's
 evaluation (``GlobalModel_generated.py`` decodes without sampling). Only the newly generated
 tokens are decoded; special tokens are dropped and the text is stripped.
+
+Imports inside functions keep ``torch`` out of this module's start-up.
 """
 
 from __future__ import annotations

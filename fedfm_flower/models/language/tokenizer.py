@@ -18,6 +18,8 @@ The result is wrapped as ``transformers.PreTrainedTokenizerFast`` with ``<pad>``
 ``</s>`` and ``<unk>``; it prepends ``<s>`` like LLaMA's tokenizer and pads on the left, as
 batched generation with a decoder-only model requires. Training examples are built token by
 token in ``encoding`` and padded on the right there.
+
+Imports inside functions keep ``tokenizers`` and ``transformers`` out of this module's start-up.
 """
 
 from __future__ import annotations

@@ -14,6 +14,8 @@ FedDPA federates and embeds instances with (sec. 4.3).
 
 A weight may be a tensor of one weight per batch row: the layer then mixes every row with its
 own weights, which is the instance-wise dynamic weighting (``fedfm_flower.models.dynamic_mix``).
+
+Imports inside functions keep ``peft`` out of this module's start-up.
 """
 
 from __future__ import annotations

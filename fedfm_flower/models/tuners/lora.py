@@ -5,6 +5,8 @@ peft names an adapter's weights ``<module>.lora_A.<adapter>.weight``; the adapte
 ``adapter.<name>`` (FedDPA's ``adapter.global`` and ``adapter.local``), so asking for
 ``adapter`` selects all of them. peft zero-initialises ``lora_B``: a fresh adapter is the
 identity update.
+
+Imports inside functions keep ``peft`` out of this module's start-up.
 """
 
 from __future__ import annotations

@@ -8,6 +8,8 @@ recommends), its artifacts under ``<output-dir>/mlartifacts``; experiment
 ``resume = true`` continues the same MLflow run. The run config becomes the run's parameters,
 each round's numeric values metrics at step = round, the summary's numeric values metrics
 ``summary-<key>`` and the whole summary the artifact ``summary.json``.
+
+Imports inside functions keep ``mlflow`` out of this module's start-up.
 """
 
 from __future__ import annotations

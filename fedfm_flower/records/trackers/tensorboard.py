@@ -3,6 +3,8 @@
 Every numeric value of a round's record becomes a scalar at step = round; the summary's numeric
 values are scalars ``summary/<key>`` at the last round. View with ``tensorboard --logdir runs``.
 Local files only, no account.
+
+Imports inside functions keep ``torch`` out of this module's start-up.
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ W&B drops steps at or below its last one). The run config is the W&B config, eac
 numeric values are logged at step = round, the summary's scalars go to the W&B summary.
 ``wandb-mode = offline`` writes under ``<run-dir>/wandb`` without a network or an account
 (upload later with ``wandb sync``); ``online`` needs ``wandb login`` or ``WANDB_API_KEY``.
+
+Imports inside functions keep ``wandb`` out of this module's start-up.
 """
 
 from __future__ import annotations

