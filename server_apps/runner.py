@@ -225,6 +225,7 @@ def _run(
             "foundation": card,
             "client-examples": client_examples,
             "client-tasks": client_tasks,
+            "client-domains": task.client_domains(config, len(client_examples)),
             "fedfm-flower": __version__,
             "python": platform.python_version(),
         },

@@ -1,4 +1,6 @@
-"""FedProx: mu = 0 is FedAvg bit for bit; the proximal gradient against a hand computation."""
+"""FedProx: mu = 0 is FedAvg bit for bit; the proximal gradient against a hand computation, for
+FedProx and for FedAvg-FT's federated training (``fedavg-ft-prox-mu``, FedDPA's Table 8 row
+FedLoRA under FedProx), whose fine-tuning takes no term."""
 
 from __future__ import annotations
 
@@ -7,32 +9,47 @@ from pathlib import Path
 import pytest
 import torch
 
+from client_apps.fedavg_ft import FedAvgFineTuneClient
 from client_apps.fedprox import FedProxClient
 from fedfm_flower.config.experiment import ExperimentConfig
+from fedfm_flower.methods.fedavg_ft import FedAvgFTSettings
 from fedfm_flower.methods.fedprox import FedProxSettings
 from fedfm_flower.methods.settings import ConfigError
 from fedfm_flower.records import protocol as P
 from fedfm_flower.records.messages import numpy_arrays
 from fedfm_flower.records.results import RunDirectory
+from fedfm_flower.study.sweep import cell_config
 from server_apps.inprocess import run_in_process
 from tests.tiny_clients import LinearModel, ce_grads, client_runtime
 
+# method -> (its client, the run-config key of its mu in snake case)
+PROXIMAL = {
+    "fedprox": (FedProxClient, "fedprox_mu"),
+    "fedavg-ft": (FedAvgFineTuneClient, "fedavg_ft_prox_mu"),
+}
 
-def _trained(mu: float, received: dict[str, torch.Tensor], tmp_path: Path) -> dict:
-    """FedProx's client trains the linear model for two full-batch SGD steps from ``received``."""
-    config = ExperimentConfig(
-        method="fedprox", lr=0.5, batch_size=32, local_steps=2, momentum=0.0
-    ).replace(fedprox_mu=mu)
-    runtime = client_runtime(LinearModel(), config, tmp_path / str(mu))
-    sent, _ = FedProxClient().train(runtime, received, 1)
+
+def _config(method: str, mu: float) -> ExperimentConfig:
+    config = ExperimentConfig(method=method, lr=0.5, batch_size=32, local_steps=2, momentum=0.0)
+    return config.replace(**{PROXIMAL[method][1]: mu})
+
+
+def _trained(
+    mu: float, received: dict[str, torch.Tensor], tmp_path: Path, method: str = "fedprox"
+) -> dict:
+    """The method's client trains the linear model for two full-batch SGD steps from
+    ``received``."""
+    runtime = client_runtime(LinearModel(), _config(method, mu), tmp_path / f"{method}-{mu}")
+    sent, _ = PROXIMAL[method][0]().train(runtime, received, 1)
     return sent
 
 
-def test_the_proximal_gradient_matches_a_hand_computation(tmp_path: Path) -> None:
+@pytest.mark.parametrize("method", list(PROXIMAL))
+def test_the_proximal_gradient_matches_a_hand_computation(method: str, tmp_path: Path) -> None:
     mu, lr = 0.8, 0.5
     w0 = {n: t + 0.3 for n, t in LinearModel().trainable().tensors.items()}
     received = {n: t.clone() for n, t in w0.items()}
-    sent = _trained(mu, received, tmp_path)
+    sent = _trained(mu, received, tmp_path, method)
     # Every step sees the whole train split (22 examples, batch 32): order does not matter.
     runtime = client_runtime(LinearModel(), ExperimentConfig(), tmp_path / "data")
     batch = tuple(torch.stack(column) for column in zip(*runtime.data.train, strict=True))
@@ -88,3 +105,26 @@ def test_mu_zero_trains_exactly_as_fedavg(small_run_config: dict, tmp_path: Path
 def test_mu_must_not_be_negative() -> None:
     with pytest.raises(ConfigError, match="fedprox-mu"):
         ExperimentConfig().replace(fedprox_mu=-0.1).settings_of(FedProxSettings)
+
+
+def test_fedavg_ft_fedprox_variant_and_its_untouched_fine_tuning(tmp_path: Path) -> None:
+    """``fedavg-ft:fedprox`` (Table 8's FedLoRA) sets mu = 0.01, plain fedavg-ft 0; at 0 it
+    sends what FedAvg's local step sends; the fine-tuning before an evaluation takes no term
+    (the same received tensors evaluate alike at any mu)."""
+    for label, mu in (("fedavg-ft:fedprox", 0.01), ("fedavg-ft", 0.0)):
+        cell = cell_config(label, "feddpa-flan-dataset1", 0, tmp_path)
+        cell["data-dir"] = str(tmp_path)  # the authors' files are the user's: any directory
+        parsed = ExperimentConfig.from_run_config({**ExperimentConfig().to_run_config(), **cell})
+        assert parsed.settings_of(FedAvgFTSettings).prox_mu == mu, label
+    received = {n: t + 0.3 for n, t in LinearModel().trainable().tensors.items()}
+    plain = _trained(0.0, received, tmp_path / "ft", "fedavg-ft")
+    fedavg = _trained(0.0, received, tmp_path / "prox", "fedprox")  # mu 0: FedAvg bit for bit
+    assert all(torch.equal(plain[n], fedavg[n]) for n in plain)
+    evaluations = []
+    for mu in (0.0, 0.8):
+        config = _config("fedavg-ft", mu).replace(finetune_steps=2)
+        runtime = client_runtime(LinearModel(), config, tmp_path / f"eval-{mu}")
+        evaluations.append(FedAvgFineTuneClient().evaluate(runtime, received, 1))
+    assert evaluations[0] == evaluations[1]
+    with pytest.raises(ConfigError, match="fedavg-ft-prox-mu"):
+        _config("fedavg-ft", -0.1).settings_of(FedAvgFTSettings)

@@ -43,10 +43,15 @@ def _users_data(table: PaperTable, setup: str, stand_in: bool, root: Path) -> di
     """Overrides standing in for the data a user provides: a setup naming a ``flan`` data-dir
     that is not here (the authors' files) gets tiny client files under ``root``, one per
     client, each client's records of the task the table's columns name (columns in client
-    order), and data-dir pointing at them. Preflight itself still refuses a missing directory."""
+    order), and data-dir pointing at them; one naming an image copy that is not here (pFedPG's
+    Office-Caltech10) gets an empty directory, all the config check reads. Preflight itself
+    still refuses a missing directory."""
     config = cell_config(table.labels()[0], setup, 0, root)
-    if config.get("dataset") != "flan" or Path(config.get("data-dir", "")).is_dir():
+    if not config.get("data-dir") or Path(config["data-dir"]).is_dir():
         return {}
+    if config.get("dataset") != "flan":
+        (root / "images" / setup).mkdir(parents=True)
+        return {"data-dir": str(root / "images" / setup)}
     tasks = [c.task_of(stand_in) for c in table.columns if c.setup_of(stand_in) == setup]
     tasks = [t for t in tasks if t and t != "Average"]
     data = root / "flan" / setup
@@ -86,11 +91,18 @@ def test_a_missing_users_data_dir_is_still_refused(tmp_path: Path) -> None:
         build_cells(table.labels(), table.setups(), [0], tmp_path)
 
 
-def test_feddpa_t1_columns_are_the_federations_client_tasks(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("name", "setup", "alpha"),
+    [("feddpa-t1", "feddpa-flan-dataset1", 0.5), ("feddpa-t2", "feddpa-flan-dataset2", 0.3)],
+)
+def test_feddpa_task_columns_are_the_federations_client_tasks(
+    name: str, setup: str, alpha: float, tmp_path: Path
+) -> None:
     """Each setting's task columns name its 8 clients' tasks once each (plus Average): the flan
     loader's names (a client's most common category) on the paper's setting, the offline
-    instructions tasks on the stand-in; the paper's setting is the paper's."""
-    table = load_table("feddpa-t1")
+    instructions tasks on the stand-in; the paper's setting is the paper's, FedDPA-T's alpha
+    the dataset's (sec. 5.1)."""
+    table = load_table(name)
     assert [c.name for c in table.columns][-1] == "Average"
     assert [r.block for r in table.rows].count("Personalization") == 6
     ttp = [r.name for r in table.rows if r.block == "Test-time personalization"]
@@ -99,12 +111,12 @@ def test_feddpa_t1_columns_are_the_federations_client_tasks(tmp_path: Path) -> N
         tasks = [c.task_of(stand_in) for c in table.columns[:-1]]
         assert len(set(tasks)) == 8, stand_in
     assert {client_task(i) for i in range(8)} == {c.task_of(True) for c in table.columns[:-1]}
-    data = Path(_users_data(table, "feddpa-flan-dataset1", False, tmp_path)["data-dir"])
+    data = Path(_users_data(table, setup, False, tmp_path)["data-dir"])
     assert [flan_client_task(str(data), i) for i in range(8)] == [
         c.task for c in table.columns[:-1]
     ]
     for label in table.labels():
-        cell = cell_config(label, "feddpa-flan-dataset1", 0, tmp_path)
+        cell = cell_config(label, setup, 0, tmp_path)
         assert (cell["dataset"], cell["num-clients"], cell["fraction-train"]) == ("flan", 8, 1.0)
         assert cell["model-name-or-path"] == "huggyllama/llama-7b"
         assert (cell["lora-rank"], cell["lora-target-modules"]) == (8, "q_proj,v_proj")
@@ -113,7 +125,7 @@ def test_feddpa_t1_columns_are_the_federations_client_tasks(tmp_path: Path) -> N
         # K = 20 rounds; Local-finetuned and Centralized: 50 epochs (Appendix A.2)
         epochs = 50 if label in ("local", "centralized") else 200
         assert cell["num-server-rounds"] * cell["local-epochs"] == epochs, label
-    assert cell_config("feddpa-t", "feddpa-flan-dataset1", 0, tmp_path)["feddpa-alpha"] == 0.5
+    assert cell_config("feddpa-t", setup, 0, tmp_path)["feddpa-alpha"] == alpha
 
 
 def test_pfedseq_cells_are_the_configs_users_run(tmp_path: Path) -> None:
@@ -154,6 +166,37 @@ def test_pfedseq_t1_rows_in_the_papers_order() -> None:
     assert [r.name for r in table.rows][:2] == ["Local", "FedAvg"]
     assert table.rows[-1].name == "pFedSeq" and table.rows[-1].paper == (95.30, 94.30, 84.63, 45.25)
     assert len(table.rows) == 13 and table.reference == "local"
+
+
+def test_fedperfix_t5_columns_change_only_the_vit(tmp_path: Path) -> None:
+    """Table 5's ViT-Tiny and ViT-Base columns are Table 2's CIFAR-100 setting (its ViT-Small
+    column) with another timm ViT, for every row: no other key of a cell differs."""
+    table = load_table("fedperfix-t5")
+    backbones = []
+    for setup in table.setups():
+        for label in table.labels():
+            small = cell_config(label, "cifar100-dir0.1-vit-s16", 0, tmp_path)
+            cell = cell_config(label, setup, 0, tmp_path)
+            differ = {k for k in small.keys() | cell.keys() if small.get(k) != cell.get(k)}
+            assert differ <= {"backbone", "setup", "run-name"}, (label, setup, differ)
+        backbones.append(cell["backbone"])
+    assert backbones == [f"vit_{size}_patch16_224" for size in ("tiny", "small", "base")]
+
+
+def test_fedperfix_tables_agree_on_table_2s_cifar100_setting() -> None:
+    """Where a FedPerfix table's column is Table 2's CIFAR-100 setting, each row's paper figure
+    is Table 2's for the same method (the paper repeats that run in Tables 3-6)."""
+
+    def figures(name: str) -> dict[str, float | None]:
+        table = load_table(name)
+        column = [c.setup for c in table.columns].index("cifar100-dir0.1-vit-s16")
+        return {r.label: r.paper[column] for r in table.rows if r.label is not None}
+
+    table_2 = figures("fedperfix-t2")
+    for name in ("fedperfix-t3", "fedperfix-t4", "fedperfix-t5", "fedperfix-t6"):
+        ours = figures(name)
+        shared = ours.keys() & table_2.keys()
+        assert shared and all(ours[k] == table_2[k] for k in shared), name
 
 
 def _declare(root: Path, text: str) -> None:
@@ -477,6 +520,115 @@ def test_report_lays_a_task_column_table_out_as_the_paper(tmp_path: Path) -> Non
     )
 
 
+# FedDPA's ablation layout (feddpa-t3): the columns name their blocks (and two setups), the rows
+# none
+COLUMN_BLOCKS = """paper = "P"
+table = "Table 3"
+title = "ablation"
+metric = "rouge"
+reference = "local"
+[[columns]]
+name = "D1 P"
+setup = "sa"
+stand-in = "ga"
+task = "Average"
+block = "Personalization"
+[[columns]]
+name = "D1 TTP"
+setup = "sa"
+stand-in = "ga"
+task = "Average"
+block = "Test-time personalization"
+[[columns]]
+name = "D2 TTP"
+setup = "sb"
+stand-in = "ga"
+task = "qa"
+block = "Test-time personalization"
+[[rows]]
+name = "Local"
+method = "local"
+paper = [1.0, 2.0, 3.0]
+[[rows]]
+name = "Fed"
+method = "fedavg"
+"""
+
+
+@pytest.mark.parametrize(
+    ("text", "change", "message"),
+    [
+        (COLUMN_BLOCKS, ('block = "Personalization"', ""), "columns D1 P name no 'block' while"),
+        (
+            COLUMN_BLOCKS,
+            ('method = "fedavg"', 'method = "fedavg"\nblock = "Personalization"'),
+            "row 1 .Fed.: 'block' = 'Personalization', but the columns name their blocks",
+        ),
+        (COLUMN_BLOCKS, ('block = "Personalization"', 'block = "P"'), "unknown 'block' 'P'"),
+        (GOOD, ('stand-in = "ga"', 'stand-in = "ga"\nblock = "Personalization"'), "column's cl"),
+    ],
+)
+def test_bad_column_blocks_are_refused_naming_the_column_or_row(
+    tmp_path: Path, text: str, change: tuple[str, str], message: str
+) -> None:
+    """The blocks are all on the columns or all on the rows: a column without one beside
+    columns with one, a row's block beside the columns', an unknown block, a block on a setup
+    column: each refused with the file and the column or row named."""
+    _declare(tmp_path, text.replace(*change))
+    with pytest.raises(ValueError, match=re.escape(str(tmp_path / "tables" / "t.toml"))) as err:
+        load_table("t", tmp_path)
+    assert re.search(message, str(err.value)), err.value
+
+
+def test_report_takes_each_cell_from_its_columns_block_and_setup(tmp_path: Path) -> None:
+    """With the blocks on the columns, a cell is the task table's (column's block, row's
+    method, column's task) of the column's setup, computed here by hand; no block rows; a
+    setup without the method's runs shows a dash."""
+    _declare(tmp_path / "configs", COLUMN_BLOCKS)
+    table = load_table("t", tmp_path / "configs")
+    assert [r.block for r in table.rows] == [None, None]
+    assert [c.block for c in table.columns][1:] == ["Test-time personalization"] * 2
+    assert table.setups() == ["sa", "sb"] and table.setups(stand_in=True) == ["ga"]
+    runs = tmp_path / "runs"
+    for seed in (0, 1):
+        for label in ROUGE:
+            _write_task_run(runs, label, seed, "sa")
+        _write_task_run(runs, "local", seed, "sb")  # no fedavg run on sb
+    record_table(runs, table, stand_in=False)
+    out = tmp_path / "report"
+    assert report_main([str(runs), "--out", str(out)]) == 0
+    text = (out / "report.md").read_text()
+    section = text[text.index("## P, Table 3: ablation") :].split("\n## ")[0]
+    lines = [line for line in section.splitlines() if line.startswith("| ")]
+    assert lines[0] == (
+        "| row | method | D1 P (`Average` of `sa`, Personalization) | paper | D1 TTP (`Average` "
+        "of `sa`, Test-time personalization) | paper | D2 TTP (`qa` of `sb`, Test-time "
+        "personalization) | paper |"
+    )
+
+    def averages(source: dict, label: str) -> list[float]:
+        return [sum(source[label][s]) / 2 for s in (0, 1)]
+
+    def shown(mean_half: tuple[float, float]) -> str:
+        return f"{mean_half[0]:.2f} ± {mean_half[1]:.2f}"
+
+    local = [
+        _by_hand(averages(ROUGE, "local")),
+        _by_hand(averages(TTP, "local")),
+        _by_hand([TTP["local"][s][1] for s in (0, 1)]),  # qa: client 1's task
+    ]
+    papers = ("1.00", "2.00", "3.00")
+    cells = " | ".join(f"{shown(c)} | {p}" for c, p in zip(local, papers, strict=True))
+    assert lines[1] == f"| Local | `local` | {cells} |"
+    fed = [_by_hand(averages(ROUGE, "fedavg")), _by_hand(averages(TTP, "fedavg"))]
+    assert lines[2] == (f"| Fed | `fedavg` | {shown(fed[0])} | — | {shown(fed[1])} | — | — | — |")
+    assert "| *" not in section  # no block rows
+    numbers = json.loads((out / "report.json").read_text())["paper-table"]
+    ttp = numbers["rows"][0]["cells"]["D1 TTP"]
+    assert ttp["block"] == "Test-time personalization" and numbers["rows"][0]["block"] is None
+    assert ttp["mean"] == pytest.approx(local[1][0])
+
+
 PAIRS = """paper = "Q"
 table = "Table 1"
 title = "pairs"
@@ -619,3 +771,28 @@ def test_bad_pair_declarations_are_refused(
     with pytest.raises(ValueError, match=re.escape(str(tmp_path / "tables" / "t.toml"))) as err:
         load_table("t", tmp_path)
     assert re.search(message, str(err.value)), err.value
+
+
+def test_taps_ablation_rows_set_the_keys_the_paper_names(tmp_path: Path) -> None:
+    """TAP's No-KD rows zero every beta of eq. 6; a margin row "low / high" sets the lower margin
+    on image generation and text classification, the higher on the other two pair types, on
+    both backbones (the variant wins over the setup's TAP file); the ViLT setting runs Table 22's
+    ViLT margins."""
+    from fedfm_flower.methods.tap import PAIR_TYPES
+
+    def keys(label: str, setup: str, kind: str) -> dict[str, float]:
+        cell = cell_config(label, setup, 0, tmp_path)
+        return {t: cell[f"tap-{kind}-{t}"] for t in PAIR_TYPES if f"tap-{kind}-{t}" in cell}
+
+    low = ("image-generation", "text-classification")
+    for setup in ("multitask-flava", "multitask-vilt", "multitask-cpu"):
+        assert keys("tap:no-kd", setup, "distill") == dict.fromkeys(PAIR_TYPES, 0.0)
+        assert keys("tap", setup, "distill") == {}  # the defaults, beta > 0
+        for name, m_low, m_high in (("0.01-0.04", 0.01, 0.04), ("0.05-0.1", 0.05, 0.1)):
+            margins = keys(f"tap:margin-{name}", setup, "margin")
+            assert margins == {t: m_low if t in low else m_high for t in PAIR_TYPES}, setup
+    vilt = {"image-generation": 0.01, "text-classification": 0.01, "text-generation": 0.02}
+    assert {t: keys("tap", "multitask-vilt", "margin")[t] for t in vilt} == vilt
+    assert keys("tap", "multitask-flava", "margin") == {}  # Table 22's FLAVA column: the defaults
+    for name in ("tap-t4", "tap-t5", "tap-t6"):
+        assert [r.label for r in load_table(name).rows] == ["tap:no-kd", "tap"]

@@ -219,3 +219,16 @@ def test_apple_stores_and_downloads_every_clients_core() -> None:
     assert apple.storage_params == fedavg.storage_params + 4 * trainable  # N cores + w_i
     with pytest.raises(ValueError, match="set num-clients"):
         method_resources(_tiny("apple", **{**keys, "num-clients": 0}))
+
+
+def test_fedrod_stores_a_second_head_and_shares_what_fedavg_shares() -> None:
+    """FedRoD's personal head h_P has the head's shape: one more head stored, never sent."""
+    keys = {"tuner": "auto", "train-backbone": False}
+    fedavg, fedrod = (method_resources(_tiny(m, **keys)) for m in ("fedavg", "fedrod"))
+    head = fedavg.num_outputs * D + fedavg.num_outputs  # weight and bias of a head
+    assert fedrod.storage_params == fedavg.storage_params + head
+    assert fedrod.local_params == fedavg.local_params + head
+    assert (fedrod.upload_params, fedrod.download_params) == (
+        fedavg.upload_params,
+        fedavg.download_params,
+    )

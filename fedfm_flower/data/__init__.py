@@ -25,6 +25,7 @@ _EXPORTS = {
     "ClientData": "fedfm_flower.data.federated",
     "ClientSampleIds": "fedfm_flower.data.federated",
     "clear_caches": "fedfm_flower.data.federated",
+    "client_domains": "fedfm_flower.data.federated",
     "client_sample_ids": "fedfm_flower.data.federated",
     "load_client_data": "fedfm_flower.data.federated",
     "load_public_split": "fedfm_flower.data.federated",

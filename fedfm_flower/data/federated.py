@@ -86,6 +86,25 @@ def client_sample_ids(
     return _client_ids(DataSettings.from_config(config), partition_id, num_partitions)
 
 
+def client_domains(config: ExperimentConfig, num_partitions: int) -> dict[str, str]:
+    """{partition: the name of the one domain it holds} (the columns of pFedPG's Table 1):
+    the natural id of a ``natural-id`` or ``domain-dirichlet`` partition (an image folder's
+    domain folder, a copy's domain value), the synthetic domain of ``digits-domains``; empty
+    where partitions mix domains (any other partitioner of a dataset with natural ids) or the
+    dataset has none."""
+    settings = DataSettings.from_config(config)
+    source = load_source(settings)
+    natural = partition_plan(settings, num_partitions).natural_ids
+    if source.synthetic_domains:  # as _client_data sees them
+        return {
+            str(p): DOMAINS[(int(natural[p]) if natural is not None else p) % len(DOMAINS)].name
+            for p in range(num_partitions)
+        }
+    if natural is None:
+        return {}
+    return {str(p): str(natural[p]) for p in range(num_partitions)}
+
+
 def public_sample_ids(config: ExperimentConfig) -> tuple[np.ndarray, np.ndarray]:
     """(pretrain train, pretrain test) sample ids of the public split."""
     return _public_ids(DataSettings.from_config(config))

@@ -54,6 +54,9 @@ class ResourceProfile:
     copies: int | Callable[[RunConfig], int] = 1
     passes: int = 1  # forward-backward passes per training step (APFL, Per-FedAvg: 2)
     extra: int = 0  # further parameters a client stores (APFL's mixing weight alpha)
+    # Parameter groups a client keeps a second copy of beside the model's own (FedRoD's personal
+    # head h_P, the shape of the model's ``head``).
+    copied_groups: tuple[str, ...] = ()
     # Where a round's messages carry more than the shared tensors once each way: (run config,
     # parameters of the shared tensors, classes) -> (upload, download) per client and round.
     traffic: Callable[[RunConfig, int, int], tuple[int, int]] | None = None

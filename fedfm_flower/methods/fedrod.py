@@ -60,7 +60,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from fedfm_flower.methods import AVERAGE_ONLY, MethodSpec, Split
+from fedfm_flower.methods import AVERAGE_ONLY, MethodSpec, ResourceProfile, Split
 from fedfm_flower.methods.settings import MethodSettings, setting
 
 PERSONAL_INITS: tuple[str, ...] = ("initial", "zeros")
@@ -98,6 +98,8 @@ SPECS = (
         settings=FedRoDSettings,
         modalities=("image",),  # class logits and a class prior: classification only
         split=Split(shared=None, local=()),
+        # h_P: a second head beside the model's (its one matmul per sample is not counted).
+        profile=ResourceProfile(copied_groups=("head",)),
         search=SEARCH,
         capabilities=AVERAGE_ONLY,
     ),

@@ -39,6 +39,7 @@ from fedfm_flower.records.durable import atomic_write_text
 from fedfm_flower.report import (
     against,
     conclusions,
+    domain_table,
     figures,
     pair_table,
     paper_table,
@@ -104,9 +105,15 @@ def write_report(
     task_tables = {setup: task_table.build_task_table(runs, setup) for setup in setups}
     pair_tables = {s: pair_table.build_pair_table(runs, s, reference) for s in setups}
     if paper is not None:
-        sections += [paper_table.markdown_paper_table(paper, cells, task_tables, pair_tables), ""]
+        by_domain = {}  # per-domain values: only a table whose columns are domains reads them
+        if any(column.get("domain") for column in paper["columns"]):
+            by_domain = {s: domain_table.build_domain_table(runs, s) for s in setups}
+        sections += [
+            paper_table.markdown_paper_table(paper, cells, task_tables, pair_tables, by_domain),
+            "",
+        ]
         numbers["paper-table"] = paper_table.paper_table_numbers(
-            paper, cells, task_tables, pair_tables
+            paper, cells, task_tables, pair_tables, by_domain
         )
     draws = {setup: variance.data_draws(runs, setup) for setup in setups}
     numbers["setup-variance"] = {setup: d.numbers() for setup, d in draws.items()}

@@ -10,8 +10,10 @@ A table whose columns are client tasks (FedDPA's Table 1) takes each cell from t
 table of the column's setup (``task_table.build_task_table``): the row's block, the row's
 method, the column's task; the same cell (mean ± 95% CI over seeds) as that table's, with no
 mark (the task table tests nothing against the reference). Rows are grouped under their
-block's title as in the paper. A declared task that no client of the runs has is named below
-the table with the tasks the runs do have (a dash alone would hide a misnamed task).
+block's title as in the paper; where the columns name the blocks instead (FedDPA's ablation
+tables), a cell is the column's block's and the column's header names its task, setup and
+block. A declared task that no client of the runs has is named below the table with the tasks
+the runs do have (a dash alone would hide a misnamed task).
 
 A table whose columns are modality-task pairs (TAP's Table 1) takes each cell from the per-pair
 table of the column's setup (``pair_table.build_pair_table``): the column's row (``<metric>
@@ -19,6 +21,12 @@ table of the column's setup (``pair_table.build_pair_table``): the column's row 
 decimals, the others x 100 with 2, the paper's figures alike), with no mark here (that table
 sets its Welch test and the test over seeds beside it). A declared pair no run reports is named
 below the table with the pairs the runs do report.
+
+A table whose columns are client domains (pFedPG's Table 1) takes each cell from the per-domain
+values of the column's setup (``domain_table.build_domain_table``): the row's method over the
+column's ``domains`` (the record's: a domain column's own, an ``Average`` column's those of the
+domain columns before it), the mean over seeds ± 95% CI of each seed's value, with no mark. A
+declared domain no client of the runs has is named below the table with the domains found.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from fedfm_flower.report.domain_table import DomainTable, domain_cell
 from fedfm_flower.report.pair_table import RAW, PairTable, row_name
 from fedfm_flower.report.tables import Cell
 from fedfm_flower.report.task_table import AVERAGE, TaskTable
@@ -35,6 +44,7 @@ from fedfm_flower.study.paper_tables import read_table
 Cells = dict[tuple[str, str], Cell]
 TaskTables = Mapping[str, TaskTable | None]
 PairTables = Mapping[str, PairTable | None]
+DomainTables = Mapping[str, DomainTable | None]
 
 
 def find_table(folders: list[Path]) -> dict[str, Any] | None:
@@ -79,19 +89,29 @@ def _by_pair(document: dict[str, Any]) -> bool:
     return any(column.get("pair") for column in document["columns"])
 
 
+def _by_domain(document: dict[str, Any]) -> bool:
+    """Whether the table's columns are client domains (a record without the key: not)."""
+    return any(column.get("domain") for column in document["columns"])
+
+
 def table_cell(
     row: dict[str, Any],
     column: dict[str, Any],
     cells: Cells,
     task_tables: TaskTables,
     pair_tables: PairTables | None = None,
+    domain_tables: DomainTables | None = None,
 ) -> Cell | None:
     """Our cell of (row, column): the main table's (setup, method), for a task column the task
     table's (block, method, task) of the column's setup, for a pair column the pair table's
-    (pair row, method); None where there is none."""
+    (pair row, method), for a domain column the method over its domains; None where there is
+    none."""
     label, setup, task = row["label"], column["setup"], column.get("task")
     if not label or not setup:
         return None
+    if column.get("domain"):
+        by_domain = (domain_tables or {}).get(setup)
+        return domain_cell(by_domain, label, column.get("domains") or [])
     if column.get("pair"):
         by_pair = (pair_tables or {}).get(setup)
         metric, _, pair = column["pair"].partition(" ")
@@ -104,7 +124,8 @@ def table_cell(
     table = task_tables.get(setup)
     if table is None:
         return None
-    return table.blocks.get(row.get("block") or "", {}).get(label, {}).get(task)
+    block = column.get("block") or row.get("block") or ""  # the columns' or else the rows'
+    return table.blocks.get(block, {}).get(label, {}).get(task)
 
 
 def _row_name(row: dict[str, Any]) -> str:
@@ -140,24 +161,53 @@ def _unknown_pairs(document: dict[str, Any], pair_tables: PairTables) -> list[st
     return lines
 
 
+def _unknown_domains(document: dict[str, Any], domain_tables: DomainTables) -> list[str]:
+    """A line per declared domain no client of its setup's runs has (domains named as found)."""
+    lines = []
+    for column in document["columns"]:
+        table = domain_tables.get(column["setup"]) if column.get("domain") else None
+        if table is None:
+            continue
+        for domain in column.get("domains") or []:
+            if domain not in table.domains:
+                found = ", ".join(f"`{d}`" for d in table.domains)
+                lines.append(
+                    f"- {column['name']}: domain `{domain}` is no client's domain in the runs "
+                    f"on `{column['setup']}` (their domains: {found}); check the table's domain "
+                    "names"
+                )
+    return list(dict.fromkeys(lines))
+
+
 def markdown_paper_table(
     document: dict[str, Any],
     cells: Cells,
     task_tables: TaskTables | None = None,
     pair_tables: PairTables | None = None,
+    domain_tables: DomainTables | None = None,
 ) -> str:
     """The table in the paper's order; the paper's figures beside ours on its own setting
     (``task_tables``: each setup's per-task table, for a table whose columns are tasks;
-    ``pair_tables``: each setup's per-pair table, for a table whose columns are pairs)."""
+    ``pair_tables``: each setup's per-pair table, for a table whose columns are pairs;
+    ``domain_tables``: each setup's per-domain values, for a table whose columns are
+    domains)."""
     task_tables = task_tables or {}
     pair_tables = pair_tables or {}
+    domain_tables = domain_tables or {}
     on_paper = document["setting"] == "paper"
     columns = document["columns"]
     by_task = _by_task(document)
     by_pair = _by_pair(document)
+    by_domain = _by_domain(document)
     header, rule = ["row", "method"], ["---", "---"]
     for column in columns:
-        if by_task:
+        if by_domain:
+            same = column["domain"] in (column["name"], AVERAGE)
+            header.append(column["name"] if same else f"{column['name']} (`{column['domain']}`)")
+        elif by_task and column.get("block"):
+            what = f"`{column['task']}` of `{column['setup'] or 'no stand-in'}`"
+            header.append(f"{column['name']} ({what}, {column['block']})")
+        elif by_task:
             same = column["task"] == column["name"]
             header.append(column["name"] if same else f"{column['name']} (`{column['task']}`)")
         elif by_pair:
@@ -175,7 +225,11 @@ def markdown_paper_table(
         caption = [
             f"Columns: client tasks of {', '.join(setups)}, as the report's per-task table (a "
             "task: the mean over its clients; Average: the mean over every task of the runs); "
-            "rows under their block.",
+            + (
+                "each column at its block."
+                if any(c.get("block") for c in columns)
+                else "rows under their block."
+            ),
             "",
         ]
     if by_pair:
@@ -184,6 +238,14 @@ def markdown_paper_table(
             f"Columns: modality-task pairs of {', '.join(setups)}, as the report's per-pair "
             "table (a seed's value: the mean over the clients holding the pair; its tests "
             "there); MSE raw, lower is better.",
+            "",
+        ]
+    if by_domain:
+        setups = dict.fromkeys(f"`{c['setup']}`" if c["setup"] else "no stand-in" for c in columns)
+        caption = [
+            f"Columns: client domains of {', '.join(setups)} (a seed's value: the mean over the "
+            "domain's clients of the final metric; Average: the mean of the domain columns "
+            "before it, each domain weighing the same).",
             "",
         ]
     lines = [
@@ -203,13 +265,13 @@ def markdown_paper_table(
     ]
     block = None
     for row in document["rows"]:
-        if by_task and row.get("block") != block:
+        if by_task and row.get("block") and row.get("block") != block:
             block = row.get("block")
             lines.append(f"| *{block}* |" + " |" * (len(header) - 1))
         label = row["label"]
         entries = [row["name"], f"`{label}`" if label else "not here"]
         for i, column in enumerate(columns):
-            cell = table_cell(row, column, cells, task_tables, pair_tables)
+            cell = table_cell(row, column, cells, task_tables, pair_tables, domain_tables)
             digits = _digits(column)
             entries.append(_cell_text(cell, digits) if cell is not None else "—")
             if on_paper:
@@ -225,6 +287,9 @@ def markdown_paper_table(
     unknown = _unknown_pairs(document, pair_tables)
     if unknown:
         lines += ["", "Columns without a run of their pair:", *unknown]
+    unknown = _unknown_domains(document, domain_tables)
+    if unknown:
+        lines += ["", "Columns without a client of their domain:", *unknown]
     return "\n".join(lines)
 
 
@@ -233,21 +298,29 @@ def paper_table_numbers(
     cells: Cells,
     task_tables: TaskTables | None = None,
     pair_tables: PairTables | None = None,
+    domain_tables: DomainTables | None = None,
 ) -> dict[str, Any]:
     """report.json's ``paper-table``: per row and column, ours (mean, ci95, seeds, mark) and the
-    paper's figure; a task column also names its ``task``, a row its ``block``; a pair column
-    its ``pair``."""
+    paper's figure; a task column also names its ``task``, a row its ``block`` (None where the
+    columns name theirs: then each column's cells name it); a pair column its ``pair``; a domain
+    column its ``domain`` and the ``domains`` its cell averages."""
     task_tables = task_tables or {}
-    by_task, by_pair = _by_task(document), _by_pair(document)
+    by_task, by_pair, by_domain = _by_task(document), _by_pair(document), _by_domain(document)
     rows = []
     for row in document["rows"]:
         entries = {}
         for i, column in enumerate(document["columns"]):
-            cell = table_cell(row, column, cells, task_tables, pair_tables)
+            cell = table_cell(row, column, cells, task_tables, pair_tables, domain_tables)
             entries[column["name"]] = {
                 "setup": column["setup"],
                 **({"task": column["task"]} if by_task else {}),
+                **({"block": column["block"]} if column.get("block") else {}),
                 **({"pair": column["pair"]} if by_pair else {}),
+                **(
+                    {"domain": column["domain"], "domains": column.get("domains")}
+                    if by_domain
+                    else {}
+                ),
                 "mean": None if cell is None else cell.mean,
                 "ci95": None if cell is None or len(cell.seeds) < 2 else cell.ci,
                 "seeds": [] if cell is None else list(cell.seeds),

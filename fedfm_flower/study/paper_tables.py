@@ -23,7 +23,13 @@ table's, because the paper's two blocks are one table of the same runs (every te
 method is also a personalization row): one sweep and one report give both, where two tables
 would need two run folders (a folder records one table) of the same runs. A method label may
 then appear once per block. Columns are matched to tasks by name, not by client order: the
-task table orders its columns by client, the paper by its own choice.
+task table orders its columns by client, the paper by its own choice. The block may instead be
+the **columns'**: where every task column names its ``block``, no row does, and a row's cells
+come from each column's block (FedDPA's ablation tables, ``feddpa-t3``: a column per dataset
+and block, its task ``Average``; their columns may name different setups). The blocks are all
+on the columns or all on the rows: a table where some task columns name a block and others do
+not is refused naming the columns without one, and a row's block beside the columns' is refused
+naming the row.
 
 Likewise a table whose columns are **modality-task pairs** of the multi-task federation (TAP's
 Table 1, ``tap-t1``): every column names its ``pair``, a row of the report's per-pair table
@@ -31,8 +37,20 @@ Table 1, ``tap-t1``): every column names its ``pair``, a row of the report's per
 one of ``pair_table.PAIR_METRICS``, ``pair`` one of ``data.multitask.MULTITASK_TASKS``: ``mse
 image-gen``), and a cell is that table's cell of (pair, row method): the mean over seeds of each
 seed's mean over the clients holding the pair, ± its 95% half-width. ``stand-in-pair`` names
-the stand-in's (default: ``pair``). A pair column's rows name no block. A table's columns are
-all tasks, all pairs or all setups.
+the stand-in's (default: ``pair``). A pair column's rows name no block.
+
+Likewise a table whose columns are the **client domains** of one federation per dataset
+(pFedPG's Table 1, ``pfedpg-t1``: one client per domain): every column names its ``domain``,
+as the runs record each client's (``config.json``'s ``client-domains``: an image folder's
+domain folder, a copy's domain value, ``fedfm_flower.data.client_domains``; a run without it
+names its clients ``client <id>``), or is ``Average``: the mean of the domain columns before it
+since the previous ``Average``, each domain weighing the same (the paper's Avg. of a dataset's
+domains), of the same setup and stand-in, each domain once. A cell is the mean over seeds of
+each seed's mean over the domain's clients of the final metric (for an ``Average``, of each
+seed's mean over its domains, seeds with all of them), ± its 95% half-width, as the pair
+table's (``fedfm_flower.report.domain_table``). ``stand-in-domain`` names the stand-in's
+(default: ``domain``); an ``Average`` stays one. A domain column's rows name no block. A
+table's columns are all tasks, all pairs, all domains or all setups.
 
     python -m fedfm_flower.sweep --table pfedseq-t1 --seeds 0 1 2 --out runs/pfedseq-t1
     python -m fedfm_flower.sweep --table pfedseq-t1 --stand-in --out runs/pfedseq-t1-offline
@@ -57,6 +75,7 @@ from fedfm_flower.config.files import CONFIG_ROOT
 from fedfm_flower.records.durable import atomic_write_text
 
 TABLE_FILE = "table.json"
+AVERAGE = "Average"  # a domain column averaging the domain columns before it
 
 
 @dataclass(frozen=True)
@@ -72,6 +91,9 @@ class Column:
     stand_in_task: str | None = None
     pair: str | None = None  # the pair table's row, ``<metric> <pair>`` (pair-column tables)
     stand_in_pair: str | None = None
+    domain: str | None = None  # a client group's domain, or ``Average`` (domain-column tables)
+    stand_in_domain: str | None = None
+    block: str | None = None  # the task table's block of its cells, where not the rows'
 
     def setup_of(self, stand_in: bool) -> str | None:
         """The setup this column runs on: the paper's, or its stand-in (None: none)."""
@@ -84,6 +106,10 @@ class Column:
     def pair_of(self, stand_in: bool) -> str | None:
         """The pair-table row this column shows on that setting (None: not a pair column)."""
         return (self.stand_in_pair or self.pair) if stand_in else self.pair
+
+    def domain_of(self, stand_in: bool) -> str | None:
+        """The domain this column shows on that setting (None: not a domain column)."""
+        return (self.stand_in_domain or self.domain) if stand_in else self.domain
 
 
 @dataclass(frozen=True)
@@ -141,8 +167,13 @@ class PaperTable:
                     "setup": c.setup_of(stand_in),
                     "task": c.task_of(stand_in),
                     "pair": c.pair_of(stand_in),
+                    "domain": c.domain_of(stand_in),
+                    "domains": averaged,
+                    "block": c.block,
                 }
-                for c in self.columns
+                for c, averaged in zip(
+                    self.columns, averaged_domains(self.columns, stand_in), strict=True
+                )
             ],
             "rows": [
                 {
@@ -155,6 +186,25 @@ class PaperTable:
                 for r in self.rows
             ],
         }
+
+
+def averaged_domains(columns: tuple[Column, ...], stand_in: bool) -> list[list[str] | None]:
+    """Per column, the domains its cell averages over (None: not a domain column): its own
+    domain, or for an ``Average`` column those of the domain columns since the previous
+    ``Average`` (the paper's Avg. of a dataset's domain columns)."""
+    out: list[list[str] | None] = []
+    group: list[str] = []
+    for column in columns:
+        domain = column.domain_of(stand_in)
+        if domain is None:
+            out.append(None)
+        elif domain == AVERAGE:
+            out.append(group)
+            group = []
+        else:
+            out.append([domain])
+            group = [*group, domain]
+    return out
 
 
 def tables_dir(configs: Path = CONFIG_ROOT) -> Path:
@@ -218,6 +268,20 @@ def _column(data: dict[str, Any], where: str) -> Column:
         raise ValueError(f"{where}: 'stand-in-pair' needs the column's 'pair' and 'stand-in'")
     if task is not None and pair is not None:
         raise ValueError(f"{where}: a column names a client 'task' or a 'pair', not both")
+    domain = _domain(data, "domain", where)
+    stand_in_domain = _domain(data, "stand-in-domain", where)
+    if stand_in_domain is not None and (domain is None or stand_in is None):
+        raise ValueError(f"{where}: 'stand-in-domain' needs the column's 'domain' and 'stand-in'")
+    if stand_in_domain is not None and (stand_in_domain == AVERAGE) != (domain == AVERAGE):
+        raise ValueError(
+            f"{where}: 'domain' = {domain!r} and 'stand-in-domain' = {stand_in_domain!r}: an "
+            f"{AVERAGE!r} column stays one on the stand-in, a domain stays a domain"
+        )
+    if domain is not None and (task is not None or pair is not None):
+        raise ValueError(f"{where}: a column names a 'domain', a client 'task' or a 'pair'")
+    block = _known_block(data, where) if "block" in data else None
+    if block is not None and task is None:
+        raise ValueError(f"{where}: 'block' = {block!r} needs the column's client 'task'")
     return Column(
         _text(data, "name", where),
         _text(data, "setup", where),
@@ -226,33 +290,102 @@ def _column(data: dict[str, Any], where: str) -> Column:
         stand_in_task,
         pair,
         stand_in_pair,
+        domain=domain,
+        stand_in_domain=stand_in_domain,
+        block=block,
     )
+
+
+def _domain(data: dict[str, Any], key: str, where: str) -> str | None:
+    """A column's ``domain`` or ``stand-in-domain``: a client group's domain as the runs record
+    it, or ``Average``."""
+    return _text(data, key, where) if key in data else None
+
+
+def _domain_groups(columns: tuple[Column, ...], path: Path) -> None:
+    """An ``Average`` column averages the domain columns since the previous one: there must be
+    some, of its setup and stand-in, and no domain twice."""
+    group: list[Column] = []
+    for column in columns:
+        if column.domain != AVERAGE:
+            group.append(column)
+            continue
+        where = f"{path} column {column.name!r}"
+        if not group:
+            raise ValueError(
+                f"{where}: an {AVERAGE!r} column averages the domain columns before it (since "
+                "the previous one), and there are none"
+            )
+        for other in group:
+            if (other.setup, other.stand_in) != (column.setup, column.stand_in):
+                raise ValueError(
+                    f"{where}: averages column {other.name!r}, whose setup or stand-in differs "
+                    f"({other.setup}, {other.stand_in} against {column.setup}, {column.stand_in})"
+                )
+        for stand_in in (False, True):
+            domains = [c.domain_of(stand_in) for c in group]
+            twice = sorted({d for d in domains if domains.count(d) > 1})
+            if twice and (not stand_in or column.stand_in is not None):
+                raise ValueError(
+                    f"{where}: averages domain {', '.join(twice)} twice"
+                    f"{' on the stand-in' if stand_in else ''}; name each domain once"
+                )
+        group = []
 
 
 def _task_columns(columns: tuple[Column, ...], path: Path) -> bool:
     """Whether the columns are client tasks (every one names its task, or none does; the same
-    for pairs)."""
-    for key in ("task", "pair"):
+    for pairs and domains, whose ``Average`` columns must each have a group to average)."""
+    for key in ("task", "pair", "domain"):
         named = [c.name for c in columns if getattr(c, key) is not None]
         if named and len(named) != len(columns):
             bare = ", ".join(c.name for c in columns if getattr(c, key) is None)
             raise ValueError(
                 f"{path}: columns {bare} name no '{key}' while others do; a table's columns "
-                "are all client tasks, all pairs or all setups"
+                "are all client tasks, all pairs, all domains or all setups"
             )
+    if columns[0].domain is not None:
+        _domain_groups(columns, path)
     return columns[0].task is not None
 
 
-def _block(data: dict[str, Any], by_task: bool, where: str) -> str | None:
-    """A row's ``block``: required, and one of the task table's, when the columns are tasks."""
+def _block_titles() -> list[str]:
+    """The task table's blocks (``task_table.BLOCKS``)."""
     from fedfm_flower.report.task_table import BLOCKS
 
-    known = [title for title, _ in BLOCKS]
+    return [title for title, _ in BLOCKS]
+
+
+def _known_block(data: dict[str, Any], where: str) -> str:
+    """A row's or column's ``block``: one of the task table's."""
+    known = _block_titles()
+    block = _text(data, "block", where)
+    if block not in known:
+        raise ValueError(f"{where}: unknown 'block' {block!r}; known: {', '.join(known)}")
+    return block
+
+
+def _column_blocks(columns: tuple[Column, ...], path: Path) -> bool:
+    """Whether the columns name the blocks (every one does, or none does)."""
+    named = [c for c in columns if c.block is not None]
+    if named and len(named) != len(columns):
+        bare = ", ".join(c.name for c in columns if c.block is None)
+        raise ValueError(
+            f"{path}: columns {bare} name no 'block' while others do; the blocks are all on "
+            "the columns (every column's 'block', no row's) or all on the rows"
+        )
+    return bool(named)
+
+
+def _block(data: dict[str, Any], by_task: bool, where: str, on_columns: bool = False) -> str | None:
+    """A row's ``block``: required, and one of the task table's, when the columns are tasks
+    naming none (``on_columns``: they name theirs, and the row none)."""
     if "block" not in data:
-        if by_task:
+        if by_task and not on_columns:
             raise ValueError(
                 f"{where}: the columns are client tasks; give the row's 'block' "
-                f"({' or '.join(known)}): which block of the task table its cells come from"
+                f"({' or '.join(_block_titles())}), which block of the task table its cells "
+                "come from, or every column's"
             )
         return None
     block = _text(data, "block", where)
@@ -260,9 +393,12 @@ def _block(data: dict[str, Any], by_task: bool, where: str) -> str | None:
         raise ValueError(
             f"{where}: 'block' = {block!r} needs columns that name their client 'task'"
         )
-    if block not in known:
-        raise ValueError(f"{where}: unknown 'block' {block!r}; known: {', '.join(known)}")
-    return block
+    if on_columns:
+        raise ValueError(
+            f"{where}: 'block' = {block!r}, but the columns name their blocks; a row names "
+            "none then (the blocks are all on the columns or all on the rows)"
+        )
+    return _known_block(data, where)
 
 
 def load_table(name: str, configs: Path = CONFIG_ROOT) -> PaperTable:
@@ -279,6 +415,7 @@ def load_table(name: str, configs: Path = CONFIG_ROOT) -> PaperTable:
     if not columns:
         raise ValueError(f"{path}: no [[columns]]")
     by_task = _task_columns(columns, path)
+    on_columns = _column_blocks(columns, path)
     rows = []
     for i, r in enumerate(data.get("rows", [])):
         where = f"{path} row {i} ({r.get('name', '?')})"
@@ -291,7 +428,7 @@ def load_table(name: str, configs: Path = CONFIG_ROOT) -> PaperTable:
                 None if label is None else _text(r, "method", where),
                 missing,
                 _paper_values(r.get("paper"), len(columns), where),
-                _block(r, by_task, where),
+                _block(r, by_task, where, on_columns),
             )
         )
     if not rows:
@@ -322,8 +459,20 @@ def table_plan(table: PaperTable, stand_in: bool) -> str:
     if table.columns[0].pair is not None:
         pairs = ", ".join(f"{c.name} = {c.pair_of(stand_in)}" for c in table.columns)
         columns = f"the pairs of {', '.join(table.setups(stand_in)) or 'none'}: {pairs}"
+    elif table.columns[0].domain is not None:
+        domains = ", ".join(
+            f"{c.name} = {c.setup_of(stand_in) or 'none'} {c.domain_of(stand_in)}"
+            for c in table.columns
+        )
+        columns = f"the client domains of {', '.join(table.setups(stand_in)) or 'none'}: {domains}"
     elif table.columns[0].task is None:
         columns = ", ".join(f"{c.name} = {c.setup_of(stand_in) or 'none'}" for c in table.columns)
+    elif table.columns[0].block is not None:  # each column its setup's task at its block
+        tasks = ", ".join(
+            f"{c.name} = {c.setup_of(stand_in) or 'none'} {c.task_of(stand_in)} ({c.block})"
+            for c in table.columns
+        )
+        columns = f"the client tasks of {', '.join(table.setups(stand_in)) or 'none'}: {tasks}"
     else:
         tasks = ", ".join(f"{c.name} = {c.task_of(stand_in)}" for c in table.columns)
         columns = f"the client tasks of {', '.join(table.setups(stand_in)) or 'none'}: {tasks}"

@@ -10,8 +10,9 @@ load_weights=False)`` on PyTorch's meta device: shapes only, no weights, no down
 
 * **storage**: the parameters a client holds: every parameter of its model (a frozen backbone
   included) plus, for a method that keeps more than one copy of the trainable tensors (APFL: a
-  personal and a global model), the extra copies, plus the method's own scalars (APFL's alpha):
-  the method's ``ResourceProfile`` (``fedfm_flower/methods/<method>.py``);
+  personal and a global model), the extra copies, plus the parameter groups it keeps a second
+  copy of (FedRoD's personal head), plus the method's own scalars (APFL's alpha): the method's
+  ``ResourceProfile`` (``fedfm_flower/methods/<method>.py``);
 * **computation**: multiply-accumulates (MACs) of one training step per sample: the MACs of one
   sample's forward pass times the forward-backward passes per step (APFL and Per-FedAvg: 2).
   A forward's MACs are those of every matrix product: linear layers (tokens x in x out),
@@ -63,6 +64,7 @@ from fedfm_flower.data.registry import dataset_spec
 from fedfm_flower.methods.registry import method_spec, resolve
 from fedfm_flower.models.build import build_model
 from fedfm_flower.models.families import family_of
+from fedfm_flower.models.groups import in_groups
 from fedfm_flower.study.sweep import cell_config
 
 
@@ -260,7 +262,11 @@ def method_resources(config: ExperimentConfig, num_outputs: int | None = None) -
             "of clients; set num-clients"
         )
     trainable = sum(counts.numel.values())
-    storage = counts.total_params + (profile.copies_for(config) - 1) * trainable + profile.extra
+    copied = sum(
+        counts.numel[n] for n, g in counts.groups.items() if in_groups(g, profile.copied_groups)
+    )
+    extra_copies = (profile.copies_for(config) - 1) * trainable
+    storage = counts.total_params + extra_copies + copied + profile.extra
     upload = download = sum(counts.numel[n] for n in shared)
     if profile.traffic is not None:
         upload, download = profile.traffic(config, upload, outputs)

@@ -122,6 +122,11 @@ class Task(ABC):
         empty when the task has no such names."""
         return {}
 
+    def client_domains(self, config: ExperimentConfig, num_clients: int) -> dict[str, str]:
+        """{client id: the domain its data comes from} for reports (the run's
+        ``client-domains``: pFedPG's Table 1 columns); empty when clients hold no one domain."""
+        return {}
+
     def pooled_train(self, config: ExperimentConfig, num_partitions: int) -> Any:
         """Every client's training rows in one dataset (the Centralized reference): the
         clients' ``.train`` TensorDatasets concatenated row-wise, in client order."""

@@ -12,7 +12,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from fedfm_flower.data import client_example_counts, load_client_data, num_classes_of
+from fedfm_flower.data import (
+    client_domains,
+    client_example_counts,
+    load_client_data,
+    num_classes_of,
+)
 from fedfm_flower.tasks.base import Batch, EvalStats, StepResult, Task
 
 if TYPE_CHECKING:  # torch loads in the methods: the launcher's partition checks need none
@@ -53,6 +58,12 @@ class ImageClassification(Task):
         """Split sizes of every client from the partition plan (no pixels decoded)."""
 
         return client_example_counts(config, num_clients)
+
+    def client_domains(self, config: ExperimentConfig, num_clients: int) -> dict[str, str]:
+        """Each client's domain (``fedfm_flower.data.client_domains``: partition id = client
+        id, as in ``example_counts``)."""
+
+        return client_domains(config, num_clients)
 
     def num_outputs(self, config: ExperimentConfig, data: Any | None = None) -> int:
         """The number of classes (of the loaded data when given, else of the dataset)."""
