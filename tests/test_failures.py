@@ -444,7 +444,7 @@ def test_stream_filter_folds_tracebacks_and_debug_shows_them() -> None:
 
 
 def test_run_status_and_exit_codes() -> None:
-    from fedfm_flower.simulation.launch import (
+    from fedfm_flower.simulation.verdict import (
         ExitCode,
         exit_code_for_status,
         parse_run_status,

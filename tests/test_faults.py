@@ -38,7 +38,7 @@ from safetensors.torch import load_file
 from client_apps.faults import FAULT_KINDS, RELEASE_FILE
 from fedfm_flower.deploy import DeployOptions, LocalDeployment
 from fedfm_flower.records.client_state import state_digest
-from fedfm_flower.simulation.launch import ExitCode
+from fedfm_flower.simulation.verdict import ExitCode
 
 pytestmark = [pytest.mark.slow]
 

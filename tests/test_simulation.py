@@ -357,7 +357,7 @@ def test_launcher_timeout_stops_the_run_and_returns_124(tmp_path: Path, monkeypa
     """Past --timeout the launcher asks the SuperLink to stop the run and returns 124; its
     ``finally`` then stops everything, as test_launcher_stopped_with_sigterm_... checks."""
     from fedfm_flower.simulation import launcher as simulation
-    from fedfm_flower.simulation.launch import ExitCode
+    from fedfm_flower.simulation.verdict import ExitCode
 
     calls: list[list[str]] = []
     monkeypatch.setattr(simulation.subprocess, "run", lambda command, **_: calls.append(command))
@@ -445,8 +445,8 @@ def test_launcher_refuses_while_a_local_superlink_of_another_flwr_home_runs(
     from types import SimpleNamespace
 
     from fedfm_flower.simulation import launcher as simulation
-    from fedfm_flower.simulation.launch import ExitCode
     from fedfm_flower.simulation.processes import pid_alive
+    from fedfm_flower.simulation.verdict import ExitCode
 
     ours, theirs = tmp_path / "ours", tmp_path / "theirs"
     monkeypatch.setenv("FLWR_HOME", str(ours))

@@ -50,7 +50,7 @@ Before anything starts, the merged run config is validated and checked
 (``fedfm_flower.simulation.preflight``: resume target, existing results, weights file, partition
 sizes); a problem is one line on stderr. The run's stream is shown with tracebacks folded
 (``--debug`` shows them; the logs keep them). Exit status
-(``fedfm_flower.simulation.launch.ExitCode``): 0 run completed, 1 run failed or stopped, 2 bad
+(``fedfm_flower.simulation.verdict.ExitCode``): 0 run completed, 1 run failed or stopped, 2 bad
 arguments or run config, 3 the deployment could not start, 124 ``--run-timeout`` reached, 130
 interrupted.
 

@@ -4,7 +4,7 @@ The command line of ``fedfm_flower.deploy`` (``python -m fedfm_flower.deploy``,
 ``scripts/deploy_local.py``, ``scripts/deploy_local.sh``): it checks the run config before
 anything starts (a problem is one line on stderr), starts the federation, runs, and stops every
 process it started on success, on error, on Ctrl-C and on SIGTERM/SIGHUP. Exit status
-(``fedfm_flower.simulation.launch.ExitCode``): 0 run completed, 1 run failed or stopped, 2 bad
+(``fedfm_flower.simulation.verdict.ExitCode``): 0 run completed, 1 run failed or stopped, 2 bad
 arguments, run config or a Flower command not found
 (``fedfm_flower.simulation.processes.flower_command``), 3 the deployment could not start, 124
 ``--run-timeout`` reached, 130 interrupted.
@@ -32,9 +32,9 @@ from fedfm_flower.deploy.processes import become_subreaper
 from fedfm_flower.deploy.runs import RunConfigError, parse_run_config, resolve_run_config
 from fedfm_flower.deploy.superlink import DEFAULT_LOCK_WAIT_S
 from fedfm_flower.deploy.supernode import DEFAULT_MAX_POLL_INTERVAL, DEFAULT_POLL_INTERVAL
-from fedfm_flower.simulation.launch import ExitCode
 from fedfm_flower.simulation.preflight import PreflightError, check_run, resolve_config
 from fedfm_flower.simulation.processes import FlowerCommandNotFound, flower_command
+from fedfm_flower.simulation.verdict import ExitCode
 
 
 class _Terminated(Exception):

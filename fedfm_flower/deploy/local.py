@@ -64,13 +64,13 @@ from fedfm_flower.deploy.runs import (
 from fedfm_flower.deploy.supernode import SUPEREXEC_POLL_VAR
 from fedfm_flower.records.tracebacks import StreamFilter
 from fedfm_flower.simulation.app_stage import stage_app
-from fedfm_flower.simulation.launch import final_run_status, run_id_from_lines
 from fedfm_flower.simulation.processes import (
     flower_command,
     flower_environment,
     pid_alive,
     signal_process,
 )
+from fedfm_flower.simulation.verdict import final_run_status, run_id_from_lines
 
 # Flower's commands a local deployment runs (each found by ``processes.flower_command``).
 FLOWER_COMMANDS = ("flwr", "flower-superlink", "flower-supernode")

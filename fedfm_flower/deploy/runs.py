@@ -15,13 +15,13 @@ from typing import Any
 
 import tomli_w
 
-from fedfm_flower.simulation.launch import COMPLETED_STATUS, ExitCode, exit_code_for_status
 from fedfm_flower.simulation.preflight import (
     PreflightError,
     absolute_paths,
     parse_item,
     resolve_config,
 )
+from fedfm_flower.simulation.verdict import COMPLETED_STATUS, ExitCode, exit_code_for_status
 
 
 class RunConfigError(ValueError):

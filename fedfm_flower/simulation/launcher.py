@@ -15,8 +15,8 @@ overrides) is validated and checked (``fedfm_flower.simulation.preflight``); a p
 on stderr and exit status 2, as is a missing ``flwr`` (looked for beside this interpreter, then
 on PATH: ``fedfm_flower.simulation.processes.flower_command``). The run's stream is shown with
 tracebacks folded into their last line (``--debug`` shows them) and is saved whole to
-``<output-dir>/logs/``. The exit status is
-Flower's verdict on the run (``fedfm_flower.simulation.launch.ExitCode``): 0 only when it completed.
+``<output-dir>/logs/``. The exit status is Flower's verdict on the run
+(``fedfm_flower.simulation.verdict.ExitCode``): 0 only when it completed.
 
 Imports inside functions keep ``torch`` out of this module's start-up.
 """
@@ -38,12 +38,6 @@ from typing import IO, TYPE_CHECKING
 from fedfm_flower.records.tracebacks import StreamFilter
 from fedfm_flower.simulation.app_stage import stage_app
 from fedfm_flower.simulation.fork_engine import SERVER_VAR, chosen_engine, launch_server
-from fedfm_flower.simulation.launch import (
-    ExitCode,
-    exit_code_for_status,
-    final_run_status,
-    run_id_from_lines,
-)
 from fedfm_flower.simulation.preflight import check_run, parse_overrides, resolve_config
 from fedfm_flower.simulation.processes import (
     FlowerCommandNotFound,
@@ -53,6 +47,12 @@ from fedfm_flower.simulation.processes import (
     proc_cmdline,
     stop_processes,
     stop_tagged,
+)
+from fedfm_flower.simulation.verdict import (
+    ExitCode,
+    exit_code_for_status,
+    final_run_status,
+    run_id_from_lines,
 )
 
 if TYPE_CHECKING:
