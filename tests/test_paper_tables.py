@@ -16,10 +16,12 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from fedfm_flower.config.experiment import ExperimentConfig
 from fedfm_flower.config.files import CONFIG_ROOT
 from fedfm_flower.data.flan import flan_client_task
 from fedfm_flower.data.instructions import client_task
 from fedfm_flower.methods.registry import method_spec
+from fedfm_flower.models.vit_parts import VIT_PARTS
 from fedfm_flower.report.build import main as report_main
 from fedfm_flower.study.paper_tables import (
     PaperTable,
@@ -161,11 +163,63 @@ def test_pfedpg_cells_are_the_configs_users_run(method: str, tmp_path: Path) -> 
         assert {k: cell.get(k) for k in users} == users, (method, setup)
 
 
+def test_pfedpg_ablation_rows_set_the_keys_the_paper_varies(tmp_path: Path) -> None:
+    """Table 5's row K runs K prompts on every column of both settings (the overlay wins over
+    the setup's pFedPG file, which sets 10); Table 4's rows each run one generator, K = 10."""
+    t5, t4 = load_table("pfedpg-t5"), load_table("pfedpg-t4")
+    defaults = ExperimentConfig().to_run_config()
+
+    def cell(label: str, setup: str) -> dict[str, object]:
+        return {**defaults, **cell_config(label, setup, 0, tmp_path)}
+
+    generators = {
+        "pfedpg:basis-only": "basis",
+        "pfedpg:mlp-generator": "mlp",
+        "pfedpg:adain-generator": "adain",
+        "pfedpg": "cross-attention",
+    }
+    assert t4.labels() == ["fedvpt", *generators]
+    assert [r.name for r in t5.rows] == [f"K = {k}" for k in (1, 5, 10, 50, 100, 200)]
+    for stand_in in (False, True):
+        for row in t5.rows:
+            k = int(row.name.removeprefix("K = "))
+            for setup in t5.setups(stand_in):
+                assert cell(row.label, setup)["vpt-num-prompts"] == k, (row.label, setup)
+        for label, generator in generators.items():
+            for setup in t4.setups(stand_in):
+                keys = cell(label, setup)
+                assert (keys["pfedpg-generator"], keys["vpt-num-prompts"]) == (generator, 10)
+
+
 def test_pfedseq_t1_rows_in_the_papers_order() -> None:
     table = load_table("pfedseq-t1")
     assert [r.name for r in table.rows][:2] == ["Local", "FedAvg"]
     assert table.rows[-1].name == "pFedSeq" and table.rows[-1].paper == (95.30, 94.30, 84.63, 45.25)
     assert len(table.rows) == 13 and table.reference == "local"
+
+
+def test_pfedseq_ablation_rows_change_only_the_key_the_paper_removes(tmp_path: Path) -> None:
+    """pFedSeq's Tables 2-3: on each paper column a variant row's config is pFedSeq's with only
+    its one key changed, the variant winning over the dataset's pfedseq file (L = 20 / 10,
+    learner mamba)."""
+    removed = {
+        "pfedseq:variant-a": {"pfedseq-global-aggregation": False},
+        "pfedseq:variant-b": {"pfedseq-seq-len": 1},
+        "pfedseq:variant-c": {"pfedseq-cross-client": False},
+        "pfedseq:variant-d": {"pfedseq-learner": "mlp"},
+        "pfedseq:variant-e": {"pfedseq-learner": "lstm"},
+    }
+    t2, t3 = load_table("pfedseq-t2"), load_table("pfedseq-t3")
+    assert t2.labels() == [*list(removed)[:3], "pfedseq"]
+    assert t3.labels() == [*list(removed)[3:], "pfedseq"]
+    for setup in t2.setups():
+        full = cell_config("pfedseq", setup, 0, tmp_path)
+        assert full["pfedseq-learner"] == "mamba"
+        for label, keys in removed.items():
+            cell = cell_config(label, setup, 0, tmp_path)
+            changed = {k for k in {*cell, *full} if cell.get(k) != full.get(k)}
+            assert changed <= {*keys, "label", "run-name"}, (label, setup, changed)
+            assert {k: cell[k] for k in keys} == keys, (label, setup)
 
 
 def test_fedperfix_t5_columns_change_only_the_vit(tmp_path: Path) -> None:
@@ -185,7 +239,7 @@ def test_fedperfix_t5_columns_change_only_the_vit(tmp_path: Path) -> None:
 
 def test_fedperfix_tables_agree_on_table_2s_cifar100_setting() -> None:
     """Where a FedPerfix table's column is Table 2's CIFAR-100 setting, each row's paper figure
-    is Table 2's for the same method (the paper repeats that run in Tables 3-6)."""
+    is Table 2's for the same method (the paper repeats that run in Tables 1 and 3-6)."""
 
     def figures(name: str) -> dict[str, float | None]:
         table = load_table(name)
@@ -193,10 +247,49 @@ def test_fedperfix_tables_agree_on_table_2s_cifar100_setting() -> None:
         return {r.label: r.paper[column] for r in table.rows if r.label is not None}
 
     table_2 = figures("fedperfix-t2")
-    for name in ("fedperfix-t3", "fedperfix-t4", "fedperfix-t5", "fedperfix-t6"):
+    for name in ("fedperfix-t1", "fedperfix-t3", "fedperfix-t4", "fedperfix-t5", "fedperfix-t6"):
         ours = figures(name)
         shared = ours.keys() & table_2.keys()
         assert shared and all(ours[k] == table_2[k] for k in shared), name
+
+
+def test_fedperfix_t1_rows_keep_their_layer_type_local(tmp_path: Path) -> None:
+    """Table 1's rows keep exactly the paper's layer type local, with the head in a combined
+    row, and no plugin, on both settings; a row whose run is one of Table 2's under another
+    label (every key but the label the same) has Table 2's figure (FedBN, Vanilla Attention)."""
+    parts = {
+        "Patch Embedding": "vit.patch-embed",
+        "Position Embedding": "vit.pos-embed",
+        "LayerNorm": "vit.norm",
+        "Self-attention": "vit.attn",
+        "MLP": "vit.mlp",
+    }
+    assert {*parts.values(), "vit.cls-token"} == set(VIT_PARTS)  # the paper leaves the tokens
+    expected = {"Classification Head": {"head"}}
+    for name, group in parts.items():
+        expected |= {f"{name} (stand-alone)": {group}, f"{name} (combined)": {group, "head"}}
+    table = load_table("fedperfix-t1")
+    rows = {r.name: r for r in table.rows if r.label and r.label.startswith("fedperfix:")}
+    assert list(rows) == list(expected)
+    for stand_in in (False, True):
+        (setup,) = table.setups(stand_in)
+        for name, row in rows.items():
+            cell = cell_config(row.label, setup, 0, tmp_path)
+            personal = {p.strip() for p in cell["fedperfix-personal"].split(",")}
+            assert (cell["tuner"], personal) == ("none", expected[name]), (name, setup)
+
+    def run(label: str) -> dict:
+        cell = cell_config(label, "cifar100-dir0.1-vit-s16", 0, tmp_path)
+        return {k: v for k, v in cell.items() if k not in ("label", "run-name")}
+
+    table_2 = [r for r in load_table("fedperfix-t2").rows if r.label]
+    same = [
+        (r.paper[0], t.paper[0])
+        for r in rows.values()
+        for t in table_2
+        if run(r.label) == run(t.label)
+    ]
+    assert len(same) == 2 and all(a == b for a, b in same), same
 
 
 def _declare(root: Path, text: str) -> None:

@@ -114,7 +114,8 @@ def gain_density(runs: Sequence[RunResult], setup: str, reference: str, path: Pa
     axes.set_ylabel("density")
     axes.set_title(f"{setup}: gain over {reference} per (seed, client)")
     axes.grid(alpha=0.3)
-    axes.legend(fontsize=7)
+    if gains:  # no method beside the reference: no curve, no legend
+        axes.legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
