@@ -889,3 +889,13 @@ def test_taps_ablation_rows_set_the_keys_the_paper_names(tmp_path: Path) -> None
     assert keys("tap", "multitask-flava", "margin") == {}  # Table 22's FLAVA column: the defaults
     for name in ("tap-t4", "tap-t5", "tap-t6"):
         assert [r.label for r in load_table(name).rows] == ["tap:no-kd", "tap"]
+
+
+def test_feddpa_t11s_13b_rows_change_only_the_checkpoint(tmp_path: Path) -> None:
+    """On the paper's setting a 13B row is its 7B row with LLaMA-13B's weights, nothing else."""
+    for method in ("feddpa-f", "feddpa-t"):
+        small = cell_config(method, "feddpa-flan-dataset1", 0, tmp_path)
+        large = cell_config(f"{method}:llama-13b", "feddpa-flan-dataset1", 0, tmp_path)
+        changed = {k for k in small.keys() | large.keys() if small.get(k) != large.get(k)}
+        assert changed == {"model-name-or-path", "label", "run-name"}, method
+        assert large["model-name-or-path"] == "huggyllama/llama-13b"
