@@ -30,8 +30,8 @@ DAT with the personal ``adapter_0`` and ``adapter_2`` restored over the averaged
 
 * *Adapters are the model's LoRA.* The official adapters are bottleneck adapters after each
   layer's FFN; ours are the LoRA updates on the frozen experts' ``fc1``/``fc2``, the attention
-  ``qkv`` and the encoders. A_s is the LoRALinear's own factors, A_c a second branch of the same
-  shape (``LoRALinear.add_branch``), and the DAT's per-layer update is
+  ``qkv`` and the encoders. A_s is the LoRA layer's own factors, A_c a second branch of the same
+  shape (``LoRALayer.add_branch``), and the DAT's per-layer update is
   ``(alpha / r) ((1 - w) B_g A_g + w B_c A_c) x`` with ``w = feddat-local-weight`` (0.5: the
   official mean of the two adapters' outputs; LoRA being linear, the mean of the two updates).
 * *Components.* A client trains and sends the components of its modality-task pairs
@@ -56,9 +56,10 @@ KL over
 * *State.* A_c and A_g live in the client state (``client.<name>``, ``global.<name>``), so they
   survive restarts; A_c starts from the model's seeded LoRA initialisation (B = 0: a zero update;
   the official draws its adapter's weights from N(0, 0.02)).
-* *Layers.* A_c needs ``LoRALinear`` layers (``mm-offline``, ``mm-flava``); ``mm-vilt``'s
-  encoders tune an embedding and a convolution (``multimodal_hf``), which have no second branch
-  yet, and the DAT refuses them by name.
+* *Layers.* A_c is a branch of every LoRA layer the client trains: linear layers
+  (``mm-offline``, ``mm-flava``, ViLT's backbone) and ViLT's LoRA embedding and convolution
+  (``multimodal_hf``), each the same mixture of its two updates; any other layer is refused by
+  name.
 * *Evaluation* is the DAT: A_g of the client's latest training round with A_c, as the official
   evaluates. A client that has not trained yet evaluates the received global adapter alone.
 """
@@ -77,7 +78,7 @@ from client_apps.base import ClientLogic, ClientRuntime
 from fedfm_flower.data.multitask import IMAGE_GENERATION, PAIRS
 from fedfm_flower.methods.feddat import FedDATSettings
 from fedfm_flower.models import TunedModel
-from fedfm_flower.models.multimodal import LoRALinear
+from fedfm_flower.models.multimodal import LoRALayer
 from fedfm_flower.tasks.base import Batch, StepResult, Task, TrainingObjective
 from fedfm_flower.tasks.distillation import distillation_loss
 from fedfm_flower.tasks.multitask import task_outputs
@@ -123,9 +124,9 @@ def dual_adapter_teacher(
     modules = dict(dat.named_modules())
     for name in client:
         layer = modules[name.rpartition(".")[0]]
-        if not isinstance(layer, LoRALinear):
+        if not isinstance(layer, LoRALayer):
             raise TypeError(
-                f"FedDAT's DAT needs LoRALinear layers; '{name}' belongs to a "
+                f"FedDAT's DAT needs LoRA layers; '{name}' belongs to a "
                 f"{type(layer).__name__}, which has no second branch"
             )
         if layer.branch is None:

@@ -350,11 +350,12 @@ def test_every_config_file_in_the_repository_parses(tmp_path: Path) -> None:
         if path.parent.name == "tables":
             continue  # a paper's table, not a run config: tests/test_paper_tables.py checks those
         values = tomllib.loads(path.read_text())
-        if "data-dir" in values and not Path(values["data-dir"]).exists():
-            # the user's copy of a paper's data (configs/setups/feddpa-flan-dataset1.toml: the
-            # authors' files), never in the repository: an existing directory stands in for it
-            # (preflight refuses the missing one: tests/test_paper_tables.py)
-            values["data-dir"] = str(tmp_path)
+        for key in ("data-dir", "unseen-test-dir"):
+            if key in values and not Path(values[key]).exists():
+                # the user's copy of a paper's data (configs/setups/feddpa-flan-dataset1.toml:
+                # the authors' files), never in the repository: an existing directory stands in
+                # for it (preflight refuses the missing one: tests/test_paper_tables.py)
+                values[key] = str(tmp_path)
         # A method's overlay is checked with a setup of its modality underneath; a transfer
         # setup's (configs/transfer/<setup>/) with its setup underneath.
         if path.parent.parent.name == "transfer":
@@ -362,6 +363,8 @@ def test_every_config_file_in_the_repository_parses(tmp_path: Path) -> None:
             base = tomllib.loads(setup.read_text())
         else:
             base = {} if path.parent.name == "setups" else _model_for(path.parent.name)
+            if "mm-backbone-routing" in values:  # a multi-modal overlay (configs/*/standard.toml)
+                base = {"dataset": "multitask", "backbone": "mm-offline"}
         try:
             ExperimentConfig.from_run_config({**base, **values})
         except ConfigError as err:

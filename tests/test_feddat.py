@@ -67,6 +67,46 @@ def test_dat_forward_is_the_hand_sum_of_the_two_lora_updates(
     assert {"branch.lora_a", "branch.lora_b"} <= set(layer.state_dict())
 
 
+def test_vilts_embedding_and_convolution_lora_take_a_dat_branch_too() -> None:
+    """mm-vilt's encoders tune a LoRA embedding and a LoRA convolution: with a branch each is
+    its base plus scale * (w_main U(B, A) + w U(B', A')), computed here by hand."""
+    from fedfm_flower.models.multimodal_hf import LoRAConv2d, LoRAEmbedding
+
+    torch.manual_seed(0)
+    embedding = LoRAEmbedding(nn.Embedding(7, 4), rank=2, alpha=4.0)
+    conv = LoRAConv2d(nn.Conv2d(3, 5, kernel_size=2, stride=2), rank=2, alpha=4.0)
+    ids, image = torch.tensor([[0, 3, 6], [2, 2, 5]]), torch.randn(2, 3, 4, 4)
+    for layer in (embedding, conv):
+        branch = layer.add_branch(0.3, 0.7)
+        with torch.no_grad():
+            for p in (layer.lora_b, branch.lora_a, branch.lora_b):
+                p.normal_()
+    e_base = embedding.base.weight.detach().double()
+
+    def token_update(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return (a.detach().double().T[ids]) @ b.detach().double().T
+
+    expected = e_base[ids] + 2.0 * (
+        0.7 * token_update(embedding.lora_a, embedding.lora_b)
+        + 0.3 * token_update(embedding.branch.lora_a, embedding.branch.lora_b)
+    )
+    torch.testing.assert_close(embedding(ids).double(), expected, rtol=1e-5, atol=1e-5)
+
+    def patch_update(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        # each 2x2 patch (stride 2) flattened, times A flattened, then B: no convolution call
+        patches = image.double().unfold(2, 2, 2).unfold(3, 2, 2)  # (n, c, 2, 2, kh, kw)
+        flat = patches.permute(0, 2, 3, 1, 4, 5).reshape(2, 2, 2, -1)
+        low = flat @ a.detach().double().reshape(2, -1).T
+        return (low @ b.detach().double().T).permute(0, 3, 1, 2)
+
+    base = conv.base(image).double()
+    expected = base + 2.0 * (
+        0.7 * patch_update(conv.lora_a, conv.lora_b)
+        + 0.3 * patch_update(conv.branch.lora_a, conv.branch.lora_b)
+    )
+    torch.testing.assert_close(conv(image).double(), expected, rtol=1e-5, atol=1e-5)
+
+
 class _Tiny(TunedModel):
     """One LoRA layer and a head: the shape of the multi-modal model's parts."""
 

@@ -314,6 +314,31 @@ def test_a_loss_step_runs_for_every_pair_kind(backbone: str, checkpoints, models
     assert all(isinstance(t, str) for t in mtask.decode_generated(model.tokenizer, generated))
 
 
+def test_feddats_teacher_branches_every_lora_layer_of_vilt(checkpoints, models) -> None:  # noqa: ANN001
+    """FedDAT's DAT on mm-vilt: its LoRA embedding and convolution take A_c as every linear
+    LoRA does; with A_c = A_g and weights (0.5, 0.5) the DAT computes the model's own loss."""
+    from client_apps.feddat import dual_adapter_teacher, lora_names
+    from fedfm_flower.models.multimodal import LoRALayer
+    from fedfm_flower.models.multimodal_hf import LoRAConv2d, LoRAEmbedding
+    from fedfm_flower.tasks import multitask as mtask
+
+    config = _config("mm-vilt", checkpoints["mm-vilt"])
+    model = models["mm-vilt"].eval()
+    names = lora_names(model.parameter_groups())
+    own = model.parameters_named(names)
+    dat = dual_adapter_teacher(model, names, {n: p.detach() for n, p in own.items()}, 0.5)
+    layers = [m for m in dat.modules() if isinstance(m, LoRALayer)]
+    assert {LoRAEmbedding, LoRAConv2d} <= {type(m) for m in layers}
+    assert all(m.branch is not None for m in layers)
+    tokenizer = mtask.text_tokenizer(config)
+    data = mtask.encode_examples(tokenizer, _examples(32), 32, config.max_length)
+    batch = next(mtask.multitask_batches(data, 10, None))
+    with torch.no_grad():
+        expected = mtask.MultimodalMultitask().step(model, batch).loss
+        got = mtask.MultimodalMultitask().step(dat.eval(), batch).loss
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
 def test_an_expert_block_of_a_hf_layer_computes_the_layer(checkpoints) -> None:  # noqa: ANN001
     from transformers import FlavaModel, ViltModel
 

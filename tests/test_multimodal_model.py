@@ -42,7 +42,7 @@ PAIRS = {
 }
 
 
-def _model(parts):  # noqa: ANN001, ANN202
+def _model(parts, routing: str = "experts"):  # noqa: ANN001, ANN202
     from fedfm_flower.data.multitask import PairSpec
     from fedfm_flower.models.multimodal import ImageEncoder, MultiModalMultiTask, TextEncoder
 
@@ -61,6 +61,7 @@ def _model(parts):  # noqa: ANN001, ANN202
         alpha=8.0,
         dropout=0.0,
         image_size=32,
+        routing=routing,
     )
     return model.eval()
 
@@ -98,6 +99,59 @@ def test_every_component_is_a_named_group_and_owners_get_theirs(parts) -> None:
     assert not any("image" in g for g in text_only)
     with pytest.raises(ValueError, match="not in this model"):
         model.components_for(["audio-cls"])
+
+
+def test_the_standard_backbone_is_the_shared_layers_alone(parts) -> None:
+    """mm-backbone-routing = "shared" (TAP's Tables 14-16 baselines): no modality or task layer,
+    every pair holds the same backbone, and a token's output is the shared layers' alone,
+    computed here through the two shared blocks on their own (LoRA non-zero, so that experts
+    would differ from them)."""
+    model = _model(parts, "shared")
+    groups = set(model.parameter_groups().values())
+    assert {g for g in groups if g.startswith(("mome", "mote"))} == {"mome.shared", "mote.shared"}
+    for pair in PAIRS:
+        backbone = [g for g in model.components_for([pair]) if g.startswith(("mome", "mote"))]
+        assert backbone == ["mome.shared", "mote.shared"], pair
+    assert model.components_for(["text-cls"]) == (
+        "encoder.text",
+        "mome.shared",
+        "mote.shared",
+        "decoder.text-cls",
+    )
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("lora_b"):
+                p.normal_(std=0.1)
+    images, ids, mask = _inputs()
+    target = torch.randint(3, 200, (3, 4))
+    with torch.no_grad():
+        image = model.image_encoder(images)
+        text = model.text_encoder(ids, mask)
+        assert model.text_projection is None  # both 128 wide
+        image_mask = image.new_ones(image.shape[:2])
+        tokens = torch.cat(
+            [
+                model.mome_shared(image, image_mask, "shared"),
+                model.mome_shared(text, mask, "shared"),
+            ],
+            1,
+        )
+        joint = torch.cat([image_mask, mask.float()], 1)
+        tokens = model.final_norm(model.mote_shared(tokens, joint, "shared"))
+        expected = model.decoders["text-generation"](target, tokens, joint)
+        torch.testing.assert_close(model("vqa", images, ids, mask, target), expected)
+
+
+def test_the_shared_backbone_is_for_multimodal_baselines_not_tap() -> None:
+    from fedfm_flower.config.experiment import ConfigError
+
+    base = {"dataset": "multitask", "backbone": "mm-offline", "mm-backbone-routing": "shared"}
+    assert ExperimentConfig.from_run_config({**base, "method": "feddat"}).mm_backbone_routing
+    with pytest.raises(ConfigError, match="mm-backbone-routing.*TAP runs on its modality-task"):
+        ExperimentConfig.from_run_config({**base, "method": "tap"})
+    with pytest.raises(ConfigError, match="multi-modal backbones only, not 'tiny-vit'"):
+        ExperimentConfig.from_run_config({"mm-backbone-routing": "shared"})
 
 
 def test_a_task_trains_exactly_its_components_and_the_frozen_weights_stay(parts) -> None:

@@ -23,6 +23,7 @@ from fedfm_flower.data.instructions import client_task
 from fedfm_flower.methods.registry import method_spec
 from fedfm_flower.models.vit_parts import VIT_PARTS
 from fedfm_flower.report.build import main as report_main
+from fedfm_flower.report.task_table import UNSEEN_BLOCKS
 from fedfm_flower.study.paper_tables import (
     PaperTable,
     load_table,
@@ -45,16 +46,27 @@ def _users_data(table: PaperTable, setup: str, stand_in: bool, root: Path) -> di
     """Overrides standing in for the data a user provides: a setup naming a ``flan`` data-dir
     that is not here (the authors' files) gets tiny client files under ``root``, one per
     client, each client's records of the task the table's columns name (columns in client
-    order), and data-dir pointing at them; one naming an image copy that is not here (pFedPG's
+    order), and data-dir pointing at them (an unseen-test-dir that is not here: a tiny file per
+    unseen column's task); one naming an image copy that is not here (pFedPG's
     Office-Caltech10) gets an empty directory, all the config check reads. Preflight itself
     still refuses a missing directory."""
     config = cell_config(table.labels()[0], setup, 0, root)
+    columns = [c for c in table.columns if c.setup_of(stand_in) == setup]
+    unseen = {}
+    if config.get("unseen-test-dir") and not Path(config["unseen-test-dir"]).is_dir():
+        # the unseen tasks' test files (feddpa-t14): one tiny file per unseen column's task
+        unseen_dir = root / "unseen" / setup
+        unseen_dir.mkdir(parents=True)
+        for task in dict.fromkeys(c.task_of(stand_in) for c in columns if c.block in UNSEEN_BLOCKS):
+            record = {"instruction": "Question?", "output": "yes", "category": task}
+            (unseen_dir / f"{task}.json").write_text(json.dumps([record]))
+        unseen = {"unseen-test-dir": str(unseen_dir)}
     if not config.get("data-dir") or Path(config["data-dir"]).is_dir():
-        return {}
+        return unseen
     if config.get("dataset") != "flan":
         (root / "images" / setup).mkdir(parents=True)
         return {"data-dir": str(root / "images" / setup)}
-    tasks = [c.task_of(stand_in) for c in table.columns if c.setup_of(stand_in) == setup]
+    tasks = [c.task_of(stand_in) for c in columns if c.block not in UNSEEN_BLOCKS]
     tasks = [t for t in tasks if t and t != "Average"]
     data = root / "flan" / setup
     data.mkdir(parents=True)
@@ -63,7 +75,7 @@ def _users_data(table: PaperTable, setup: str, stand_in: bool, root: Path) -> di
         record = {"instruction": f"Question {client}?", "output": "yes", "category": task}
         for name in ("local_training", "local_test"):
             (data / f"{name}_{client}.json").write_text(json.dumps([record]))
-    return {"data-dir": str(data)}
+    return {"data-dir": str(data), **unseen}
 
 
 @pytest.mark.parametrize("name", TABLES)
@@ -889,6 +901,19 @@ def test_taps_ablation_rows_set_the_keys_the_paper_names(tmp_path: Path) -> None
     assert keys("tap", "multitask-flava", "margin") == {}  # Table 22's FLAVA column: the defaults
     for name in ("tap-t4", "tap-t5", "tap-t6"):
         assert [r.label for r in load_table(name).rows] == ["tap:no-kd", "tap"]
+
+
+def test_tap_t14_to_t16_run_the_baselines_on_the_standard_backbone(tmp_path: Path) -> None:
+    """Tables 14-16: every baseline row runs mm-backbone-routing = "shared" on every column's
+    setting and stand-in (the variant wins over the setups), TAP its own architecture."""
+    baselines = ["fedavg", "fedavg-ft", "per-fedavg", "per-fedavg-ft", "feddat", "feddat-ft"]
+    for name in ("tap-t14", "tap-t15", "tap-t16"):
+        table = load_table(name)
+        assert table.labels() == [f"{m}:standard" for m in baselines] + ["tap"]
+        for setup in {c.setup_of(s) for c in table.columns for s in (False, True)}:
+            for label in table.labels():
+                routing = cell_config(label, setup, 0, tmp_path).get("mm-backbone-routing")
+                assert routing == (None if label == "tap" else "shared"), (name, setup, label)
 
 
 def test_feddpa_t11s_13b_rows_change_only_the_checkpoint(tmp_path: Path) -> None:

@@ -81,6 +81,32 @@ def test_pfedpg_t1_cells_are_the_configs_users_run(tmp_path: Path) -> None:
             assert {k: cell.get(k) for k in users} == users, (method, setup)
 
 
+def test_pfedpg_t3_columns_are_the_four_sites_and_its_prompt_rows_run_k_3(tmp_path: Path) -> None:
+    """Dermoscopic-FL's sites A-D then their Avg. (the mean of each row's printed four), one
+    client per site; every prompt row tunes the paper's K = 3 there, the full-model rows none."""
+    table = load_table("pfedpg-t3")
+    assert table.setups() == ["pfedpg-dermoscopic-fl"]
+    sites = ["A", "B", "C", "D"]
+    assert averaged_domains(table.columns, stand_in=False) == [*([s] for s in sites), sites]
+    assert averaged_domains(table.columns, stand_in=True)[4] == [
+        "print",
+        "photo",
+        "painting",
+        "noisy-blur",
+    ]
+    for row in table.rows:
+        assert np.mean(row.paper[:4]) == pytest.approx(row.paper[4], abs=0.006), row.name
+    prompts = {"local:vpt-k3", "fedvpt", "fedvpt-deep", "pfedpg"}
+    for label in table.labels():
+        cell = cell_config(label, "pfedpg-dermoscopic-fl", 0, tmp_path)
+        assert (cell["dataset"], cell["partitioner"], cell["num-clients"]) == (
+            "dermoscopic-fl",
+            "natural-id",
+            4,
+        )
+        assert cell.get("vpt-num-prompts") == (3 if label in prompts else None), label
+
+
 MINIMAL = """paper = "P"
 table = "Table 1"
 title = "domains"

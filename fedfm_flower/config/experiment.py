@@ -246,6 +246,38 @@ class ExperimentConfig(
                 True,
                 f"applies to dataset 'multitask' only, not '{self.dataset}'",
             )
+        self._check_unseen()
+
+    def _check_unseen(self) -> None:
+        """``unseen-test-dir`` and ``unseen-tasks``: test-time tasks outside the federation (the
+        instruction task checks their tasks, at preflight too: ``example_counts``)."""
+        for key, value in (
+            ("unseen-test-dir", self.unseen_test_dir),
+            ("unseen-tasks", self.unseen_tasks),
+        ):
+            if value and not self.test_time_evaluation:
+                raise ConfigError(key, value, "needs test-time-evaluation = true")
+            if value and dataset_spec(self.dataset).task != "instruction-following":
+                raise ConfigError(
+                    key,
+                    value,
+                    f"applies to text datasets 'instructions' and 'flan', not '{self.dataset}'",
+                )
+        if self.unseen_test_dir and not Path(self.unseen_test_dir).expanduser().is_dir():
+            raise ConfigError("unseen-test-dir", self.unseen_test_dir, "no such directory")
+        if self.unseen_tasks and self.dataset != "instructions":
+            raise ConfigError(
+                "unseen-tasks",
+                self.unseen_tasks,
+                f"names offline tasks of dataset 'instructions', not '{self.dataset}' (use "
+                "unseen-test-dir)",
+            )
+
+    @property
+    def unseen_task_names(self) -> tuple[str, ...]:
+        """``unseen-tasks`` as names, in order, each once."""
+        names = (name.strip() for name in self.unseen_tasks.split(","))
+        return tuple(dict.fromkeys(name for name in names if name))
 
     def _check_trackers(self) -> None:
         if self.wandb and not self.wandb_project:
@@ -339,6 +371,19 @@ class ExperimentConfig(
 
         task = dataset_spec(self.dataset).task
         family = family_of(self.backbone)
+        if self.mm_backbone_routing != "experts":
+            if family.modality != "multimodal":
+                raise ConfigError(
+                    "mm-backbone-routing",
+                    self.mm_backbone_routing,
+                    f"applies to the multi-modal backbones only, not '{self.backbone}'",
+                )
+            if self.method == "tap":
+                raise ConfigError(
+                    "mm-backbone-routing",
+                    self.mm_backbone_routing,
+                    "TAP runs on its modality-task architecture (experts) only, as in the paper",
+                )
         if family.name != "vit" and trains_backbone(self):
             raise ConfigError(
                 "train-backbone",

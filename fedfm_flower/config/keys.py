@@ -37,6 +37,8 @@ WANDB_MODES: tuple[str, ...] = ("online", "offline")  # fedfm_flower.records.tra
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
 MODEL_DTYPES: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16")  # hf-causal-lm only
 DEVICE_MAPS: tuple[str, ...] = ("", "auto")  # hf-causal-lm only; "" loads on one device
+# TAP's model's backbone (fedfm_flower.models.multimodal): MoME/MoTE experts, or shared layers only
+MM_BACKBONE_ROUTINGS: tuple[str, ...] = ("experts", "shared")
 # SecAgg+'s masks live below a 2**32 modulus (fedfm_flower.privacy.secagg.MODULUS_RANGE): with
 # 2**22 levels, the sum of up to 1,023 clients' values stays below it (a test checks this).
 QUANTIZATION_LEVELS = 2**22
@@ -213,7 +215,8 @@ class DataKeys:
             "domain per client), `glyph-domains` (offline benchmark: digits in six DomainNet-like "
             "styles with a fixed public split, generated and cached on first use; "
             "[`docs/benchmark.md`](benchmark.md)), `cifar100`, `tiny-imagenet`, `domainnet`, "
-            "`office-caltech10`, `omniglot`, `office-home`, `organamnist` (image classification; "
+            "`office-caltech10`, `dermoscopic-fl`, `omniglot`, `office-home`, `organamnist` "
+            "(image classification; "
             "the last two are FedPerfix's, [below](#fedperfixs-datasets)); `instructions` "
             "(offline instruction following: 8 instruction tasks, one per client in turn; needs a "
             "text backbone), `flan` (FedDPA's federated Flan datasets from `data-dir`, "
@@ -341,6 +344,24 @@ class DataKeys:
             "(FedDPA's test-time personalization). Costs one generation pass per task"
         ),
     )
+    unseen_test_dir: str = setting(
+        "",
+        doc=(
+            "text tasks, with `test-time-evaluation`: a directory of `flan`-format test files "
+            "(`*.json`/`*.jsonl`) of tasks outside the federation (FedDPA's Table 14); each "
+            "client also answers them with its own model and reports `unseen-<task>-rouge-1/2/l` "
+            "per file's task (its records' most common `category`, else the file name; files of "
+            "one task pool), outside `ttp-*`. Empty: none"
+        ),
+    )
+    unseen_tasks: str = setting(
+        "",
+        doc=(
+            "`instructions` with `test-time-evaluation`: comma-separated offline tasks no client "
+            "holds (fewer than 8 clients) answered as `unseen-test-dir`'s, each the test split "
+            "its client would have in the 8-client federation. Empty: none"
+        ),
+    )
 
 
 @dataclass(frozen=True)
@@ -444,6 +465,17 @@ class ModelKeys:
         doc=(
             "the ViT's own weights train and are shared or kept by their groups (`vit.*`); always "
             "on for `fedperfix`, `fedbabu`, `apfl`, `per-fedavg`, `per-fedavg-ft` on a ViT"
+        ),
+    )
+    mm_backbone_routing: str = setting(
+        "experts",
+        choices=MM_BACKBONE_ROUTINGS,
+        doc=(
+            "multi-modal backbones only: `experts`, TAP's modality and task layers of experts "
+            "beside the shared layers; `shared`, a standard transformer backbone: every token "
+            "goes through the shared layers only, so every client holds the same backbone "
+            "components and FedAvg of them is vanilla FedAvg (TAP's Tables 14-16 baselines; not "
+            "with `tap`). [`docs/methods/tap.md`](methods/tap.md)"
         ),
     )
 

@@ -22,6 +22,10 @@ optional ``input`` (FedDPA's instructions already contain the instance text) and
 own record's category. The files give the splits: ``test-fraction`` and ``public-fraction`` are
 not used, and there is no public split.
 
+Unseen tasks. ``flan_unseen_tests`` reads run config ``unseen-test-dir`` (FedDPA's Table 14): a
+directory of test files of tasks outside the federation, in the same record format, one task per
+file, named as a client's task (its records' most common category, else the file's name).
+
 Hub. When ``data-dir`` is not an existing directory but looks like a Hub dataset id
 (``owner/name``: one ``/``, not starting with ``.``, ``/`` or ``~``), it is read with
 ``datasets.load_dataset(name)``: splits ``train`` and ``test``, and a ``task`` or ``category``
@@ -38,6 +42,7 @@ import json
 import re
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +96,35 @@ def flan_client_split(
     else:
         test = _pooled_test(directory, partition_id, len(files), task)
     return train, test
+
+
+def flan_unseen_tests(unseen_dir: str) -> tuple[tuple[str, tuple[Example, ...]], ...]:
+    """(task, test examples) per test-time task outside the federation, tasks sorted: every
+    ``*.json``/``*.jsonl`` file of ``unseen_dir`` (run config ``unseen-test-dir``) holds one task's
+    test examples, the task named as a client's, by its records' most common ``category`` (or
+    ``task``), else by the file's name without suffix; files of one task pool, and every example
+    counts as the file's task whatever its own record says."""
+    directory = Path(unseen_dir).expanduser()
+    if not directory.is_dir():
+        raise FileNotFoundError(f"run config 'unseen-test-dir' = {unseen_dir!r}: no such directory")
+    files = sorted(
+        path
+        for path in directory.iterdir()
+        if path.suffix in (".json", ".jsonl") and path.is_file()
+    )
+    if not files:
+        raise ValueError(
+            f"run config 'unseen-test-dir' = {unseen_dir!r} holds no .json or .jsonl test file"
+        )
+    by_task: dict[str, list[Example]] = {}
+    for path in files:
+        records = _read_records(path)
+        if not records:
+            raise ValueError(f"run config 'unseen-test-dir': {path} holds no record")
+        task = _most_common_task(records) or path.name.split(".")[0]
+        examples = _examples(records, path, task)
+        by_task.setdefault(task, []).extend(replace(e, task=task) for e in examples)
+    return tuple((task, tuple(by_task[task])) for task in sorted(by_task))
 
 
 # --- local files ------------------------------------------------------------------------------
@@ -233,10 +267,15 @@ def _record_task(record: Mapping[str, Any]) -> str | None:
 
 def _task_of(records: Sequence[Any], partition_id: int) -> str:
     """The most common task of ``records`` (the first seen on ties), else ``client-{i}``."""
+    return _most_common_task(records) or f"client-{partition_id}"
+
+
+def _most_common_task(records: Sequence[Any]) -> str | None:
+    """The most common task of ``records`` (the first seen on ties), None when they have none."""
     tasks = Counter(
         task for record in records if isinstance(record, Mapping) and (task := _record_task(record))
     )
-    return tasks.most_common(1)[0][0] if tasks else f"client-{partition_id}"
+    return tasks.most_common(1)[0][0] if tasks else None
 
 
 def _examples(records: Sequence[Any], source: Path | str, task: str | None) -> tuple[Example, ...]:

@@ -8,8 +8,8 @@ are embedded and offline (scikit-learn's digits, as label-skew ``digits`` and fe
 Hub copies: ``uoft-cs/cifar100`` and ``zh-plus/tiny-imagenet`` are the common ones.
 ``wltjr1007/DomainNet`` is a public copy whose card lists ``image``/``label``; if a copy lacks
 the ``domain`` column, name the right one with ``natural-id-column``. We know of no Hub copy of
-Office-Caltech10, Office-Home or of Omniglot with drawer ids, so those need ``data-dir``
-(layouts in ``fedfm_flower.data.loaders``); OrganAMNIST is read from MedMNIST's own
+Office-Caltech10, Dermoscopic-FL, Office-Home or of Omniglot with drawer ids, so those need
+``data-dir`` (layouts in ``fedfm_flower.data.loaders``); OrganAMNIST is read from MedMNIST's own
 ``organamnist.npz`` under ``data-dir`` (``fedfm_flower.data.medmnist``). Following the papers,
 DomainNet keeps only its ten most frequent classes (pFedPG and pFedSeq follow FedBN's
 sub-dataset), and Omniglot predicts the alphabet (50 classes) with one client per drawer
@@ -101,6 +101,16 @@ DATASETS: dict[str, DatasetSpec] = {
         natural_id_column="domain",
         num_classes=10,
         summary="Office-Caltech10, four domains, one client per domain (pFedPG); needs data-dir",
+    ),
+    "dermoscopic-fl": DatasetSpec(
+        hub_name="",
+        image_column="image",
+        label_column="label",
+        natural_id_column="domain",
+        num_classes=3,
+        summary="Dermoscopic-FL, 10,490 dermoscopic images of 3 skin-lesion classes from four "
+        "hospital sites (HAM10K, MSK), one client per site (pFedPG); needs data-dir "
+        "<site>/<class>/<image>",
     ),
     "omniglot": DatasetSpec(
         hub_name="",

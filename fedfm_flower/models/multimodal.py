@@ -21,6 +21,12 @@ modality-task pairs need):
   more than two pretrained blocks (ViLT's eight), the first half makes every layer of the
   modality stack and the second half every layer of the task stack (``ExpertStack``; a token
   keeps its expert through the blocks).
+* **Standard backbone** (``routing = "shared"``, run-config key ``mm-backbone-routing``; TAP's
+  App. C.4 baselines): no modality or task layers, no experts: each modality's tokens go through
+  the modality stack's shared layer alone, the joined tokens through the task stack's shared
+  layer alone (a token's output of a stack is the shared layer's), so every pair uses the same
+  backbone components (``mome.shared``, ``mote.shared``) and component-wise FedAvg of the
+  backbone is vanilla FedAvg.
 * **Decoders** (trained fully, D.1): per classification task an MLP head (FLAVA's Table 18:
   2 layers, ReLU, hidden d/2, dropout 0.3); one transposed-convolution image head shared by the
   image-generation tasks (Table 19, scaled to the image size: a linear map to 64 x S/8 x S/8,
@@ -34,7 +40,8 @@ Parameter groups (component names, open and dotted): ``encoder.image``, ``encode
 ``mome.<modality>.attn``, ``mome.<modality>.expert.<task>``, ``mome.shared``,
 ``mote.<task>.attn``, ``mote.<task>.expert.<modality>``, ``mote.shared``, ``decoder.<task>``
 (classification), ``decoder.image-generation``, ``decoder.text-generation``.
-``components_for(tasks)`` lists the groups a holder of ``tasks`` owns.
+``components_for(tasks)`` lists the groups a holder of ``tasks`` owns. With
+``routing = "shared"`` the ``mome.<modality>...`` and ``mote.<task>...`` groups do not exist.
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedfm_flower.config.keys import MM_BACKBONE_ROUTINGS
 from fedfm_flower.data.images import normalize
 from fedfm_flower.data.multitask import (
     CLASSIFICATION,
@@ -66,7 +74,7 @@ from fedfm_flower.models.language import foundation
 
 
 class LoRABranch(nn.Module):
-    """A second low-rank update of a ``LoRALinear`` (FedDAT's client-specific adapter) and the
+    """A second low-rank update of a ``LoRALayer`` (FedDAT's client-specific adapter) and the
     weights that mix it with the layer's own: ``main_weight * B A x + weight * B' A' x``."""
 
     def __init__(self, like: nn.Module, weight: float, main_weight: float) -> None:
@@ -77,11 +85,52 @@ class LoRABranch(nn.Module):
         self.main_weight = main_weight
 
 
-class LoRALinear(nn.Module):
-    """A frozen linear layer plus a trainable low-rank update: W x + (alpha / r) B A x.
+class LoRALayer(nn.Module):
+    """A frozen layer ``base`` plus a trainable low-rank update, ``base(x) + scale * U(x; B, A)``;
+    a subclass says how its input is prepared (``lora_input``: dropout, or none) and what the
+    update of factors (A, B) is (``low_rank``).
 
     With a ``branch`` (``add_branch``; none by default, and then the forward is the plain one)
-    the update is ``(alpha / r) (w_main B A + w B' A') x`` on the same dropped-out input."""
+    the update is ``scale * (w_main U(x; B, A) + w U(x; B', A'))`` on the same prepared input
+    (FedDAT's dual-adapter teacher)."""
+
+    base: nn.Module
+    lora_a: nn.Parameter
+    lora_b: nn.Parameter
+    scale: float
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.branch: LoRABranch | None = None
+
+    def add_branch(self, weight: float, main_weight: float) -> LoRABranch:
+        """Give the layer a second low-rank update, a copy of its own factors, mixed as
+        ``main_weight * B A + weight * B' A'``; returns it."""
+        self.branch = LoRABranch(self, weight, main_weight)
+        return self.branch
+
+    def lora_input(self, x: torch.Tensor) -> torch.Tensor:
+        """The input the low-rank updates read (the layer's own input by default)."""
+        return x
+
+    def low_rank(self, h: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """The update of factors ``a`` (A) and ``b`` (B) on the prepared input ``h``."""
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """base(x) + scale * the update (with a branch: the mixture of the two updates)."""
+        h = self.lora_input(x)
+        own = self.low_rank(h, self.lora_a, self.lora_b)
+        if self.branch is None:
+            return self.base(x) + self.scale * own
+        other = self.low_rank(h, self.branch.lora_a, self.branch.lora_b)
+        return self.base(x) + self.scale * (
+            self.branch.main_weight * own + self.branch.weight * other
+        )
+
+
+class LoRALinear(LoRALayer):
+    """A frozen linear layer plus a trainable low-rank update: W x + (alpha / r) B A dropout(x)."""
 
     def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float = 0.0) -> None:
         super().__init__()
@@ -93,13 +142,6 @@ class LoRALinear(nn.Module):
         nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))  # peft's default for A
         self.scale = alpha / rank
         self.dropout = nn.Dropout(dropout)
-        self.branch: LoRABranch | None = None
-
-    def add_branch(self, weight: float, main_weight: float) -> LoRABranch:
-        """Give the layer a second low-rank update, a copy of its own factors, mixed as
-        ``main_weight * B A + weight * B' A'``; returns it."""
-        self.branch = LoRABranch(self, weight, main_weight)
-        return self.branch
 
     @property
     def in_features(self) -> int:
@@ -111,18 +153,13 @@ class LoRALinear(nn.Module):
         """The base layer's output width."""
         return self.base.out_features
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """W x + b + scale * B A dropout(x) (with a branch: the mixture of the two updates)."""
-        if self.branch is None:
-            return self.base(x) + self.scale * F.linear(
-                F.linear(self.dropout(x), self.lora_a), self.lora_b
-            )
-        h = self.dropout(x)
-        own = F.linear(F.linear(h, self.lora_a), self.lora_b)
-        other = F.linear(F.linear(h, self.branch.lora_a), self.branch.lora_b)
-        return self.base(x) + self.scale * (
-            self.branch.main_weight * own + self.branch.weight * other
-        )
+    def lora_input(self, x: torch.Tensor) -> torch.Tensor:
+        """dropout(x)."""
+        return self.dropout(x)
+
+    def low_rank(self, h: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """B A h."""
+        return F.linear(F.linear(h, a), b)
 
 
 def _with_lora(module: nn.Linear, rank: int, alpha: float, dropout: float) -> LoRALinear:
@@ -297,8 +334,11 @@ class MultiModalMultiTask(TunedModel):
         dropout: float,
         image_size: int,
         max_target_length: int = 128,
+        routing: str = "experts",
     ) -> None:
         super().__init__()
+        if routing not in MM_BACKBONE_ROUTINGS:
+            raise ValueError(f"routing must be one of {MM_BACKBONE_ROUTINGS}, not {routing!r}")
         if not blocks or len(blocks) % 2:
             raise ValueError(
                 "the backbone takes an even number of pretrained blocks (the first half for the "
@@ -312,6 +352,8 @@ class MultiModalMultiTask(TunedModel):
 
         self.pairs = dict(pairs)
         self.tokenizer = tokenizer
+        self.routing = routing
+        experts = routing == "experts"  # else the standard backbone: the shared layers only
         width = blocks[0].norm1.normalized_shape[0]
         self.width = width
         self.image_encoder = image_encoder
@@ -322,12 +364,12 @@ class MultiModalMultiTask(TunedModel):
         self.mome = nn.ModuleDict(
             {
                 m: layer(modality_blocks, [t for t, s in self.pairs.items() if m in s.modalities])
-                for m in modalities
+                for m in (modalities if experts else ())
             }
         )
         self.mome_shared = layer(modality_blocks, ["shared"])
         self.mote = nn.ModuleDict(
-            {t: layer(task_blocks, list(s.modalities)) for t, s in self.pairs.items()}
+            {t: layer(task_blocks, list(s.modalities)) for t, s in self.pairs.items() if experts}
         )
         self.mote_shared = layer(task_blocks, ["shared"])
         self.final_norm = copy.deepcopy(final_norm).requires_grad_(False)
@@ -371,6 +413,7 @@ class MultiModalMultiTask(TunedModel):
             dropout=config.lora_dropout,
             image_size=config.image_size,
             max_target_length=config.max_length,
+            routing=config.mm_backbone_routing,
         )
 
     def _patterns(self) -> tuple[GroupPattern, ...]:
@@ -404,7 +447,7 @@ class MultiModalMultiTask(TunedModel):
         every = frozenset(self.pairs)
         users: dict[str, set[str]] = {"mome.shared": set(every), "mote.shared": set(every)}
         for task, spec in self.pairs.items():
-            for m in spec.modalities:
+            for m in spec.modalities:  # (no mome.<m>/mote.<task> groups with shared routing)
                 for group in (f"encoder.{m}", f"mome.{m}.attn", f"mome.{m}.expert.{task}"):
                     users.setdefault(group, set()).add(task)
                 users.setdefault(f"mote.{task}.expert.{m}", set()).add(task)
@@ -459,15 +502,17 @@ class MultiModalMultiTask(TunedModel):
             streams.append(("text", tokens, text_mask.to(tokens.dtype)))
         outs, masks, route = [], [], []
         for modality, tokens, mask in streams:
-            specific = self.mome[modality](tokens, mask, task)
             shared = self.mome_shared(tokens, mask, "shared")
-            outs.append(0.5 * (specific + shared))
+            if self.routing == "experts":
+                shared = 0.5 * (self.mome[modality](tokens, mask, task) + shared)
+            outs.append(shared)
             masks.append(mask)
             route += [modality] * tokens.shape[1]
         x, mask = torch.cat(outs, 1), torch.cat(masks, 1)
-        specific = self.mote[task](x, mask, route)
         shared = self.mote_shared(x, mask, "shared")
-        return self.final_norm(0.5 * (specific + shared)), mask
+        if self.routing == "experts":
+            shared = 0.5 * (self.mote[task](x, mask, route) + shared)
+        return self.final_norm(shared), mask
 
     def forward(
         self,
@@ -566,14 +611,22 @@ def text_foundation_config(config: Any) -> Any:
     """The run config of the tiny LLaMA this model's text parts come from (any method: the
     foundation does not depend on it)."""
     return config.replace(
-        method="fedavg", dataset="instructions", backbone="tiny-llama", multitask_style_skew=False
+        method="fedavg",
+        dataset="instructions",
+        backbone="tiny-llama",
+        multitask_style_skew=False,
+        mm_backbone_routing="experts",
     )
 
 
 def image_foundation_config(config: Any) -> Any:
     """The run config of the small-vit this model's image parts come from."""
     return config.replace(
-        method="fedavg", dataset="glyph-domains", backbone="small-vit", multitask_style_skew=False
+        method="fedavg",
+        dataset="glyph-domains",
+        backbone="small-vit",
+        multitask_style_skew=False,
+        mm_backbone_routing="experts",
     )
 
 

@@ -78,7 +78,12 @@ from torch import nn
 from fedfm_flower.config.experiment import ExperimentConfig
 from fedfm_flower.models.causal_lm import model_source
 from fedfm_flower.models.language.foundation import dtype_keyword, pretrained_source
-from fedfm_flower.models.multimodal import LoRALinear, MultiModalMultiTask, check_tuning
+from fedfm_flower.models.multimodal import (
+    LoRALayer,
+    LoRALinear,
+    MultiModalMultiTask,
+    check_tuning,
+)
 
 # backbone -> (the foundation's name in messages, its transformers model type)
 HF_MULTIMODAL: dict[str, tuple[str, str]] = {
@@ -93,7 +98,7 @@ VILT_IMAGE_TYPE, VILT_TEXT_TYPE = 1, 0  # ViLT's modality-type embedding indices
 # --- LoRA on embeddings and convolutions ---------------------------------------------------
 
 
-class LoRAEmbedding(nn.Module):
+class LoRAEmbedding(LoRALayer):
     """A frozen embedding plus a trainable low-rank update: E[i] + (alpha / r) B A[:, i]."""
 
     def __init__(self, base: nn.Embedding, rank: int, alpha: float) -> None:
@@ -103,12 +108,12 @@ class LoRAEmbedding(nn.Module):
         self.lora_b = nn.Parameter(torch.zeros(base.embedding_dim, rank))  # starts as identity
         self.scale = alpha / rank
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """The base vectors of ``ids`` plus the update."""
-        return self.base(ids) + self.scale * F.linear(F.embedding(ids, self.lora_a.T), self.lora_b)
+    def low_rank(self, h: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """B A[:, ids] of the token ids ``h``."""
+        return F.linear(F.embedding(h, a.T), b)
 
 
-class LoRAConv2d(nn.Module):
+class LoRAConv2d(LoRALayer):
     """A frozen convolution plus a trainable low-rank update: a rank-r convolution with the
     base's kernel and stride (A), then a 1x1 one back to the base's channels (B)."""
 
@@ -123,12 +128,14 @@ class LoRAConv2d(nn.Module):
         self.scale = alpha / rank
         self.dropout = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The base convolution plus scale * B (A * dropout(x))."""
-        low = F.conv2d(
-            self.dropout(x), self.lora_a, stride=self.base.stride, padding=self.base.padding
-        )
-        return self.base(x) + self.scale * F.conv2d(low, self.lora_b[:, :, None, None])
+    def lora_input(self, x: torch.Tensor) -> torch.Tensor:
+        """dropout(x)."""
+        return self.dropout(x)
+
+    def low_rank(self, h: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """B (A * h): the rank-r convolution, then the 1x1 one."""
+        low = F.conv2d(h, a, stride=self.base.stride, padding=self.base.padding)
+        return F.conv2d(low, b[:, :, None, None])
 
 
 def _lora_query_value(self_attention: nn.Module, rank: int, alpha: float, dropout: float) -> None:

@@ -51,3 +51,20 @@ def train_metric(name: str) -> str:
 def test_metric(name: str) -> str:
     """Reply metric name of a task's evaluation metric ``name`` (``test-<name>``)."""
     return f"test-{name}"
+
+
+UNSEEN = "unseen-"  # metric names of test-time tasks outside the federation
+
+
+def unseen_metric(task: str, name: str) -> str:
+    """A text task's metric ``name`` on test-time task ``task`` outside the federation
+    (``unseen-<task>-<name>``; ``fedfm_flower.tasks.instructions``), replied as ``test-...``."""
+    return f"{UNSEEN}{task}-{name}"
+
+
+def unseen_task_of(key: str, name: str) -> str | None:
+    """The unseen task of reply metric ``key`` when it is ``test_metric(unseen_metric(task,
+    name))``, else None (their inverse)."""
+    prefix, suffix = test_metric(UNSEEN), f"-{name}"
+    task = key.removeprefix(prefix).removesuffix(suffix)
+    return task if task and len(prefix) + len(task) + len(suffix) == len(key) else None

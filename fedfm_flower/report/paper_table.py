@@ -11,9 +11,10 @@ table of the column's setup (``task_table.build_task_table``): the row's block, 
 method, the column's task; the same cell (mean ± 95% CI over seeds) as that table's, with no
 mark (the task table tests nothing against the reference). Rows are grouped under their
 block's title as in the paper; where the columns name the blocks instead (FedDPA's ablation
-tables), a cell is the column's block's and the column's header names its task, setup and
-block. A declared task that no client of the runs has is named below the table with the tasks
-the runs do have (a dash alone would hide a misnamed task).
+tables; its Table 14, whose columns are unseen test-time tasks at the AVG or MAX block), a cell
+is the column's block's and the column's header names its task, setup and block. A declared
+task that no client of the runs has (an unseen task: that no run answered) is named below the
+table with the tasks the runs do have (a dash alone would hide a misnamed task).
 
 A table whose columns are modality-task pairs (TAP's Table 1) takes each cell from the per-pair
 table of the column's setup (``pair_table.build_pair_table``): the column's row (``<metric>
@@ -38,7 +39,7 @@ from typing import Any
 from fedfm_flower.report.domain_table import DomainTable, domain_cell
 from fedfm_flower.report.pair_table import RAW, PairTable, row_name
 from fedfm_flower.report.tables import Cell
-from fedfm_flower.report.task_table import AVERAGE, TaskTable
+from fedfm_flower.report.task_table import AVERAGE, UNSEEN_BLOCKS, TaskTable
 from fedfm_flower.study.paper_tables import read_table
 
 Cells = dict[tuple[str, str], Cell]
@@ -138,7 +139,17 @@ def _unknown_tasks(document: dict[str, Any], task_tables: TaskTables) -> list[st
     lines = []
     for column in document["columns"]:
         table = task_tables.get(column["setup"]) if column.get("task") else None
-        if table is not None and column["task"] not in table.columns:
+        if table is None:
+            continue
+        if column.get("block") in UNSEEN_BLOCKS:
+            if column["task"] not in table.unseen_columns:
+                found = ", ".join(f"`{c}`" for c in table.unseen_columns) or "none"
+                lines.append(
+                    f"- {column['name']}: unseen task `{column['task']}` is in no run on "
+                    f"`{column['setup']}` (their unseen tasks: {found}); check the table's task "
+                    "names and the runs' unseen-test-dir"
+                )
+        elif column["task"] not in table.columns:
             found = ", ".join(f"`{c}`" for c in table.columns if c != AVERAGE)
             lines.append(
                 f"- {column['name']}: task `{column['task']}` is no client's task in the runs "
@@ -229,9 +240,21 @@ def markdown_paper_table(
                 "each column at its block."
                 if any(c.get("block") for c in columns)
                 else "rows under their block."
+            )
+            + (
+                " An unseen task's column (a test-time task outside the federation): AVG, the "
+                "mean over the clients of each client's score on it; MAX, the highest client's."
+                if any(c.get("block") in UNSEEN_BLOCKS for c in columns)
+                else ""
             ),
             "",
         ]
+        if all(c.get("block") in UNSEEN_BLOCKS for c in columns):
+            caption[0] = (
+                f"Columns: test-time tasks outside the federation of {', '.join(setups)}, as "
+                "the report's per-task table's unseen blocks: AVG, a seed's mean over the "
+                "clients of each client's score on the task; MAX, its highest client's."
+            )
     if by_pair:
         setups = dict.fromkeys(f"`{c['setup']}`" if c["setup"] else "no stand-in" for c in columns)
         caption = [

@@ -8,6 +8,13 @@ task, ``fedfm_flower.tasks.instructions``), the table has one column per client 
 * *Test-time personalization*: each client's ``ttp-rouge-1``, its model's mean ROUGE-1 over
   every task of the federation, its own included (only runs with ``test-time-evaluation``).
 
+Runs that also answered test-time tasks outside the federation (``unseen-test-dir`` or
+``unseen-tasks``: each client's ``unseen-<task>-rouge-1``, ``fedfm_flower.tasks.instructions``)
+add two blocks whose columns are those unseen tasks (``unseen_columns``, sorted; no Average),
+FedDPA's Table 14: *Unseen tasks (AVG)*, a seed's mean over the run's clients of each client's
+ROUGE-1 on the task, and *Unseen tasks (MAX)*, the highest client's. A cell is again the mean
+over seeds ± its 95% half-width. The Markdown shows them as a second table under the first.
+
 A column is a client's task. Its task name comes from the run's ``config.json``: a
 ``client-tasks`` map (partition -> task) when the runner stored one, else from the run config:
 ``fedfm_flower.data.instructions.client_task`` for dataset ``instructions``, ``client <id>``
@@ -44,17 +51,22 @@ BLOCKS: tuple[tuple[str, str], ...] = (
     ("Personalization", PERSONALIZATION),
     ("Test-time personalization", TEST_TIME),
 )
+UNSEEN_AVG = "Unseen tasks (AVG)"  # blocks of test-time tasks outside the federation
+UNSEEN_MAX = "Unseen tasks (MAX)"
+UNSEEN_BLOCKS: tuple[str, ...] = (UNSEEN_AVG, UNSEEN_MAX)
 AVERAGE = "Average"
 STORED_TASKS = "client-tasks"  # optional config.json key: {partition: task name}
 
 
 @dataclass(frozen=True)
 class TaskTable:
-    """One setup's table: task columns (then ``Average``) and per block {label: {column: Cell}}."""
+    """One setup's table: task columns (then ``Average``) and per block {label: {column: Cell}};
+    the unseen blocks' columns are ``unseen_columns``."""
 
     setup: str
     columns: tuple[str, ...]
     blocks: dict[str, dict[str, dict[str, Cell]]]  # block title -> label -> column -> Cell
+    unseen_columns: tuple[str, ...] = ()  # unseen test-time tasks (the UNSEEN_BLOCKS' columns)
 
 
 def has_rouge(run: RunResult) -> bool:
@@ -103,6 +115,18 @@ def task_values(run: RunResult, tasks: dict[int, str], metric: str) -> dict[str,
     return {task: statistics.fmean(v) for task, v in by_task.items()}
 
 
+def unseen_values(run: RunResult, block: str) -> dict[str, float]:
+    """{unseen task: the mean (``UNSEEN_AVG``) or highest (``UNSEEN_MAX``) over the run's clients
+    of their ROUGE-1 on it} (tasks some client answered)."""
+    by_task: dict[str, list[float]] = {}
+    for client in sorted(run.final_metrics):
+        for key, value in run.final_metrics[client].items():
+            if (task := P.unseen_task_of(key, PERSONALIZATION)) is not None:
+                by_task.setdefault(task, []).append(value)
+    aggregate = max if block == UNSEEN_MAX else statistics.fmean
+    return {task: aggregate(values) for task, values in by_task.items()}
+
+
 def build_task_table(
     runs: Sequence[RunResult], setup: str, scale: float = 100.0
 ) -> TaskTable | None:
@@ -137,7 +161,22 @@ def build_task_table(
                 rows[label] = row
         if rows:
             blocks[title] = rows
-    return TaskTable(setup, columns, blocks)
+    unseen: set[str] = set()
+    for block in UNSEEN_BLOCKS:
+        rows = {}
+        for label, by_seed in grouped.items():
+            per_seed = {s: unseen_values(r, block) for s, r in by_seed.items()}
+            row = {}
+            for task in sorted({t for values in per_seed.values() for t in values}):
+                seeds = tuple(s for s in sorted(per_seed) if task in per_seed[s])
+                mean, ci = mean_ci([scale * per_seed[s][task] for s in seeds])
+                row[task] = Cell(setup, label, seeds, mean, ci, None)
+            if row:
+                rows[label] = row
+                unseen |= set(row)
+        if rows:
+            blocks[block] = rows
+    return TaskTable(setup, columns, blocks, tuple(sorted(unseen)))
 
 
 def markdown_task_table(table: TaskTable) -> str:
@@ -154,21 +193,42 @@ def markdown_task_table(table: TaskTable) -> str:
         "| method | " + " | ".join(table.columns) + " |",
         "|---|" + "---:|" * width,
     ]
-    for title, rows in table.blocks.items():
-        lines.append(f"| *{title}* |" + " |" * width)
-        for label, row in rows.items():
+    lines += _block_rows(table, table.columns, [b for b in table.blocks if b not in UNSEEN_BLOCKS])
+    if table.unseen_columns:
+        lines += [
+            "",
+            "Test-time tasks outside the federation (FedDPA's Table 14 layout): final ROUGE-1 x "
+            "100 of each client's model on each unseen task; AVG: a seed's mean over the "
+            "clients, MAX: its highest client; cells as above.",
+            "",
+            "| method | " + " | ".join(table.unseen_columns) + " |",
+            "|---|" + "---:|" * len(table.unseen_columns),
+            *_block_rows(
+                table, table.unseen_columns, [b for b in UNSEEN_BLOCKS if b in table.blocks]
+            ),
+        ]
+    return "\n".join(lines)
+
+
+def _block_rows(table: TaskTable, columns: Sequence[str], blocks: Sequence[str]) -> list[str]:
+    """Markdown rows of ``blocks`` over ``columns``: a block's title, then its method rows."""
+    lines = []
+    for title in blocks:
+        lines.append(f"| *{title}* |" + " |" * len(columns))
+        for label, row in table.blocks[title].items():
             cells = [
                 "—" if (cell := row.get(c)) is None else f"{cell.mean:.2f} ± {cell.ci:.2f}"
-                for c in table.columns
+                for c in columns
             ]
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return lines
 
 
 def task_table_numbers(table: TaskTable) -> dict[str, Any]:
     """The table's numbers for ``report.json``: per block, label and column mean, ci95, seeds."""
     return {
         "columns": list(table.columns),
+        "unseen-columns": list(table.unseen_columns),
         "blocks": {
             title: {
                 label: {

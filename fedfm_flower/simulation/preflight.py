@@ -32,7 +32,14 @@ from fedfm_flower.records.results import RunDirectory
 from fedfm_flower.tasks import task_of
 
 # Run-config keys that hold paths.
-PATH_KEYS = ("output-dir", "cache-dir", "data-dir", "weights-file", "client-state-dir")
+PATH_KEYS = (
+    "output-dir",
+    "cache-dir",
+    "data-dir",
+    "unseen-test-dir",
+    "weights-file",
+    "client-state-dir",
+)
 
 
 class PreflightError(ValueError):

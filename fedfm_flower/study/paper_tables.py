@@ -31,6 +31,14 @@ on the columns or all on the rows: a table where some task columns name a block 
 not is refused naming the columns without one, and a row's block beside the columns' is refused
 naming the row.
 
+A column's block may also be an **unseen** one, ``Unseen tasks (AVG)`` or ``Unseen tasks (MAX)``
+(``task_table.UNSEEN_BLOCKS``; FedDPA's Table 14, ``feddpa-t14``): its ``task`` is then a
+test-time task outside the federation (run config ``unseen-test-dir``: a test file's most common
+category; ``unseen-tasks`` offline), and its cell the mean over seeds of each seed's mean (AVG) or
+highest (MAX) over the clients of the client's ROUGE-1 on that task, as the task table's unseen
+blocks. Only columns name an unseen block (a row naming one is refused), and an unseen column
+names a task, not ``Average`` (refused).
+
 Likewise a table whose columns are **modality-task pairs** of the multi-task federation (TAP's
 Table 1, ``tap-t1``): every column names its ``pair``, a row of the report's per-pair table
 (``fedfm_flower.report.pair_table``) by that table's row name, ``<metric> <pair>`` (``metric``
@@ -279,9 +287,14 @@ def _column(data: dict[str, Any], where: str) -> Column:
         )
     if domain is not None and (task is not None or pair is not None):
         raise ValueError(f"{where}: a column names a 'domain', a client 'task' or a 'pair'")
-    block = _known_block(data, where) if "block" in data else None
+    block = _known_block(data, where, unseen=True) if "block" in data else None
     if block is not None and task is None:
         raise ValueError(f"{where}: 'block' = {block!r} needs the column's client 'task'")
+    if block in _unseen_blocks() and AVERAGE in (task, stand_in_task):
+        raise ValueError(
+            f"{where}: block {block!r} has a column per unseen task and no {AVERAGE!r}; name "
+            "the unseen task (its test file's category)"
+        )
     return Column(
         _text(data, "name", where),
         _text(data, "setup", where),
@@ -356,10 +369,23 @@ def _block_titles() -> list[str]:
     return [title for title, _ in BLOCKS]
 
 
-def _known_block(data: dict[str, Any], where: str) -> str:
-    """A row's or column's ``block``: one of the task table's."""
-    known = _block_titles()
+def _unseen_blocks() -> tuple[str, ...]:
+    """The task table's blocks of unseen test-time tasks (``task_table.UNSEEN_BLOCKS``)."""
+    from fedfm_flower.report.task_table import UNSEEN_BLOCKS
+
+    return UNSEEN_BLOCKS
+
+
+def _known_block(data: dict[str, Any], where: str, unseen: bool = False) -> str:
+    """A row's or column's ``block``: one of the task table's (``unseen``: a column's, which
+    may also be an unseen block; a row's may not)."""
+    known = [*_block_titles(), *(_unseen_blocks() if unseen else ())]
     block = _text(data, "block", where)
+    if block in _unseen_blocks() and not unseen:
+        raise ValueError(
+            f"{where}: 'block' = {block!r} is a column's, not a row's: its columns are unseen "
+            "tasks, each naming its aggregate block"
+        )
     if block not in known:
         raise ValueError(f"{where}: unknown 'block' {block!r}; known: {', '.join(known)}")
     return block
@@ -472,7 +498,9 @@ def table_plan(table: PaperTable, stand_in: bool) -> str:
             f"{c.name} = {c.setup_of(stand_in) or 'none'} {c.task_of(stand_in)} ({c.block})"
             for c in table.columns
         )
-        columns = f"the client tasks of {', '.join(table.setups(stand_in)) or 'none'}: {tasks}"
+        unseen = all(c.block in _unseen_blocks() for c in table.columns)
+        what = "the unseen test-time tasks" if unseen else "the client tasks"
+        columns = f"{what} of {', '.join(table.setups(stand_in)) or 'none'}: {tasks}"
     else:
         tasks = ", ".join(f"{c.name} = {c.task_of(stand_in)}" for c in table.columns)
         columns = f"the client tasks of {', '.join(table.setups(stand_in)) or 'none'}: {tasks}"

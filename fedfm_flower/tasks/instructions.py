@@ -16,6 +16,16 @@ personalization. ``ttp-rouge-1`` (and ``-2``, ``-l``) is the mean over all tasks
 own included, each task weighing the same, as the paper averages "all tasks including
 test-time tasks" (sec. 5.2).
 
+Test-time tasks outside the federation (FedDPA's Table 14: trained on dataset 1, tested on three
+of dataset 2's tasks): with ``test-time-evaluation``, ``unseen-test-dir`` names a directory of
+``flan``-format test files (``fedfm_flower.data.flan.flan_unseen_tests``: a file's task is its
+records' most common ``category``, else the file's name), and for the offline ``instructions``
+data ``unseen-tasks`` names tasks no client holds. Each client answers every unseen task's test
+examples with its own model (the test-time personalized model of the ``ttp-*`` metrics) and
+reports ``unseen-<task>-rouge-1`` (and ``-2``, ``-l``; ``records.protocol.unseen_metric``) per
+task; they do not enter ``ttp-*``. They are read at the test split's evaluation only (none with
+``evaluation-split = "val"``).
+
 Imports inside functions keep ``numpy`` out of this module's start-up.
 """
 
@@ -32,11 +42,17 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from fedfm_flower.data.flan import flan_client_split, flan_client_task
-from fedfm_flower.data.instructions import build_corpus, client_split, client_task
+from fedfm_flower.data.flan import flan_client_split, flan_client_task, flan_unseen_tests
+from fedfm_flower.data.instructions import (
+    INSTRUCTION_TASKS,
+    build_corpus,
+    client_split,
+    client_task,
+)
 from fedfm_flower.models.causal_lm import tokenizer_of
 from fedfm_flower.models.language.encoding import encode_for_training, encode_prompts, references
 from fedfm_flower.models.language.generate import generate
+from fedfm_flower.records import protocol as P
 from fedfm_flower.tasks.base import Batch, EvalStats, StepResult, Task
 from fedfm_flower.tasks.classification import tensor_batches
 from fedfm_flower.tasks.metrics.rouge import rouge_scores
@@ -66,6 +82,8 @@ class InstructionTest:
     max_new_tokens: int
     batch_size: int
     others: tuple[tuple[Example, ...], ...] = ()  # other tasks' test examples, one per task
+    # (task, test examples) of every test-time task outside the federation
+    unseen: tuple[tuple[str, tuple[Example, ...]], ...] = ()
 
     def __len__(self) -> int:
         return len(self.examples)
@@ -141,6 +159,7 @@ class InstructionFollowing(Task):
                 config.max_new_tokens,
                 config.batch_size,
                 self._other_tasks_tests(config, partition_id, num_partitions, which),
+                self._unseen_tests(config, num_partitions) if which == 1 else (),
             )
 
         return InstructionData(
@@ -176,10 +195,55 @@ class InstructionFollowing(Task):
                     by_task.setdefault(example.task, []).append(example)
         return tuple(tuple(by_task[task]) for task in sorted(by_task))
 
+    def _unseen_tests(
+        self, config: ExperimentConfig, num_partitions: int
+    ) -> tuple[tuple[str, tuple[Example, ...]], ...]:
+        """(task, test examples) of every test-time task outside the federation, when test-time
+        evaluation is on: ``unseen-test-dir``'s files (``flan_unseen_tests``) and the offline
+        ``unseen-tasks``, each the test split its client would hold among 8 clients (one per
+        task). A task of the federation's clients is refused."""
+        if not config.test_time_evaluation:
+            return ()
+        unseen = list(flan_unseen_tests(config.unseen_test_dir)) if config.unseen_test_dir else []
+        for task in config.unseen_task_names:
+            if task not in INSTRUCTION_TASKS:
+                raise ValueError(
+                    f"run config 'unseen-tasks' = {config.unseen_tasks!r}: no offline task "
+                    f"{task!r}; known: {', '.join(INSTRUCTION_TASKS)}"
+                )
+            corpus, tasks = _corpus(config.effective_data_seed), len(INSTRUCTION_TASKS)
+            position = INSTRUCTION_TASKS.index(task)
+            test = client_split(
+                corpus,
+                position,
+                tasks,
+                config.public_fraction,
+                config.test_fraction,
+                config.effective_data_seed,
+            )[1]
+            unseen.append((task, test))
+        federation = {self._client_task(config, p): p for p in reversed(range(num_partitions))}
+        names = [task for task, _ in unseen]
+        for task in names:
+            if task in federation or names.count(task) > 1:
+                why = (
+                    f"is client {federation[task]}'s task"
+                    if task in federation
+                    else "is named by both unseen-test-dir and unseen-tasks"
+                )
+                raise ValueError(
+                    f"run config 'unseen-test-dir' / 'unseen-tasks': unseen task {task!r} {why}; "
+                    "an unseen task is none of the federation's, each once (clients take the "
+                    "offline tasks in turn: fewer clients leave some unseen)"
+                )
+        return tuple(sorted(unseen))
+
     def example_counts(self, config: ExperimentConfig, num_clients: int) -> list[ClientExamples]:
-        """Train/test sizes of every client's split (no tokenizer needed)."""
+        """Train/test sizes of every client's split (no tokenizer needed); the unseen tasks
+        are read here too, so that preflight refuses bad ones before any run."""
         from fedfm_flower.data.sizes import ClientExamples
 
+        self._unseen_tests(config, num_clients)
         counts = []
         for client in range(num_clients):
             train, test, val = self._splits(config, client, num_clients)
@@ -223,8 +287,12 @@ class InstructionFollowing(Task):
             return rouge_scores(answers, references(examples))
 
         scores = scores_on(test.examples)
+        names = list(scores)
         if test.others:
             every_task = [scores, *(scores_on(examples) for examples in test.others)]
-            for name in list(scores):
+            for name in names:
                 scores[f"ttp-{name}"] = sum(s[name] for s in every_task) / len(every_task)
+        for task, examples in test.unseen:
+            for name, value in scores_on(examples).items():
+                scores[P.unseen_metric(task, name)] = value
         return EvalStats(total_loss / max(tokens, 1), scores, len(test))
