@@ -27,6 +27,7 @@ from fedfm_flower.methods.pfedseq import PFedSeqSettings
 from fedfm_flower.methods.registry import METHODS as REGISTRY
 from fedfm_flower.methods.registry import settings_class, settings_classes
 from fedfm_flower.methods.settings import MethodSettings, allowed_values
+from tests.user_dirs import with_user_dirs
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -350,12 +351,7 @@ def test_every_config_file_in_the_repository_parses(tmp_path: Path) -> None:
         if path.parent.name == "tables":
             continue  # a paper's table, not a run config: tests/test_paper_tables.py checks those
         values = tomllib.loads(path.read_text())
-        for key in ("data-dir", "unseen-test-dir"):
-            if key in values and not Path(values[key]).exists():
-                # the user's copy of a paper's data (configs/setups/feddpa-flan-dataset1.toml:
-                # the authors' files), never in the repository: an existing directory stands in
-                # for it (preflight refuses the missing one: tests/test_paper_tables.py)
-                values[key] = str(tmp_path)
+        values = with_user_dirs(values, tmp_path)  # the authors' data, never here
         # A method's overlay is checked with a setup of its modality underneath; a transfer
         # setup's (configs/transfer/<setup>/) with its setup underneath.
         if path.parent.parent.name == "transfer":

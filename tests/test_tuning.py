@@ -28,6 +28,7 @@ from fedfm_flower.study.search import (
 )
 from fedfm_flower.study.sweep import CONFIG_ROOT, cell_config
 from tests.serial_pool import RunPool, tune_pools
+from tests.user_dirs import with_user_dirs
 
 BASE = {"method": "fedprox", "dataset": "digits", "lr": 0.02, "local-epochs": 1}
 
@@ -73,8 +74,7 @@ def test_every_methods_declared_space_resolves_on_its_setups(tmp_path: Path) -> 
             if not shared and "dataset" not in tomllib.loads(setup_file.read_text()):
                 continue  # a variant of the method, not a setup
             base = cell_config(method, setup_file.stem, 0, Path("/tmp/unused"))
-            if base.get("data-dir") and not Path(base["data-dir"]).exists():
-                base["data-dir"] = str(tmp_path)  # the user's copy of a paper's data (FedDPA's)
+            base = with_user_dirs(base, tmp_path)  # the user's copy of a paper's data (FedDPA's)
             space = resolve_space(search.method_space(base), base)
             full = {**ExperimentConfig().to_run_config(), **base}
             applies = {
