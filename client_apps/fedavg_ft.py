@@ -14,10 +14,11 @@ from typing import Any
 import torch
 
 from client_apps.base import ClientRuntime
+from client_apps.fedprox import proximal_options
 from client_apps.split import SplitClient
 from fedfm_flower.methods.fedavg_ft import FedAvgFTSettings
 from fedfm_flower.models import TunedModel
-from fedfm_flower.tasks.training import EvalStats, proximal_term
+from fedfm_flower.tasks.training import EvalStats
 
 
 class FedAvgFineTuneClient(SplitClient):
@@ -33,9 +34,7 @@ class FedAvgFineTuneClient(SplitClient):
         """FedProx's penalty on the shared parameters when ``fedavg-ft-prox-mu`` > 0 (none at
         0: FedAvg's training, unchanged)."""
         mu = runtime.config.settings_of(FedAvgFTSettings).prox_mu
-        if mu <= 0:
-            return {}
-        return {"penalty": proximal_term(model.parameters_named(shared), received, mu)}
+        return proximal_options(model, shared, received, mu) if mu > 0 else {}
 
     def evaluate(
         self, runtime: ClientRuntime, received: dict[str, torch.Tensor], server_round: int

@@ -31,5 +31,13 @@ class FedProxClient(SplitClient):
         received: dict[str, torch.Tensor],
     ) -> dict[str, Any]:
         """The proximal penalty on the shared parameters, added to every batch's loss."""
-        mu = runtime.config.settings_of(FedProxSettings).mu
-        return {"penalty": proximal_term(model.parameters_named(shared), received, mu)}
+        return proximal_options(
+            model, shared, received, runtime.config.settings_of(FedProxSettings).mu
+        )
+
+
+def proximal_options(
+    model: TunedModel, shared: list[str], received: dict[str, torch.Tensor], mu: float
+) -> dict[str, Any]:
+    """Training options adding FedProx's mu/2 ||w - w_received||^2 on the shared parameters."""
+    return {"penalty": proximal_term(model.parameters_named(shared), received, mu)}

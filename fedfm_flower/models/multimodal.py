@@ -502,17 +502,15 @@ class MultiModalMultiTask(TunedModel):
             streams.append(("text", tokens, text_mask.to(tokens.dtype)))
         outs, masks, route = [], [], []
         for modality, tokens, mask in streams:
+            specific = self.mome[modality](tokens, mask, task) if self.mome else None
             shared = self.mome_shared(tokens, mask, "shared")
-            if self.routing == "experts":
-                shared = 0.5 * (self.mome[modality](tokens, mask, task) + shared)
-            outs.append(shared)
+            outs.append(shared if specific is None else 0.5 * (specific + shared))
             masks.append(mask)
             route += [modality] * tokens.shape[1]
         x, mask = torch.cat(outs, 1), torch.cat(masks, 1)
+        specific = self.mote[task](x, mask, route) if self.mote else None
         shared = self.mote_shared(x, mask, "shared")
-        if self.routing == "experts":
-            shared = 0.5 * (self.mote[task](x, mask, route) + shared)
-        return self.final_norm(shared), mask
+        return self.final_norm(shared if specific is None else 0.5 * (specific + shared)), mask
 
     def forward(
         self,

@@ -106,7 +106,7 @@ def write_report(
     pair_tables = {s: pair_table.build_pair_table(runs, s, reference) for s in setups}
     if paper is not None:
         by_domain = {}  # per-domain values: only a table whose columns are domains reads them
-        if any(column.get("domain") for column in paper["columns"]):
+        if paper_table.domain_columns(paper):
             by_domain = {s: domain_table.build_domain_table(runs, s) for s in setups}
         sections += [
             paper_table.markdown_paper_table(paper, cells, task_tables, pair_tables, by_domain),

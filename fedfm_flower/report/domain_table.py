@@ -18,7 +18,6 @@ seed whose run has no client of the domain does not count in the cell.
 
 from __future__ import annotations
 
-import json
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ from pathlib import Path
 
 from fedfm_flower.report.runs import RunResult
 from fedfm_flower.report.tables import Cell
-from fedfm_flower.report.task_table import client_partitions
+from fedfm_flower.report.task_table import stored_by_client, task_values
 from fedfm_flower.study.statistics import mean_ci
 
 STORED_DOMAINS = "client-domains"  # config.json key: {partition: domain name}
@@ -45,21 +44,8 @@ class DomainTable:
 def client_domains(path: Path, clients: Sequence[int]) -> dict[int, str]:
     """{client id: domain} of the run at ``path`` (stored by partition; ``client <id>`` where
     the run stored none)."""
-    payload = json.loads((path / "config.json").read_text())
-    stored = {str(k): str(v) for k, v in (payload.get(STORED_DOMAINS) or {}).items()}
-    partition_of = client_partitions(path)
-    return {
-        client: stored.get(str(partition_of.get(client, client)), f"client {client}")
-        for client in clients
-    }
-
-
-def domain_values(run: RunResult, domains: dict[int, str]) -> dict[str, float]:
-    """{domain: mean over the run's clients of that domain of the final metric}."""
-    by_domain: dict[str, list[float]] = {}
-    for client in sorted(run.final):
-        by_domain.setdefault(domains[client], []).append(run.final[client])
-    return {domain: statistics.fmean(values) for domain, values in by_domain.items()}
+    named, _, _ = stored_by_client(path, STORED_DOMAINS, clients)
+    return {client: named.get(client, f"client {client}") for client in clients}
 
 
 def build_domain_table(runs: Sequence[RunResult], setup: str) -> DomainTable | None:
@@ -73,7 +59,7 @@ def build_domain_table(runs: Sequence[RunResult], setup: str) -> DomainTable | N
         domains = client_domains(run.path, sorted(run.final))
         for client, domain in domains.items():
             first_client[domain] = min(client, first_client.get(domain, client))
-        per_seed.setdefault(run.label, {})[run.seed] = domain_values(run, domains)
+        per_seed.setdefault(run.label, {})[run.seed] = task_values(run, domains, run.metric)
     return DomainTable(setup, tuple(sorted(first_client, key=first_client.__getitem__)), per_seed)
 
 

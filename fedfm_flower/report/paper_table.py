@@ -90,7 +90,7 @@ def _by_pair(document: dict[str, Any]) -> bool:
     return any(column.get("pair") for column in document["columns"])
 
 
-def _by_domain(document: dict[str, Any]) -> bool:
+def domain_columns(document: dict[str, Any]) -> bool:
     """Whether the table's columns are client domains (a record without the key: not)."""
     return any(column.get("domain") for column in document["columns"])
 
@@ -209,7 +209,7 @@ def markdown_paper_table(
     columns = document["columns"]
     by_task = _by_task(document)
     by_pair = _by_pair(document)
-    by_domain = _by_domain(document)
+    by_domain = domain_columns(document)
     header, rule = ["row", "method"], ["---", "---"]
     for column in columns:
         if by_domain:
@@ -328,7 +328,7 @@ def paper_table_numbers(
     columns name theirs: then each column's cells name it); a pair column its ``pair``; a domain
     column its ``domain`` and the ``domains`` its cell averages."""
     task_tables = task_tables or {}
-    by_task, by_pair, by_domain = _by_task(document), _by_pair(document), _by_domain(document)
+    by_task, by_pair, by_domain = _by_task(document), _by_pair(document), domain_columns(document)
     rows = []
     for row in document["rows"]:
         entries = {}

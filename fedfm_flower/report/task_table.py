@@ -84,25 +84,28 @@ def client_partitions(path: Path) -> dict[int, int]:
     return {int(client): int(partition) for client, partition in recorded.items()}
 
 
-def client_tasks(path: Path, clients: Sequence[int]) -> dict[int, str]:
-    """{client id: task name} of the run at ``path`` (stored, else derived from its config).
-
-    The stored map and the dataset's tasks are keyed by partition; a client id is looked up
-    through the partition its node reported (the id itself where none was recorded)."""
+def stored_by_client(
+    path: Path, key: str, clients: Sequence[int]
+) -> tuple[dict[int, str], dict[int, int], dict[str, Any]]:
+    """({client id: name} of config.json's ``key`` map, which is keyed by partition, for the
+    clients it names; {client id: partition}; config.json). A client id is looked up through
+    the partition its node reported (the id itself where none was recorded)."""
     payload = json.loads((path / "config.json").read_text())
-    stored = {str(k): str(v) for k, v in (payload.get(STORED_TASKS) or {}).items()}
-    dataset = payload["run-config"].get("dataset")
-    partition_of = client_partitions(path)
-    tasks = {}
-    for client in clients:
-        partition = partition_of.get(client, client)
-        if str(partition) in stored:
-            tasks[client] = stored[str(partition)]
-        elif dataset == "instructions":
-            tasks[client] = client_task(partition)
-        else:
-            tasks[client] = f"client {client}"
-    return tasks
+    stored = {str(k): str(v) for k, v in (payload.get(key) or {}).items()}
+    recorded = client_partitions(path)
+    partition_of = {client: recorded.get(client, client) for client in clients}
+    named = {c: stored[str(p)] for c, p in partition_of.items() if str(p) in stored}
+    return named, partition_of, payload
+
+
+def client_tasks(path: Path, clients: Sequence[int]) -> dict[int, str]:
+    """{client id: task name} of the run at ``path`` (stored, else derived from its config)."""
+    named, partition_of, payload = stored_by_client(path, STORED_TASKS, clients)
+    instructions = payload["run-config"].get("dataset") == "instructions"
+    return {
+        c: named.get(c) or (client_task(partition_of[c]) if instructions else f"client {c}")
+        for c in clients
+    }
 
 
 def task_values(run: RunResult, tasks: dict[int, str], metric: str) -> dict[str, float]:
