@@ -5,7 +5,8 @@ embedding network E(.; psi) (``fedfm_flower.learners.embedding_network``), Adam 
 per client the last descriptor v_i it reported and that report's round. Client i's payload
 (``payload``) is theta_i = h((v_i - m) / s), psi, the round of v_i and, when there is a v_i, the
 Jacobian d theta_i / d v_i; a step (``step``) takes the mean over the reporting clients of the
-pFedHN vector-Jacobian product for phi and of the clients' psi gradients, clips their joint
+pFedHN vector-Jacobian product for phi and the mean of the psi gradients over the clients that
+sent one, clips their joint
 norm, takes one Adam step and keeps the new descriptors. The one-message schedule and every
 choice: ``fedfm_flower.methods.pefll``. The message's extra tensors are named by the constants
 below, which ``client_apps.pefll`` reads.
@@ -107,8 +108,8 @@ class PeFLLServer(HyperNetworkServer):
         embedding_grads: dict[int, dict[str, torch.Tensor]],
     ) -> float:
         """Zero the grads; phi's: backpropagate the mean of -<theta_i, Delta_i> at the
-        descriptors the thetas were generated from; psi's: the sum of the clients' gradients
-        over the number of ``updates``. Returns the surrogate's mean."""
+        descriptors the thetas were generated from; psi's: the mean of the gradients the clients
+        sent (over those clients only). Returns the surrogate's mean."""
         self.optimizer.zero_grad(set_to_none=True)
         total = torch.zeros((), device=self.device)
         for client, update in updates.items():
@@ -119,7 +120,7 @@ class PeFLLServer(HyperNetworkServer):
         if embedding_grads:
             for name, param in self.embedding.named_parameters():
                 summed = sum(g[name].to(self.device, param.dtype) for g in embedding_grads.values())
-                param.grad = summed / len(updates)
+                param.grad = summed / len(embedding_grads)
         return float(mean.detach())
 
     def step(

@@ -32,8 +32,13 @@ d theta_i^t / d v_i of the hypernetwork at that point (a (d x |theta|) tensor: d
 * replies with Delta_i, the new v_i and the psi gradient.
 
 The server steps phi with the pFedHN vector-Jacobian product of Delta_i at the v_i it used, and
-psi with the clients' gradients, in one Adam step on the mean over the round's clients (the
+psi with the clients' gradients, in one Adam step on the means over the round's clients (the
 authors' ``avg_grads`` with their ``clients_per_step``), clipped jointly to norm 50 as theirs.
+phi's mean is over every reporting client, psi's over the clients that sent a psi gradient: in
+the paper every client of a step sends both, so each mean is over the clients that computed
+that gradient; dividing psi's sum by every reporting client would shrink it by the share of
+clients at their first participation (d below) and, under the joint clip, tilt the step
+towards phi.
 
 What differs from the paper: (a) theta_i^t comes from a descriptor computed with the embedding
 network of the client's previous participation (psi^t', batch B^t') instead of psi^t, so the
