@@ -237,24 +237,24 @@ def _image(rng: np.random.Generator, size: tuple[int, int] = (10, 14)) -> Image.
     return Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8))
 
 
-def test_load_from_disk_dataset_dict(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("dataset", "label"), [("cifar100", "fine_label"), ("cifar10", "label")])
+def test_load_from_disk_dataset_dict(dataset: str, label: str, tmp_path: Path) -> None:
+    """A saved DatasetDict with the Hub copy's columns (uoft-cs/cifar100's ``img`` and
+    ``fine_label``, uoft-cs/cifar10's ``img`` and ``label``) loads as the dataset's clients."""
     import datasets
 
     rng = np.random.default_rng(0)
     features = datasets.Features(
-        {
-            "img": datasets.Image(),
-            "fine_label": datasets.ClassLabel(names=[f"c{i}" for i in range(4)]),
-        }
+        {"img": datasets.Image(), label: datasets.ClassLabel(names=[f"c{i}" for i in range(4)])}
     )
 
     def split(n: int) -> datasets.Dataset:
-        rows = {"img": [_image(rng) for _ in range(n)], "fine_label": [i % 4 for i in range(n)]}
+        rows = {"img": [_image(rng) for _ in range(n)], label: [i % 4 for i in range(n)]}
         return datasets.Dataset.from_dict(rows, features=features)
 
     datasets.DatasetDict({"train": split(40), "test": split(20)}).save_to_disk(tmp_path / "c")
     config = digits_config(
-        dataset="cifar100", data_dir=str(tmp_path / "c"), partitioner="iid", public_fraction=0.2
+        dataset=dataset, data_dir=str(tmp_path / "c"), partitioner="iid", public_fraction=0.2
     )
     assert num_classes_of(config) == 4
     sizes = 0

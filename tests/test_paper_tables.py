@@ -162,17 +162,41 @@ def test_pfedseq_cells_are_the_configs_users_run(tmp_path: Path) -> None:
         assert {k: baseline.get(k) for k in shared} == shared, setup
 
 
+def test_peradas_cells_distil_on_cifar10_as_pfedseq_and_the_stand_in_on_its_public_split(
+    tmp_path: Path,
+) -> None:
+    """pFedSeq's Appendix B: PerAda's KD runs on CIFAR-10 on every dataset of Table 1; the
+    offline stand-in has no CIFAR-10 and keeps the run dataset's public split (the default)."""
+    table = load_table("pfedseq-t1")
+    for setup in table.setups():
+        assert cell_config("perada", setup, 0, tmp_path)["perada-aux-data"] == "cifar10", setup
+    for setup in table.setups(stand_in=True):
+        assert "perada-aux-data" not in cell_config("perada", setup, 0, tmp_path), setup
+
+
 @pytest.mark.parametrize("method", ["pfedpg", "fedvpt", "fedvpt-deep"])
 def test_pfedpg_cells_are_the_configs_users_run(method: str, tmp_path: Path) -> None:
     """pFedPG's Table 2 cells of the prompt methods set every key of the user's config file
-    (configs/<method>/cifar100-<partition>-vit-b16.toml) to the same value."""
+    (configs/<method>/cifar100-<partition>-vit-b16.toml) to the same value; the CIFAR-10 cells
+    set the same keys but the dataset's own (dataset, classes per client)."""
     files = {"pfedpg-cifar100-dir0.1": "cifar100-dir0.1-vit-b16"}
     files["pfedpg-cifar100-disjoint"] = "cifar100-disjoint-vit-b16"
-    assert set(load_table("pfedpg-t2").setups()) == set(files)
+    cifar10 = {"pfedpg-cifar10-dir0.1": "pfedpg-cifar100-dir0.1"}
+    cifar10["pfedpg-cifar10-disjoint"] = "pfedpg-cifar100-disjoint"
+    assert set(load_table("pfedpg-t2").setups()) == {*cifar10, *files}
     for setup, stem in files.items():
         users = tomllib.loads((CONFIG_ROOT / method / f"{stem}.toml").read_text())
         cell = cell_config(method, setup, 0, tmp_path)
         assert {k: cell.get(k) for k in users} == users, (method, setup)
+    for setup, twin in cifar10.items():
+        cell = cell_config(method, setup, 0, tmp_path)
+        twin_cell = cell_config(method, twin, 0, tmp_path)
+        differ = {k for k in cell.keys() | twin_cell.keys() if cell.get(k) != twin_cell.get(k)}
+        own = {"dataset", "setup", "run-name"} | (
+            {"classes-per-client"} if "disjoint" in setup else set()
+        )
+        assert cell["dataset"] == "cifar10" and differ == own, setup
+        assert cell.get("classes-per-client", 2) == 2
 
 
 def test_pfedpg_ablation_rows_set_the_keys_the_paper_varies(tmp_path: Path) -> None:

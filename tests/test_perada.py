@@ -303,6 +303,51 @@ def test_the_glyphs_auxiliary_set_is_glyph_domains_public_split(
     assert torch.equal(aux.inputs(torch.tensor([0, 2])), torch.tensor([[3.0, 3.0], [13.0, 13.0]]))
 
 
+def test_the_cifar10_auxiliary_set_is_every_image_of_a_local_copy(tmp_path: Path) -> None:
+    """``perada-aux-data = cifar10`` reads all of a local CIFAR-10 copy (train, then test),
+    resized to the run's image size and normalized as the clients' inputs; refused on a
+    CIFAR-10 run and for a missing directory."""
+    import datasets
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    pictures = [Image.fromarray(rng.integers(0, 256, (12, 9, 3), dtype=np.uint8)) for _ in range(7)]
+    features = datasets.Features(
+        {"img": datasets.Image(), "label": datasets.ClassLabel(names=[f"c{i}" for i in range(10)])}
+    )
+    splits = {"train": pictures[:5], "test": pictures[5:]}
+    datasets.DatasetDict(
+        {
+            name: datasets.Dataset.from_dict(
+                {"img": images, "label": [i % 10 for i in range(len(images))]}, features=features
+            )
+            for name, images in splits.items()
+        }
+    ).save_to_disk(tmp_path / "cifar10")
+    config = ExperimentConfig(method="perada").replace(
+        image_size=16, perada_aux_data="cifar10", perada_aux_dir=str(tmp_path / "cifar10")
+    )
+    aux = auxiliary_set(config)
+    assert aux.size == 7
+    want = torch.stack(
+        [
+            torch.from_numpy(np.array(p.resize((16, 16), Image.Resampling.BILINEAR)))
+            .permute(2, 0, 1)
+            .float()
+            / 255.0
+            for p in pictures
+        ]
+    )
+    rows = torch.tensor([6, 0, 3])
+    torch.testing.assert_close(aux.inputs(rows), (want[rows] - 0.5) / 0.5)
+    with pytest.raises(ConfigError, match="'perada-aux-data' = 'cifar10'.*clients hold"):
+        auxiliary_set(config.replace(dataset="cifar10", data_dir=str(tmp_path / "cifar10")))
+    with pytest.raises(ConfigError, match="'perada-aux-dir' = .*no such directory"):
+        auxiliary_set(config.replace(perada_aux_dir=str(tmp_path / "absent")))
+    with pytest.raises(ConfigError, match="'perada-aux-dir' = .*only with perada-aux-data"):
+        config.replace(perada_aux_data="public")
+
+
 # ----------------------------------------------------------------------------- settings
 
 
@@ -321,7 +366,7 @@ def test_settings_defaults_rules_capabilities_and_spec() -> None:
         ("perada-lambda", -1.0),
         ("perada-kd-lr", 0.0),
         ("perada-kd-batch-size", 0),
-        ("perada-aux-data", "cifar10"),
+        ("perada-aux-data", "cifar-10"),
     ):
         with pytest.raises(ConfigError, match=f"'{key}' = {value!r}"):
             ExperimentConfig.from_run_config({"method": "perada", key: value})

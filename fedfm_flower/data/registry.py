@@ -5,7 +5,8 @@ are embedded and offline (scikit-learn's digits, as label-skew ``digits`` and fe
 ``digits-domains``); the others are the papers' benchmarks, loaded from a local copy
 (``data-dir``) or, where a public copy is known, from the Hugging Face Hub by name.
 
-Hub copies: ``uoft-cs/cifar100`` and ``zh-plus/tiny-imagenet`` are the common ones.
+Hub copies: ``uoft-cs/cifar10``, ``uoft-cs/cifar100`` and ``zh-plus/tiny-imagenet`` are the
+common ones.
 ``wltjr1007/DomainNet`` is a public copy whose card lists ``image``/``label``; if a copy lacks
 the ``domain`` column, name the right one with ``natural-id-column``. We know of no Hub copy of
 Office-Caltech10, Dermoscopic-FL, Office-Home or of Omniglot with drawer ids, so those need
@@ -68,6 +69,14 @@ DATASETS: dict[str, DatasetSpec] = {
         embedded=True,
         summary="digits in six DomainNet-like styles (print, handwriting, photo, sketch, "
         "painting, noisy-blur), generated from installed packages; fixed public split",
+    ),
+    "cifar10": DatasetSpec(
+        hub_name="uoft-cs/cifar10",
+        image_column="img",
+        label_column="label",
+        natural_id_column="",
+        num_classes=10,
+        summary="CIFAR-10, 60,000 32x32 images; label skew (pFedPG)",
     ),
     "cifar100": DatasetSpec(
         hub_name="uoft-cs/cifar100",

@@ -11,10 +11,12 @@ frozen backbone is the clients' (the student starts at w_bar). The rule and its 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -40,10 +42,13 @@ class AuxiliarySet:
 
 def auxiliary_set(config: ExperimentConfig) -> AuxiliarySet:
     """The auxiliary set ``perada-aux-data`` names: a public split (pretraining and test parts
-    together, labels dropped), normalized as the clients' inputs; its pixels are decoded on
-    demand. An empty one is a ConfigError naming the key."""
+    together, labels dropped) or a whole other dataset, normalized as the clients' inputs; its
+    pixels are decoded on demand. An empty one is a ConfigError naming the key."""
 
-    choice = config.settings_of(PerAdaSettings).aux_data
+    settings = config.settings_of(PerAdaSettings)
+    choice = settings.aux_data
+    if choice == "cifar10":
+        return whole_dataset(config, choice, settings.aux_dir)
     # glyph-domains' public split is fixed by the dataset, whatever the run's partitioner; the
     # run's own data directory and id column are its dataset's, not the embedded glyphs'.
     owner = (
@@ -60,6 +65,30 @@ def auxiliary_set(config: ExperimentConfig) -> AuxiliarySet:
             f"{owner.public_fraction}); raise public-fraction or choose 'glyphs'",
         )
     source = load_source(DataSettings.from_config(owner))
+
+    def inputs(rows: torch.Tensor) -> torch.Tensor:
+        return normalize(source.images(ids[rows.numpy()]))
+
+    return AuxiliarySet(len(ids), inputs)
+
+
+def whole_dataset(config: ExperimentConfig, dataset: str, data_dir: str) -> AuxiliarySet:
+    """Every image of ``dataset`` (read from ``data_dir``, else by Hub name) at the run's image
+    size; refused when the run's own clients hold that dataset."""
+    if config.dataset == dataset:
+        raise ConfigError(
+            PerAdaSettings.key_of("aux_data"),
+            dataset,
+            f"the run's clients hold {dataset}'s images, and the auxiliary set must be data no "
+            "client holds: choose 'public' (its held-out public split)",
+        )
+    if data_dir and not Path(data_dir).expanduser().is_dir():
+        raise ConfigError(PerAdaSettings.key_of("aux_dir"), data_dir, "no such directory")
+    own = DataSettings.from_config(config)
+    source = load_source(
+        dataclasses.replace(own, dataset=dataset, data_dir=data_dir, natural_id_column="")
+    )
+    ids = np.arange(len(source))
 
     def inputs(rows: torch.Tensor) -> torch.Tensor:
         return normalize(source.images(ids[rows.numpy()]))

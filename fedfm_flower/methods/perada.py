@@ -71,7 +71,10 @@ Choices, and why:
     of it. (scikit-learn's digits are NOT offered as auxiliary data for glyph-domains: its
     handwriting clients are drawn from those scans.)
 
-  The paper's CIFAR-10 for a CIFAR-100 run is not offered: the data package has no CIFAR-10.
+  - ``cifar10``: all of CIFAR-10 (training and test images, 60,000), the paper's auxiliary
+    data for CIFAR-100 (pFedSeq's "100 KD steps on CIFAR-10"), from ``perada-aux-dir`` (a
+    local copy, as ``data-dir`` reads one) or the Hub's ``uoft-cs/cifar10``; resized as the
+    run's images. Refused for a CIFAR-10 run, whose clients hold those images.
 * **Privacy.** The teacher reads each client's returned adapter, not only their average:
   SecAgg+ (the sum only) and central DP (noise on the average only) cannot serve it. Local DP
   can: the distillation reads the clients' noised replies and public data only
@@ -85,10 +88,10 @@ from typing import ClassVar
 
 from fedfm_flower.methods import Capabilities, MethodSpec, ResourceProfile, Split
 from fedfm_flower.methods.ranges import LogUniform
-from fedfm_flower.methods.settings import MethodSettings, setting
+from fedfm_flower.methods.settings import ConfigError, MethodSettings, setting
 
 # Where the server's unlabelled auxiliary images come from (module docstring).
-AUX_DATA: tuple[str, ...] = ("public", "glyphs")
+AUX_DATA: tuple[str, ...] = ("public", "cifar10", "glyphs")
 
 
 @dataclass(frozen=True)
@@ -146,10 +149,30 @@ class PerAdaSettings(MethodSettings):
         choices=AUX_DATA,
         doc=(
             "unlabelled auxiliary images of the distillation: `public` (the run dataset's "
-            "public split, which no client holds) or `glyphs` (glyph-domains' public split: "
-            "another source of digit images)"
+            "public split, which no client holds), `glyphs` (glyph-domains' public split: "
+            "another source of digit images) or `cifar10` (all of CIFAR-10, the paper's for "
+            "CIFAR-100; from `perada-aux-dir` or the Hub)"
         ),
     )
+    aux_dir: str = setting(
+        "",
+        doc=(
+            "with `perada-aux-data = cifar10`: a local copy of CIFAR-10 (a `save_to_disk` "
+            "directory with the Hub copy's `img` and `label` columns); empty loads "
+            "`uoft-cs/cifar10` from the Hub (needs internet)"
+        ),
+        example="data/cifar10",
+    )
+
+    def check(self) -> None:
+        """``perada-aux-dir`` is read only for CIFAR-10 (the server checks that it exists)."""
+        if self.aux_dir and self.aux_data != "cifar10":
+            raise ConfigError(
+                self.key_of("aux_dir"),
+                self.aux_dir,
+                f"is read only with {self.key_of('aux_data')} = 'cifar10' (it is "
+                f"'{self.aux_data}')",
+            )
 
     def distils(self, server_round: int) -> bool:
         """Whether the server distils in ``server_round``."""

@@ -39,6 +39,7 @@ PATH_KEYS = (
     "unseen-test-dir",
     "weights-file",
     "client-state-dir",
+    "perada-aux-dir",
 )
 
 
