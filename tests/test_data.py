@@ -170,6 +170,36 @@ def test_pathological_limits_classes_per_client() -> None:
             assert histograms[p, p % 10] > 0
 
 
+@pytest.mark.parametrize(("clients", "classes"), [(5, 2), (3, 3), (10, 1)])
+def test_disjoint_gives_each_client_every_sample_of_classes_no_other_client_holds(
+    clients: int, classes: int
+) -> None:
+    """Client p's samples are exactly the private samples of its ``classes`` classes, the
+    clients' classes do not overlap, leftover classes go to no client, the draw follows the
+    seed; more classes than the dataset has are refused, naming the keys."""
+    config = digits_config(partitioner="disjoint", classes_per_client=classes, val_fraction=0.1)
+    labels = digits_arrays()[1]
+    public = np.concatenate(public_sample_ids(config))
+    private = np.setdiff1d(np.arange(NUM_DIGITS), public)
+    held: list[set[int]] = []
+    for p in range(clients):
+        ids = client_sample_ids(config, p, clients)
+        samples = np.concatenate([ids.train, ids.test, ids.val])
+        owned = set(labels[samples].tolist())
+        assert len(owned) == classes
+        want = private[np.isin(labels[private], sorted(owned))]
+        assert np.array_equal(np.sort(samples), np.sort(want)), p
+        held.append(owned)
+    assert len(set().union(*held)) == clients * classes  # pairwise disjoint
+    other = digits_config(partitioner="disjoint", classes_per_client=classes, seed=1)
+    drawn = [
+        set(labels[client_sample_ids(other, p, clients).train].tolist()) for p in range(clients)
+    ]
+    assert drawn != held
+    with pytest.raises(ValueError, match=r"'disjoint'.*classes-per-client.*need 12 classes"):
+        client_sample_ids(digits_config(partitioner="disjoint", classes_per_client=2), 0, 6)
+
+
 def test_natural_id_gives_one_domain_per_client() -> None:
     config = digits_config(dataset="digits-domains", partitioner="natural-id")
     sizes = []

@@ -178,7 +178,8 @@ def test_peradas_cells_distil_on_cifar10_as_pfedseq_and_the_stand_in_on_its_publ
 def test_pfedpg_cells_are_the_configs_users_run(method: str, tmp_path: Path) -> None:
     """pFedPG's Table 2 cells of the prompt methods set every key of the user's config file
     (configs/<method>/cifar100-<partition>-vit-b16.toml) to the same value; the CIFAR-10 cells
-    set the same keys but the dataset's own (dataset, classes per client)."""
+    set the same keys but the dataset's own (dataset; for the disjoint column, classes per
+    client and partitioner)."""
     files = {"pfedpg-cifar100-dir0.1": "cifar100-dir0.1-vit-b16"}
     files["pfedpg-cifar100-disjoint"] = "cifar100-disjoint-vit-b16"
     cifar10 = {"pfedpg-cifar10-dir0.1": "pfedpg-cifar100-dir0.1"}
@@ -192,10 +193,13 @@ def test_pfedpg_cells_are_the_configs_users_run(method: str, tmp_path: Path) -> 
         cell = cell_config(method, setup, 0, tmp_path)
         twin_cell = cell_config(method, twin, 0, tmp_path)
         differ = {k for k in cell.keys() | twin_cell.keys() if cell.get(k) != twin_cell.get(k)}
-        own = {"dataset", "setup", "run-name"} | (
-            {"classes-per-client"} if "disjoint" in setup else set()
+        # CIFAR-10's disjoint column: 2 classes a client, which cannot all be a client's own
+        disjoint = {"classes-per-client", "partitioner"} if "disjoint" in setup else set()
+        assert (
+            cell["dataset"] == "cifar10" and differ == {"dataset", "setup", "run-name"} | disjoint
         )
-        assert cell["dataset"] == "cifar10" and differ == own, setup
+        if disjoint:
+            assert (cell["partitioner"], twin_cell["partitioner"]) == ("pathological", "disjoint")
         assert cell.get("classes-per-client", 2) == 2
 
 

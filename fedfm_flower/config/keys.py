@@ -27,6 +27,7 @@ PARTITIONERS: tuple[str, ...] = (
     "iid",
     "dirichlet",
     "pathological",
+    "disjoint",
     "natural-id",
     "domain-dirichlet",
 )
@@ -243,7 +244,10 @@ class DataKeys:
         choices=PARTITIONERS,
         doc=(
             "`iid`, `dirichlet` (label skew with `dirichlet-alpha`), `pathological` "
-            "(`classes-per-client` classes each), `natural-id` (one client per domain/writer), "
+            "(`classes-per-client` classes each, which may overlap between clients), `disjoint` "
+            "(`classes-per-client` classes of its own per client, all their samples; needs "
+            "clients x classes-per-client <= classes), `natural-id` (one client per "
+            "domain/writer), "
             "`domain-dirichlet` (client `p` gets domain `p mod D` of the sorted natural ids, and "
             "each domain is split over its clients with Dirichlet(`dirichlet-alpha`) label skew; "
             "needs at least one client per domain)"
@@ -254,7 +258,9 @@ class DataKeys:
         positive=True,
         doc="concentration of the Dirichlet label skew (> 0; smaller is more skewed)",
     )
-    classes_per_client: int = setting(2, positive=True, doc="classes per client for `pathological`")
+    classes_per_client: int = setting(
+        2, positive=True, doc="classes per client for `pathological` and `disjoint`"
+    )
     natural_id_column: str = setting(
         "",
         doc=(

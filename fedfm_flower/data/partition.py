@@ -9,7 +9,7 @@ The order of operations is fixed and seeded by ``seed``:
    are random, and put into a small ``datasets.Dataset`` of ``sample_id``, ``label`` and, for
    ``natural-id``, the natural-id column; pixels stay out of it;
 3. a flwr-datasets partitioner assigns them to clients (``p.dataset = table``,
-   ``p.load_partition(i)``):
+   ``p.load_partition(i)``), or one of this module's (``disjoint``, ``domain-dirichlet``):
 
    * ``iid``: ``IidPartitioner``;
    * ``dirichlet``: ``DirichletPartitioner`` by label, ``alpha = dirichlet-alpha``, no
@@ -20,6 +20,11 @@ The order of operations is fixed and seeded by ``seed``:
    * ``pathological``: ``PathologicalPartitioner`` with ``classes-per-client`` classes each,
      ``class_assignment_mode="first-deterministic"`` (client ``p`` surely has class
      ``p mod C``, the others are drawn with the seed), the setting of the original paper;
+   * ``disjoint`` (not flwr-datasets'): client ``p`` holds every private sample of
+     ``classes-per-client`` classes that no other client holds, the classes drawn with the
+     seed (a permutation of the classes present, client ``p`` taking block ``p``); it needs
+     ``num-clients x classes-per-client`` <= the number of classes, and classes left over
+     go to no client (pFedPG's "disjoint label space", after ViT-FL);
    * ``natural-id``: ``NaturalIdPartitioner`` on the natural-id column; there is one client
      per distinct value (in sorted order), so ``num_partitions`` must equal that count;
    * ``domain-dirichlet``: clients are dealt round-robin to the sorted natural ids (domains),
@@ -60,6 +65,7 @@ from fedfm_flower.data.loaders import load_source
 from fedfm_flower.data.settings import DataSettings
 from fedfm_flower.data.source import Source
 from fedfm_flower.data.splits import (
+    CLASS_DRAW_STREAM,
     DOMAIN_STREAM,
     PRIVATE_ORDER_STREAM,
     complement,
@@ -193,6 +199,8 @@ def _compute_plan(settings: DataSettings, num_partitions: int) -> PartitionPlan:
     if settings.partitioner == "domain-dirichlet":
         partitions, domains = _domain_dirichlet(settings, source, private, num_partitions)
         return PartitionPlan(public, partitions, domains)
+    if settings.partitioner == "disjoint":
+        return PartitionPlan(public, _disjoint(settings, source, private, num_partitions), None)
     columns: dict[str, Any] = {SAMPLE_ID: private, LABEL: source.labels[private]}
     natural_column = ""
     if settings.partitioner == "natural-id":
@@ -264,6 +272,29 @@ def _domain_dirichlet(
             ) from err
     owners = tuple(_plain(domains[p % len(domains)]) for p in range(num_partitions))
     return tuple(partitions), owners
+
+
+def _disjoint(
+    settings: DataSettings, source: Source, private: np.ndarray, num_partitions: int
+) -> tuple[np.ndarray, ...]:
+    """Client ``p``: every private sample of block ``p`` of a seeded permutation of the
+    classes, ``classes-per-client`` classes a block (in the private samples' order)."""
+    labels = source.labels[private]
+    classes = np.unique(labels)
+    per_client = settings.classes_per_client
+    if num_partitions * per_client > len(classes):
+        raise ValueError(
+            f"partitioner 'disjoint' gives each client {per_client} classes of its own "
+            f"(classes-per-client), so {num_partitions} clients need "
+            f"{num_partitions * per_client} classes, but dataset '{settings.dataset}' has "
+            f"{len(classes)} among its private samples: use fewer clients or classes per "
+            "client, or partitioner 'pathological' (clients' classes may overlap)"
+        )
+    drawn = rng_for(settings.seed, CLASS_DRAW_STREAM).permutation(classes)
+    return tuple(
+        private[np.isin(labels, drawn[p * per_client : (p + 1) * per_client])].astype(np.int64)
+        for p in range(num_partitions)
+    )
 
 
 def make_partitioner(settings: DataSettings, num_partitions: int, natural_column: str) -> Any:

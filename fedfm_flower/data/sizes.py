@@ -70,7 +70,7 @@ def _remedies(config: ExperimentConfig, worst: ClientExamples) -> str:
     knobs = ["use fewer clients"]
     if config.partitioner == "dirichlet":
         knobs.append(f"raise dirichlet-alpha (now {config.dirichlet_alpha:g})")
-    elif config.partitioner == "pathological":
+    elif config.partitioner in ("pathological", "disjoint"):
         knobs.append(f"raise classes-per-client (now {config.classes_per_client})")
     if worst.test < config.min_test_examples <= worst.train:
         knobs.append(f"raise test-fraction (now {config.test_fraction:g})")

@@ -18,6 +18,7 @@ PRIVATE_ORDER_STREAM = 2
 PRETRAIN_STREAM = 3
 CLIENT_STREAM = 4
 DOMAIN_STREAM = 5  # domain-dirichlet partitions: one Dirichlet stream per (seed, domain)
+CLASS_DRAW_STREAM = 6  # disjoint partitions: which classes each client holds
 PRETRAIN_TEST_FRACTION = 0.2
 
 
