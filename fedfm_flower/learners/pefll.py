@@ -6,10 +6,9 @@ per client the last descriptor v_i it reported and that report's round. Client i
 (``payload``) is theta_i = h((v_i - m) / s), psi, the round of v_i and, when there is a v_i, the
 Jacobian d theta_i / d v_i; a step (``step``) takes the mean over the reporting clients of the
 pFedHN vector-Jacobian product for phi and the mean of the psi gradients over the clients that
-sent one, clips their joint
-norm, takes one Adam step and keeps the new descriptors. The one-message schedule and every
-choice: ``fedfm_flower.methods.pefll``. The message's extra tensors are named by the constants
-below, which ``client_apps.pefll`` reads.
+sent one, clips their joint norm, takes one Adam step and keeps the new descriptors. The
+one-message schedule and every choice: ``fedfm_flower.methods.pefll``. The message's extra
+tensors are named by the constants below, which ``client_apps.pefll`` reads.
 """
 
 from __future__ import annotations

@@ -71,10 +71,11 @@ Choices, and why:
     of it. (scikit-learn's digits are NOT offered as auxiliary data for glyph-domains: its
     handwriting clients are drawn from those scans.)
 
-  - ``cifar10``: all of CIFAR-10 (training and test images, 60,000), the paper's auxiliary
-    data for CIFAR-100 (pFedSeq's "100 KD steps on CIFAR-10"), from ``perada-aux-dir`` (a
-    local copy, as ``data-dir`` reads one) or the Hub's ``uoft-cs/cifar10``; resized as the
-    run's images. Refused for a CIFAR-10 run, whose clients hold those images.
+  - ``cifar10``: all of CIFAR-10 (training and test images, 60,000), pFedSeq's auxiliary data
+    (its Appendix B distils on CIFAR-10 on every dataset of its Table 1), from
+    ``perada-aux-dir`` (a local copy, as ``data-dir`` reads one) or the Hub's
+    ``uoft-cs/cifar10``; resized as the run's images. Refused for a CIFAR-10 run, whose
+    clients hold those images.
 * **Privacy.** The teacher reads each client's returned adapter, not only their average:
   SecAgg+ (the sum only) and central DP (noise on the average only) cannot serve it. Local DP
   can: the distillation reads the clients' noised replies and public data only
