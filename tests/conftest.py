@@ -9,7 +9,6 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -31,50 +30,6 @@ def _remove_xdg_cache() -> None:
 
 
 atexit.register(_remove_xdg_cache)
-
-
-# The modules whose tests start real processes (a SuperLink and SuperNodes, Ray, forked
-# workers, Flower's CLI) and wait on them. Under pytest-xdist (scripts/test.sh runs 2 workers)
-# they are one unit of work, run one after another by one worker, so no two of them compete for
-# the cores while the other worker takes the in-process tests, one at a time as it frees up.
-PROCESS_MODULES = frozenset(
-    {
-        "test_bench",
-        "test_chaos",
-        "test_deploy_superlink",
-        "test_deploy_supernode",
-        "test_deployment",
-        "test_failures",
-        "test_faults",
-        "test_fork_engine",
-        "test_forkserver",
-        "test_large_messages",
-        "test_ray_cells",
-        "test_secagg",
-        "test_simulation",
-        "test_startup",
-        "test_warm_executor",
-        "test_warm_worker",
-    }
-)
-
-
-def work_unit(nodeid: str) -> str:
-    """The xdist work unit of a test: ``processes`` for ``PROCESS_MODULES``, else the test."""
-    module = nodeid.split("::", 1)[0].rpartition("/")[2].removesuffix(".py")
-    return "processes" if module in PROCESS_MODULES else nodeid
-
-
-@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, which a plain run lacks
-def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """xdist's scope scheduler with ``work_unit`` as the scope."""
-    from xdist.scheduler import LoadScopeScheduling
-
-    class ProcessesTogether(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            return work_unit(nodeid)
-
-    return ProcessesTogether(config, log)
 
 
 @pytest.fixture(scope="session")
