@@ -26,6 +26,7 @@ from fedfm_flower.data import public_sample_ids
 from fedfm_flower.data.images import normalize
 from fedfm_flower.data.loaders import load_source
 from fedfm_flower.data.settings import DataSettings
+from fedfm_flower.data.source import Source
 from fedfm_flower.methods.perada import PerAdaSettings
 from fedfm_flower.methods.settings import ConfigError
 from fedfm_flower.models import TunedModel
@@ -48,23 +49,25 @@ def auxiliary_set(config: ExperimentConfig) -> AuxiliarySet:
     settings = config.settings_of(PerAdaSettings)
     choice = settings.aux_data
     if choice == "cifar10":
-        return whole_dataset(config, choice, settings.aux_dir)
-    # glyph-domains' public split is fixed by the dataset, whatever the run's partitioner; the
-    # run's own data directory and id column are its dataset's, not the embedded glyphs'.
-    owner = (
-        config
-        if choice == "public"
-        else config.replace(dataset="glyph-domains", data_dir="", natural_id_column="")
-    )
-    ids = np.sort(np.concatenate(public_sample_ids(owner)))
-    if len(ids) == 0:
-        raise ConfigError(
-            PerAdaSettings.key_of("aux_data"),
-            choice,
-            f"the public split of dataset '{owner.dataset}' is empty (public-fraction = "
-            f"{owner.public_fraction}); raise public-fraction or choose 'glyphs'",
+        source = whole_dataset(config, choice, settings.aux_dir)
+        ids = np.arange(len(source))
+    else:
+        # glyph-domains' public split is fixed by the dataset, whatever the run's partitioner;
+        # the run's own data directory and id column are its dataset's, not the embedded glyphs'.
+        owner = (
+            config
+            if choice == "public"
+            else config.replace(dataset="glyph-domains", data_dir="", natural_id_column="")
         )
-    source = load_source(DataSettings.from_config(owner))
+        ids = np.sort(np.concatenate(public_sample_ids(owner)))
+        if len(ids) == 0:
+            raise ConfigError(
+                PerAdaSettings.key_of("aux_data"),
+                choice,
+                f"the public split of dataset '{owner.dataset}' is empty (public-fraction = "
+                f"{owner.public_fraction}); raise public-fraction or choose 'glyphs'",
+            )
+        source = load_source(DataSettings.from_config(owner))
 
     def inputs(rows: torch.Tensor) -> torch.Tensor:
         return normalize(source.images(ids[rows.numpy()]))
@@ -72,9 +75,9 @@ def auxiliary_set(config: ExperimentConfig) -> AuxiliarySet:
     return AuxiliarySet(len(ids), inputs)
 
 
-def whole_dataset(config: ExperimentConfig, dataset: str, data_dir: str) -> AuxiliarySet:
-    """Every image of ``dataset`` (read from ``data_dir``, else by Hub name) at the run's image
-    size; refused when the run's own clients hold that dataset."""
+def whole_dataset(config: ExperimentConfig, dataset: str, data_dir: str) -> Source:
+    """The source of every image of ``dataset`` (read from ``data_dir``, else by Hub name) at
+    the run's image size; refused when the run's own clients hold that dataset."""
     if config.dataset == dataset:
         raise ConfigError(
             PerAdaSettings.key_of("aux_data"),
@@ -85,15 +88,9 @@ def whole_dataset(config: ExperimentConfig, dataset: str, data_dir: str) -> Auxi
     if data_dir and not Path(data_dir).expanduser().is_dir():
         raise ConfigError(PerAdaSettings.key_of("aux_dir"), data_dir, "no such directory")
     own = DataSettings.from_config(config)
-    source = load_source(
+    return load_source(
         dataclasses.replace(own, dataset=dataset, data_dir=data_dir, natural_id_column="")
     )
-    ids = np.arange(len(source))
-
-    def inputs(rows: torch.Tensor) -> torch.Tensor:
-        return normalize(source.images(ids[rows.numpy()]))
-
-    return AuxiliarySet(len(ids), inputs)
 
 
 def kd_batches(size: int, batch_size: int, steps: int, seed: int) -> list[torch.Tensor]:
