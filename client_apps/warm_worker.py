@@ -14,11 +14,11 @@ nobody else needs to. In order, it:
 4. writes a fresh random token to ``<key>.token`` (0600), then binds ``<key>.sock`` (0600 in a
    0700 directory); a connectable socket means a ready worker;
 5. serves. A connection thread checks the token (constant-time compare) and answers ``go``, or
-   ``busy`` while a message is being handled. The main thread runs the message through the
-   ClientApp, exactly as ``flwr-clientapp`` would, and replies with the reply ``Message`` and
-   the updated ``Context``. While the handler runs, a guard exits the process if the requesting
-   ClientApp hangs up: its message is dead, and its work must not go on (no state written
-   after it).
+   ``busy`` while a message is being handled (until its reply is ready to send). The main
+   thread runs the message through the ClientApp, exactly as ``flwr-clientapp`` would, and
+   replies with the reply ``Message`` and the updated ``Context``. While the handler runs, a
+   guard exits the process if the requesting ClientApp hangs up: its message is dead, and its
+   work must not go on (no state written after it).
 6. exits after ``--idle-s`` seconds without a message. Whenever it exits by itself it removes
    its socket, token and lock file (after a SIGKILL the next worker replaces them).
 
@@ -219,7 +219,7 @@ class Worker:
         self.endpoint = endpoint
         self.idle_s = idle_s
         self.token = secrets.token_hex(32).encode()
-        self.busy = threading.Lock()  # held from the "go" until the reply is sent
+        self.busy = threading.Lock()  # held from the "go" until the reply is ready to send
         self.jobs: queue.Queue[socket.socket] = queue.Queue()
         self.listener: socket.socket | None = None
 
@@ -313,6 +313,7 @@ class Worker:
 
         from client_apps.app import app
 
+        released = False
         try:
             conn.settimeout(PAYLOAD_TIMEOUT_S)
             message_bytes = recv_frame(conn, LARGE_FRAME)
@@ -329,12 +330,17 @@ class Worker:
                     log.exception("the ClientApp raised in the warm worker")
                     send_frames(conn, RAISED, f"{type(err).__name__}: {err}".encode())
                     return
-            send_frames(
-                conn,
-                OK,
+            answer = (
                 message_to_proto(reply).SerializeToString(),
                 context_to_proto(context).SerializeToString(),
             )
+            # Free before the reply goes out: a ClientApp that has read it may send the node's
+            # next message at once, and must not find the worker busy with this one's last
+            # steps (the sending, the log line). A message accepted from here on waits in
+            # ``jobs`` until this one is done, as this thread runs one message at a time.
+            self.busy.release()
+            released = True
+            send_frames(conn, OK, *answer)
             log.info(
                 "%s message handled in %.3f s",
                 message.metadata.message_type,
@@ -344,7 +350,8 @@ class Worker:
             log.warning("dropped a request: %s: %s", type(err).__name__, err)
         finally:
             conn.close()
-            self.busy.release()
+            if not released:
+                self.busy.release()
 
 
 def preload() -> None:

@@ -8,9 +8,12 @@ context, and the replies and updated states are compared. The other tests reuse 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import stat
 import subprocess
+import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -221,6 +224,41 @@ def test_a_second_concurrent_request_is_answered_busy(recorded: Recorded) -> Non
         time.sleep(0.1)
     else:
         raise AssertionError("the worker stayed busy")
+
+
+def test_the_next_message_finds_the_worker_free_once_the_reply_is_read(
+    recorded: Recorded, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ClientApp that has read its reply may send the node's next message at once; the worker
+    must not answer it busy while it finishes the last one, however slowly (on a loaded machine
+    its thread may stall right after sending: the next message then went to a cold process)."""
+    from client_apps import warm_worker
+
+    send = warm_worker.send_frames
+
+    def send_then_stall(conn, *payloads: bytes) -> None:
+        send(conn, *payloads)
+        if payloads[:1] == (warm.OK,):
+            time.sleep(0.5)
+
+    monkeypatch.setattr(warm_worker, "send_frames", send_then_stall)
+    directory = Path(tempfile.mkdtemp(prefix="fedfm-warm-test-"))  # a short socket path
+    worker = warm_worker.Worker(warm.Endpoint(directory, "next"), idle_s=2.0)
+    worker.bind()
+    serving = threading.Thread(target=worker.serve, daemon=True)
+    serving.start()
+    try:
+        exchange = find(recorded, "query")[0]
+        for _ in range(3):
+            context = copy_context(exchange.before)
+            reply = warm.forward(exchange.message, context, worker.endpoint)
+            assert reply is not None, "the worker answered busy, or not at all"
+            assert comparable(reply.content) == comparable(exchange.reply.content)
+    finally:
+        worker.close()
+        serving.join(timeout=30)
+        shutil.rmtree(directory, ignore_errors=True)
+    assert not serving.is_alive()
 
 
 def test_a_killed_worker_falls_back_in_process_and_is_replaced(
