@@ -31,6 +31,13 @@ SUMMARY_TIMING = {
 
 
 @pytest.fixture
+def small_run_config(small_run_config: dict) -> dict:
+    """The shared small run, with 2 optimizer steps per client and round: these tests compare
+    two ways of running the same rounds, which agree whatever the training does."""
+    return {**small_run_config, "local-steps": 2}
+
+
+@pytest.fixture
 def phases(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[list[tuple[str, str, bool]]]]:
     """Every send_and_receive call but the identity queries, as (type, group, carries an
     evaluation) per message."""
