@@ -89,7 +89,8 @@ class PerFedAvgClient(ClientLogic):
         """First-order Per-FedAvg steps over the local schedule; send w."""
         model = runtime.model()
         model.load_tensors(received)
-        w = model.parameters_named(_names(runtime, model))
+        names = _names(runtime, model)
+        w = model.parameters_named(names)
         config = runtime.config
         alpha, beta = config.settings_of(PerFedAvgSettings).steps(config.lr)
 
@@ -100,7 +101,8 @@ class PerFedAvgClient(ClientLogic):
         stats = local_schedule(
             runtime, model, w.values(), step, server_round, 2 * config.batch_size
         )
-        return model.tensors_named(w), stats
+        # w and, on a model with BatchNorm, the running statistics its steps updated.
+        return model.tensors_named(names), stats
 
     def evaluate(
         self, runtime: ClientRuntime, received: dict[str, torch.Tensor], server_round: int

@@ -77,8 +77,10 @@ class PFedMeClient(ClientLogic):
             return [pfedme_batch(runtime.task, model, theta, w, batch, settings, config.lr)]
 
         stats = local_schedule(runtime, model, theta.values(), step, server_round)
-        runtime.store.save(server_round, model.tensors_named(names))
-        return {n: t.cpu() for n, t in w.items()}, stats
+        kept = model.tensors_named(names)
+        runtime.store.save(server_round, kept)
+        # w, and the BatchNorm statistics (no parameters: theta's steps updated them) as kept.
+        return {n: w[n].cpu() if n in w else kept[n] for n in names}, stats
 
     def evaluate(
         self, runtime: ClientRuntime, received: dict[str, torch.Tensor], server_round: int

@@ -277,6 +277,36 @@ def test_fedperfix_t5_columns_change_only_the_vit(tmp_path: Path) -> None:
     assert backbones == [f"vit_{size}_patch16_224" for size in ("tiny", "small", "base")]
 
 
+def test_fedperfix_t3s_resnet50_column_changes_only_the_backbone(tmp_path: Path) -> None:
+    """Table 3's ResNet50 column is its ViT-Small column's setting with the whole ResNet50 (and
+    small-resnet for small-vit offline), row for row: FedBN keeps the ResNet's batch norms where
+    the ViT's FedBN keeps its layer norms, no other key of a cell differs; FedPerfix has no
+    ResNet row, as the paper's "-"."""
+    vit, resnet = load_table("fedperfix-t3"), load_table("fedperfix-t3-resnet50")
+    assert [r.name for r in resnet.rows] == [r.name for r in vit.rows]
+    assert [r.name for r in resnet.missing()] == ["FedPerfix"]
+    vit_labels = {r.name: r.label for r in vit.rows}
+    for stand_in, backbone in ((False, "resnet50"), (True, "small-resnet")):
+        ((vit_setup,), (resnet_setup,)) = vit.setups(stand_in), resnet.setups(stand_in)
+        for row in resnet.rows:
+            if row.label is None:
+                continue
+            ours = cell_config(row.label, resnet_setup, 0, tmp_path)
+            theirs = cell_config(vit_labels[row.name], vit_setup, 0, tmp_path)
+            differ = {k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k)}
+            allowed = {"backbone", "setup", "run-name", "label"}
+            if row.name == "FedBN":
+                assert (ours["fedperfix-personal"], theirs["fedperfix-personal"]) == (
+                    "resnet.norm",
+                    "vit.norm",
+                )
+                # No plugin (tuner none): the ViT stand-in's prefix size means nothing to it.
+                assert ours["tuner"] == theirs["tuner"] == "none"
+                allowed |= {"fedperfix-personal", "prefix-bottleneck"}
+            assert differ <= allowed, (row.name, stand_in, differ)
+            assert ours["backbone"] == backbone
+
+
 def test_fedperfix_tables_agree_on_table_2s_cifar100_setting() -> None:
     """Where a FedPerfix table's column is Table 2's CIFAR-100 setting, each row's paper figure
     is Table 2's for the same method (the paper repeats that run in Tables 1 and 3-6)."""

@@ -63,10 +63,10 @@ def test_the_offline_vits_hook_records_the_digest_of_the_weights_it_cached(
     cache_dir: Path,
 ) -> None:
     from fedfm_flower.config.experiment import ExperimentConfig
-    from fedfm_flower.models.foundation import foundation_path, prepare_offline_vit
+    from fedfm_flower.models.foundation import foundation_path, prepare_offline_backbone
 
     config = ExperimentConfig(backbone="tiny-vit", dataset="digits", cache_dir=str(cache_dir))
-    card = prepare_offline_vit(config)
+    card = prepare_offline_backbone(config)
     weights = foundation_path(config)
     assert card[cards.WEIGHTS_SHA256] == hashlib.sha256(weights.read_bytes()).hexdigest()
     assert [cache_dir / f for f in card[cards.CACHE_FILES]] == [

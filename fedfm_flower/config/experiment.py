@@ -40,7 +40,12 @@ from fedfm_flower.config.keys import (
 )
 from fedfm_flower.data.registry import dataset_spec, looks_like_hub_name
 from fedfm_flower.methods.registry import METHODS as METHOD_REGISTRY
-from fedfm_flower.methods.registry import settings_class, settings_classes, trains_backbone
+from fedfm_flower.methods.registry import (
+    settings_class,
+    settings_classes,
+    trains_backbone,
+    tuner_of,
+)
 from fedfm_flower.methods.settings import (
     ConfigError,
     MethodSettings,
@@ -384,13 +389,15 @@ class ExperimentConfig(
                     self.mm_backbone_routing,
                     "TAP runs on its modality-task architecture (experts) only, as in the paper",
                 )
-        if family.name != "vit" and trains_backbone(self):
+        if not family.whole and trains_backbone(self):
             raise ConfigError(
                 "train-backbone",
                 True,
                 f"backbone '{self.backbone}' (family '{family.name}') is tuned with adapters "
-                f"only; method '{self.method}' and train-backbone need a ViT",
+                f"only; method '{self.method}' and train-backbone need a ViT or a ResNet",
             )
+        if family.tuners:  # a family that takes some tuners only: the ResNets
+            self._check_family_tuning(family)
         served = METHOD_REGISTRY[self.method].modalities
         if served and family.modality not in served:
             raise ConfigError(
@@ -406,6 +413,27 @@ class ExperimentConfig(
                 f"dataset '{self.dataset}' is a {task} task on {task_modality(task)} input; "
                 f"backbone '{self.backbone}' is a {family.modality} model (family "
                 f"'{family.name}'); choose a backbone of a {task_modality(task)} family",
+            )
+
+    def _check_family_tuning(self, family: Any) -> None:
+        """The method's tuner is one ``family`` takes, and the method can carry the BatchNorm
+        statistics of a ResNet."""
+        why_not = METHOD_REGISTRY[self.method].no_batchnorm
+        if family.name == "resnet" and why_not:
+            raise ConfigError(
+                "method",
+                self.method,
+                f"backbone '{self.backbone}' keeps BatchNorm statistics, which '{self.method}' "
+                f"cannot carry: {why_not}; run it on a ViT",
+            )
+        tuner = tuner_of(self)
+        if tuner not in family.tuners:
+            resolved = "" if tuner == self.tuner else f" (method '{self.method}''s: {tuner!r})"
+            raise ConfigError(
+                "tuner",
+                self.tuner,
+                f"backbone '{self.backbone}' (family '{family.name}') takes the tuner "
+                f"{' or '.join(repr(t) for t in family.tuners)} only, not this one{resolved}",
             )
 
     @property

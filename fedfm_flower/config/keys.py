@@ -385,7 +385,10 @@ class ModelKeys:
             "`small-vit` (6 blocks, width 128, convolutional stem, 0.85 M parameters: the offline "
             "foundation model of the `glyph-domains` benchmark), `offline-vit-s` (ViT-S/16's "
             "shape with the stem, 22.8 M parameters: the same offline pretraining on a GPU), "
-            "`vit_tiny_patch16_224`, `vit_small_patch16_224`, `vit_base_patch16_224`; text family "
+            "`vit_tiny_patch16_224`, `vit_small_patch16_224`, `vit_base_patch16_224`; image "
+            "family `resnet` (trained whole, tuner `none`): `tiny-resnet` (CPU, offline, beside "
+            "`tiny-vit`), `small-resnet` (basic blocks, widths 28-224, 0.96 M parameters, "
+            "offline, beside `small-vit`), `resnet18`, `resnet50` (timm); text family "
             "`causal-lm`: `tiny-llama` (offline foundation model: a LLaMA-architecture model "
             "pretrained on the public split of `instructions`, cached like `tiny-vit`), "
             "`hf-causal-lm` (`model-name-or-path`); multi-modal families `multimodal`: "
@@ -463,14 +466,16 @@ class ModelKeys:
         non_negative=True,
         doc=(
             "epochs of foundation pretraining on the public split (`tiny-vit`, `small-vit`, "
-            "`offline-vit-s`, `tiny-llama`)"
+            "`offline-vit-s`, `tiny-resnet`, `small-resnet`, `tiny-llama`)"
         ),
     )
     train_backbone: bool = setting(
         False,
         doc=(
-            "the ViT's own weights train and are shared or kept by their groups (`vit.*`); always "
-            "on for `fedperfix`, `fedbabu`, `apfl`, `per-fedavg`, `per-fedavg-ft` on a ViT"
+            "the ViT's or ResNet's own weights train and are shared or kept by their groups "
+            "(`vit.*`, `resnet.*`; a BatchNorm's running statistics go with its weight); always "
+            "on for `fedperfix`, `fedbabu`, `apfl`, `per-fedavg`, `per-fedavg-ft` on a ViT or a "
+            "ResNet"
         ),
     )
     mm_backbone_routing: str = setting(

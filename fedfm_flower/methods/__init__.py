@@ -133,6 +133,9 @@ class MethodSpec:
     search_limits: Mapping[tuple[str, str], str] = field(default_factory=dict, compare=False)
     # Which of central DP, local DP and SecAgg+ its federation takes, and why not the others.
     capabilities: Capabilities = UNDECLARED
+    # Why it cannot run on a model whose BatchNorms carry running statistics (a ResNet,
+    # fedfm_flower.models.groups); "": it can (the statistics travel with their layer).
+    no_batchnorm: str = ""
 
     def split_for(self, config: RunConfig) -> Split:
         """The split of a run of this method (a function of ``config`` for some methods)."""

@@ -211,5 +211,10 @@ SPECS = (
         message_prefix=CORE_PREFIX,
         search=SEARCH,
         capabilities=CAPABILITIES,
+        no_batchnorm=(
+            "its clients mix the other clients' cores parameter by parameter (w_i = sum_j p_ij "
+            "theta_j); how a BatchNorm's running statistics mix is not defined by the paper nor "
+            "here yet"
+        ),
     ),
 )

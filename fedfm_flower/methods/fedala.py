@@ -160,5 +160,9 @@ SPECS = (
         search=SEARCH,
         # The server is FedAvg's: it needs only the average of the clients' models.
         capabilities=AVERAGE_ONLY,
+        no_batchnorm=(
+            "its element-wise aggregation weights are learnt on parameters; what ALA does with a "
+            "BatchNorm's running statistics is not defined by the paper nor here yet"
+        ),
     ),
 )

@@ -212,5 +212,9 @@ SPECS = (
         profile=ResourceProfile(copies=2, passes=2),
         search=SEARCH,
         capabilities=CAPABILITIES,
+        no_batchnorm=(
+            "its server distils the adapters on auxiliary data and expects parameters only; "
+            "BatchNorm statistics are not carried through its distillation yet"
+        ),
     ),
 )

@@ -62,13 +62,11 @@ def method_spec(method: str) -> MethodSpec:
 
 
 def _adapts_to_family(spec: MethodSpec, config: Any) -> bool:
-    """Whether ``spec`` trains the whole ViT with no tuner of its own (FedBABU, APFL,
-    Per-FedAvg) and the run's backbone is of another family, where it trains that family's LoRA
-    instead."""
+    """Whether ``spec`` trains the whole backbone with no tuner of its own (FedBABU, APFL,
+    Per-FedAvg) and the run's backbone is of a family that does not train whole (a language
+    or multi-modal model), where it trains that family's LoRA instead."""
 
-    return (
-        spec.trains_backbone and spec.tuner == "none" and family_of(config.backbone).name != "vit"
-    )
+    return spec.trains_backbone and spec.tuner == "none" and not family_of(config.backbone).whole
 
 
 def _tuner(spec: MethodSpec, config: Any) -> str:

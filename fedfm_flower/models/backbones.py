@@ -1,12 +1,12 @@
-"""Vision backbones: timm ViTs and the tiny CPU ViT, returned as feature extractors.
+"""Vision backbones: timm ViTs and ResNets and the offline ones, returned as feature extractors.
 
-Every backbone is a timm ``VisionTransformer`` built with ``num_classes=0`` so that its forward
-returns the pooled class-token feature of size ``num_features``; attention projections are
-named ``qkv`` everywhere, so LoRA target modules mean the same thing on every backbone.
-Pretrained weights come from a local file when ``weights-file`` is set (timm's
-``pretrained_cfg_overlay=dict(file=...)``) or, for the tiny ViT, from the offline foundation
-model cache; a timm ViT with ``pretrained=true`` and no file downloads from the Hub (users with
-internet only).
+Every backbone is a timm model built with ``num_classes=0`` so that its forward returns the
+pooled feature of size ``num_features`` (a ViT's class token, a ResNet's global average pool);
+a ViT's attention projections are named ``qkv`` everywhere, so LoRA target modules mean the
+same thing on every ViT. Pretrained weights come from a local file when ``weights-file`` is set
+(timm's ``pretrained_cfg_overlay=dict(file=...)``) or, for the offline backbones
+(``OFFLINE_BACKBONES``), from the offline foundation model cache; a timm model with
+``pretrained=true`` and no file downloads from the Hub (users with internet only).
 
 Imports inside functions keep ``timm`` out of this module's start-up.
 """
@@ -52,6 +52,30 @@ OFFLINE_VITS: dict[str, OfflineViTSpec] = {
     "offline-vit-s": OfflineViTSpec(
         embed_dim=384, depth=12, num_heads=6, mlp_ratio=4.0, conv_stem=True, warmup_epochs=2
     ),
+}
+
+
+@dataclass(frozen=True)
+class OfflineResNetSpec:
+    """Architecture of an offline foundation ResNet: timm's ``ResNet`` of basic blocks."""
+
+    layers: tuple[int, ...] = (1, 1, 1, 1)  # blocks per stage
+    channels: tuple[int, ...] = (8, 16, 32, 64)  # width per stage
+    stem_width: int = 8
+    warmup_epochs: int = 0  # > 0: pretrain with linear warm-up, then cosine decay to 0
+
+
+# The ResNets the project pretrains itself, as the offline ViTs: tiny-resnet for the fast digits
+# setups, small-resnet beside small-vit (the CNN column of FedPerfix's Table 3 on CPU: about the
+# same number of weights, 0.96M against small-vit's 0.85M, as the paper's ResNet50 has about
+# ViT-S's).
+OFFLINE_RESNETS: dict[str, OfflineResNetSpec] = {
+    "tiny-resnet": OfflineResNetSpec(),
+    "small-resnet": OfflineResNetSpec(channels=(28, 56, 112, 224), stem_width=28, warmup_epochs=2),
+}
+OFFLINE_BACKBONES: dict[str, OfflineViTSpec | OfflineResNetSpec] = {
+    **OFFLINE_VITS,
+    **OFFLINE_RESNETS,
 }
 
 
@@ -101,16 +125,43 @@ def offline_vit(config: ExperimentConfig) -> nn.Module:
     )
 
 
+def offline_resnet(config: ExperimentConfig) -> nn.Module:
+    """The configured offline ResNet (``OFFLINE_RESNETS[config.backbone]``), randomly
+    initialised; its BatchNorms keep running statistics (``models.groups``)."""
+    from timm.models.resnet import BasicBlock, ResNet
+
+    spec = OFFLINE_RESNETS[config.backbone]
+    return ResNet(
+        BasicBlock,
+        spec.layers,
+        num_classes=0,
+        channels=spec.channels,
+        stem_width=spec.stem_width,
+    )
+
+
+def offline_backbone(config: ExperimentConfig) -> nn.Module:
+    """The configured offline backbone (ViT or ResNet), randomly initialised."""
+    if config.backbone in OFFLINE_RESNETS:
+        return offline_resnet(config)
+    return offline_vit(config)
+
+
 def tiny_vit(config: ExperimentConfig) -> nn.Module:
     """The tiny CPU ViT for ``config.image_size``, randomly initialised."""
     return offline_vit(config.replace(backbone="tiny-vit"))
 
 
-def _timm_vit(name: str) -> Callable[[ExperimentConfig], nn.Module]:
+def _timm_model(name: str, sized: bool) -> Callable[[ExperimentConfig], nn.Module]:
+    """A builder of timm's ``name``; ``sized``: the model takes the image size (a ViT's
+    position embedding; a ResNet pools any size)."""
+
     def build(config: ExperimentConfig) -> nn.Module:
         import timm
 
-        kwargs: dict = {"num_classes": 0, "img_size": config.image_size}
+        kwargs: dict = {"num_classes": 0}
+        if sized:
+            kwargs["img_size"] = config.image_size
         if config.pretrained and config.weights_file:
             kwargs["pretrained_cfg_overlay"] = {"file": config.weights_file}
         return timm.create_model(name, pretrained=config.pretrained, **kwargs)
@@ -119,8 +170,13 @@ def _timm_vit(name: str) -> Callable[[ExperimentConfig], nn.Module]:
 
 
 VISION_BACKBONES: dict[str, Callable[[ExperimentConfig], nn.Module]] = {
-    **{name: offline_vit for name in OFFLINE_VITS},
-    **{name: _timm_vit(name) for name in FAMILIES["vit"].backbones if name not in OFFLINE_VITS},
+    **{name: offline_backbone for name in OFFLINE_BACKBONES},
+    **{
+        name: _timm_model(name, sized=family == "vit")
+        for family in ("vit", "resnet")
+        for name in FAMILIES[family].backbones
+        if name not in OFFLINE_BACKBONES
+    },
 }
 
 

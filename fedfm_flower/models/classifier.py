@@ -6,7 +6,8 @@ through peft (group ``adapter``); ``vpt`` / ``vpt-deep`` insert visual prompts (
 (``mlp-adapter``); ``none`` adds nothing. The linear classifier ``head.weight``/``head.bias`` is
 the group ``head``. Everything else is the backbone, frozen (``requires_grad=False``) and never
 sent anywhere, unless the backbone is trainable (``train_backbone``): then the ViT's own weights
-form the ``vit.*`` groups of ``fedfm_flower.models.vit_parts``.
+form the ``vit.*`` groups of ``fedfm_flower.models.vit_parts``, a ResNet's the ``resnet.*``
+groups of ``fedfm_flower.models.resnet_parts`` (a ResNet takes the tuner ``none`` only).
 
 All trainable tensors are initialised from ``config.seed`` so the server and every client start
 from the same adapter and head, which FedAvg-style aggregation needs.
@@ -18,21 +19,34 @@ import torch
 from torch import nn
 
 from fedfm_flower.config.experiment import ExperimentConfig
-from fedfm_flower.models.backbones import OFFLINE_VITS, VISION_BACKBONES, freeze, offline_vit
+from fedfm_flower.models.backbones import (
+    OFFLINE_BACKBONES,
+    VISION_BACKBONES,
+    freeze,
+    offline_backbone,
+)
+from fedfm_flower.models.families import family_of
 from fedfm_flower.models.foundation import load_foundation_weights
 from fedfm_flower.models.groups import GroupPattern, TunedModel
+from fedfm_flower.models.resnet_parts import RESNET_PART_PATTERNS
 from fedfm_flower.models.tuners import get_tuner
 from fedfm_flower.models.vit_parts import VIT_PART_PATTERNS
 
 HEAD_PATTERNS = (GroupPattern("head", r"^head\."),)
+# The groups of a trainable backbone's own weights, by family.
+PART_PATTERNS: dict[str, tuple[GroupPattern, ...]] = {
+    "vit": VIT_PART_PATTERNS,
+    "resnet": RESNET_PART_PATTERNS,
+}
 
 
 def vision_backbone(config: ExperimentConfig, *, load_weights: bool = True) -> nn.Module:
-    """The configured ViT with its pretrained weights (unless ``load_weights`` is False)."""
+    """The configured backbone with its pretrained weights (unless ``load_weights`` is
+    False)."""
     if not load_weights:
         config = config.replace(pretrained=False, weights_file="")
-    if config.backbone in OFFLINE_VITS:
-        backbone = offline_vit(config)
+    if config.backbone in OFFLINE_BACKBONES:
+        backbone = offline_backbone(config)
         if config.pretrained:
             backbone.load_state_dict(load_foundation_weights(config))
         return backbone
@@ -57,8 +71,8 @@ class AdaptedClassifier(TunedModel):
         self.prompts = parts.modules.get("prompts")
         self.head = nn.Linear(backbone.num_features, num_classes)
         # Tuner patterns first: a prefix inside ``attn`` is ``prefix``, not ``vit.attn``.
-        vit_parts = VIT_PART_PATTERNS if train_backbone else ()
-        self.group_patterns = parts.patterns + HEAD_PATTERNS + vit_parts
+        own = PART_PATTERNS[family_of(config.backbone).name] if train_backbone else ()
+        self.group_patterns = parts.patterns + HEAD_PATTERNS + own
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         """Class logits."""

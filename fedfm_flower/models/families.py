@@ -26,6 +26,12 @@ class ModelFamily:
     # backbone this project pretrains itself and returns its JSON card ({} for other
     # backbones); "" when the family has none. The server calls it once before any client.
     foundation: str = ""
+    # Its backbones can train whole (train-backbone, or a method that trains the backbone),
+    # their weights grouped by role (models.vit_parts, models.resnet_parts); a family without
+    # trains its tuner's adapters only (a whole-model method trains LoRA there).
+    whole: bool = False
+    # The tuners its backbones take; (): every tuner (fedfm_flower.models.tuners).
+    tuners: tuple[str, ...] = ()
 
 
 FAMILIES: dict[str, ModelFamily] = {
@@ -43,7 +49,20 @@ FAMILIES: dict[str, ModelFamily] = {
         "fedfm_flower.models.classifier:build_classifier",
         "timm Vision Transformers with a linear head; tiny-vit, small-vit and offline-vit-s are "
         "pretrained offline on the dataset's public split",
-        foundation="fedfm_flower.models.foundation:prepare_offline_vit",
+        foundation="fedfm_flower.models.foundation:prepare_offline_backbone",
+        whole=True,
+    ),
+    "resnet": ModelFamily(
+        "resnet",
+        "image",
+        ("tiny-resnet", "small-resnet", "resnet18", "resnet50"),
+        "fedfm_flower.models.classifier:build_classifier",
+        "timm ResNets with a linear head, trained whole (tuner none; BatchNorm statistics "
+        "travel with their layer); tiny-resnet and small-resnet are pretrained offline on the "
+        "dataset's public split",
+        foundation="fedfm_flower.models.foundation:prepare_offline_backbone",
+        whole=True,
+        tuners=("none",),
     ),
     "causal-lm": ModelFamily(
         "causal-lm",
@@ -74,8 +93,10 @@ FAMILIES: dict[str, ModelFamily] = {
 }
 
 # Vision backbones this project pretrains itself on a dataset's public split (the offline
-# foundation models; architectures in fedfm_flower.models.backbones.OFFLINE_VITS).
+# foundation models; architectures in fedfm_flower.models.backbones.OFFLINE_BACKBONES).
 OFFLINE_VIT_NAMES: tuple[str, ...] = ("tiny-vit", "small-vit", "offline-vit-s")
+OFFLINE_RESNET_NAMES: tuple[str, ...] = ("tiny-resnet", "small-resnet")
+OFFLINE_BACKBONE_NAMES: tuple[str, ...] = OFFLINE_VIT_NAMES + OFFLINE_RESNET_NAMES
 
 BACKBONES: tuple[str, ...] = tuple(b for family in FAMILIES.values() for b in family.backbones)
 

@@ -109,7 +109,7 @@ def client_footprint(model: TunedModel, holds: Iterable[str], copies: int = 0) -
     """The parameters a holder of ``holds`` holds of ``model``, with ``copies`` personal copies
     of its trainable ones (TAP: 1)."""
     trainable, frozen = held_names(model, holds)
-    params = dict(model.named_parameters())
+    params = {**dict(model.named_buffers()), **dict(model.named_parameters())}
 
     def size(names: list[str]) -> tuple[int, int]:
         return (

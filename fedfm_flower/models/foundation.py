@@ -1,5 +1,6 @@
-"""The offline foundation models: a ViT (``tiny-vit``, ``small-vit``, ``offline-vit-s``)
-pretrained on the public split of the configured dataset.
+"""The offline foundation models: a ViT (``tiny-vit``, ``small-vit``, ``offline-vit-s``) or a
+ResNet (``tiny-resnet``, ``small-resnet``) pretrained on the public split of the configured
+dataset, by one recipe for both (AdamW, warm-up and cosine decay).
 
 No client holds a sample of the public split (see ``fedfm_flower.data``), so the backbone is a
 stand-in for a model pretrained elsewhere. The weights are cached on disk under
@@ -33,8 +34,7 @@ from torch import nn
 
 from fedfm_flower.config.experiment import ExperimentConfig
 from fedfm_flower.data import load_public_split
-from fedfm_flower.models.backbones import OFFLINE_VITS, offline_vit, pick_device
-from fedfm_flower.models.families import OFFLINE_VIT_NAMES
+from fedfm_flower.models.backbones import OFFLINE_BACKBONES, offline_backbone, pick_device
 from fedfm_flower.models.foundation_cards import identified, weights_file_name
 from fedfm_flower.models.threads import PRETRAIN_THREADS, pinned_threads
 from fedfm_flower.records.durable import (
@@ -56,18 +56,19 @@ PRETRAIN_BATCH = 64
 
 
 def foundation_key(config: ExperimentConfig) -> str:
-    """Hash of every setting that changes the pretrained weights of an offline ViT."""
+    """Hash of every setting that changes the pretrained weights of an offline backbone."""
 
-    if config.backbone not in OFFLINE_VITS:
+    if config.backbone not in OFFLINE_BACKBONES:
         raise ValueError(
             f"backbone '{config.backbone}' has no offline foundation model (those are "
-            f"{', '.join(OFFLINE_VITS)}); its weights come from timm (pretrained, weights-file) "
+            f"{', '.join(OFFLINE_BACKBONES)}); its weights come from timm (pretrained, "
+            "weights-file) "
             "or are random (pretrained = false)"
         )
     base_dataset = "digits" if config.dataset.startswith("digits") else config.dataset
     fields = {
         "version": FOUNDATION_VERSION,
-        "arch": dataclasses.asdict(OFFLINE_VITS[config.backbone]),
+        "arch": dataclasses.asdict(OFFLINE_BACKBONES[config.backbone]),
         "image_size": config.image_size,
         "dataset": base_dataset,
         "public_fraction": config.public_fraction,
@@ -84,7 +85,8 @@ def foundation_path(config: ExperimentConfig) -> Path:
 
 
 def load_foundation_weights(config: ExperimentConfig) -> dict[str, torch.Tensor]:
-    """The pretrained offline ViT's state dict, from the cache or pretrained now and cached.
+    """The pretrained offline backbone's state dict, from the cache or pretrained now and
+    cached.
 
     A damaged ``weights-file`` is an error naming the file; a damaged cache is pretrained again.
     """
@@ -105,11 +107,11 @@ def foundation_card(config: ExperimentConfig) -> dict:
     return json.loads(path.with_suffix(".json").read_text())
 
 
-def prepare_offline_vit(config: ExperimentConfig) -> dict:
-    """The vit family's foundation hook: the card of an offline ViT (built if missing) with its
-    build's identity (``foundation_cards``), {} for the timm hub backbones."""
+def prepare_offline_backbone(config: ExperimentConfig) -> dict:
+    """The vit and resnet families' foundation hook: the card of an offline backbone (built if
+    missing) with its build's identity (``foundation_cards``), {} for timm's hub backbones."""
 
-    if config.backbone not in OFFLINE_VIT_NAMES:
+    if config.backbone not in OFFLINE_BACKBONES:
         return {}
     card = foundation_card(config)
     path = foundation_path(config)
@@ -134,12 +136,13 @@ def ensure_foundation(config: ExperimentConfig) -> Path:
 
 @pinned_threads()
 def pretrain_foundation(config: ExperimentConfig) -> tuple[dict[str, torch.Tensor], dict]:
-    """Pretrain the offline ViT on the public split; returns its state dict and a card."""
+    """Pretrain the offline backbone on the public split; returns its state dict (a ResNet's
+    BatchNorm statistics included) and a card."""
 
     started = time.perf_counter()
     train_set, test_set, num_classes = load_public_split(config)
     torch.manual_seed(config.effective_data_seed)
-    backbone = offline_vit(config)
+    backbone = offline_backbone(config)
     model = nn.Sequential(backbone, nn.Linear(backbone.num_features, num_classes))
     device = pick_device(config.device)
     model.to(device)
@@ -153,7 +156,7 @@ def pretrain_foundation(config: ExperimentConfig) -> tuple[dict[str, torch.Tenso
     task = ImageClassification()
     epochs = max(config.pretrain_epochs, 1)
     steps_per_epoch = math.ceil(len(train_set) / PRETRAIN_BATCH)
-    warmup = OFFLINE_VITS[config.backbone].warmup_epochs * steps_per_epoch
+    warmup = OFFLINE_BACKBONES[config.backbone].warmup_epochs * steps_per_epoch
     stats = train(
         task,
         model,

@@ -7,6 +7,16 @@ are open and dotted: ``adapter``, ``adapter.global``, ``adapter.local``, ``promp
 ``encoder.image``, ``expert.3``. Asking for a group also selects its dotted children
 (``adapter`` selects ``adapter.global`` and ``adapter.local``). A parameter no pattern claims is
 backbone: frozen and never sent anywhere.
+
+A BatchNorm layer's running statistics (``running_mean``, ``running_var``) are no parameters,
+yet they are part of what its layer computes: they belong to the group of the layer's affine
+``weight`` and travel, average and stay local exactly as it does (FedAvg averages them, FedBN
+keeps them on the client, as the FedBN paper's local BN layers). They are *carried tensors*:
+named beside the parameters (``parameter_groups``, ``trainable``, ``tensors_named``,
+``load_tensors``) but never handed to an optimizer or a penalty (``group_parameters`` and
+``parameters_named`` return parameters only). ``num_batches_tracked`` stays with the model: it
+only matters for a BatchNorm without momentum. A BatchNorm whose weight is backbone is frozen
+whole: it stays in eval mode while the model trains, so its statistics do not drift either.
 """
 
 from __future__ import annotations
@@ -157,22 +167,43 @@ class TunedModel(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.group_patterns: tuple[GroupPattern, ...] = ()
-        self._index: list[tuple[str, nn.Parameter, str]] | None = None
+        self._index: list[tuple[str, torch.Tensor, str]] | None = None
         # Derived from _index and dropped with it: name -> parameter and name -> group of the
         # grouped (non-backbone) parameters, in model order.
-        self._grouped: tuple[dict[str, nn.Parameter], dict[str, str]] | None = None
+        self._grouped: tuple[dict[str, torch.Tensor], dict[str, str]] | None = None
+        self._frozen_norms: list[nn.Module] = []  # BatchNorms of the backbone (eval always)
 
-    def _group_index(self) -> list[tuple[str, nn.Parameter, str]]:
+    def _group_index(self) -> list[tuple[str, torch.Tensor, str]]:
         if self._index is None:
             # Walking every module for named_parameters() cost ~1 ms per call and a message
-            # makes several calls: the (name, parameter, group) list is built once.
+            # makes several calls: the (name, tensor, group) list is built once.
             self._index = [
                 (n, p, group_of(n, self.group_patterns)) for n, p in self.named_parameters()
-            ]
+            ] + self._carried_statistics()
             self._grouped = None
+            self._frozen_norms = [
+                m
+                for prefix, m in self.named_modules()
+                if _tracks_statistics(m)
+                and group_of(f"{prefix}.weight", self.group_patterns) == BACKBONE
+            ]
         return self._index
 
-    def _grouped_parameters(self) -> tuple[dict[str, nn.Parameter], dict[str, str]]:
+    def _carried_statistics(self) -> list[tuple[str, torch.Tensor, str]]:
+        """(name, buffer, group) of the running statistics of every BatchNorm whose weight is
+        grouped: they follow the weight's group (module docstring)."""
+        carried = []
+        for prefix, module in self.named_modules():
+            if not _tracks_statistics(module):
+                continue
+            group = group_of(f"{prefix}.weight", self.group_patterns)
+            if group != BACKBONE:
+                carried += [
+                    (f"{prefix}.{b}", getattr(module, b), group) for b in CARRIED_STATISTICS
+                ]
+        return carried
+
+    def _grouped_parameters(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         index = self._group_index()
         if self._grouped is None:
             grouped = [(n, p, g) for n, p, g in index if g != BACKBONE]
@@ -186,14 +217,23 @@ class TunedModel(nn.Module):
     def group_parameters(self, groups: Iterable[str]) -> dict[str, nn.Parameter]:
         """Named parameters of the given groups (and their dotted children), in model order."""
         wanted = tuple(check_group_name(g) for g in groups)
-        return {n: p for n, p, g in self._group_index() if g != BACKBONE and in_groups(g, wanted)}
+        return {
+            n: p
+            for n, p, g in self._group_index()
+            if g != BACKBONE and in_groups(g, wanted) and isinstance(p, nn.Parameter)
+        }
 
     def group_tensors(self, groups: Iterable[str]) -> dict[str, torch.Tensor]:
         """Detached CPU copies of the given groups' parameters."""
         return {n: p.detach().cpu().clone() for n, p in self.group_parameters(groups).items()}
 
     def parameters_named(self, names: Iterable[str]) -> dict[str, nn.Parameter]:
-        """The grouped parameters called ``names``, in model order; unknown names are an error."""
+        """The grouped parameters called ``names``, in model order, without the carried
+        statistics among them (no optimizer steps those); unknown names are an error."""
+        return {n: p for n, p in self._named(names).items() if isinstance(p, nn.Parameter)}
+
+    def _named(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        """The grouped tensors (parameters and carried statistics) called ``names``."""
         wanted = set(names)
         found = {n: p for n, p, g in self._group_index() if g != BACKBONE and n in wanted}
         if len(found) != len(wanted):
@@ -201,8 +241,9 @@ class TunedModel(nn.Module):
         return found
 
     def tensors_named(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
-        """Detached CPU copies of the parameters called ``names``."""
-        return {n: p.detach().cpu().clone() for n, p in self.parameters_named(names).items()}
+        """Detached CPU copies of the grouped tensors called ``names`` (carried statistics
+        included)."""
+        return {n: p.detach().cpu().clone() for n, p in self._named(names).items()}
 
     def group_users(self) -> dict[str, frozenset[str]]:
         """Group -> the holdings (e.g. modality-task pairs) it serves; a group left out serves
@@ -229,6 +270,28 @@ class TunedModel(nn.Module):
             for name, value in tensors.items():
                 params[name].copy_(value.to(params[name].device, params[name].dtype))
 
+    def train(self, mode: bool = True) -> TunedModel:
+        """nn.Module's ``train``, but a BatchNorm of the frozen backbone stays in eval mode."""
+        super().train(mode)
+        if mode:
+            self._group_index()
+            for module in self._frozen_norms:
+                module.eval()
+        return self
+
     def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 - nn.Module's signature
         self._index = self._grouped = None  # .to() / .half() may replace parameters
         return super()._apply(fn, recurse)
+
+
+# The BatchNorm buffers that travel with the layer's weight (module docstring).
+CARRIED_STATISTICS = ("running_mean", "running_var")
+
+
+def _tracks_statistics(module: nn.Module) -> bool:
+    """Whether ``module`` is a BatchNorm with affine parameters and running statistics."""
+    return (
+        isinstance(module, nn.modules.batchnorm._BatchNorm)
+        and module.affine
+        and module.track_running_stats
+    )

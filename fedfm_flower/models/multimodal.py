@@ -67,7 +67,7 @@ from fedfm_flower.data.multitask import (
 )
 from fedfm_flower.models.causal_lm import foundation_args, prepare_tiny_llama, tokenizer_of
 from fedfm_flower.models.classifier import vision_backbone
-from fedfm_flower.models.foundation import prepare_offline_vit
+from fedfm_flower.models.foundation import prepare_offline_backbone
 from fedfm_flower.models.foundation_cards import composite
 from fedfm_flower.models.groups import GroupPattern, TunedModel
 from fedfm_flower.models.language import foundation
@@ -634,7 +634,7 @@ def prepare_mm_offline(config: Any) -> dict[str, Any]:
 
     return composite(
         {
-            "image": prepare_offline_vit(image_foundation_config(config)),
+            "image": prepare_offline_backbone(image_foundation_config(config)),
             "text": prepare_tiny_llama(text_foundation_config(config)),
         }
     )

@@ -225,8 +225,8 @@ def _model_counts(
             ).eval()
             size = key.image_size
             macs = forward_macs(model, torch.zeros(1, 3, size, size))
-        groups = model.parameter_groups()
-        params = dict(model.named_parameters())
+        groups = model.parameter_groups()  # BatchNorm statistics too: they travel
+        params = {**dict(model.named_buffers()), **dict(model.named_parameters())}
         return _ModelCounts(
             sum(p.numel() for p in params.values()),
             {n: params[n].numel() for n in groups},
