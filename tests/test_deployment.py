@@ -80,6 +80,38 @@ def test_unreachable_superlink_is_a_clear_error_and_cleans_up(options):
     assert_all_gone(deployment)
 
 
+def test_deployments_starting_at_once_reserve_different_port_blocks(options):
+    """The block a deployment prepared stays its own until it stops: another deployment of
+    this user preparing meanwhile, when every port of that block is still free (its SuperLink
+    not started), takes the next block; after the first stops, its block is free again; a
+    requested base port another deployment holds is refused naming it."""
+    import dataclasses
+
+    first = LocalDeployment(options)
+    second = LocalDeployment(dataclasses.replace(options, workdir=options.workdir / "second"))
+    try:
+        first.prepare()
+        second.prepare()
+        assert first.base_port is not None and second.base_port is not None
+        assert abs(second.base_port - first.base_port) >= options.num_supernodes + 1
+        third = dataclasses.replace(
+            options, base_port=first.base_port, workdir=options.workdir / "3"
+        )
+        with pytest.raises(DeploymentError, match=f"base port {first.base_port} .* another"):
+            LocalDeployment(third).prepare()
+    finally:
+        first.stop()
+        second.stop()
+    # Released by stop(): the block can be asked for by number again.
+    again = dataclasses.replace(options, base_port=first.base_port, workdir=options.workdir / "4")
+    deployment = LocalDeployment(again)
+    try:
+        deployment.prepare()
+        assert deployment.base_port == first.base_port
+    finally:
+        deployment.stop()
+
+
 def test_missing_certificates_are_a_clear_error(tmp_path: Path):
     options = DeployOptions(workdir=tmp_path / "work", certs_dir=tmp_path / "nowhere")
     with pytest.raises(DeploymentError, match=r"missing TLS file\(s\) .*ca\.crt"):

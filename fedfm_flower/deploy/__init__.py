@@ -71,7 +71,7 @@ _EXPORTS = {
     "generate_supernode_key": "fedfm_flower.deploy.certificates",
     "build_parser": "fedfm_flower.deploy.cli",
     "main": "fedfm_flower.deploy.cli",
-    "choose_base_port": "fedfm_flower.deploy.connection",
+    "reserve_ports": "fedfm_flower.deploy.connection",
     "port_is_free": "fedfm_flower.deploy.connection",
     "write_flwr_config": "fedfm_flower.deploy.connection",
     "LocalDeployment": "fedfm_flower.deploy.local",

@@ -35,9 +35,10 @@ from typing import Any
 
 from fedfm_flower.deploy.certificates import ensure_certificates, ensure_supernode_keys
 from fedfm_flower.deploy.connection import (
-    choose_base_port,
+    PortBlock,
     free_port,
     port_is_free,
+    reserve_ports,
     write_flwr_config,
 )
 from fedfm_flower.deploy.options import (
@@ -93,6 +94,7 @@ class LocalDeployment:
         self.seen_pids: set[int] = set()  # every pid known to belong to this deployment
         self.timings: dict[str, float] = {}
         self.base_port: int | None = None
+        self.ports: PortBlock | None = None  # held from prepare() until stop()
         self.superlink: ManagedProcess | None = None
         self.nodes: dict[int, ManagedProcess] = {}  # the current process of SuperNode i
         self.node_ids: dict[int, str] = {}
@@ -204,7 +206,9 @@ class LocalDeployment:
         options = self.options
         options.workdir.mkdir(parents=True, exist_ok=True)
         self.logs.mkdir(parents=True, exist_ok=True)
-        self.base_port = choose_base_port(options.base_port, options.num_supernodes + 1)
+        if self.ports is None:
+            self.ports = reserve_ports(options.base_port, options.num_supernodes + 1)
+        self.base_port = self.ports.base
         ca_cert = None
         if not options.insecure:
             ca_cert = ensure_certificates(options) / "ca.crt"
@@ -773,6 +777,9 @@ class LocalDeployment:
         remaining = self.live_pids()
         if remaining:
             self.say(f"WARNING: processes still alive: {sorted(remaining)}")
+        elif self.ports is not None:
+            self.ports.release()  # nothing of ours listens on them any more
+            self.ports = None
         if self._private_dir is not None:
             shutil.rmtree(self._private_dir, ignore_errors=True)
 
