@@ -127,7 +127,7 @@ def _replies(method_config: dict) -> tuple[dict, list, list]:
         replies.append(reply)
         return reply
 
-    summary, grid = run_in_process(method_config, 4, keep)
+    summary, grid = run_in_process(method_config, method_config["num-clients"], keep)
     return summary, grid.sent, replies
 
 
@@ -140,6 +140,7 @@ def test_fedavg_averages_batchnorm_statistics_weighted_like_the_weights(
     assert len(train) == 4
     tensors = [from_array_record(r.content.array_records[P.ARRAYS]) for r in train]
     weights = [float(r.content.metric_records[P.METRICS][P.NUM_EXAMPLES]) for r in train]
+    assert len(set(weights)) > 1  # a weighted mean, not a plain one
     name = "backbone.layer2.0.bn1.running_mean"
     assert all(name in t for t in tensors)
     # Each client's statistics moved to its own data.
@@ -163,7 +164,11 @@ def test_fedbn_keeps_batchnorm_weights_and_statistics_on_the_client(
     run = _resnet(
         small_run_config,
         method="fedperfix",
-        **{"fedperfix-personal": "resnet.norm", "client-state-dir": str(tmp_path / "state")},
+        **{
+            "fedperfix-personal": "resnet.norm",
+            "client-state-dir": str(tmp_path / "state"),
+            "num-clients": 2,
+        },
     )
     summary, sent, replies = _replies(run)
     assert summary["rounds"] == 2
@@ -175,7 +180,7 @@ def test_fedbn_keeps_batchnorm_weights_and_statistics_on_the_client(
         load_file(sorted(d.glob("round_*.safetensors"))[-1])
         for d in sorted((tmp_path / "state" / summary["run-name"]).iterdir())
     ]
-    assert len(kept) == 4
+    assert len(kept) == 2
     name = "backbone.bn1.running_var"
     assert all(name in k for k in kept)
     assert all(not torch.equal(kept[0][name], k[name]) for k in kept[1:])
@@ -216,13 +221,13 @@ def test_methods_with_their_own_steps_send_the_statistics_their_steps_updated(
 ) -> None:
     """Per-FedAvg and pFedMe step parameters by hand; their replies still carry the layer's
     statistics (the server refuses a reply missing them), moved by the client's forward passes."""
-    run = _resnet(small_run_config, method=method, **{"num-server-rounds": 1})
+    run = _resnet(small_run_config, method=method, **{"num-server-rounds": 1, "num-clients": 2})
     summary, sent, replies = _replies(run)
     assert summary["rounds"] == 1
     first = next(m for m in sent if m.metadata.message_type == "train")
     start = from_array_record(first.content.array_records[P.ARRAYS])
     train = [r for r in replies if r.metadata.message_type == "train"]
-    assert len(train) == 4
+    assert len(train) == 2
     name = "backbone.layer1.0.bn2.running_mean"
     for reply in train:
         tensors = from_array_record(reply.content.array_records[P.ARRAYS])
