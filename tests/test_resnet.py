@@ -233,3 +233,36 @@ def test_methods_with_their_own_steps_send_the_statistics_their_steps_updated(
         tensors = from_array_record(reply.content.array_records[P.ARRAYS])
         assert set(tensors) == set(start)
         assert not torch.equal(tensors[name], start[name])
+
+
+def test_resources_count_a_resnets_statistics_where_they_travel() -> None:
+    """FedPerfix's resource analysis on Table 3's ResNet50 (shapes only, nothing downloaded):
+    FedAvg sends every weight and statistic of the ResNet and its head; FedBN keeps the batch
+    norms' weights and statistics home: 2 x 2 tensors of its width per BatchNorm."""
+    import timm
+
+    from fedfm_flower.study.resources import main
+
+    with torch.device("meta"):
+        resnet = timm.create_model("resnet50", pretrained=False, num_classes=0)
+    weights = sum(p.numel() for p in resnet.parameters()) + 2048 * 100 + 100
+    norms = sum(4 * m.num_features for m in _norms(resnet).values())
+    rows = resources_rows(main, ["fedavg", "fedperfix:fedbn-resnet"])
+    assert rows["fedavg"] == weights + norms // 2  # + running_mean and running_var
+    assert rows["fedperfix:fedbn-resnet"] == weights + norms // 2 - norms
+
+
+def resources_rows(main, labels: list[str]) -> dict[str, int]:  # noqa: ANN001
+    """Uploaded parameters per row of the resources command's CSV on cifar100-dir0.1-resnet50."""
+    import contextlib
+    import csv
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(
+            ["--setup", "cifar100-dir0.1-resnet50", "--methods", *labels, "--format", "csv"]
+        )
+    assert code == 0
+    rows = list(csv.DictReader(io.StringIO(out.getvalue())))
+    return {r["label"]: int(r["upload_params"]) for r in rows}

@@ -197,7 +197,9 @@ class _ModelCounts:
 
 def _model_key(config: ExperimentConfig) -> ExperimentConfig:
     # Only the model's shape matters (the tuner and whether the backbone trains are passed on
-    # their own; weights are never loaded): rows differing in the rest share one count.
+    # their own; weights are never loaded): rows differing in the rest share one count. A
+    # family that takes some tuners only (a ResNet: none) validates with its first.
+    tuners = family_of(config.backbone).tuners
     return dataclasses.replace(
         config,
         method="fedavg",
@@ -206,7 +208,7 @@ def _model_key(config: ExperimentConfig) -> ExperimentConfig:
         run_name="",
         method_values=(),
         seed=0,
-        tuner="auto",
+        tuner=tuners[0] if tuners else "auto",
         train_backbone=False,
         pretrained=False,
         weights_file="",
@@ -353,7 +355,7 @@ def format_markdown(rows: list[Resources], units: str = "si") -> str:
     same = all(r.download_equals_upload for r in rows)
     lines += [
         "",
-        f"Model: {on}. Percentages: of FedAvg training the whole ViT with no plugin. "
+        f"Model: {on}. Percentages: of FedAvg training the whole model with no plugin. "
         "Storage: parameters a client holds (its model, extra copies of the trainable tensors, "
         "method scalars). Computation: MACs of one sample's forward pass (linear, convolution "
         "and attention products) x forward-backward passes per step. Communication: parameters "
