@@ -266,3 +266,37 @@ def resources_rows(main, labels: list[str]) -> dict[str, int]:  # noqa: ANN001
     assert code == 0
     rows = list(csv.DictReader(io.StringIO(out.getvalue())))
     return {r["label"]: int(r["upload_params"]) for r in rows}
+
+
+def test_a_timm_resnet_loads_pretrained_weights_and_statistics_from_a_local_file(
+    tmp_path: Path,
+) -> None:
+    """``weights-file`` (timm's pretrained_cfg_overlay): every weight and BatchNorm statistic
+    of the file, the file's classifier dropped for the run's head."""
+    import timm
+    from safetensors.torch import save_file
+
+    from fedfm_flower.models.classifier import vision_backbone
+
+    torch.manual_seed(123)
+    source = timm.create_model("resnet18", pretrained=False, num_classes=10)
+    with torch.no_grad():
+        for module in _norms(source).values():
+            module.running_mean.uniform_(-1, 1)  # statistics a file would hold, not the inits
+            module.running_var.uniform_(0.5, 2)
+    weights = tmp_path / "resnet18.safetensors"
+    save_file({k: v.contiguous() for k, v in source.state_dict().items()}, str(weights))
+    config = ExperimentConfig(
+        method="fedavg",
+        tuner="none",
+        backbone="resnet18",
+        image_size=32,
+        pretrained=True,
+        weights_file=str(weights),
+    )
+    backbone = vision_backbone(config)
+    loaded = backbone.state_dict()
+    assert backbone.num_features == 512
+    for name, tensor in source.state_dict().items():
+        if not name.startswith("fc."):
+            assert torch.equal(loaded[name], tensor), name
