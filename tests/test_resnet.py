@@ -88,6 +88,13 @@ def test_batchnorm_statistics_follow_their_layer_but_no_optimizer_sees_them(
     three = torch.full_like(model.tensors_named([name])[name], 3.0)
     model.load_tensors({name: three})
     assert torch.equal(dict(model.named_buffers())[name], three)
+    # A variance noised below 0 (DP) is loaded as 0: the layer stays finite.
+    noised = three.clone()
+    noised[0] = -0.5
+    model.load_tensors({name: noised})
+    assert dict(model.named_buffers())[name][0] == 0.0
+    model.eval()
+    assert torch.isfinite(model(torch.randn(2, 3, config.image_size, config.image_size))).all()
 
 
 def test_a_frozen_resnet_keeps_its_statistics_bit_identical_while_its_head_trains(

@@ -15,8 +15,9 @@ keeps them on the client, as the FedBN paper's local BN layers). They are *carri
 named beside the parameters (``parameter_groups``, ``trainable``, ``tensors_named``,
 ``load_tensors``) but never handed to an optimizer or a penalty (``group_parameters`` and
 ``parameters_named`` return parameters only). ``num_batches_tracked`` stays with the model: it
-only matters for a BatchNorm without momentum. A BatchNorm whose weight is backbone is frozen
-whole: it stays in eval mode while the model trains, so its statistics do not drift either.
+only matters for a BatchNorm without momentum. A loaded running variance below 0 (an average
+noised for DP) is set to 0. A BatchNorm whose weight is backbone is frozen whole: it stays in
+eval mode while the model trains, so its statistics do not drift either.
 """
 
 from __future__ import annotations
@@ -269,6 +270,10 @@ class TunedModel(nn.Module):
         with torch.no_grad():
             for name, value in tensors.items():
                 params[name].copy_(value.to(params[name].device, params[name].dtype))
+                if name.endswith(".running_var") and not isinstance(params[name], nn.Parameter):
+                    # A variance is >= 0; an average noised for DP may not be (post-processing
+                    # keeps the guarantee, and a negative one would make the layer NaN).
+                    params[name].clamp_(min=0.0)
 
     def train(self, mode: bool = True) -> TunedModel:
         """nn.Module's ``train``, but a BatchNorm of the frozen backbone stays in eval mode."""
