@@ -55,7 +55,7 @@ from fedfm_flower.methods.settings import (
     require_package,
 )
 from fedfm_flower.models.families import BACKBONES as FAMILY_BACKBONES
-from fedfm_flower.models.families import family_of
+from fedfm_flower.models.families import ModelFamily, family_of
 from fedfm_flower.models.tuners.keys import (
     LoraKeys,
     MlpAdapterKeys,
@@ -396,7 +396,7 @@ class ExperimentConfig(
                 f"backbone '{self.backbone}' (family '{family.name}') is tuned with adapters "
                 f"only; method '{self.method}' and train-backbone need a ViT or a ResNet",
             )
-        if family.tuners:  # a family that takes some tuners only: the ResNets
+        if family.tuners or family.batchnorm:  # the ResNets
             self._check_family_tuning(family)
         served = METHOD_REGISTRY[self.method].modalities
         if served and family.modality not in served:
@@ -415,11 +415,11 @@ class ExperimentConfig(
                 f"'{family.name}'); choose a backbone of a {task_modality(task)} family",
             )
 
-    def _check_family_tuning(self, family: Any) -> None:
+    def _check_family_tuning(self, family: ModelFamily) -> None:
         """The method's tuner is one ``family`` takes, and the method can carry the BatchNorm
-        statistics of a ResNet."""
+        statistics of its models."""
         why_not = METHOD_REGISTRY[self.method].no_batchnorm
-        if family.name == "resnet" and why_not:
+        if family.batchnorm and why_not:
             raise ConfigError(
                 "method",
                 self.method,
@@ -427,7 +427,7 @@ class ExperimentConfig(
                 f"cannot carry: {why_not}; run it on a ViT",
             )
         tuner = tuner_of(self)
-        if tuner not in family.tuners:
+        if family.tuners and tuner not in family.tuners:
             resolved = "" if tuner == self.tuner else f" (method '{self.method}''s: {tuner!r})"
             raise ConfigError(
                 "tuner",

@@ -32,6 +32,9 @@ class ModelFamily:
     whole: bool = False
     # The tuners its backbones take; (): every tuner (fedfm_flower.models.tuners).
     tuners: tuple[str, ...] = ()
+    # Its models hold BatchNorms with running statistics (they travel with their layer,
+    # fedfm_flower.models.groups): a method whose spec cannot carry them is refused.
+    batchnorm: bool = False
 
 
 FAMILIES: dict[str, ModelFamily] = {
@@ -63,6 +66,7 @@ FAMILIES: dict[str, ModelFamily] = {
         foundation="fedfm_flower.models.foundation:prepare_offline_backbone",
         whole=True,
         tuners=("none",),
+        batchnorm=True,
     ),
     "causal-lm": ModelFamily(
         "causal-lm",
