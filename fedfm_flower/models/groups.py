@@ -178,31 +178,30 @@ class TunedModel(nn.Module):
         if self._index is None:
             # Walking every module for named_parameters() cost ~1 ms per call and a message
             # makes several calls: the (name, tensor, group) list is built once.
+            carried, self._frozen_norms = self._batchnorms()
             self._index = [
                 (n, p, group_of(n, self.group_patterns)) for n, p in self.named_parameters()
-            ] + self._carried_statistics()
+            ] + carried
             self._grouped = None
-            self._frozen_norms = [
-                m
-                for prefix, m in self.named_modules()
-                if _tracks_statistics(m)
-                and group_of(f"{prefix}.weight", self.group_patterns) == BACKBONE
-            ]
         return self._index
 
-    def _carried_statistics(self) -> list[tuple[str, torch.Tensor, str]]:
-        """(name, buffer, group) of the running statistics of every BatchNorm whose weight is
-        grouped: they follow the weight's group (module docstring)."""
-        carried = []
+    def _batchnorms(self) -> tuple[list[tuple[str, torch.Tensor, str]], list[nn.Module]]:
+        """One walk over the BatchNorms: (name, buffer, group) of the running statistics of
+        those whose weight is grouped (they follow the weight's group, module docstring), and
+        those of the backbone (kept in eval mode)."""
+        carried: list[tuple[str, torch.Tensor, str]] = []
+        frozen: list[nn.Module] = []
         for prefix, module in self.named_modules():
             if not _tracks_statistics(module):
                 continue
             group = group_of(f"{prefix}.weight", self.group_patterns)
-            if group != BACKBONE:
+            if group == BACKBONE:
+                frozen.append(module)
+            else:
                 carried += [
                     (f"{prefix}.{b}", getattr(module, b), group) for b in CARRIED_STATISTICS
                 ]
-        return carried
+        return carried, frozen
 
     def _grouped_parameters(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         index = self._group_index()
