@@ -86,10 +86,11 @@ def test_every_row_resolves_on_every_column(name: str, stand_in: bool, tmp_path:
         method_spec(label.partition(":")[0])  # a registered method (KeyError names it)
     # build_cells validates every cell's run config (ValueError names the run and the value)
     cells = []
+    runs = table.runs(stand_in)
     for setup in table.setups(stand_in):
         overrides = _users_data(table, setup, stand_in, tmp_path)
-        cells += build_cells(table.labels(), [setup], [0], tmp_path, overrides)
-    assert len(cells) == len(table.labels()) * len(table.setups(stand_in))
+        cells += build_cells(table.labels(), [setup], [0], tmp_path, overrides, only=set(runs))
+    assert sorted((c.setup, c.label) for c in cells) == sorted(runs)
     if stand_in:  # offline: small models built here, nothing from the Hub
         assert all(not c.config.get("pretrained", False) for c in cells), name
 
@@ -281,18 +282,23 @@ def test_fedperfix_t3s_resnet50_column_changes_only_the_backbone(tmp_path: Path)
     """Table 3's ResNet50 column is its ViT-Small column's setting with the whole ResNet50 (and
     small-resnet for small-vit offline), row for row: FedBN keeps the ResNet's batch norms where
     the ViT's FedBN keeps its layer norms, no other key of a cell differs; FedPerfix has no
-    ResNet row, as the paper's "-"."""
-    vit, resnet = load_table("fedperfix-t3"), load_table("fedperfix-t3-resnet50")
-    assert [r.name for r in resnet.rows] == [r.name for r in vit.rows]
-    assert [r.name for r in resnet.missing()] == ["FedPerfix"]
-    vit_labels = {r.name: r.label for r in vit.rows}
+    ResNet cell, as the paper's "-", and the sweep runs it on the ViT column only."""
+    table = load_table("fedperfix-t3")
+    assert [c.name for c in table.columns] == ["ResNet50", "ViT-Small"]  # the paper's order
+    assert [(r.name, table.missing_columns(r)) for r in table.missing()] == [
+        ("FedPerfix", ["ResNet50"])
+    ]
     for stand_in, backbone in ((False, "resnet50"), (True, "small-resnet")):
-        ((vit_setup,), (resnet_setup,)) = vit.setups(stand_in), resnet.setups(stand_in)
-        for row in resnet.rows:
-            if row.label is None:
+        resnet_setup, vit_setup = table.setups(stand_in)
+        runs = table.runs(stand_in)
+        assert (vit_setup, "fedperfix") in runs and (resnet_setup, "fedperfix") not in runs
+        assert len(runs) == 2 * 7 + 1
+        for row in table.rows:
+            resnet_label, vit_label = row.labels
+            if resnet_label is None:
                 continue
-            ours = cell_config(row.label, resnet_setup, 0, tmp_path)
-            theirs = cell_config(vit_labels[row.name], vit_setup, 0, tmp_path)
+            ours = cell_config(resnet_label, resnet_setup, 0, tmp_path)
+            theirs = cell_config(vit_label, vit_setup, 0, tmp_path)
             differ = {k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k)}
             allowed = {"backbone", "setup", "run-name", "label"}
             if row.name == "FedBN":
@@ -390,7 +396,14 @@ missing = "not written"
     ("change", "message"),
     [
         (('[[columns]]\nname = "A"\nsetup = "sa"\nstand-in = "ga"\n', ""), r"no \[\[columns\]\]"),
-        (('missing = "not written"', 'method = "x"\nmissing = "y"'), "either 'method' or"),
+        (('missing = "not written"', 'method = "x"\nmissing = "y"'), "exactly where a cell"),
+        (('missing = "not written"', ""), "exactly where a cell"),
+        (('method = "local"', 'method = "local"\nmethods = ["local"]'), "'method' .every col"),
+        (('method = "local"', 'methods = ["local", "x"]'), "one label per column .1."),
+        (('method = "local"', "methods = [1]"), "a label, or"),
+        (('method = "local"', 'methods = [""]'), "names no method"),
+        (('missing = "not written"', 'methods = [""]\nmissing = "y"'), "names no method"),
+        (('missing = "not written"', 'method = "local"'), "two rows of column 'A'"),
         (("paper = [1.5]", "paper = [1.5, 2.0]"), "one figure per column"),
         (("paper = [1.5]", 'paper = ["a"]'), "a number"),
         (('reference = "local"', 'reference = "fedavg"'), "reference 'fedavg'"),
@@ -470,6 +483,111 @@ def test_report_lays_the_table_out_as_the_paper(tmp_path: Path) -> None:
     section = (out / "report.md").read_text().split("## P, Table 9: t")[1]
     assert "| row | method | A (`ga`) |" in section and "| paper |" not in section
     assert "| Local | `local` | — |" in section  # no run on the stand-in's setup
+
+
+PER_COLUMN = """paper = "P"
+table = "Table 3"
+title = "backbones"
+metric = "acc"
+reference = "local"
+[[columns]]
+name = "CNN"
+setup = "sa"
+stand-in = "ga"
+[[columns]]
+name = "ViT"
+setup = "sb"
+stand-in = "gb"
+[[rows]]
+name = "Local"
+method = "local"
+paper = [1.5, 2.5]
+[[rows]]
+name = "Norms"
+methods = ["fedavg:cnn", "fedavg"]
+paper = [3.5, 4.5]
+[[rows]]
+name = "Ours"
+methods = ["", "fedrep"]
+missing = "a ViT method"
+paper = ["", 5.5]
+"""
+
+
+def test_a_row_names_a_method_per_column_and_the_sweep_runs_only_those_cells(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A row's ``methods`` give each column its own label (``""``: none, the row's ``missing``
+    says why): the table's runs are exactly the declared (setup, label) cells, which the sweep
+    builds and nothing more, and the plan names the column a row lacks."""
+    _declare(tmp_path, PER_COLUMN)
+    table = load_table("t", tmp_path)
+    assert [row.labels for row in table.rows] == [
+        ("local", "local"),
+        ("fedavg:cnn", "fedavg"),
+        (None, "fedrep"),
+    ]
+    assert [row.label for row in table.rows] == ["local", None, None]
+    assert table.labels() == ["local", "fedavg:cnn", "fedavg", "fedrep"]
+    assert table.runs(stand_in=True) == [
+        ("ga", "local"),
+        ("gb", "local"),
+        ("ga", "fedavg:cnn"),
+        ("gb", "fedavg"),
+        ("gb", "fedrep"),
+    ]
+    assert [(r.name, table.missing_columns(r)) for r in table.missing()] == [("Ours", ["CNN"])]
+
+    built: list[tuple[str, str, int]] = []
+
+    def build(labels, setups, seeds, out, overrides, tag, configs, only=None):  # noqa: ANN001, ANN202
+        built.extend(
+            (s, label, seed)
+            for s in setups
+            for label in labels
+            if (s, label) in only
+            for seed in seeds
+        )
+        raise ValueError("stop before running")
+
+    monkeypatch.setattr("fedfm_flower.study.sweep.build_cells", build)
+    argv = ["--table", "t", "--configs", str(tmp_path), "--seeds", "0", "1", "--out"]
+    assert sweep_main([*argv, str(tmp_path / "out")]) == 2
+    plan = capsys.readouterr().out
+    assert "not run: Ours (CNN): a ViT method" in plan
+    assert sorted(built) == sorted((s, label, seed) for s, label in table.runs() for seed in (0, 1))
+    assert ("sa", "fedavg", 0) not in built and ("sa", "fedrep", 0) not in built
+
+
+def test_the_report_takes_each_cell_from_its_columns_method(tmp_path: Path) -> None:
+    """A per-column row's cells are its column's method's runs on the column's setup (another
+    column's method on that setup is not the row's, though it ran); its lacking column shows a
+    dash and is named below the table."""
+    _declare(tmp_path / "configs", PER_COLUMN)
+    table = load_table("t", tmp_path / "configs")
+    runs = tmp_path / "runs"
+    for seed in (0, 1):
+        write_run_dir(runs / "a", "local", seed, [0.5, 0.7], setup="sa")
+        write_run_dir(runs / "b", "local", seed, [0.5, 0.6], setup="sb")
+        write_run_dir(runs / "c", "fedavg:cnn", seed, [0.6, 0.8 + 0.02 * seed], setup="sa")
+        write_run_dir(runs / "d", "fedavg", seed, [0.6, 0.4 + 0.02 * seed], setup="sb")
+        write_run_dir(runs / "e", "fedavg", seed, [0.6, 0.9], setup="sa")  # not the table's
+        write_run_dir(runs / "f", "fedrep", seed, [0.6, 0.3 + 0.02 * seed], setup="sb")
+    record_table(runs, table, stand_in=False)
+    out = tmp_path / "report"
+    assert report_main([str(runs), "--out", str(out)]) == 0
+    section = (out / "report.md").read_text().split("## P, Table 3: backbones")[1]
+    lines = [line for line in section.splitlines() if line.startswith("| ")]
+    assert lines[0] == "| row | method | CNN (`sa`) | paper | ViT (`sb`) | paper |"
+    assert lines[2].startswith("| Norms | `fedavg:cnn` / `fedavg` | 70.50 ± ")
+    assert "| 3.50 | 50.50 ± " in lines[2] and lines[2].endswith("| 4.50 |")
+    assert lines[3].startswith("| Ours | `fedrep` | — | — | 45.50 ± ")
+    assert "- Ours (CNN): a ViT method" in section
+    numbers = json.loads((out / "report.json").read_text())["paper-table"]["rows"]
+    cnn, vit = numbers[1]["cells"]["CNN"], numbers[1]["cells"]["ViT"]
+    assert (cnn["label"], vit["label"]) == ("fedavg:cnn", "fedavg")
+    assert cnn["mean"] == pytest.approx(70.5) and vit["mean"] == pytest.approx(50.5)
+    assert numbers[2]["cells"]["CNN"]["mean"] is None
 
 
 def test_the_report_tests_against_the_tables_reference_unless_told(tmp_path: Path) -> None:

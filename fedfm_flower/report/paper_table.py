@@ -3,8 +3,9 @@ figures (``fedfm_flower.study.paper_tables``; the sweep's ``--table`` leaves ``t
 
 A cell is ours (mean ± 95% CI over seeds, the mark against the report's reference) and, on the
 paper's own setting, the paper's figure. On the offline stand-ins the paper's figures measure
-another dataset and model, so they are not set beside ours. A row the framework lacks says why;
-a row or column without finished runs shows a dash.
+another dataset and model, so they are not set beside ours. A row the framework lacks says why,
+as does a row lacking some columns (its method per column, ``labels``: FedPerfix's Table 3 has
+no FedPerfix on the ResNet50); a cell without finished runs shows a dash.
 
 A table whose columns are client tasks (FedDPA's Table 1) takes each cell from the per-task
 table of the column's setup (``task_table.build_task_table``): the row's block, the row's
@@ -40,7 +41,7 @@ from fedfm_flower.report.domain_table import DomainTable, domain_cell
 from fedfm_flower.report.pair_table import RAW, PairTable, row_name
 from fedfm_flower.report.tables import Cell
 from fedfm_flower.report.task_table import AVERAGE, UNSEEN_BLOCKS, TaskTable
-from fedfm_flower.study.paper_tables import read_table
+from fedfm_flower.study.paper_tables import read_table, row_title
 
 Cells = dict[tuple[str, str], Cell]
 TaskTables = Mapping[str, TaskTable | None]
@@ -95,19 +96,41 @@ def domain_columns(document: dict[str, Any]) -> bool:
     return any(column.get("domain") for column in document["columns"])
 
 
+def cell_label(row: dict[str, Any], column_index: int) -> str | None:
+    """The row's method on a column (a record without ``labels``: the row's one label)."""
+    labels = row.get("labels")
+    return labels[column_index] if labels else row["label"]
+
+
+def _method_text(row: dict[str, Any]) -> str:
+    """The row's method labels for the table's method column, each once."""
+    labels = dict.fromkeys(label for label in row.get("labels") or [row["label"]] if label)
+    return " / ".join(f"`{label}`" for label in labels) or "not here"
+
+
+def _missing_columns(row: dict[str, Any], columns: list[dict[str, Any]]) -> list[str]:
+    """The columns where a row that runs somewhere has no method (none: it runs nowhere)."""
+    labels = row.get("labels") or [row["label"]] * len(columns)
+    if not any(labels):
+        return []
+    return [column["name"] for column, label in zip(columns, labels, strict=True) if not label]
+
+
 def table_cell(
     row: dict[str, Any],
     column: dict[str, Any],
+    column_index: int,
     cells: Cells,
     task_tables: TaskTables,
     pair_tables: PairTables | None = None,
     domain_tables: DomainTables | None = None,
 ) -> Cell | None:
-    """Our cell of (row, column): the main table's (setup, method), for a task column the task
+    """Our cell of (row, column, the column's index): the main table's (setup, the row's method on
+    the column), for a task column the task
     table's (block, method, task) of the column's setup, for a pair column the pair table's
     (pair row, method), for a domain column the method over its domains; None where there is
     none."""
-    label, setup, task = row["label"], column["setup"], column.get("task")
+    label, setup, task = cell_label(row, column_index), column["setup"], column.get("task")
     if not label or not setup:
         return None
     if column.get("domain"):
@@ -127,11 +150,6 @@ def table_cell(
         return None
     block = column.get("block") or row.get("block") or ""  # the columns' or else the rows'
     return table.blocks.get(block, {}).get(label, {}).get(task)
-
-
-def _row_name(row: dict[str, Any]) -> str:
-    """The row's name, with its block where it has one (a method may be in two blocks)."""
-    return f"{row['name']} ({row['block']})" if row.get("block") else row["name"]
 
 
 def _unknown_tasks(document: dict[str, Any], task_tables: TaskTables) -> list[str]:
@@ -291,19 +309,22 @@ def markdown_paper_table(
         if by_task and row.get("block") and row.get("block") != block:
             block = row.get("block")
             lines.append(f"| *{block}* |" + " |" * (len(header) - 1))
-        label = row["label"]
-        entries = [row["name"], f"`{label}`" if label else "not here"]
+        entries = [row["name"], _method_text(row)]
         for i, column in enumerate(columns):
-            cell = table_cell(row, column, cells, task_tables, pair_tables, domain_tables)
+            cell = table_cell(row, column, i, cells, task_tables, pair_tables, domain_tables)
             digits = _digits(column)
             entries.append(_cell_text(cell, digits) if cell is not None else "—")
             if on_paper:
                 entries.append(_paper_figure(row["paper"][i], digits))
         lines.append("| " + " | ".join(entries) + " |")
-    missing = [row for row in document["rows"] if not row["label"]]
+    missing = [row for row in document["rows"] if row.get("missing")]
     if missing:
         lines += ["", "Rows not run here:"]
-        lines += [f"- {_row_name(row)}: {row['missing']}" for row in missing]
+        lines += [
+            f"- {row_title(row['name'], row.get('block'), _missing_columns(row, columns))}: "
+            f"{row['missing']}"
+            for row in missing
+        ]
     unknown = _unknown_tasks(document, task_tables)
     if unknown:
         lines += ["", "Columns without a client of their task:", *unknown]
@@ -333,7 +354,7 @@ def paper_table_numbers(
     for row in document["rows"]:
         entries = {}
         for i, column in enumerate(document["columns"]):
-            cell = table_cell(row, column, cells, task_tables, pair_tables, domain_tables)
+            cell = table_cell(row, column, i, cells, task_tables, pair_tables, domain_tables)
             entries[column["name"]] = {
                 "setup": column["setup"],
                 **({"task": column["task"]} if by_task else {}),
@@ -348,6 +369,7 @@ def paper_table_numbers(
                 "ci95": None if cell is None or len(cell.seeds) < 2 else cell.ci,
                 "seeds": [] if cell is None else list(cell.seeds),
                 "mark": "" if cell is None else cell.mark,
+                "label": cell_label(row, i),
                 "paper": row["paper"][i],
             }
         numbers = {"name": row["name"], "label": row["label"], "cells": entries}

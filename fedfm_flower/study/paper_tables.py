@@ -10,6 +10,13 @@ method label (``method`` or ``method:variant``) or a ``missing`` reason for a ro
 framework cannot run. A row may carry the paper's reported figures (``paper``, one per column,
 blank where the paper has none) so that the report sets ours beside them.
 
+A row whose method differs by column names one per column instead (``methods``, ``""`` for a
+cell the framework cannot run, with the row's ``missing`` saying why): FedPerfix's Table 3 runs
+FedBN on the ViT-Small column keeping layer norms and on the ResNet50 column keeping batch
+norms, and FedPerfix on the ViT column only (the paper's "-"). A sweep of the table runs each
+cell's method on its column's setup only; a method label appears at most once per column (and
+block).
+
 A cell is the report's main metric of (column setup, row method), unless the table's columns
 are **client tasks** of one federation (FedDPA's Table 1, ``feddpa-t1``): then every column
 names its ``task``, as the report's per-task table (``fedfm_flower.report.task_table``) names
@@ -122,13 +129,24 @@ class Column:
 
 @dataclass(frozen=True)
 class Row:
-    """One row: the method label that reproduces it, or why the framework lacks it."""
+    """One row: the method label that reproduces each of its cells (None: a cell the framework
+    cannot run), and why where one is None."""
 
     name: str
-    label: str | None
+    labels: tuple[str | None, ...]  # one per column
     missing: str
     paper: tuple[float | None, ...]
     block: str | None = None  # the task table's block of its cells (task-column tables only)
+
+    @property
+    def label(self) -> str | None:
+        """The row's method where every column runs the same one, else None."""
+        distinct = set(self.labels)
+        return self.labels[0] if len(distinct) == 1 else None
+
+    def ran(self) -> list[str]:
+        """The labels its cells run, each once, in column order."""
+        return list(dict.fromkeys(label for label in self.labels if label is not None))
 
 
 @dataclass(frozen=True)
@@ -145,9 +163,20 @@ class PaperTable:
     rows: tuple[Row, ...]
 
     def labels(self) -> list[str]:
-        """The method labels of the rows the framework runs, in the paper's order (each once,
+        """The method labels of the cells the framework runs, in the paper's order (each once,
         though a task-column table may list one in two blocks)."""
-        return list(dict.fromkeys(row.label for row in self.rows if row.label is not None))
+        return list(dict.fromkeys(label for row in self.rows for label in row.ran()))
+
+    def runs(self, stand_in: bool = False) -> list[tuple[str, str]]:
+        """The (setup, label) pairs its cells run on that setting, each once (columns without
+        a stand-in left out)."""
+        pairs = (
+            (column.setup_of(stand_in), label)
+            for row in self.rows
+            for column, label in zip(self.columns, row.labels, strict=True)
+            if label is not None
+        )
+        return list(dict.fromkeys((s, label) for s, label in pairs if s is not None))
 
     def setups(self, stand_in: bool = False) -> list[str]:
         """The columns' setups: the paper's, or the offline stand-ins (columns without one
@@ -156,8 +185,14 @@ class PaperTable:
         return list(dict.fromkeys(s for s in setups if s is not None))
 
     def missing(self) -> list[Row]:
-        """The rows the framework cannot run."""
-        return [row for row in self.rows if row.label is None]
+        """The rows with a cell the framework cannot run."""
+        return [row for row in self.rows if None in row.labels]
+
+    def missing_columns(self, row: Row) -> list[str]:
+        """The names of the columns where ``row`` has no method (all of them: none of its)."""
+        if all(label is None for label in row.labels):
+            return []
+        return [c.name for c, label in zip(self.columns, row.labels, strict=True) if label is None]
 
     def to_json(self, stand_in: bool) -> dict[str, Any]:
         """What a sweep records in ``table.json``: the table and the setting it ran."""
@@ -187,6 +222,7 @@ class PaperTable:
                 {
                     "name": r.name,
                     "label": r.label,
+                    "labels": list(r.labels),
                     "missing": r.missing,
                     "paper": list(r.paper),
                     "block": r.block,
@@ -427,6 +463,34 @@ def _block(data: dict[str, Any], by_task: bool, where: str, on_columns: bool = F
     return _known_block(data, where)
 
 
+def _row_labels(data: dict[str, Any], columns: int, where: str) -> tuple[str | None, ...]:
+    """A row's method per column: its ``method`` on every column, or ``methods`` (one per
+    column, ``""`` where it has none), or none (``missing``); a row with a cell it cannot run
+    says why in ``missing``, and a row running every cell has no ``missing``."""
+    if "method" in data and "methods" in data:
+        raise ValueError(f"{where}: give 'method' (every column) or 'methods' (one per column)")
+    if "methods" in data:
+        value = data["methods"]
+        if not isinstance(value, list) or len(value) != columns:
+            raise ValueError(f"{where}: 'methods' must list one label per column ({columns})")
+        if not all(isinstance(item, str) for item in value):
+            raise ValueError(f"{where}: 'methods' holds {value!r}; a label, or \"\" for none")
+        if not any(value):
+            raise ValueError(f"{where}: 'methods' names no method; give 'missing' alone")
+        labels = tuple(item or None for item in value)
+    elif "method" in data:
+        labels = (_text(data, "method", where),) * columns
+    else:
+        labels = (None,) * columns
+    missing = data.get("missing", "")
+    if (None in labels) != bool(missing):
+        raise ValueError(
+            f"{where}: give 'missing' (why it is not here) exactly where a cell has no method "
+            "('method' on every column, or \"\" in 'methods')"
+        )
+    return labels
+
+
 def load_table(name: str, configs: Path = CONFIG_ROOT) -> PaperTable:
     """The declared table ``name``; ``ValueError`` names an unknown table or a bad entry."""
     path = tables_dir(configs) / f"{name}.toml"
@@ -445,27 +509,24 @@ def load_table(name: str, configs: Path = CONFIG_ROOT) -> PaperTable:
     rows = []
     for i, r in enumerate(data.get("rows", [])):
         where = f"{path} row {i} ({r.get('name', '?')})"
-        label, missing = r.get("method"), r.get("missing", "")
-        if (label is None) == (not missing):
-            raise ValueError(f"{where}: give either 'method' or 'missing' (why it is not here)")
         rows.append(
             Row(
                 _text(r, "name", where),
-                None if label is None else _text(r, "method", where),
-                missing,
+                _row_labels(r, len(columns), where),
+                r.get("missing", ""),
                 _paper_values(r.get("paper"), len(columns), where),
                 _block(r, by_task, where, on_columns),
             )
         )
     if not rows:
         raise ValueError(f"{path}: no [[rows]]")
-    keys = [(row.block, row.label) for row in rows if row.label is not None]
-    if len(set(keys)) != len(keys):
-        where = "two rows of one block" if by_task else "two rows"
-        raise ValueError(f"{path}: a method label appears in {where}")
-    labels = [label for _, label in keys]
+    for i, column in enumerate(columns):
+        keys = [(row.block, row.labels[i]) for row in rows if row.labels[i] is not None]
+        if len(set(keys)) != len(keys):
+            where = "two rows of one block" if by_task else "two rows"
+            raise ValueError(f"{path}: a method label appears in {where} of column {column.name!r}")
     reference = _text(data, "reference", str(path))
-    if reference not in labels:
+    if reference not in {label for row in rows for label in row.labels}:
         raise ValueError(f"{path}: reference '{reference}' is not a row's method")
     return PaperTable(
         key=name,
@@ -509,10 +570,17 @@ def table_plan(table: PaperTable, stand_in: bool) -> str:
         f"{setting}: {columns}"
     ]
     lines += [
-        f"  not run: {row.name}{f' ({row.block})' if row.block else ''}: {row.missing}"
+        f"  not run: {row_title(row.name, row.block, table.missing_columns(row))}: {row.missing}"
         for row in table.missing()
     ]
     return "\n".join(lines)
+
+
+def row_title(name: str, block: str | None, columns: list[str]) -> str:
+    """A row's name, with its block where it has one (a method may be in two blocks) and the
+    ``columns`` meant where not all of them."""
+    where = [*([block] if block else []), *columns]
+    return f"{name} ({', '.join(where)})" if where else name
 
 
 def record_table(out: Path, table: PaperTable, stand_in: bool) -> None:

@@ -6,8 +6,8 @@
     python -m fedfm_flower.sweep --table pfedseq-t1 --stand-in --out runs/pfedseq-t1
 
 ``--table NAME`` runs a paper's table (``configs/tables/<name>.toml``,
-``fedfm_flower.study.paper_tables``): its rows' methods on its columns' settings (the paper's, or
-with ``--stand-in`` the offline setups standing in for them), and leaves ``table.json`` for the
+``fedfm_flower.study.paper_tables``): each cell's method on its column's setting (the paper's,
+or with ``--stand-in`` the offline setup standing in for it), and leaves ``table.json`` for the
 report's paper-ordered table.
 
 A cell's run config is layered, later layers winning: ``configs/setups/<setup>.toml`` (the
@@ -39,7 +39,7 @@ import sys
 import time
 import tomllib
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -138,14 +138,18 @@ def build_cells(
     overrides: dict[str, Any] | None = None,
     tag: str = "",
     configs: Path = CONFIG_ROOT,
+    only: Collection[tuple[str, str]] | None = None,
 ) -> list[Cell]:
-    """Every cell of the grid, setups outermost, validated (``ValueError`` names the bad one)."""
+    """Every cell of the grid, setups outermost, validated (``ValueError`` names the bad one);
+    ``only``: just these (setup, label) pairs (a paper table whose rows name a method per
+    column)."""
     cells = [
         Cell(
             label, setup + tag, seed, cell_config(label, setup, seed, out, overrides, tag, configs)
         )
         for setup in setups
         for label in labels
+        if only is None or (setup, label) in only
         for seed in seeds
     ]
     check_configs([cell.config for cell in cells])
@@ -378,7 +382,14 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("give --methods and --setups, or --table [--stand-in]")
         overrides = parse_overrides(args.set)
         cells = build_cells(
-            args.methods, args.setups, args.seeds, args.out, overrides, args.tag, args.configs
+            args.methods,
+            args.setups,
+            args.seeds,
+            args.out,
+            overrides,
+            args.tag,
+            args.configs,
+            only=None if table is None else set(table.runs(args.stand_in)),
         )
         foundations = SetupFoundations.of_finished_runs([runs_of(args.out)])
         if table is not None:
