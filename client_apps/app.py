@@ -170,6 +170,12 @@ def _train_content(
         hold_until_released(runtime.store.directory)
     if config_record.get(P.PHASE, "train") == "post-training":
         sent, stats = logic.post_train(runtime, received, server_round)
+        if sent and runtime.config.dp != "none":  # no mechanism covers it (MethodSpec.capabilities)
+            raise RuntimeError(
+                f"method {runtime.config.method!r} sends {len(sent)} tensors in its post-training "
+                f"round, which dp = {runtime.config.dp!r} does not cover; its capabilities must "
+                "refuse dp"
+            )
     else:
         sent, stats = logic.train(runtime, received, server_round)
         sent = _privatized(runtime, logic, sent, received)

@@ -77,7 +77,11 @@ class FedAvgStrategy(PersonalizedStrategy):
     ) -> dict[str, float]:
         """The global tensors updated from the replies by the part chosen at build
         (``self.update``: the weighted average per tensor over its senders, eq. 1 of pFedSeq,
-        FedAvg; DP-FedAvg's; or the SecAgg+ mean update); its server metrics."""
+        FedAvg; DP-FedAvg's; or the SecAgg+ mean update); its server metrics. A post-training
+        round's replies carry no tensors (FedDPA-F's fine-tuning, TAP's distillation): the
+        global tensors stay, and under central DP nothing is released."""
+        if self.phase(server_round) == "post-training":
+            return {}
         self.global_tensors, metrics = self.update.apply(
             server_round, self.global_tensors, replies, inputs
         )

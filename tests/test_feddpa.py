@@ -13,6 +13,7 @@ import pytest
 import torch
 from test_language_task import LANGUAGE as BASE_LANGUAGE
 from torch import nn
+from traffic import train_traffic
 
 from fedfm_flower.config.experiment import ExperimentConfig
 from fedfm_flower.methods.settings import ConfigError
@@ -415,3 +416,143 @@ def test_sample_per_task_takes_the_fraction_of_every_tasks_clients() -> None:
     uniform = FedDPAStrategy(config.replace(sample_per_task=False), initial, context)
     uniform.nodes.node_to_client = strategy.nodes.node_to_client
     assert len(uniform.train_clients(1)) == 16
+
+
+# ---------------------------------------------------------------- privacy
+# The privacy tests check what travels: one client evaluates, with the fixed mixture.
+CHEAP_EVALUATION = {"fraction-evaluate": 0.5, "feddpa-weighting": "fixed"}
+
+
+def test_feddpa_f_under_central_dp_noises_the_equal_weight_mean_and_its_post_round_releases_nothing(
+    feddpa_config: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FedDPA-F, 2 clients, 1 federated round under central DP: each reply's global-adapter
+    update is within C as it leaves the client; the next payload is the round's plus the
+    clipped updates' sum over the 2 sampled clients (eq. 2's equal weights) plus exactly the
+    round's drawn noise; the post-training round sends nothing up, draws no noise, counts no
+    release and leaves the global adapter as round 1 did; no local adapter travels."""
+    from safetensors.torch import load_file
+    from test_privacy import NoiseSpy, delta_norm
+
+    from fedfm_flower.privacy import mechanism
+    from server_apps.inprocess import run_in_process
+
+    clip, sigma = 0.05, 0.7
+    spy = NoiseSpy(monkeypatch)
+    replies: list = []
+    config = {
+        **feddpa_config,
+        **CHEAP_EVALUATION,
+        "method": "feddpa-f",
+        "run-name": "central",
+        "num-server-rounds": 1,
+        "fraction-train": 1.0,
+        "dp": "central",
+        "dp-clipping-norm": clip,
+        "dp-noise-multiplier": sigma,
+        "dp-delta": 1e-4,
+    }
+    summary, grid = run_in_process(config, 2, lambda c, r: replies.append((c, r)) or r)
+    traffic = train_traffic(grid, replies)
+    assert sorted(traffic) == [(1, 0), (1, 1), (2, 0), (2, 1)]
+    for (server_round, _), (received, sent) in traffic.items():
+        assert all(".global." in n for n in received)
+        if server_round == 2:  # the post-training round: the local fine-tuning stays home
+            assert sent == {}
+            continue
+        assert set(sent) == set(received)
+        assert delta_norm(sent, received) <= clip * (1 + 1e-5)
+    (drawn,) = spy.draws  # round 1's release; none in the post-training round
+    start, after = traffic[(1, 0)][0], traffic[(2, 0)][0]
+    for name, tensor in start.items():
+        total = sum(
+            mechanism.clip_update(traffic[(1, c)][1], start, clip)[name].double() - tensor.double()
+            for c in (0, 1)
+        )
+        expected = tensor.double() + total / 2 + drawn[name]
+        torch.testing.assert_close(after[name].double(), expected, rtol=0, atol=1e-6)
+    checkpoints = Path(config["output-dir"]) / "central" / "checkpoints"
+    after_1, after_2 = (load_file(checkpoints / f"round_0000{r}.safetensors") for r in (1, 2))
+    assert after_1.keys() == after_2.keys()
+    assert all(torch.equal(after_1[n], after_2[n]) for n in after_1)
+    assert summary["dp-releases"] == 1
+    ledger = json.loads((checkpoints.parent / "privacy.json").read_text())
+    assert ledger["releases"] == [1]
+
+
+def test_feddpa_t_under_local_dp_sends_noised_clipped_global_updates_only(
+    feddpa_config: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FedDPA-T under local DP: each reply is the client's received global adapter plus its
+    clipped update plus the noise it drew (std sigma C per value), the local adapter trains and
+    stays home, and each federated round counts one release."""
+    from test_privacy import NoiseSpy, delta_norm
+
+    from server_apps.inprocess import run_in_process
+
+    clip, sigma = 0.05, 2.0
+    spy = NoiseSpy(monkeypatch)
+    replies: list = []
+    config = {
+        **feddpa_config,
+        **CHEAP_EVALUATION,
+        "run-name": "local-dp",
+        "num-server-rounds": 1,
+        "dp": "local",
+        "dp-clipping-norm": clip,
+        "dp-noise-multiplier": sigma,
+    }
+    summary, grid = run_in_process(config, 2, lambda c, r: replies.append((c, r)) or r)
+    traffic = train_traffic(grid, replies)
+    assert sorted(traffic) == [(1, 0), (1, 1)]
+    noises = [n for n in spy.draws if set(n) == set(traffic[(1, 0)][1])]
+    assert len(noises) == 2  # one release per client
+    for received, sent in traffic.values():
+        assert all(".global." in n for n in sent)
+        drawn = next(
+            d
+            for d in noises
+            if delta_norm({n: sent[n].double() - d[n] for n in sent}, received) <= clip * (1 + 1e-4)
+        )
+        noise = torch.cat([drawn[n].flatten() for n in sorted(drawn)])
+        assert float(noise.std()) == pytest.approx(sigma * clip, rel=0.1)
+    state = Path(config["client-state-dir"]) / "local-dp"
+    assert len(list(state.glob("client_*/round_00001.safetensors"))) == 2  # local adapters kept
+    assert summary["dp-releases"] == 1
+
+
+def test_feddpa_t_under_secagg_equals_the_plain_run_within_quantization(
+    feddpa_config: dict,
+) -> None:
+    """FedDPA-T, 2 clients, 1 round with and without SecAgg+: the global adapter after the round
+    agrees within the quantization of two weight-1 updates, and the training replies left their
+    clients without arrays."""
+    from safetensors.torch import load_file
+
+    from server_apps.inprocess import run_in_process
+
+    globals_ = {}
+    for secagg in (False, True):
+        name = f"secagg-{secagg}"
+        up: list = []
+        config = {
+            **feddpa_config,
+            **CHEAP_EVALUATION,
+            "run-name": name,
+            "num-server-rounds": 1,
+            "secagg": secagg,
+            "secagg-clipping-range": 1.0,
+        }
+        run_in_process(config, 2, lambda c, r, up=up: up.append(r) or r)
+        checkpoint = Path(config["output-dir"]) / name / "checkpoints" / "round_00001.safetensors"
+        globals_[secagg] = load_file(checkpoint)
+        if secagg:
+            trained = [r for r in up if P.METRICS in r.content.metric_records]
+            assert trained and all(
+                all(len(a) == 0 for a in r.content.array_records.values()) for r in trained
+            )
+    step = 2 * 1.0 / 2**22  # a weight-1 value's quantization step in [-1, 1]
+    assert globals_[False].keys() == globals_[True].keys()
+    for name, plain in globals_[False].items():
+        error = (globals_[True][name].double() - plain.double()).abs().max().item()
+        assert error <= 2 * step + 1e-6, (name, error)

@@ -459,6 +459,37 @@ def test_a_client_that_sends_updates_is_clipped_and_noised_around_zero(tmp_path:
     assert not torch.equal(first["adapter.a"], again["adapter.a"])  # fresh noise each time
 
 
+@pytest.mark.parametrize("dp", ["central", "local"])
+def test_a_post_training_reply_with_tensors_under_dp_is_refused_on_the_client(dp: str) -> None:
+    """A post-training round is no release (FedDPA-F and TAP send nothing up in it): a method
+    whose post-training round sends tensors under ``dp`` fails on the client, naming it, rather
+    than send them unprotected; without tensors the reply goes out."""
+    from flwr.app import ConfigRecord
+
+    from client_apps.app import _train_content
+    from fedfm_flower.tasks.base import TrainStats
+
+    config = ExperimentConfig().replace(method="fedavg", dp=dp)  # standing in for a method
+    post = ConfigRecord({P.PHASE: "post-training", P.SERVER_ROUND: 3})
+    store = SimpleNamespace(loaded_round=2, loaded_digest="d")
+    runtime = SimpleNamespace(config=config, store=store, identity=SimpleNamespace(client_id=1))
+    sends = {"adapter.local.a": torch.ones(3)}
+
+    class PostTraining:
+        def post_train(self, runtime, received, server_round):  # noqa: ANN001, ANN202
+            return dict(sends), TrainStats(0.5, {}, 4, 1, 0.1)
+
+        def data_size(self, runtime):  # noqa: ANN001, ANN202
+            return 4
+
+    context = SimpleNamespace(node_config={})
+    with pytest.raises(RuntimeError, match="'fedavg' sends 1 tensors in its post-training"):
+        _train_content(runtime, PostTraining(), context, post, {}, 0.0)
+    sends.clear()
+    content = _train_content(runtime, PostTraining(), context, post, {}, 0.0)
+    assert from_array_record(content[P.ARRAYS]) == {}
+
+
 @pytest.mark.parametrize("method", list(METHODS))
 def test_local_dp_is_taken_or_refused_at_start_as_the_method_declares(method: str) -> None:
     from fedfm_flower.privacy.support import local_dp_refusal

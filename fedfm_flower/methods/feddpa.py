@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from fedfm_flower.methods import Capabilities, MethodSpec, Split
+from fedfm_flower.methods import AVERAGE_ONLY, MethodSpec, Split
 from fedfm_flower.methods.ranges import Uniform, When
 from fedfm_flower.methods.settings import ConfigError, MethodSettings, setting
 
@@ -123,20 +123,11 @@ _ADAPTERS = Split(shared=("adapter.global",), local=("adapter.local",))
 # is 1, so there alpha only matters as the fixed inference weight.
 ALPHA = Uniform(0.1, 0.9)
 
-CAPABILITIES_T = Capabilities(
-    central_dp="not yet supported: its global adapter could take central DP, but that path is "
-    "not implemented and tested",
-    local_dp="not yet supported: its own strategy's replies are not covered by the local mechanism",
-    secagg="not yet supported: its own strategy has no SecAgg+ path (SecAgg+ reveals only "
-    "the sum of the clients' shared tensors)",
-)
-
-CAPABILITIES_F = Capabilities(
-    central_dp="not yet supported (as FedDPA-T)",
-    local_dp="not yet supported: its post-training phase sends more than the federated "
-    "rounds' updates",
-    secagg="not yet supported (as FedDPA-T)",
-)
+# The server needs only the equal-weight average of the global adapters, sent in the federated
+# rounds; FedDPA-F's post-training round sends nothing up and releases nothing (its local
+# fine-tuning stays on the client). Central DP's DP-FedAvg divides by the sampled clients, which
+# is eq. 2's equal weights; SecAgg+ sums with weight 1 each.
+CAPABILITIES = AVERAGE_ONLY
 
 SPECS = (
     MethodSpec(
@@ -150,7 +141,7 @@ SPECS = (
         modalities=("text",),
         split=_ADAPTERS,
         search={"feddpa-alpha": ALPHA},
-        capabilities=CAPABILITIES_T,
+        capabilities=CAPABILITIES,
     ),
     MethodSpec(
         "feddpa-f",
@@ -164,6 +155,6 @@ SPECS = (
         modalities=("text",),
         split=_ADAPTERS,
         search={"feddpa-alpha": When(ALPHA, "feddpa-weighting", ("fixed",))},
-        capabilities=CAPABILITIES_F,
+        capabilities=CAPABILITIES,
     ),
 )

@@ -136,8 +136,9 @@ SEARCH = {f"tap-margin-{pair}": LogUniform(3e-4, 0.05) for pair in PAIR_TYPES}
 CAPABILITIES = Capabilities(
     central_dp="it averages each component over the clients that own it, so a component's "
     "average rests on a few clients and no single noise scale covers all",
-    local_dp="not yet supported: its distillation phase sends more than the federated "
-    "rounds' updates",
+    # Each client noises the components it sends before they leave, so the component-wise
+    # averages are post-processing; the distillation round sends nothing up.
+    local_dp=None,
     secagg="it sums each component over the clients that own it, not one sum over all "
     "clients (SecAgg+ reveals only that sum)",
 )

@@ -8,8 +8,9 @@ or averages parts over subsets of the clients, is refused at start with the reas
 
 Local DP noises each client's update before it leaves the client, so whatever the server does
 with it is post-processing: it fits every method whose clients send, in the federated rounds
-only, their shared tensors or their updates (the FedAvg family, pFedSeq, pFedPG). Methods with
-a post-training phase that sends more (FedDPA-F, TAP) and the others are refused. Each method
+only, their shared tensors or their updates (the FedAvg family, FedDPA, TAP, pFedSeq,
+pFedPG); a post-training round (FedDPA-F's, TAP's) must send nothing up (the ClientApp refuses
+otherwise). The others are refused. Each method
 declares which it takes and why not the others (``MethodSpec.capabilities``); this module reads
 them and renders docs/privacy.md's table from them. Light: the config reads it in every process.
 """
