@@ -13,7 +13,7 @@ import pytest
 import torch
 from test_language_task import LANGUAGE as BASE_LANGUAGE
 from torch import nn
-from traffic import train_traffic
+from traffic import assert_locally_noised, local_dp, run_recording
 
 from fedfm_flower.config.experiment import ExperimentConfig
 from fedfm_flower.methods.settings import ConfigError
@@ -435,11 +435,9 @@ def test_feddpa_f_under_central_dp_noises_the_equal_weight_mean_and_its_post_rou
     from test_privacy import NoiseSpy, delta_norm
 
     from fedfm_flower.privacy import mechanism
-    from server_apps.inprocess import run_in_process
 
     clip, sigma = 0.05, 0.7
     spy = NoiseSpy(monkeypatch)
-    replies: list = []
     config = {
         **feddpa_config,
         **CHEAP_EVALUATION,
@@ -452,8 +450,7 @@ def test_feddpa_f_under_central_dp_noises_the_equal_weight_mean_and_its_post_rou
         "dp-noise-multiplier": sigma,
         "dp-delta": 1e-4,
     }
-    summary, grid = run_in_process(config, 2, lambda c, r: replies.append((c, r)) or r)
-    traffic = train_traffic(grid, replies)
+    summary, traffic = run_recording(config, 2)
     assert sorted(traffic) == [(1, 0), (1, 1), (2, 0), (2, 1)]
     for (server_round, _), (received, sent) in traffic.items():
         assert all(".global." in n for n in received)
@@ -486,36 +483,23 @@ def test_feddpa_t_under_local_dp_sends_noised_clipped_global_updates_only(
     """FedDPA-T under local DP: each reply is the client's received global adapter plus its
     clipped update plus the noise it drew (std sigma C per value), the local adapter trains and
     stays home, and each federated round counts one release."""
-    from test_privacy import NoiseSpy, delta_norm
-
-    from server_apps.inprocess import run_in_process
+    from test_privacy import NoiseSpy
 
     clip, sigma = 0.05, 2.0
     spy = NoiseSpy(monkeypatch)
-    replies: list = []
     config = {
         **feddpa_config,
         **CHEAP_EVALUATION,
+        **local_dp(clip, sigma),
         "run-name": "local-dp",
         "num-server-rounds": 1,
-        "dp": "local",
-        "dp-clipping-norm": clip,
-        "dp-noise-multiplier": sigma,
     }
-    summary, grid = run_in_process(config, 2, lambda c, r: replies.append((c, r)) or r)
-    traffic = train_traffic(grid, replies)
+    summary, traffic = run_recording(config, 2)
     assert sorted(traffic) == [(1, 0), (1, 1)]
-    noises = [n for n in spy.draws if set(n) == set(traffic[(1, 0)][1])]
-    assert len(noises) == 2  # one release per client
+    assert len(spy.draws) == 2  # one release per client
     for received, sent in traffic.values():
         assert all(".global." in n for n in sent)
-        drawn = next(
-            d
-            for d in noises
-            if delta_norm({n: sent[n].double() - d[n] for n in sent}, received) <= clip * (1 + 1e-4)
-        )
-        noise = torch.cat([drawn[n].flatten() for n in sorted(drawn)])
-        assert float(noise.std()) == pytest.approx(sigma * clip, rel=0.1)
+        assert_locally_noised(sent, received, spy.draws, clip, sigma)
     state = Path(config["client-state-dir"]) / "local-dp"
     assert len(list(state.glob("client_*/round_00001.safetensors"))) == 2  # local adapters kept
     assert summary["dp-releases"] == 1

@@ -298,37 +298,18 @@ def test_tap_under_local_dp_sends_noised_clipped_components_and_nothing_after_th
     components it received (its pairs'), each reply its received components plus their clipped
     update plus the noise the client drew (std sigma C per value); the distillation round sends
     nothing up and counts no release."""
-    from test_privacy import NoiseSpy, delta_norm
-    from traffic import train_traffic
-
-    from server_apps.inprocess import run_in_process
+    from test_privacy import NoiseSpy
+    from traffic import assert_locally_noised, local_dp, run_recording
 
     clip, sigma = 0.05, 2.0
     spy = NoiseSpy(monkeypatch)
-    replies: list = []
-    config = {
-        **tap_config,
-        "run-name": "local-dp",
-        "num-server-rounds": 1,
-        "dp": "local",
-        "dp-clipping-norm": clip,
-        "dp-noise-multiplier": sigma,
-    }
-    summary, grid = run_in_process(config, 4, lambda c, r: replies.append((c, r)) or r)
-    traffic = train_traffic(grid, replies)
+    config = {**tap_config, **local_dp(clip, sigma), "run-name": "local-dp", "num-server-rounds": 1}
+    summary, traffic = run_recording(config, 4)
     assert sorted(traffic) == [(1, 0), (1, 1), (1, 2), (1, 3), (2, 0), (2, 1), (2, 2), (2, 3)]
     for (server_round, _), (received, sent) in traffic.items():
         if server_round == 2:  # the post-FL distillation round
             assert sent == {}
-            continue
-        assert set(sent) == set(received)
-        drawn = [d for d in spy.draws if set(d) == set(sent)]
-        clipped = [
-            d
-            for d in drawn
-            if delta_norm({n: sent[n].double() - d[n] for n in sent}, received) <= clip * 1.0001
-        ]
-        assert len(clipped) == 1  # this reply's own noise, and the update within C
-        noise = torch.cat([clipped[0][n].flatten() for n in sorted(sent)])
-        assert float(noise.std()) == pytest.approx(sigma * clip, rel=0.1)
+        else:
+            assert_locally_noised(sent, received, spy.draws, clip, sigma)
+    assert len(spy.draws) == 4  # one release per client, none after the rounds
     assert summary["dp-releases"] == 1
