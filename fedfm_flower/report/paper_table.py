@@ -108,14 +108,6 @@ def _method_text(row: dict[str, Any]) -> str:
     return " / ".join(f"`{label}`" for label in labels) or "not here"
 
 
-def _missing_columns(row: dict[str, Any], columns: list[dict[str, Any]]) -> list[str]:
-    """The columns where a row that runs somewhere has no method (none: it runs nowhere)."""
-    labels = row.get("labels") or [row["label"]] * len(columns)
-    if not any(labels):
-        return []
-    return [column["name"] for column, label in zip(columns, labels, strict=True) if not label]
-
-
 def table_cell(
     row: dict[str, Any],
     column: dict[str, Any],
@@ -321,7 +313,7 @@ def markdown_paper_table(
     if missing:
         lines += ["", "Rows not run here:"]
         lines += [
-            f"- {row_title(row['name'], row.get('block'), _missing_columns(row, columns))}: "
+            f"- {row_title(row['name'], row.get('block'), row.get('missing-columns') or [])}: "
             f"{row['missing']}"
             for row in missing
         ]

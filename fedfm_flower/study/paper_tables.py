@@ -224,6 +224,7 @@ class PaperTable:
                     "label": r.label,
                     "labels": list(r.labels),
                     "missing": r.missing,
+                    "missing-columns": self.missing_columns(r),
                     "paper": list(r.paper),
                     "block": r.block,
                 }
