@@ -257,7 +257,10 @@ def test_a_short_chaos_run_loses_nothing_and_spared_clients_match_the_uninterrup
     cache_dir, tmp_path
 ):
     """3 SuperNodes, 6 rounds of Local: node 2 SIGKILLed mid-training and node 1 mid-write in
-    round 2, both restarted; the ServerApp SIGKILLed after round 4 and the run resumed."""
+    round 2, both restarted; the ServerApp SIGKILLed after round 4 and the run resumed. The
+    SuperExecs are forked from one process (``shared_imports``, the chaos command's
+    ``--shared-imports`` for many nodes on one machine), so a killed node's SuperExec ends when
+    the fork server sees its node go."""
     from deploy_support import assert_all_gone
 
     from fedfm_flower.deploy import DeployOptions, LocalDeployment
@@ -282,6 +285,7 @@ def test_a_short_chaos_run_loses_nothing_and_spared_clients_match_the_uninterrup
         startup_timeout=120.0,
         echo=False,
         warm_executor=True,
+        shared_imports=True,
         heartbeat_interval=10.0,  # a killed node is offline, and can come back, after ~20 s
     )
     config = chaos_run_config(
