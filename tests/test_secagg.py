@@ -343,10 +343,10 @@ def test_a_secagg_fedavg_run_equals_the_plain_run_within_quantization(
 @pytest.mark.timeout(600)
 def test_secagg_on_a_secure_loopback_deployment_equals_the_plain_run(cache_dir, tmp_path) -> None:
     """3 SuperNodes (TLS, authentication, warm executors forked from one process that imported
-    their libraries once), FedAvg with SecAgg+ for 2 rounds: the
-    protocol's 4 stages run through Flower's SuperLink, every training reply leaves without
-    arrays, and the global after round 1 equals the plain in-process run's within the
-    quantization error (the clients' round-1 training is the same, so are their losses)."""
+    their libraries once), FedAvg with SecAgg+ for 2 rounds: the protocol's 4 stages run
+    through Flower's SuperLink, every training reply leaves without arrays, and the global
+    after round 1 equals the plain in-process run's within the quantization error (the
+    clients' round-1 training is the same, so are their losses)."""
     from deploy_support import completed_log, read_rounds
     from safetensors.torch import load_file
 
